@@ -1,0 +1,341 @@
+"""The Platform contract: the only thing a hyperpar backend implements.
+
+Everything above ``hyperpar/platform/`` (DTensor, parallel styles, pipelines, inspection,
+checkpoints) talks to hardware exclusively through an instance of :class:`Platform`, obtained
+with :func:`hyperpar.platform.get_platform`. The contract has four facets and nothing else:
+
+1. identity & device    -- which device, which collective library, how many devices, RNG;
+2. module detection     -- which modules are Linear / Embedding / norm layers, parameter swap;
+3. hooks                -- forward-pre / forward / full-backward hooks with removable handles;
+4. collectives & groups -- process groups and the collectives a parallel runtime needs, plus
+                           autograd-aware versions of the four bulk collectives.
+
+Conventions used by every collective below:
+
+* ``group=None`` means the default (world) group. A group is an opaque handle returned by
+  :meth:`Platform.new_group`; callers never look inside it.
+* Peers (``src``, ``dst``, ``peer``) are *global* ranks, as in ``torch.distributed``.
+* ``op`` is one of :data:`REDUCE_OPS` (``"sum"``, ``"avg"``, ``"max"``, ``"min"``, ``"product"``).
+* ``async_op=True`` returns a :class:`Work` handle whose ``wait()`` completes the operation;
+  otherwise the call blocks and returns ``None`` (in-place collectives) or the result tensor.
+* Collectives honour the timeout given to :meth:`Platform.init_process_group`: a peer that never
+  arrives makes the call raise instead of hanging.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Protocol
+
+import torch
+from torch import nn
+
+#: Reduction names accepted by every reducing collective.
+REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "max", "min", "product")
+
+#: An opaque process-group handle (``None`` means the world group).
+Group = Any
+
+
+class Work(Protocol):
+    """Handle of an asynchronous collective; ``wait()`` blocks until it has completed."""
+
+    def wait(self) -> Any: ...
+
+
+class RemovableHandle(Protocol):
+    """Handle returned by hook registration; ``remove()`` unregisters the hook."""
+
+    def remove(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Result of a backend's availability probe: ``ok`` and, when not ok, the reason why."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+@dataclass(frozen=True)
+class P2POp:
+    """One point-to-point operation for :meth:`Platform.batch_isend_irecv`.
+
+    ``kind`` is ``"send"`` or ``"recv"``; ``peer`` is the global rank of the other side.
+    """
+
+    kind: Literal["send", "recv"]
+    tensor: torch.Tensor
+    peer: int
+    group: Group = None
+    tag: int = 0
+
+
+class Platform(abc.ABC):
+    """Abstract hardware platform. Subclasses must implement every abstract member.
+
+    Class attributes every backend sets:
+
+    * ``name`` -- the backend name users select (``HYPERPAR_BACKEND=name``).
+    * ``device_type`` -- the ``torch.device`` type tensors live on (``"cpu"``, ``"cuda"``, ...).
+    * ``dist_backend`` -- the collective library name (``"gloo"``, ``"nccl"``, ``"hccl"``).
+    * ``priority`` -- auto-detection order; the highest available backend wins (cpu is 0).
+    * ``visible_devices_env`` -- environment variable restricting visible devices, or ``None``.
+    """
+
+    name: ClassVar[str]
+    device_type: ClassVar[str]
+    dist_backend: ClassVar[str]
+    priority: ClassVar[int] = 0
+    visible_devices_env: ClassVar[str | None] = None
+
+    # ------------------------------------------------------------------ identity & device
+    @classmethod
+    @abc.abstractmethod
+    def is_available(cls) -> Availability:
+        """Probe whether this backend can run here; never raises. ``reason`` explains a no."""
+
+    @abc.abstractmethod
+    def device_count(self) -> int:
+        """Number of devices of ``device_type`` visible to this process (cpu: 1)."""
+
+    @abc.abstractmethod
+    def device(self, index: int | None = None) -> torch.device:
+        """The ``torch.device`` for ``index`` (default: this process's current device)."""
+
+    @abc.abstractmethod
+    def set_device(self, index: int) -> None:
+        """Make device ``index`` current for this process (no-op where meaningless)."""
+
+    @abc.abstractmethod
+    def current_device(self) -> int:
+        """Index of this process's current device."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Block until all queued work on the current device has finished."""
+
+    @abc.abstractmethod
+    def manual_seed(self, seed: int) -> None:
+        """Seed the host and current-device random generators."""
+
+    @abc.abstractmethod
+    def get_rng_state(self) -> torch.Tensor:
+        """Snapshot of the current device's random generator state (a byte tensor)."""
+
+    @abc.abstractmethod
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        """Restore a state returned by :meth:`get_rng_state`."""
+
+    @abc.abstractmethod
+    def memory_stats(self) -> dict[str, int]:
+        """Memory counters in bytes; at least ``allocated`` and ``max_allocated`` (0 if unknown)."""
+
+    # ------------------------------------------------------------------ module detection
+    @abc.abstractmethod
+    def is_module_class(self, obj: object) -> bool:
+        """True if ``obj`` is a class whose instances are modules (for deferred construction)."""
+
+    @abc.abstractmethod
+    def is_linear(self, module: nn.Module) -> bool:
+        """True for an affine layer ``y = x W^T + b`` with ``weight`` of shape (out, in)."""
+
+    @abc.abstractmethod
+    def is_embedding(self, module: nn.Module) -> bool:
+        """True for a lookup table with ``weight`` of shape (num_embeddings, embedding_dim)."""
+
+    @abc.abstractmethod
+    def is_norm(self, module: nn.Module) -> bool:
+        """True for a normalisation layer (LayerNorm, RMSNorm, BatchNorm, GroupNorm...)."""
+
+    @abc.abstractmethod
+    def set_parameter(self, module: nn.Module, name: str, value: torch.Tensor) -> nn.Parameter:
+        """Replace parameter ``name`` (a direct attribute of ``module``) by ``value``.
+
+        ``value`` is wrapped in ``nn.Parameter`` keeping the old ``requires_grad``; the new
+        parameter is registered and returned.
+        """
+
+    # ------------------------------------------------------------------ hooks
+    @abc.abstractmethod
+    def register_forward_pre_hook(
+        self, module: nn.Module, hook: Callable[..., Any], *, with_kwargs: bool = False,
+        prepend: bool = False,
+    ) -> RemovableHandle:
+        """``hook(module, args[, kwargs])`` before forward; may return replacement inputs."""
+
+    @abc.abstractmethod
+    def register_forward_hook(
+        self, module: nn.Module, hook: Callable[..., Any], *, with_kwargs: bool = False,
+        prepend: bool = False,
+    ) -> RemovableHandle:
+        """``hook(module, args, [kwargs,] output)`` after forward; may return a new output."""
+
+    @abc.abstractmethod
+    def register_full_backward_hook(
+        self, module: nn.Module, hook: Callable[..., Any], *, prepend: bool = False
+    ) -> RemovableHandle:
+        """``hook(module, grad_input, grad_output)`` in backward; may return new grad_input."""
+
+    # ------------------------------------------------------------------ process groups
+    @abc.abstractmethod
+    def init_process_group(
+        self, *, rank: int | None = None, world_size: int | None = None,
+        init_method: str | None = None, timeout_s: float | None = None,
+    ) -> None:
+        """Join the world group with this backend's collective library.
+
+        Missing arguments come from the torchrun environment (``RANK``, ``WORLD_SIZE``,
+        ``MASTER_ADDR``, ``MASTER_PORT``). ``timeout_s`` bounds every later collective
+        (default: ``HYPERPAR_TIMEOUT`` seconds, else 300). Idempotent.
+        """
+
+    @abc.abstractmethod
+    def destroy_process_group(self) -> None:
+        """Leave the world group and free every group created by :meth:`new_group`."""
+
+    @abc.abstractmethod
+    def is_initialized(self) -> bool:
+        """True between :meth:`init_process_group` and :meth:`destroy_process_group`."""
+
+    @abc.abstractmethod
+    def new_group(self, ranks: Sequence[int]) -> Group:
+        """Group of the given global ranks. Collective: every rank of the world must call it
+        with the same ``ranks`` in the same order. Cached: the same rank tuple gives the same
+        handle."""
+
+    @abc.abstractmethod
+    def rank(self, group: Group = None) -> int:
+        """This process's rank within ``group`` (-1 if it is not a member)."""
+
+    @abc.abstractmethod
+    def world_size(self, group: Group = None) -> int:
+        """Number of ranks in ``group``."""
+
+    @abc.abstractmethod
+    def group_ranks(self, group: Group = None) -> list[int]:
+        """Global ranks of ``group``'s members, in group-rank order."""
+
+    # ------------------------------------------------------------------ collectives
+    @abc.abstractmethod
+    def all_reduce(
+        self, tensor: torch.Tensor, op: str = "sum", group: Group = None, async_op: bool = False
+    ) -> Work | None:
+        """In place: ``tensor`` becomes the reduction of every rank's ``tensor`` (same shape)."""
+
+    @abc.abstractmethod
+    def all_gather_into_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, group: Group = None,
+        async_op: bool = False,
+    ) -> Work | None:
+        """``output`` (shape ``[n * d0, *rest]``) receives every rank's ``input`` (``[d0, *rest]``)
+        concatenated along dim 0 in group-rank order. Inputs must have equal shapes."""
+
+    @abc.abstractmethod
+    def reduce_scatter_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", group: Group = None,
+        async_op: bool = False,
+    ) -> Work | None:
+        """``input`` (``[n * d0, *rest]``) is reduced across ranks; rank ``i`` receives rows
+        ``[i*d0, (i+1)*d0)`` of the result in ``output`` (``[d0, *rest]``)."""
+
+    @abc.abstractmethod
+    def all_to_all_single(
+        self, output: torch.Tensor, input: torch.Tensor,
+        output_split_sizes: Sequence[int] | None = None,
+        input_split_sizes: Sequence[int] | None = None, group: Group = None,
+        async_op: bool = False,
+    ) -> Work | None:
+        """Rank ``i`` sends dim-0 slice ``j`` of ``input`` to rank ``j`` and receives rank ``j``'s
+        slice ``i`` into dim-0 slice ``j`` of ``output``. Splits default to equal sizes; uneven
+        splits are given as lists of row counts (one per rank)."""
+
+    @abc.abstractmethod
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, group: Group = None, async_op: bool = False
+    ) -> Work | None:
+        """In place: every rank's ``tensor`` becomes global rank ``src``'s ``tensor``."""
+
+    @abc.abstractmethod
+    def send(self, tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> None:
+        """Blocking send of ``tensor`` to global rank ``dst``."""
+
+    @abc.abstractmethod
+    def recv(self, tensor: torch.Tensor, src: int, group: Group = None, tag: int = 0) -> None:
+        """Blocking receive from global rank ``src`` into ``tensor`` (shape/dtype must match)."""
+
+    @abc.abstractmethod
+    def isend(self, tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> Work:
+        """Non-blocking :meth:`send`."""
+
+    @abc.abstractmethod
+    def irecv(self, tensor: torch.Tensor, src: int, group: Group = None, tag: int = 0) -> Work:
+        """Non-blocking :meth:`recv`."""
+
+    @abc.abstractmethod
+    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Work]:
+        """Start every send/recv in ``ops`` together (deadlock-free regardless of order on the
+        two sides) and return their handles."""
+
+    @abc.abstractmethod
+    def barrier(self, group: Group = None) -> None:
+        """Block until every rank of ``group`` has reached the barrier."""
+
+    @abc.abstractmethod
+    def all_gather_object(self, obj: Any, group: Group = None) -> list[Any]:
+        """Picklable ``obj`` from every rank of ``group``, in group-rank order (slow path)."""
+
+    @abc.abstractmethod
+    def broadcast_object(self, obj: Any, src: int, group: Group = None) -> Any:
+        """Picklable ``obj`` of global rank ``src``, returned on every rank (slow path)."""
+
+    @abc.abstractmethod
+    def collective_fallbacks(self) -> dict[str, str]:
+        """Collectives emulated on this backend, name -> how (shown by ``hyperpar info``)."""
+
+    # ------------------------------------------------------------------ autograd collectives
+    @abc.abstractmethod
+    def all_reduce_autograd(self, tensor: torch.Tensor, op: str = "sum",
+                            group: Group = None) -> torch.Tensor:
+        """Out of place, differentiable all-reduce (``sum`` or ``avg``).
+
+        Backward is the adjoint: the gradient w.r.t. each rank's input is the all-reduce (same
+        op) of every rank's output gradient.
+        """
+
+    @abc.abstractmethod
+    def all_gather_autograd(self, tensor: torch.Tensor, dim: int = 0,
+                            group: Group = None) -> torch.Tensor:
+        """Differentiable all-gather along ``dim`` (equal shapes). Backward: reduce-scatter
+        (sum) of the output gradient along ``dim``."""
+
+    @abc.abstractmethod
+    def reduce_scatter_autograd(self, tensor: torch.Tensor, dim: int = 0, op: str = "sum",
+                                group: Group = None) -> torch.Tensor:
+        """Differentiable reduce-scatter along ``dim`` (size divisible by the group size).
+        Backward: all-gather of the output gradient along ``dim`` (divided by n for ``avg``)."""
+
+    @abc.abstractmethod
+    def all_to_all_autograd(self, tensor: torch.Tensor, split_dim: int, concat_dim: int,
+                            group: Group = None) -> torch.Tensor:
+        """Differentiable all-to-all: split ``tensor`` into n equal chunks along ``split_dim``,
+        send chunk ``j`` to rank ``j``, concatenate received chunks along ``concat_dim``.
+        Backward: the all-to-all with the two dims swapped."""
+
+    # ------------------------------------------------------------------ conveniences
+    def describe(self) -> str:
+        """One line naming this platform, for logs and errors."""
+        return f"{self.name} (device={self.device_type}, collectives={self.dist_backend})"
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.describe()}>"
+
+
+def abstract_members() -> list[str]:
+    """Names of the abstract members of :class:`Platform` (the contract's size)."""
+    return sorted(Platform.__abstractmethods__)

@@ -1,0 +1,493 @@
+"""TorchPlatform: the Platform contract implemented once for every PyTorch device backend.
+
+A device backend (cpu, cuda, npu, ...) subclasses :class:`TorchPlatform` and sets only what
+differs: ``name``, ``device_type``, ``dist_backend``, ``priority``, ``visible_devices_env``,
+:meth:`device_module` and :meth:`is_available`. Everything else -- process groups, collectives
+and their fallbacks, autograd collectives, hooks, module detection -- lives here.
+
+This module (and the backends) are the only places in hyperpar that call ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from types import ModuleType
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .base import REDUCE_OPS, Availability, Group, P2POp, Platform, RemovableHandle, Work
+
+_TORCH_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.AVG,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
+
+_NORM_NAME = re.compile(r"(RMS|Layer|Group|Batch|Instance)Norm", re.IGNORECASE)
+
+
+def default_timeout_s() -> float:
+    """Collective timeout in seconds: ``HYPERPAR_TIMEOUT`` if set, else 300."""
+    return float(os.environ.get("HYPERPAR_TIMEOUT", "300"))
+
+
+def _check_op(op: str) -> None:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"unknown reduce op {op!r}; expected one of {', '.join(REDUCE_OPS)}")
+
+
+class _DoneWork:
+    """A completed Work handle, returned when a fallback ran synchronously."""
+
+    def __init__(self, after: Callable[[], None] | None = None) -> None:
+        self._after = after
+
+    def wait(self) -> bool:
+        if self._after is not None:
+            self._after()
+            self._after = None
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _ThenWork:
+    """Wraps a Work handle and runs ``after`` once it has completed (e.g. divide for avg)."""
+
+    def __init__(self, work: Any, after: Callable[[], None]) -> None:
+        self._work, self._after = work, after
+
+    def wait(self) -> bool:
+        self._work.wait()
+        if self._after is not None:
+            self._after()
+            self._after = None
+        return True
+
+
+class TorchPlatform(Platform):
+    """Shared PyTorch implementation of :class:`Platform` (abstract: no device of its own).
+
+    Subclass attributes beyond the contract's:
+
+    * ``native_reduce_ops`` -- reduce ops the collective library supports natively; others are
+      emulated (``avg`` as ``sum`` then divide) and reported by :meth:`collective_fallbacks`.
+    * ``linear_types`` / ``embedding_types`` / ``norm_types`` -- module classes recognised by the
+      detection facet, extendable by a backend with fused device-specific layers.
+    """
+
+    native_reduce_ops: ClassVar[tuple[str, ...]] = REDUCE_OPS
+    linear_types: ClassVar[tuple[type, ...]] = (nn.Linear,)
+    embedding_types: ClassVar[tuple[type, ...]] = (nn.Embedding,)
+    norm_types: ClassVar[tuple[type, ...]] = tuple(
+        t for t in (
+            nn.LayerNorm, getattr(nn, "RMSNorm", None), nn.GroupNorm,
+            nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm,
+        ) if t is not None
+    )
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple[int, ...], Group] = {}
+        self._runtime_fallbacks: dict[str, str] = {}
+
+    # ------------------------------------------------------------------ device
+    def device_module(self) -> ModuleType:
+        """The ``torch.<device>`` module (``torch.cuda``, ``torch.npu``...)."""
+        return getattr(torch, self.device_type)
+
+    def device_count(self) -> int:
+        return int(self.device_module().device_count())
+
+    def device(self, index: int | None = None) -> torch.device:
+        return torch.device(self.device_type, self.current_device() if index is None else index)
+
+    def set_device(self, index: int) -> None:
+        self.device_module().set_device(index)
+
+    def current_device(self) -> int:
+        return int(self.device_module().current_device())
+
+    def synchronize(self) -> None:
+        self.device_module().synchronize()
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        self.device_module().manual_seed(seed)
+
+    def get_rng_state(self) -> torch.Tensor:
+        return self.device_module().get_rng_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self.device_module().set_rng_state(state)
+
+    def memory_stats(self) -> dict[str, int]:
+        mod = self.device_module()
+        return {
+            "allocated": int(mod.memory_allocated()),
+            "max_allocated": int(mod.max_memory_allocated()),
+        }
+
+    # ------------------------------------------------------------------ module detection
+    def is_module_class(self, obj: object) -> bool:
+        return isinstance(obj, type) and issubclass(obj, nn.Module)
+
+    def is_linear(self, module: nn.Module) -> bool:
+        return isinstance(module, self.linear_types)
+
+    def is_embedding(self, module: nn.Module) -> bool:
+        return isinstance(module, self.embedding_types)
+
+    def is_norm(self, module: nn.Module) -> bool:
+        # User-defined RMSNorm classes are common (Llama); recognise them by name too.
+        return isinstance(module, self.norm_types) or bool(
+            _NORM_NAME.search(type(module).__name__)
+        )
+
+    def set_parameter(self, module: nn.Module, name: str, value: torch.Tensor) -> nn.Parameter:
+        if "." in name:
+            raise ValueError(f"set_parameter takes a direct attribute name, got {name!r}")
+        old = module._parameters.get(name)
+        requires_grad = old.requires_grad if old is not None else value.requires_grad
+        param = value if isinstance(value, nn.Parameter) else nn.Parameter(value, requires_grad)
+        module.register_parameter(name, param)
+        return param
+
+    # ------------------------------------------------------------------ hooks
+    def register_forward_pre_hook(self, module, hook, *, with_kwargs=False, prepend=False):
+        return module.register_forward_pre_hook(hook, with_kwargs=with_kwargs, prepend=prepend)
+
+    def register_forward_hook(self, module, hook, *, with_kwargs=False, prepend=False):
+        return module.register_forward_hook(hook, with_kwargs=with_kwargs, prepend=prepend)
+
+    def register_full_backward_hook(self, module, hook, *, prepend=False) -> RemovableHandle:
+        return module.register_full_backward_hook(hook, prepend=prepend)
+
+    # ------------------------------------------------------------------ process groups
+    def init_process_group(self, *, rank=None, world_size=None, init_method=None,
+                           timeout_s=None) -> None:
+        if dist.is_initialized():
+            return
+        if init_method is None:
+            missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+            if missing:
+                raise RuntimeError(
+                    f"cannot join the process group: {', '.join(missing)} not set. Launch with "
+                    "`hyperpar run -n N script.py` (or torchrun), or pass init_method="
+                )
+            init_method = "env://"
+        rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+        if self.device_type != "cpu" and self.device_count() > 0:
+            local = int(os.environ.get("LOCAL_RANK", rank))
+            self.set_device(local % self.device_count())
+        timeout = timedelta(seconds=default_timeout_s() if timeout_s is None else timeout_s)
+        dist.init_process_group(
+            backend=self.dist_backend, init_method=init_method, rank=rank,
+            world_size=world_size, timeout=timeout,
+        )
+        self._timeout = timeout
+
+    def destroy_process_group(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._groups.clear()
+
+    def is_initialized(self) -> bool:
+        return dist.is_initialized()
+
+    def new_group(self, ranks: Sequence[int]) -> Group:
+        key = tuple(int(r) for r in ranks)
+        if len(set(key)) != len(key):
+            raise ValueError(f"new_group: duplicate ranks in {list(key)}")
+        world = dist.get_world_size()
+        bad = [r for r in key if not 0 <= r < world]
+        if bad:
+            raise ValueError(f"new_group: ranks {bad} outside the world (size {world})")
+        if key not in self._groups:
+            if key == tuple(range(world)):
+                self._groups[key] = dist.group.WORLD
+            else:
+                timeout = getattr(self, "_timeout", None)
+                self._groups[key] = dist.new_group(list(key), timeout=timeout)
+        return self._groups[key]
+
+    def rank(self, group: Group = None) -> int:
+        return dist.get_rank(group)
+
+    def world_size(self, group: Group = None) -> int:
+        return dist.get_world_size(group)
+
+    def group_ranks(self, group: Group = None) -> list[int]:
+        return list(dist.get_process_group_ranks(group or dist.group.WORLD))
+
+    # ------------------------------------------------------------------ collectives
+    def _native(self, op: str) -> bool:
+        _check_op(op)
+        return op in self.native_reduce_ops
+
+    def all_reduce(self, tensor, op="sum", group=None, async_op=False) -> Work | None:
+        if self._native(op):
+            return dist.all_reduce(tensor, _TORCH_OPS[op], group=group, async_op=async_op)
+        if op != "avg":
+            raise NotImplementedError(f"{self.name}: reduce op {op!r} has no fallback")
+        n = self.world_size(group)
+        work = dist.all_reduce(tensor, dist.ReduceOp.SUM, group=group, async_op=async_op)
+        if async_op:
+            return _ThenWork(work, lambda: tensor.div_(n))
+        tensor.div_(n)
+        return None
+
+    def all_gather_into_tensor(self, output, input, group=None, async_op=False):
+        if "all_gather_into_tensor" not in self._runtime_fallbacks:
+            try:
+                return _all_gather_single(output, input, group=group, async_op=async_op)
+            except RuntimeError as exc:  # a library without the fused op
+                if "support" not in str(exc).lower():
+                    raise
+                self._runtime_fallbacks["all_gather_into_tensor"] = (
+                    f"list all_gather + copy ({exc.__class__.__name__}: native op unsupported)"
+                )
+        chunks = list(output.chunk(self.world_size(group)))
+        dist.all_gather(chunks, input.contiguous(), group=group)
+        return _DoneWork() if async_op else None
+
+    def reduce_scatter_tensor(self, output, input, op="sum", group=None, async_op=False):
+        n = self.world_size(group)
+        native = self._native(op)
+        if not native and op != "avg":
+            raise NotImplementedError(f"{self.name}: reduce op {op!r} has no fallback")
+        torch_op = _TORCH_OPS[op if native else "sum"]
+        after = None if native else (lambda: output.div_(n))
+        if "reduce_scatter_tensor" not in self._runtime_fallbacks:
+            try:
+                work = _reduce_scatter_single(output, input, torch_op, group=group,
+                                              async_op=async_op)
+            except RuntimeError as exc:
+                if "support" not in str(exc).lower():
+                    raise
+                self._runtime_fallbacks["reduce_scatter_tensor"] = (
+                    "all_reduce + local slice (native reduce-scatter unsupported)"
+                )
+            else:
+                if async_op:
+                    return _ThenWork(work, after) if after else work
+                if after:
+                    after()
+                return None
+        full = input.clone()
+        dist.all_reduce(full, torch_op, group=group)
+        output.copy_(full.chunk(n)[self.rank(group)])
+        if after:
+            after()
+        return _DoneWork() if async_op else None
+
+    def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,
+                          group=None, async_op=False):
+        return dist.all_to_all_single(
+            output, input,
+            list(output_split_sizes) if output_split_sizes is not None else None,
+            list(input_split_sizes) if input_split_sizes is not None else None,
+            group=group, async_op=async_op,
+        )
+
+    def broadcast(self, tensor, src, group=None, async_op=False):
+        return dist.broadcast(tensor, src, group=group, async_op=async_op)
+
+    def send(self, tensor, dst, group=None, tag=0) -> None:
+        dist.send(tensor, dst, group=group, tag=tag)
+
+    def recv(self, tensor, src, group=None, tag=0) -> None:
+        dist.recv(tensor, src, group=group, tag=tag)
+
+    def isend(self, tensor, dst, group=None, tag=0) -> Work:
+        return dist.isend(tensor, dst, group=group, tag=tag)
+
+    def irecv(self, tensor, src, group=None, tag=0) -> Work:
+        return dist.irecv(tensor, src, group=group, tag=tag)
+
+    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Work]:
+        if not ops:
+            return []
+        # Individually posted isend/irecv are deadlock-free on every torch library (each is
+        # queued without waiting for the peer); torch's batched API adds NCCL group semantics.
+        if self.dist_backend == "gloo":
+            return [
+                (self.isend if op.kind == "send" else self.irecv)(op.tensor, op.peer, op.group,
+                                                                   op.tag)
+                for op in ops
+            ]
+        p2p = [
+            dist.P2POp(dist.isend if op.kind == "send" else dist.irecv, op.tensor, op.peer,
+                       op.group, op.tag)
+            for op in ops
+        ]
+        return list(dist.batch_isend_irecv(p2p))
+
+    def barrier(self, group: Group = None) -> None:
+        dist.barrier(group=group)
+
+    def all_gather_object(self, obj: Any, group: Group = None) -> list[Any]:
+        out: list[Any] = [None] * self.world_size(group)
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int, group: Group = None) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=group)
+        return box[0]
+
+    def collective_fallbacks(self) -> dict[str, str]:
+        found = {
+            f"reduce op {op!r}": "sum, then divide by the group size"
+            for op in REDUCE_OPS if op not in self.native_reduce_ops and op == "avg"
+        }
+        found.update(self._runtime_fallbacks)
+        return found
+
+    # ------------------------------------------------------------------ autograd collectives
+    def all_reduce_autograd(self, tensor, op="sum", group=None) -> torch.Tensor:
+        if op not in ("sum", "avg"):
+            raise ValueError(f"all_reduce_autograd supports 'sum' and 'avg', got {op!r}")
+        return _AllReduce.apply(tensor, self, op, group)
+
+    def all_gather_autograd(self, tensor, dim=0, group=None) -> torch.Tensor:
+        return _AllGather.apply(tensor, self, dim, group)
+
+    def reduce_scatter_autograd(self, tensor, dim=0, op="sum", group=None) -> torch.Tensor:
+        if op not in ("sum", "avg"):
+            raise ValueError(f"reduce_scatter_autograd supports 'sum' and 'avg', got {op!r}")
+        return _ReduceScatter.apply(tensor, self, dim, op, group)
+
+    def all_to_all_autograd(self, tensor, split_dim, concat_dim, group=None) -> torch.Tensor:
+        return _AllToAll.apply(tensor, self, split_dim, concat_dim, group)
+
+    # ------------------------------------------------------------------ tensor-level helpers
+    def _gather_along(self, tensor: torch.Tensor, dim: int, group: Group = None) -> torch.Tensor:
+        """All-gather equal-shaped ``tensor`` from every rank, concatenated along ``dim``."""
+        n = self.world_size(group)
+        flat = torch.empty(n * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+        self.all_gather_into_tensor(flat, tensor.contiguous().reshape(-1), group)
+        return torch.cat(flat.view(n, *tensor.shape).unbind(0), dim=dim)
+
+    def _scatter_reduce_along(self, tensor: torch.Tensor, dim: int, op: str = "sum",
+                             group: Group = None) -> torch.Tensor:
+        """Reduce ``tensor`` across ranks and keep this rank's ``1/n`` chunk along ``dim``."""
+        n = self.world_size(group)
+        if tensor.shape[dim] % n:
+            raise ValueError(
+                f"reduce-scatter along dim {dim}: size {tensor.shape[dim]} is not divisible by "
+                f"the group size {n}"
+            )
+        stacked = torch.stack(tensor.chunk(n, dim)).contiguous()
+        out = torch.empty(stacked.shape[1:], dtype=tensor.dtype, device=tensor.device)
+        self.reduce_scatter_tensor(out.view(-1), stacked.view(-1), op, group)
+        return out
+
+    def _exchange_along(self, tensor: torch.Tensor, split_dim: int, concat_dim: int,
+                       group: Group = None) -> torch.Tensor:
+        """All-to-all: chunk ``j`` along ``split_dim`` goes to rank ``j``; received chunks are
+        concatenated along ``concat_dim``."""
+        n = self.world_size(group)
+        if tensor.shape[split_dim] % n:
+            raise ValueError(
+                f"all-to-all along dim {split_dim}: size {tensor.shape[split_dim]} is not "
+                f"divisible by the group size {n}"
+            )
+        stacked = torch.stack(tensor.chunk(n, split_dim)).contiguous()
+        out = torch.empty_like(stacked)
+        self.all_to_all_single(out.view(n, -1), stacked.view(n, -1), group=group)
+        return torch.cat(out.unbind(0), dim=concat_dim)
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, platform, op, group):
+        ctx.platform, ctx.op, ctx.group = platform, op, group
+        out = x.detach().clone()
+        platform.all_reduce(out, op, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        ctx.platform.all_reduce(grad, ctx.op, ctx.group)
+        return grad, None, None, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, platform, dim, group):
+        ctx.platform, ctx.dim, ctx.group = platform, dim, group
+        return platform._gather_along(x.detach(), dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.platform._scatter_reduce_along(grad, ctx.dim, "sum", ctx.group), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, platform, dim, op, group):
+        ctx.platform, ctx.dim, ctx.op, ctx.group = platform, dim, op, group
+        return platform._scatter_reduce_along(x.detach(), dim, op, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        full = ctx.platform._gather_along(grad, ctx.dim, ctx.group)
+        if ctx.op == "avg":
+            full = full / ctx.platform.world_size(ctx.group)
+        return full, None, None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, platform, split_dim, concat_dim, group):
+        ctx.platform, ctx.dims, ctx.group = platform, (split_dim, concat_dim), group
+        return platform._exchange_along(x.detach(), split_dim, concat_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        split_dim, concat_dim = ctx.dims
+        out = ctx.platform._exchange_along(grad, concat_dim, split_dim, ctx.group)
+        return out, None, None, None, None
+
+
+def deprecated_alias_warnings() -> None:
+    """Silence torch's FutureWarning for the renamed collectives (we already pick the new name)."""
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*deprecated.*")
+    warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.*deprecated.*")
+
+
+def accelerator_availability(platform_cls: type[TorchPlatform], module: ModuleType | None,
+                             import_error: str | None = None) -> Availability:
+    """Shared probe for device backends: explain precisely why the device is unusable."""
+    if import_error:
+        return Availability(False, import_error)
+    if module is None or not hasattr(module, "is_available"):
+        return Availability(False, f"torch has no '{platform_cls.device_type}' device module")
+    try:
+        if not module.is_available():
+            env = platform_cls.visible_devices_env
+            shown = f" ({env}={os.environ[env]!r})" if env and env in os.environ else ""
+            return Availability(False, f"no {platform_cls.device_type} device visible{shown}")
+        if module.device_count() < 1:
+            return Availability(False, f"{platform_cls.device_type} device_count() is 0")
+    except Exception as exc:  # a broken driver must not crash selection
+        return Availability(False, f"{platform_cls.device_type} probe raised {exc!r}")
+    return Availability(True)

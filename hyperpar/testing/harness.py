@@ -1,0 +1,221 @@
+"""Run a function on N real processes and bring back results or the first rank's failure.
+
+Two entry points:
+
+* :func:`run_distributed` -- fresh spawned processes for one call (simple, ~2 s start-up).
+* :class:`WorkerPool` -- N processes that join the process group once and then run many
+  functions; a failure or timeout tears the pool down so the next call starts clean. Test
+  suites use this to avoid paying process start-up per test.
+
+Functions must be picklable (defined at module level). Each process selects the backend given
+by ``backend`` (default: ``HYPERPAR_BACKEND`` or auto-detect), optionally runs ``setup`` (e.g. a
+device emulation) first, and joins the group through the Platform -- never ``torch.distributed``
+directly -- with a collective timeout, so a hang raises instead of blocking.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class DistributedError(RuntimeError):
+    """A rank raised, died, or did not finish in time. ``rank`` names the first culprit."""
+
+    def __init__(self, message: str, rank: int | None = None, remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+
+def free_port() -> int:
+    """A TCP port on localhost that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker_main(rank: int, world_size: int, port: int, backend: str | None,
+                 setup: Callable[[], None] | None, collective_timeout_s: float,
+                 env: dict[str, str], inbox: Any, outbox: Any) -> None:
+    os.environ.update(env)
+    os.environ.update({
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+        "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size), "HYPERPAR_TIMEOUT": str(collective_timeout_s),
+    })
+    if backend:
+        os.environ["HYPERPAR_BACKEND"] = backend
+    try:
+        import torch
+
+        # Ranks share the machine's cores; oversubscribing them makes every test slower.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        if setup is not None:
+            setup()
+        from hyperpar.platform import get_platform
+
+        platform = get_platform()
+        platform.init_process_group(timeout_s=collective_timeout_s)
+    except BaseException:
+        outbox.put((rank, None, False, traceback.format_exc()))
+        return
+    outbox.put((rank, None, True, "ready"))
+    while True:
+        task = inbox.get()
+        if task is None:
+            break
+        task_id, fn, args, kwargs = task
+        try:
+            result = fn(*args, **kwargs)
+            outbox.put((rank, task_id, True, result))
+        except BaseException:
+            outbox.put((rank, task_id, False, traceback.format_exc()))
+    try:
+        platform.destroy_process_group()
+    except Exception:
+        pass
+
+
+class WorkerPool:
+    """``world_size`` processes joined in one process group, reused across calls.
+
+    >>> with WorkerPool(2) as pool:                     # doctest: +SKIP
+    ...     results = pool.run(my_fn, 3.0)              # my_fn(3.0) on both ranks
+    """
+
+    def __init__(self, world_size: int, *, backend: str | None = None,
+                 setup: Callable[[], None] | None = None,
+                 collective_timeout_s: float = 60.0, start_timeout_s: float = 120.0,
+                 env: dict[str, str] | None = None) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.backend = backend
+        self.setup = setup
+        self.collective_timeout_s = collective_timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.env = dict(env or {})
+        self._procs: list[Any] = []
+        self._inboxes: list[Any] = []
+        self._outbox: Any = None
+        self._task = 0
+
+    # -------------------------------------------------------------- lifecycle
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._outbox = ctx.Queue()
+        self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
+        port = free_port()
+        self._procs = [
+            ctx.Process(
+                target=_worker_main,
+                args=(r, self.world_size, port, self.backend, self.setup,
+                      self.collective_timeout_s, self.env, self._inboxes[r], self._outbox),
+                daemon=True, name=f"hyperpar-rank{r}",
+            )
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self._collect(None, self.start_timeout_s, what="start-up")
+
+    def close(self) -> None:
+        """Stop every worker (politely, then by force)."""
+        for box in self._inboxes:
+            try:
+                box.put(None)
+            except Exception:
+                pass
+        deadline = time.monotonic() + 5
+        for p in self._procs:
+            if p.pid is not None:
+                p.join(max(0.0, deadline - time.monotonic()))
+        self._kill()
+
+    def _kill(self) -> None:
+        started = [p for p in self._procs if p.pid is not None]
+        for p in started:
+            if p.is_alive():
+                p.kill()
+        for p in started:
+            p.join(5)
+        self._procs, self._inboxes, self._outbox = [], [], None
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -------------------------------------------------------------- running
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S,
+            **kwargs: Any) -> list[Any]:
+        """Call ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order.
+
+        Raises :class:`DistributedError` naming the first rank that raised (with its traceback),
+        a rank that died, or the ranks still running after ``timeout_s``. After a failure the
+        pool restarts on the next call.
+        """
+        if not self._procs:
+            self._start()
+        self._task += 1
+        for box in self._inboxes:
+            box.put((self._task, fn, args, kwargs))
+        return self._collect(self._task, timeout_s, what=getattr(fn, "__qualname__", str(fn)))
+
+    def _collect(self, task_id: int | None, timeout_s: float, what: str) -> list[Any]:
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(results) < self.world_size:
+            try:
+                rank, tid, ok, value = self._outbox.get(timeout=0.2)
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(self._procs)
+                        if not p.is_alive() and r not in results]
+                if dead:
+                    self._kill()
+                    r, code = dead[0]
+                    raise DistributedError(
+                        f"{what}: rank {r} died (exit code {code}) without reporting a result",
+                        rank=r,
+                    ) from None
+                if time.monotonic() > deadline:
+                    pending = sorted(set(range(self.world_size)) - set(results))
+                    self._kill()
+                    raise DistributedError(
+                        f"{what}: timed out after {timeout_s:.0f} s; ranks {pending} never "
+                        f"finished (a collective waiting for a peer?)",
+                        rank=pending[0],
+                    ) from None
+                continue
+            if tid != task_id:
+                continue  # a late answer of an earlier, failed task
+            if not ok:
+                self._kill()
+                raise DistributedError(
+                    f"{what}: rank {rank} of {self.world_size} raised:\n{value}", rank=rank,
+                    remote_traceback=value,
+                )
+            results[rank] = value
+        return [results[r] for r in range(self.world_size)]
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
+                    backend: str | None = None, setup: Callable[[], None] | None = None,
+                    timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh processes; return per-rank results.
+
+    Collectives time out after ``timeout_s`` too, so a missing peer fails the call.
+    """
+    with WorkerPool(world_size, backend=backend, setup=setup,
+                    collective_timeout_s=timeout_s) as pool:
+        return pool.run(fn, *args, timeout_s=timeout_s, **kwargs)

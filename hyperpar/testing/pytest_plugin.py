@@ -1,0 +1,90 @@
+"""pytest plugin of hyperpar (auto-loaded through the ``pytest11`` entry point).
+
+Options:
+
+* ``--hyperpar-backend=NAME`` -- the backend every test (and every spawned rank) uses;
+  default ``HYPERPAR_BACKEND`` or auto-detect.
+* ``--hyperpar-emulate`` -- install the CPU emulation of the backend's device module first
+  (supported: ``npu``); see :mod:`hyperpar.testing.emulation`.
+
+Fixtures:
+
+* ``hyperpar_backend`` -- the backend name in force.
+* ``run_on_ranks`` -- ``run_on_ranks(world_size, fn, *args, timeout_s=..., **kwargs)`` runs a
+  module-level function on real processes (pooled per world size for the whole session) and
+  returns the per-rank results.
+
+Run the backend conformance kit with ``pytest --pyargs hyperpar.testing.conformance
+--hyperpar-backend=NAME``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from .harness import DEFAULT_TIMEOUT_S, WorkerPool
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("hyperpar")
+    group.addoption("--hyperpar-backend", default=None,
+                    help="hyperpar backend for tests and spawned ranks (default: auto)")
+    group.addoption("--hyperpar-emulate", action="store_true", default=False,
+                    help="emulate the backend's device module on the CPU (npu)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    name = config.getoption("--hyperpar-backend", default=None)
+    if name:
+        os.environ["HYPERPAR_BACKEND"] = name
+    if config.getoption("--hyperpar-emulate", default=False):
+        from .emulation import emulation_for
+
+        os.environ["HYPERPAR_EMULATE"] = "1"
+        emulation_for(os.environ.get("HYPERPAR_BACKEND", ""))()
+    config.addinivalue_line("markers", "hyperpar_ranks(n): test needs n real processes")
+
+
+def _worker_setup() -> Callable[[], None] | None:
+    if os.environ.get("HYPERPAR_EMULATE"):
+        from .emulation import emulation_for
+
+        return emulation_for(os.environ.get("HYPERPAR_BACKEND", ""))
+    return None
+
+
+@pytest.fixture(scope="session")
+def hyperpar_backend() -> str:
+    """Name of the backend the tests run on."""
+    from hyperpar.platform import get_platform
+
+    return get_platform().name
+
+
+@pytest.fixture(scope="session")
+def _hyperpar_pools() -> Iterator[dict[int, WorkerPool]]:
+    pools: dict[int, WorkerPool] = {}
+    yield pools
+    for pool in pools.values():
+        pool.close()
+
+
+@pytest.fixture
+def run_on_ranks(_hyperpar_pools: dict[int, WorkerPool]) -> Callable[..., list[Any]]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` real processes; per-rank results."""
+
+    def run(world_size: int, fn: Callable[..., Any], *args: Any,
+            timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
+        pool = _hyperpar_pools.get(world_size)
+        if pool is None:
+            pool = _hyperpar_pools[world_size] = WorkerPool(
+                world_size, backend=os.environ.get("HYPERPAR_BACKEND") or None,
+                setup=_worker_setup(),
+            )
+        return pool.run(fn, *args, timeout_s=timeout_s, **kwargs)
+
+    return run
