@@ -1,0 +1,266 @@
+"""``hyperpar run``: a thin layer over ``torchrun`` (:mod:`torch.distributed.run`).
+
+This is not a process manager. It builds torchrun's argument list, pins the backend for every
+worker (``HYPERPAR_BACKEND``, plus the backend's visible-devices variable with ``--devices``),
+and runs torchrun's own ``run()`` in this process, so rendezvous, multi-node and restarts behave
+exactly as torchrun's do.
+
+What it adds is failure reporting: every worker starts through :func:`worker_main` (``python -m
+hyperpar.launcher script.py ...``), which runs the user's script under torch elastic's
+``@record``. An exception in any worker is written to torchrun's per-worker error file, and when
+the run fails the launcher prints, as the last lines of the output, each failed worker's global
+rank, exit code and traceback.
+
+This module is the only one outside ``hyperpar/platform`` allowed to import
+``torch.distributed`` (it wraps torchrun, which is in that namespace).
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+QUIET_ENV = "HYPERPAR_QUIET"
+
+
+class LaunchError(RuntimeError):
+    """The launch request is invalid (bad backend, bad device list, bad node options)."""
+
+
+@dataclass
+class LaunchOptions:
+    """Everything ``hyperpar run`` accepts, already parsed."""
+
+    script: str
+    script_args: list[str] = field(default_factory=list)
+    module: bool = False
+    nproc_per_node: str = "1"
+    nnodes: str = "1"
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    rdzv_backend: str = "c10d"
+    rdzv_id: str | None = None
+    max_restarts: int = 0
+    backend: str | None = None
+    devices: str | None = None
+    quiet: bool = False
+
+
+@dataclass
+class WorkerFailure:
+    """One failed worker as the launcher reports it."""
+
+    rank: int
+    local_rank: int
+    exitcode: int
+    message: str
+    traceback: str
+
+
+# --------------------------------------------------------------------------- preparation
+def resolve_backend(name: str | None) -> tuple[str, str]:
+    """Validate the backend the workers will use; return ``(name, rule)``.
+
+    ``name`` (from ``--backend``) wins over ``HYPERPAR_BACKEND``, which wins over auto-detect.
+    Raises :class:`hyperpar.platform.BackendError` with the registry's message (an unknown name
+    lists the installed backends; an unavailable one gives the probe's reason).
+    """
+    from hyperpar.platform import get_platform, reset, selection_rule, set_backend
+
+    if name:
+        set_backend(name)
+        set_backend(None)
+        return name, "--backend"
+    reset()
+    platform = get_platform()
+    return platform.name, selection_rule()
+
+
+def worker_env(backend: str, devices: str | None, quiet: bool) -> dict[str, str]:
+    """Environment variables every worker gets (on top of the launcher's own)."""
+    from hyperpar.platform import backends
+
+    env = {"HYPERPAR_BACKEND": backend}
+    if devices is not None:
+        var = backends()[backend].cls.visible_devices_env
+        if var is None:
+            raise LaunchError(
+                f"--devices was given, but backend {backend!r} has no visible-devices variable "
+                f"(it has no devices to choose from); drop --devices or pick another backend"
+            )
+        items = [d.strip() for d in devices.split(",") if d.strip()]
+        if not items:
+            raise LaunchError(f"--devices {devices!r} lists no device; use e.g. --devices 0,1")
+        env[var] = ",".join(items)
+    if quiet:
+        env[QUIET_ENV] = "1"
+    return env
+
+
+def torchrun_args(opts: LaunchOptions) -> list[str]:
+    """The argument list handed to ``torch.distributed.run`` for ``opts``."""
+    args = ["--nproc-per-node", str(opts.nproc_per_node), "--nnodes", str(opts.nnodes),
+            "--max-restarts", str(opts.max_restarts)]
+    max_nodes = str(opts.nnodes).split(":")[-1]
+    if opts.rdzv_endpoint:
+        args += ["--rdzv-backend", opts.rdzv_backend, "--rdzv-endpoint", opts.rdzv_endpoint,
+                 "--node-rank", str(opts.node_rank)]
+        if opts.rdzv_id:
+            args += ["--rdzv-id", opts.rdzv_id]
+    elif max_nodes.strip() in ("", "1"):
+        args.append("--standalone")
+    else:
+        raise LaunchError(
+            f"--nnodes {opts.nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node); "
+            "a single-node run needs neither"
+        )
+    # Every worker starts through worker_main so its exception lands in torchrun's error file.
+    args += ["--module", "hyperpar.launcher"]
+    if opts.module:
+        args.append("-m")
+    args += [opts.script, *opts.script_args]
+    return args
+
+
+def _check_devices_cover(opts: LaunchOptions) -> None:
+    if opts.devices is None or not str(opts.nproc_per_node).isdigit():
+        return
+    count = len([d for d in opts.devices.split(",") if d.strip()])
+    if int(opts.nproc_per_node) > count:
+        raise LaunchError(
+            f"-n {opts.nproc_per_node} processes per node but --devices {opts.devices} makes "
+            f"only {count} visible; list more devices or lower -n"
+        )
+
+
+# --------------------------------------------------------------------------- running
+def launch(opts: LaunchOptions, *, out=None) -> int:
+    """Run ``opts.script`` on every worker through torchrun; return the exit status.
+
+    On failure the last thing written to ``out`` (default stderr) is the failed workers' ranks,
+    exit codes and tracebacks.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    from hyperpar.platform import BackendError
+
+    out = out or sys.stderr
+    if not opts.module and not os.path.isfile(opts.script):
+        print(f"hyperpar run: error: script {opts.script!r} not found", file=out)
+        return 2
+    try:
+        backend, rule = resolve_backend(opts.backend)
+        env = worker_env(backend, opts.devices, opts.quiet)
+        _check_devices_cover(opts)
+        args = torchrun_args(opts)
+    except (BackendError, LaunchError) as exc:
+        print(f"hyperpar run: error: {exc}", file=out)
+        return 2
+
+    os.environ.update(env)
+    if opts.quiet and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"  # torchrun's own default, without its banner
+    if not opts.quiet:
+        extra = "".join(f" {k}={v}" for k, v in env.items() if k != "HYPERPAR_BACKEND")
+        print(f"hyperpar run: {opts.nproc_per_node} process(es) per node x {opts.nnodes} "
+              f"node(s), backend {backend} (by {rule}){extra}: {opts.script}", file=out)
+        out.flush()
+    try:
+        run(parse_args(args))
+    except ChildFailedError as exc:
+        failures = collect_failures(exc)
+        print(format_failures(opts.script, failures), file=out)
+        out.flush()
+        code = failures[-1].exitcode
+        return code if 0 < code < 256 else 1
+    except Exception as exc:  # rendezvous and agent errors: say what failed, not a traceback
+        print(f"hyperpar run: error: torchrun failed: {type(exc).__name__}: {exc}", file=out)
+        return 1
+    return 0
+
+
+def collect_failures(exc) -> list[WorkerFailure]:
+    """The failed workers of a ``ChildFailedError``, the root cause (first failure) last."""
+    root_rank, _ = exc.get_first_failure()
+    rows: list[WorkerFailure] = []
+    for rank, failure in exc.failures.items():
+        message = failure.message
+        if isinstance(message, dict):
+            text = str(message.get("message", ""))
+            tb = str(message.get("extraInfo", {}).get("py_callstack", ""))
+        else:
+            text, tb = str(message), ""
+            if failure.exitcode > 0 and text.startswith("To enable traceback"):
+                text = f"exited with code {failure.exitcode} (no Python exception was recorded)"
+        rows.append(WorkerFailure(rank, failure.local_rank, failure.exitcode, text,
+                                  trim_traceback(tb)))
+    rows.sort(key=lambda r: (r.rank == root_rank, r.rank))
+    return rows
+
+
+_LAUNCH_FRAMES = (f"{os.sep}runpy.py", f"hyperpar{os.sep}launcher.py",
+                  f"elastic{os.sep}multiprocessing{os.sep}errors")
+
+
+def trim_traceback(tb: str) -> str:
+    """Drop the launcher's own frames (runpy, ``@record``, :func:`worker_main`) from a worker
+    traceback so it starts at the user's script."""
+    lines = tb.splitlines()
+    kept: list[str] = []
+    skipping = False
+    for line in lines:
+        if line.startswith("  File "):
+            skipping = any(part in line for part in _LAUNCH_FRAMES)
+        elif not line.startswith("    "):
+            skipping = False
+        if not skipping:
+            kept.append(line)
+    return "\n".join(kept)
+
+
+def format_failures(script: str, failures: Sequence[WorkerFailure]) -> str:
+    """The failure summary printed at the end of a failed ``hyperpar run``."""
+    lines = ["", "=" * 72, f"hyperpar run: {script} FAILED on {len(failures)} worker(s)"]
+    for i, f in enumerate(failures):
+        root = " (first failure)" if i == len(failures) - 1 else ""
+        lines.append("-" * 72)
+        lines.append(f"rank {f.rank} (local rank {f.local_rank}), exit code {f.exitcode}{root}:")
+        if f.traceback:
+            lines.append(f.traceback.rstrip())
+        lines.append(f"rank {f.rank}: {f.message}")
+    lines.append("=" * 72)
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- worker side
+def _run_target(argv: list[str]) -> None:
+    if argv and argv[0] == "-m":
+        name, rest = argv[1], argv[2:]
+        sys.argv = [name, *rest]
+        runpy.run_module(name, run_name="__main__", alter_sys=True)
+        return
+    script, rest = argv[0], argv[1:]
+    sys.argv = [script, *rest]
+    # What `python script.py` would do: the script's folder first on the import path.
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    runpy.run_path(script, run_name="__main__")
+
+
+def worker_main(argv: list[str] | None = None) -> None:
+    """Entry point of every worker: run the user's script (or ``-m module``) with its
+    exception recorded in ``TORCHELASTIC_ERROR_FILE`` for the launcher to report."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        raise SystemExit("usage: python -m hyperpar.launcher script.py [args] | -m module [args]"
+                         "  (worker entry point of `hyperpar run`; use `hyperpar run`)")
+    record(_run_target)(argv)
+
+
+if __name__ == "__main__":
+    worker_main()
