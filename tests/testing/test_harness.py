@@ -1,0 +1,72 @@
+"""The multi-process harness fails fast and says which rank failed and why."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from hyperpar.platform import get_platform
+from hyperpar.testing import DistributedError, WorkerPool, run_distributed
+
+
+def _rank_and_world() -> tuple[int, int]:
+    p = get_platform()
+    return p.rank(), p.world_size()
+
+
+def _rank_one_raises() -> None:
+    p = get_platform()
+    if p.rank() == 1:
+        raise ValueError("rank one cannot continue: bad shard")
+    t = torch.ones(1)
+    p.all_reduce(t)  # rank 0 waits here for a peer that never comes
+
+
+def _rank_one_skips_the_collective() -> None:
+    p = get_platform()
+    if p.rank() == 0:
+        p.all_reduce(torch.ones(1))
+    else:
+        time.sleep(30)
+
+
+def _rank_one_dies() -> None:
+    if get_platform().rank() == 1:
+        os._exit(3)
+    time.sleep(30)
+
+
+def test_results_come_back_in_rank_order():
+    assert run_distributed(_rank_and_world, 4) == [(0, 4), (1, 4), (2, 4), (3, 4)]
+
+
+def test_a_rank_that_raises_fails_the_call_with_its_rank_and_message():
+    start = time.monotonic()
+    with pytest.raises(DistributedError) as err:
+        run_distributed(_rank_one_raises, 2, timeout_s=60)
+    assert err.value.rank == 1
+    assert "rank 1 of 2 raised" in str(err.value)
+    assert "rank one cannot continue: bad shard" in str(err.value)
+    assert time.monotonic() - start < 30, "must not wait for the collective timeout"
+
+
+def test_a_collective_that_never_completes_times_out_with_the_waiting_rank():
+    with WorkerPool(2, collective_timeout_s=3) as pool, pytest.raises(DistributedError) as err:
+        pool.run(_rank_one_skips_the_collective, timeout_s=60)
+    assert err.value.rank == 0, "rank 0's all_reduce times out and raises"
+    assert "rank 0 of 2 raised" in str(err.value)
+
+
+def test_a_rank_that_dies_is_reported_with_its_exit_code():
+    with pytest.raises(DistributedError, match=r"rank 1 died \(exit code 3\)"):
+        run_distributed(_rank_one_dies, 2, timeout_s=60)
+
+
+def test_pool_timeout_names_the_ranks_still_running():
+    with WorkerPool(2, collective_timeout_s=60) as pool:
+        with pytest.raises(DistributedError, match=r"timed out after 2 s; ranks \[0, 1\]"):
+            pool.run(time.sleep, 20, timeout_s=2)
+        assert pool.run(_rank_and_world) == [(0, 2), (1, 2)], "the pool restarts after a failure"
