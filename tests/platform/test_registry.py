@@ -48,8 +48,10 @@ def test_in_tree_backends_are_found_through_entry_points():
     assert found["cpu"].distribution.startswith("hyperpar-cpu")
 
 
-def test_auto_detect_picks_cpu_when_no_accelerator_is_available():
-    assert get_platform().name == "cpu"
+def test_auto_detect_picks_the_highest_priority_available_backend():
+    available = [i for i in backends().values() if i.availability.ok]
+    assert "cpu" in {i.name for i in available}, "cpu is always available"
+    assert get_platform().name == max(available, key=lambda i: i.priority).name
     assert selection_rule().startswith("auto-detect")
 
 
