@@ -6,10 +6,11 @@ and runs torchrun's own ``run()`` in this process, so rendezvous, multi-node and
 exactly as torchrun's do.
 
 What it adds is failure reporting: every worker starts through :func:`worker_main` (``python -m
-hyperpar.launcher script.py ...``), which runs the user's script under torch elastic's
-``@record``. An exception in any worker is written to torchrun's per-worker error file, and when
-the run fails the launcher prints, as the last lines of the output, each failed worker's global
-rank, exit code and traceback.
+hyperpar.launcher script.py ...``), which runs the user's script as ``python script.py`` would
+and writes an exception to torchrun's per-worker error file (``TORCHELASTIC_ERROR_FILE``, the
+format of torch elastic's ``@record``). When the run fails the launcher prints, as the last
+lines of the output, the first failed worker's global rank, exit code and traceback, after one
+line for each worker that failed in consequence.
 
 This module is the only one outside ``hyperpar/platform`` allowed to import
 ``torch.distributed`` (it wraps torchrun, which is in that namespace).
@@ -17,9 +18,12 @@ This module is the only one outside ``hyperpar/platform`` allowed to import
 
 from __future__ import annotations
 
+import json
 import os
 import runpy
 import sys
+import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -185,7 +189,6 @@ def launch(opts: LaunchOptions, *, out=None) -> int:
 
 def collect_failures(exc) -> list[WorkerFailure]:
     """The failed workers of a ``ChildFailedError``, the root cause (first failure) last."""
-    root_rank, _ = exc.get_first_failure()
     rows: list[WorkerFailure] = []
     for rank, failure in exc.failures.items():
         message = failure.message
@@ -198,11 +201,20 @@ def collect_failures(exc) -> list[WorkerFailure]:
                 text = f"exited with code {failure.exitcode} (no Python exception was recorded)"
         rows.append(WorkerFailure(rank, failure.local_rank, failure.exitcode, text,
                                   trim_traceback(tb)))
+    # The root cause is the earliest failure that was not torchrun stopping the survivors
+    # (negative exit code = killed by a signal), ordered by sub-second time where recorded.
+    def when(rank: int) -> tuple[bool, float]:
+        failure = exc.failures[rank]
+        extra = failure.message.get("extraInfo", {}) if isinstance(failure.message, dict) else {}
+        precise = float(extra.get("hyperpar_time", failure.timestamp))
+        return (failure.exitcode < 0, precise)
+
+    root_rank = min(exc.failures, key=when)
     rows.sort(key=lambda r: (r.rank == root_rank, r.rank))
     return rows
 
 
-_LAUNCH_FRAMES = (f"{os.sep}runpy.py", f"hyperpar{os.sep}launcher.py",
+_LAUNCH_FRAMES = (f"{os.sep}runpy.py", "<frozen runpy>", f"hyperpar{os.sep}launcher.py",
                   f"elastic{os.sep}multiprocessing{os.sep}errors")
 
 
@@ -223,15 +235,20 @@ def trim_traceback(tb: str) -> str:
 
 
 def format_failures(script: str, failures: Sequence[WorkerFailure]) -> str:
-    """The failure summary printed at the end of a failed ``hyperpar run``."""
-    lines = ["", "=" * 72, f"hyperpar run: {script} FAILED on {len(failures)} worker(s)"]
-    for i, f in enumerate(failures):
-        root = " (first failure)" if i == len(failures) - 1 else ""
-        lines.append("-" * 72)
-        lines.append(f"rank {f.rank} (local rank {f.local_rank}), exit code {f.exitcode}{root}:")
-        if f.traceback:
-            lines.append(f.traceback.rstrip())
-        lines.append(f"rank {f.rank}: {f.message}")
+    """The summary printed at the end of a failed ``hyperpar run``: one line per worker that
+    failed as a consequence, then the first failure with its traceback, last."""
+    *others, root = failures
+    lines = ["", "=" * 72, f"hyperpar run: {script} FAILED ({len(failures)} worker(s) failed)"]
+    if others:
+        lines.append("also failed (most likely because of the first failure):")
+        lines += [f"  rank {f.rank} (local rank {f.local_rank}), exit code {f.exitcode}: "
+                  f"{f.message.splitlines()[0] if f.message else ''}" for f in others]
+    lines.append("-" * 72)
+    lines.append(f"first failure: rank {root.rank} (local rank {root.local_rank}), "
+                 f"exit code {root.exitcode}")
+    if root.traceback:
+        lines.append(root.traceback.rstrip())
+    lines.append(f"rank {root.rank}: {root.message}")
     lines.append("=" * 72)
     return "\n".join(lines)
 
@@ -250,16 +267,50 @@ def _run_target(argv: list[str]) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
+def _is_launch_frame(filename: str) -> bool:
+    return filename.startswith("<frozen runpy") or any(
+        part in filename for part in _LAUNCH_FRAMES)
+
+
+def _record_failure(exc: BaseException) -> str:
+    """Write ``exc`` to torchrun's error file (its JSON format, plus a sub-second timestamp that
+    orders failures within one second) and return the traceback without launcher frames."""
+    tb = exc.__traceback__
+    while tb is not None and _is_launch_frame(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        now = time.time()
+        data = {"message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {"py_callstack": text, "timestamp": str(int(now)),
+                          "hyperpar_time": repr(now)},
+        }}
+        with open(path, "w") as fp:
+            json.dump(data, fp)
+    return text
+
+
 def worker_main(argv: list[str] | None = None) -> None:
-    """Entry point of every worker: run the user's script (or ``-m module``) with its
-    exception recorded in ``TORCHELASTIC_ERROR_FILE`` for the launcher to report."""
-    from torch.distributed.elastic.multiprocessing.errors import record
+    """Entry point of every worker: run the user's script (or ``-m module``) as ``python``
+    would; an exception is written to ``TORCHELASTIC_ERROR_FILE`` for the launcher to report,
+    printed (rank-prefixed, without launcher frames) and turned into exit code 1."""
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         raise SystemExit("usage: python -m hyperpar.launcher script.py [args] | -m module [args]"
                          "  (worker entry point of `hyperpar run`; use `hyperpar run`)")
-    record(_run_target)(argv)
+    get_error_handler().initialize()  # faulthandler into the error file for native crashes
+    try:
+        _run_target(argv)
+    except Exception as exc:
+        text = _record_failure(exc)
+        prefix = f"[rank{os.environ.get('RANK', '?')}]: "
+        sys.stderr.write("".join(prefix + line + "\n" for line in text.rstrip().splitlines()))
+        sys.stderr.flush()
+        sys.exit(1)
 
 
 if __name__ == "__main__":
