@@ -138,7 +138,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from hyperpar import bench
 
     return bench.main(names=args.names, out_dir=args.out, bench_dir=args.dir,
-                      timeout_s=args.timeout, list_only=args.list, update_doc=args.update_doc)
+                      timeout_s=args.timeout, list_only=args.list,
+                      update_doc_path=args.update_doc)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

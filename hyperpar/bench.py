@@ -1,0 +1,311 @@
+"""``hyperpar bench``: run the side-by-side benchmarks and write a report.
+
+Benchmark script contract
+-------------------------
+A benchmark is a script ``benchmarks/bench_<name>.py`` that compares a hyperpar code path with
+a reference (torch-native, raw collectives, ...) on the backend selected by
+``HYPERPAR_BACKEND`` (the runner sets it). It starts any processes it needs itself (e.g. with
+:func:`hyperpar.testing.run_distributed`) and must finish within the runner's timeout.
+
+When run with ``--json PATH`` it writes to ``PATH`` a JSON list of rows::
+
+    {"benchmark": "tp",                 # short name of the benchmark
+     "case": "mlp 1024x4096, 2 ranks",  # what was measured
+     "hyperpar_ms": 1.92,               # hyperpar time (ms, lower is better)
+     "reference": "torch.distributed.tensor.parallel",
+     "reference_ms": 1.85,              # reference time (ms), or null if none
+     "ratio": 1.04}                     # hyperpar_ms / reference_ms (1.0 = parity), or null
+
+and may print anything it likes to stdout/stderr. ``ratio`` is recomputed by the runner when
+it is missing and both times are present. A script that does not accept ``--json`` (argparse
+exits with status 2 naming the option) is run again without it, and its output is shown as raw
+text in the report.
+
+The runner writes ``DIR/results.md`` (machine, then a Markdown table of every row, then raw
+outputs), ``DIR/results.json`` (the machine and the rows) and ``DIR/ratios.png`` (a bar chart of
+the ratios; skipped with a message when matplotlib is not installed). ``--update-doc FILE``
+also replaces the text between ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` in FILE.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform as _host
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROW_KEYS = ("benchmark", "case", "hyperpar_ms", "reference", "reference_ms", "ratio")
+DOC_BEGIN = "<!-- bench:begin -->"
+DOC_END = "<!-- bench:end -->"
+
+
+@dataclass
+class BenchRun:
+    """One benchmark script's run: its rows (JSON contract) or its raw output."""
+
+    name: str
+    script: str
+    returncode: int
+    seconds: float
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    output: str = ""
+    json_supported: bool = True
+    error: str = ""
+
+
+# --------------------------------------------------------------------------- discovery
+def default_bench_dir() -> Path:
+    return Path.cwd() / "benchmarks"
+
+
+def discover(bench_dir: Path) -> dict[str, Path]:
+    """``{name: path}`` of every ``bench_<name>.py`` in ``bench_dir``, sorted by name."""
+    return {p.stem[len("bench_"):]: p for p in sorted(bench_dir.glob("bench_*.py"))}
+
+
+def select(found: dict[str, Path], names: list[str]) -> dict[str, Path]:
+    """The benchmarks named (``tp`` or ``bench_tp`` or ``bench_tp.py``); all when none."""
+    if not names:
+        return found
+    picked: dict[str, Path] = {}
+    for raw in names:
+        name = Path(raw).stem
+        name = name[len("bench_"):] if name.startswith("bench_") else name
+        if name not in found:
+            raise ValueError(f"no benchmark named {raw!r}; available: "
+                             f"{', '.join(found) or 'none'}")
+        picked[name] = found[name]
+    return picked
+
+
+# --------------------------------------------------------------------------- running
+def normalise_row(row: dict[str, Any], name: str) -> dict[str, Any]:
+    """A contract row with every key present and ``ratio`` filled in when computable."""
+    if not isinstance(row, dict):
+        raise ValueError(f"bench_{name}: a row must be a JSON object, got {row!r}")
+    out = {k: row.get(k) for k in ROW_KEYS}
+    out["benchmark"] = out["benchmark"] or name
+    for key in ("hyperpar_ms", "reference_ms", "ratio"):
+        if out[key] is not None:
+            out[key] = float(out[key])
+    if out["ratio"] is None and out["hyperpar_ms"] is not None and out["reference_ms"]:
+        out["ratio"] = out["hyperpar_ms"] / out["reference_ms"]
+    return out
+
+
+def _run(cmd: list[str], env: dict[str, str], cwd: Path, timeout_s: float) -> tuple[int, str]:
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout if isinstance(exc.stdout, str) else (exc.stdout or b"").decode()
+        return -1, out + f"\n[hyperpar bench: timed out after {timeout_s:.0f} s]"
+    return proc.returncode, proc.stdout
+
+
+def run_one(name: str, script: Path, *, timeout_s: float = 600.0,
+            env: dict[str, str] | None = None) -> BenchRun:
+    """Run one benchmark script by the contract above."""
+    env = dict(os.environ if env is None else env)
+    cwd = script.resolve().parent.parent
+    with tempfile.TemporaryDirectory(prefix="hyperpar-bench-") as tmp:
+        path = Path(tmp) / "rows.json"
+        start = time.perf_counter()
+        code, output = _run([sys.executable, str(script), "--json", str(path)], env, cwd,
+                            timeout_s)
+        run = BenchRun(name, str(script), code, 0.0, output=output)
+        if code == 2 and "--json" in output and not path.exists():
+            # argparse rejected --json: an older script, shown as raw text.
+            run.json_supported = False
+            run.returncode, run.output = _run([sys.executable, str(script)], env, cwd,
+                                              timeout_s)
+        elif path.exists():
+            try:
+                rows = json.loads(path.read_text())
+                if not isinstance(rows, list):
+                    raise ValueError(f"expected a JSON list of rows, got {type(rows).__name__}")
+                run.rows = [normalise_row(r, name) for r in rows]
+            except ValueError as exc:
+                run.error = f"bad --json output: {exc}"
+        else:
+            run.json_supported = False
+        run.seconds = time.perf_counter() - start
+    if run.returncode != 0 and not run.error:
+        run.error = f"exit status {run.returncode}"
+    return run
+
+
+# --------------------------------------------------------------------------- reporting
+def machine() -> dict[str, Any]:
+    """The machine and software the numbers came from."""
+    from hyperpar.platform.info import collect_info
+
+    info = collect_info()
+    cpu = _host.processor() or _host.machine()
+    try:
+        with open("/proc/cpuinfo") as fp:
+            for line in fp:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "host": info.host, "cpu": cpu, "cpu_count": os.cpu_count(),
+        "backend": info.selected or f"none ({info.selection_error})",
+        "device_count": info.device_count,
+        "hyperpar": info.hyperpar_version, "torch": info.torch_version,
+        "python": info.python_version,
+    }
+
+
+def _fmt(value: Any, spec: str) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "–"
+    return format(value, spec)
+
+
+def results_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table of the rows (``ratio`` = hyperpar / reference, lower is better)."""
+    lines = ["| benchmark | case | hyperpar (ms) | reference | reference (ms) | ratio |",
+             "|---|---|---:|---|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['benchmark']} | {r['case'] or ''} | {_fmt(r['hyperpar_ms'], '.3f')} "
+                     f"| {r['reference'] or ''} | {_fmt(r['reference_ms'], '.3f')} "
+                     f"| {_fmt(r['ratio'], '.2f')} |")
+    return "\n".join(lines)
+
+
+def render_markdown(runs: list[BenchRun], mach: dict[str, Any], png: str | None) -> str:
+    rows = [r for run in runs for r in run.rows]
+    out = [
+        "# hyperpar benchmark results", "",
+        f"Measured {mach['date']} on {mach['host']}, {mach['cpu']} ({mach['cpu_count']} "
+        f"cores); backend **{mach['backend']}** ({mach['device_count']} device(s)); "
+        f"hyperpar {mach['hyperpar']}, torch {mach['torch']}, python {mach['python']}.", "",
+        "`ratio` = hyperpar time / reference time: 1.00 is parity, below 1 hyperpar is faster.",
+        "",
+    ]
+    out.append(results_table(rows) if rows else "_No benchmark produced JSON rows._")
+    if png:
+        out += ["", f"![ratios]({png})"]
+    failed = [run for run in runs if run.error]
+    if failed:
+        out += ["", "## Failures", ""]
+        out += [f"- `{Path(run.script).name}`: {run.error}" for run in failed]
+    raw = [run for run in runs if not run.rows and run.output.strip()]
+    if raw:
+        out += ["", "## Raw output", ""]
+        for run in raw:
+            out += [f"### {Path(run.script).name}", "", "```text", run.output.rstrip(), "```", ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def plot_ratios(rows: list[dict[str, Any]], path: Path) -> str | None:
+    """Bar chart of the ratios into ``path``; returns a message instead when impossible."""
+    data = [(f"{r['benchmark']}: {r['case']}", r["ratio"]) for r in rows
+            if r["ratio"] is not None and math.isfinite(r["ratio"])]
+    if not data:
+        return "no ratios to plot"
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'hyperpar[bench]'); skipped the PNG"
+    labels, ratios = zip(*data, strict=True)
+    fig, ax = plt.subplots(figsize=(8, 0.4 * len(data) + 1.2))
+    colors = ["tab:green" if x <= 1.0 else "tab:orange" for x in ratios]
+    ax.barh(range(len(data)), ratios, color=colors)
+    ax.set_yticks(range(len(data)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="black", linewidth=1)
+    ax.set_xlabel("hyperpar time / reference time (lower is better, 1 = parity)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def update_doc(doc: Path, body: str) -> None:
+    """Replace the block between the bench markers in ``doc`` with ``body``."""
+    text = doc.read_text()
+    if DOC_BEGIN not in text or DOC_END not in text:
+        raise ValueError(f"{doc} has no '{DOC_BEGIN}' ... '{DOC_END}' block to update")
+    head, rest = text.split(DOC_BEGIN, 1)
+    _, tail = rest.split(DOC_END, 1)
+    doc.write_text(f"{head}{DOC_BEGIN}\n{body.rstrip()}\n{DOC_END}{tail}")
+
+
+# --------------------------------------------------------------------------- entry point
+def main(names: list[str] | None = None, out_dir: str = "bench-results",
+         bench_dir: str | None = None, timeout_s: float = 600.0, list_only: bool = False,
+         update_doc_path: str | None = None) -> int:
+    """What ``hyperpar bench`` does; returns the exit status (1 if any benchmark failed)."""
+    folder = Path(bench_dir) if bench_dir else default_bench_dir()
+    if not folder.is_dir():
+        print(f"hyperpar bench: error: no benchmarks folder at {folder} (run from the "
+              "repository root or pass --dir)", file=sys.stderr)
+        return 2
+    found = discover(folder)
+    try:
+        picked = select(found, list(names or []))
+    except ValueError as exc:
+        print(f"hyperpar bench: error: {exc}", file=sys.stderr)
+        return 2
+    if list_only:
+        for name, path in found.items():
+            print(f"{name:<16} {path}")
+        return 0
+    if not picked:
+        print(f"hyperpar bench: error: no bench_*.py scripts in {folder}", file=sys.stderr)
+        return 2
+
+    mach = machine()
+    env = dict(os.environ)
+    if not mach["backend"].startswith("none"):
+        env["HYPERPAR_BACKEND"] = mach["backend"]
+    runs: list[BenchRun] = []
+    for name, path in picked.items():
+        print(f"hyperpar bench: {name} ({path}) on {mach['backend']} ...", flush=True)
+        run = run_one(name, path, timeout_s=timeout_s, env=env)
+        runs.append(run)
+        if run.output.strip():
+            print(run.output.rstrip())
+        state = run.error or (f"{len(run.rows)} row(s)" if run.rows else "raw output")
+        print(f"hyperpar bench: {name}: {state} in {run.seconds:.1f} s", flush=True)
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [r for run in runs for r in run.rows]
+    message = plot_ratios(rows, out / "ratios.png")
+    if message:
+        print(f"hyperpar bench: {message}")
+    markdown = render_markdown(runs, mach, None if message else "ratios.png")
+    (out / "results.md").write_text(markdown)
+    (out / "results.json").write_text(json.dumps(
+        {"machine": mach, "rows": rows, "runs": [asdict(r) for r in runs]}, indent=2))
+    print()
+    print(results_table(rows) if rows else "(no JSON rows)")
+    print(f"\nhyperpar bench: wrote {out / 'results.md'}"
+          + ("" if message else f" and {out / 'ratios.png'}"))
+    if update_doc_path:
+        # The doc embeds the report without its title; the image link is dropped (the PNG
+        # lives in the output folder, not in docs/).
+        body = markdown.split("\n", 2)[2].replace("\n![ratios](ratios.png)\n", "\n")
+        try:
+            update_doc(Path(update_doc_path), body)
+        except (OSError, ValueError) as exc:
+            print(f"hyperpar bench: error: {exc}", file=sys.stderr)
+            return 2
+        print(f"hyperpar bench: updated {update_doc_path}")
+    return 1 if any(run.error for run in runs) else 0
