@@ -10,4 +10,5 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q "torch==2.13.*" \
   -e ".[test,bench,docs]" \
-  -e backends/hyperpar-cpu -e backends/hyperpar-cuda -e backends/hyperpar-npu
+  -e backends/hyperpar-cpu -e backends/hyperpar-cuda -e backends/hyperpar-npu \
+  -e examples/backend-template

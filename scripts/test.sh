@@ -12,6 +12,8 @@ pytest -q -p no:cacheprovider --pyargs hyperpar.testing.conformance --hyperpar-b
 echo "== conformance kit: npu (emulated on CPU: torch_npu module faked, HCCL mapped to gloo)"
 pytest -q -p no:cacheprovider --pyargs hyperpar.testing.conformance --hyperpar-backend=npu \
   --hyperpar-emulate
+echo "== conformance kit: tracing (the out-of-tree example backend in examples/backend-template)"
+pytest -q -p no:cacheprovider --pyargs hyperpar.testing.conformance --hyperpar-backend=tracing
 if [ -f mkdocs.yml ]; then
   echo "== docs"
   mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
