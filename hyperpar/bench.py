@@ -159,7 +159,7 @@ def machine() -> dict[str, Any]:
         pass
     return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "host": info.host, "cpu": cpu, "cpu_count": os.cpu_count(),
+        "host": info.host, "processor": cpu, "cpu_count": os.cpu_count(),
         "backend": info.selected or f"none ({info.selection_error})",
         "device_count": info.device_count,
         "hyperpar": info.hyperpar_version, "torch": info.torch_version,
@@ -188,7 +188,7 @@ def render_markdown(runs: list[BenchRun], mach: dict[str, Any], png: str | None)
     rows = [r for run in runs for r in run.rows]
     out = [
         "# hyperpar benchmark results", "",
-        f"Measured {mach['date']} on {mach['host']}, {mach['cpu']} ({mach['cpu_count']} "
+        f"Measured {mach['date']} on {mach['host']}, {mach['processor']} ({mach['cpu_count']} "
         f"cores); backend **{mach['backend']}** ({mach['device_count']} device(s)); "
         f"hyperpar {mach['hyperpar']}, torch {mach['torch']}, python {mach['python']}.", "",
         "`ratio` = hyperpar time / reference time: 1.00 is parity, below 1 hyperpar is faster.",
