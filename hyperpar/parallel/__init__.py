@@ -1,0 +1,39 @@
+"""Tensor and sequence parallelism: the API of ``torch.distributed.tensor.parallel`` on any
+hyperpar backend, plus explicit Megatron-style layers.
+
+Styles shard parameters as DTensors but run Linear/Embedding forwards on local shards,
+communicating only at module boundaries (see :mod:`hyperpar.parallel.style`).
+"""
+
+from .api import PlanKeyError, distribute_module, parallelize_module
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .loss import loss_parallel, vocab_parallel_cross_entropy
+from .style import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    UnsupportedModuleError,
+)
+
+__all__ = [
+    "ColumnParallelLinear",
+    "ColwiseParallel",
+    "ParallelStyle",
+    "PlanKeyError",
+    "PrepareModuleInput",
+    "PrepareModuleInputOutput",
+    "PrepareModuleOutput",
+    "RowParallelLinear",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "UnsupportedModuleError",
+    "VocabParallelEmbedding",
+    "distribute_module",
+    "loss_parallel",
+    "parallelize_module",
+    "vocab_parallel_cross_entropy",
+]

@@ -1,0 +1,174 @@
+"""Cross-entropy on logits sharded along the class (vocabulary) dimension.
+
+:func:`vocab_parallel_cross_entropy` works on this rank's slice of the logits and never
+gathers them: per row it all-reduces the max, then (in one fused all-reduce) the sum of
+exponentials and the target logit. Backward is local (softmax minus one-hot on the local
+slice). :func:`loss_parallel` is the context manager of ``torch.distributed.tensor.parallel``:
+inside it, ``F.cross_entropy`` (and ``nn.CrossEntropyLoss``) on a DTensor sharded on the class
+dimension runs this kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from hyperpar.platform import get_platform
+
+from ._comm import Group
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, ignore_index, group):
+        platform = get_platform()
+        logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        rows, local_vocab = logits.shape
+        row_max = logits.max(dim=-1).values if local_vocab else logits.new_full((rows,), -1e30)
+        platform.all_reduce(row_max, "max", group)
+        shifted = logits - row_max.unsqueeze(-1)
+        local_target = target - vocab_start
+        outside = (local_target < 0) | (local_target >= local_vocab)
+        local_target = local_target.masked_fill(outside, 0)
+        exp = shifted.exp()
+        stats = torch.empty((2, rows), dtype=logits.dtype, device=logits.device)
+        if local_vocab:
+            stats[0] = shifted.gather(1, local_target.unsqueeze(1)).squeeze(1)
+            stats[0].masked_fill_(outside, 0.0)
+            torch.sum(exp, dim=-1, out=stats[1])
+        else:
+            stats.zero_()
+        platform.all_reduce(stats, "sum", group)
+        target_logit, sum_exp = stats[0], stats[1]
+        ignored = target == ignore_index
+        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
+        exp.div_(sum_exp.unsqueeze(-1))  # softmax, kept for backward
+        ctx.save_for_backward(exp, local_target, outside, ignored)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, outside, ignored = ctx.saved_tensors
+        grad = softmax.clone()
+        if grad.shape[1]:
+            rows = torch.arange(grad.shape[0], device=grad.device)
+            grad[rows, local_target] -= (~outside).to(grad.dtype)
+        scale = grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1)
+        return grad.mul_(scale), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    local_logits: torch.Tensor, target: torch.Tensor, *, vocab_start: int | None = None,
+    group: Group = None, ignore_index: int = -100, reduction: str = "mean",
+) -> torch.Tensor:
+    """Cross-entropy of logits whose class dimension (dim 1, as in ``F.cross_entropy``) is
+    split over the ranks of ``group``; ``local_logits`` is this rank's slice.
+
+    ``local_logits``: ``[N, V_local]`` or ``[N, V_local, d1, ...]``; ``target``: the full
+    class indices ``[N]`` / ``[N, d1, ...]`` (replicated). ``vocab_start`` is the first class
+    held here (default ``rank * V_local``, i.e. an even split). Returns the same value on every
+    rank; the gradient w.r.t. ``local_logits`` is this rank's slice of the full gradient.
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if local_logits.dim() < 2:
+        raise ValueError(
+            f"vocab-parallel cross-entropy needs logits with a class dim 1, got shape "
+            f"{tuple(local_logits.shape)}"
+        )
+    if vocab_start is None:
+        vocab_start = get_platform().rank(group) * local_logits.shape[1]
+    flat_logits = local_logits.movedim(1, -1).reshape(-1, local_logits.shape[1])
+    flat_target = target.reshape(-1)
+    if flat_target.shape[0] != flat_logits.shape[0]:
+        raise ValueError(
+            f"target shape {tuple(target.shape)} does not match logits "
+            f"{tuple(local_logits.shape)} (class dim 1)"
+        )
+    losses = _VocabParallelCrossEntropy.apply(flat_logits, flat_target, vocab_start,
+                                              ignore_index, group)
+    if reduction == "none":
+        return losses.view(target.shape).to(local_logits.dtype)
+    total = losses.sum()
+    if reduction == "sum":
+        return total.to(local_logits.dtype)
+    count = (flat_target != ignore_index).sum()
+    return (total / count).to(local_logits.dtype)
+
+
+def _sharded_class_dim(logits: Any) -> tuple[int, Group, int] | None:
+    """``(mesh_dim, group, vocab_start)`` if ``logits`` is a DTensor sharded on dim 1 over
+    exactly one mesh dimension (replicated elsewhere); else ``None``."""
+    from hyperpar.dtensor import DTensor, Shard
+    from hyperpar.dtensor.placement import chunk_bounds
+
+    if not isinstance(logits, DTensor):
+        return None
+    ndim = logits.dim()
+    shard_dims = [(i, p) for i, p in enumerate(logits.placements) if isinstance(p, Shard)]
+    others_ok = all(p.is_replicate() for p in logits.placements if not isinstance(p, Shard))
+    if len(shard_dims) != 1 or not others_ok:
+        return None
+    mesh_dim, placement = shard_dims[0]
+    if placement.dim % ndim != 1 % ndim:
+        return None
+    mesh = logits.device_mesh
+    group = mesh.get_group(mesh_dim)
+    rank = get_platform().rank(group)
+    start, _ = chunk_bounds(logits.shape[1], mesh.size(mesh_dim), rank)
+    return mesh_dim, group, start
+
+
+class _LossParallelMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is F.cross_entropy:
+            names = ("input", "target", "weight", "size_average", "ignore_index", "reduce",
+                     "reduction", "label_smoothing")
+            bound = dict(zip(names, args, strict=False))
+            bound.update(kwargs)
+            found = _sharded_class_dim(bound.get("input"))
+            if found is not None:
+                return _cross_entropy_on_dtensor(found, **bound)
+        return func(*args, **kwargs)
+
+
+def _cross_entropy_on_dtensor(found: tuple[int, Group, int], input: Any, target: Any,
+                              weight: Any = None, size_average: Any = None,
+                              ignore_index: int = -100, reduce: Any = None,
+                              reduction: str = "mean", label_smoothing: float = 0.0) -> Any:
+    from hyperpar.dtensor import DTensor
+
+    if weight is not None or label_smoothing:
+        raise NotImplementedError(
+            "loss_parallel: class weights and label_smoothing are not supported yet "
+            f"(got weight={'set' if weight is not None else None}, "
+            f"label_smoothing={label_smoothing})"
+        )
+    if size_average is not None or reduce is not None:
+        raise NotImplementedError("loss_parallel: use reduction=, not size_average/reduce")
+    _, group, start = found
+    local = input.to_local()
+    if isinstance(target, DTensor):
+        target = target.full_tensor()
+    return vocab_parallel_cross_entropy(local, target, vocab_start=start, group=group,
+                                        ignore_index=ignore_index, reduction=reduction)
+
+
+@contextlib.contextmanager
+def loss_parallel() -> Iterator[None]:
+    """Inside this context, ``F.cross_entropy`` / ``nn.CrossEntropyLoss`` on a DTensor sharded
+    on the class dimension (dim 1; for ``[N, C]`` logits ``Shard(-1)`` too) computes the loss
+    without gathering the logits (:func:`vocab_parallel_cross_entropy`).
+
+    Differences from ``torch.distributed.tensor.parallel.loss_parallel``: the loss comes back
+    as a plain (replicated) tensor, so ``backward()`` may run inside or outside the context;
+    ``weight`` and ``label_smoothing`` are not supported yet. Other inputs pass through.
+    """
+    with _LossParallelMode():
+        yield
