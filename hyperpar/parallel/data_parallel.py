@@ -1,0 +1,270 @@
+"""Data parallelism over one mesh dimension: average gradients across replicas after backward.
+
+``data_parallel(model, mesh, dim="dp")`` changes ``model`` in place (its class becomes a
+subclass that adds :meth:`DataParallelModule.no_sync` and
+:meth:`DataParallelModule.finish_gradient_sync`; parameter names and ``state_dict`` keys do not
+change) and returns it:
+
+* at wrap time every parameter and buffer is broadcast from the first rank of the dp group, so
+  replicas start equal;
+* during backward, each parameter's gradient is copied into a flat bucket as soon as it has been
+  accumulated (``register_post_accumulate_grad_hook``); a full bucket is all-reduced
+  asynchronously (``op="avg"``) while backward goes on. Buckets are launched strictly in bucket
+  order on every rank, so ranks whose autograd graphs run in a different order still pair their
+  collectives correctly;
+* at the end of backward (an autograd-engine callback) the remaining buckets are launched,
+  every handle is waited on and the averaged values are copied back into ``.grad``. A parameter
+  that received no gradient on this rank contributes zeros (and gets the average).
+
+DTensor parameters (tensor-parallel shards) are reduced through their *local* tensor over the dp
+group only: their tp layout is untouched. ``with model.no_sync():`` skips the reduction, so
+gradients accumulate locally; the first backward outside it averages the accumulated sum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from hyperpar.platform import get_platform
+
+__all__ = ["DataParallelModule", "data_parallel", "finish_gradient_sync", "no_sync"]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor autograd accumulates into: a DTensor's local shard, else the tensor."""
+    to_local = getattr(tensor, "to_local", None)
+    if to_local is not None and hasattr(tensor, "placements"):
+        return to_local()
+    return tensor
+
+
+def resolve_group(mesh: Any = None, dim: str | int | None = "dp", group: Any = None) -> Any:
+    """The process group of mesh dimension ``dim`` (a 1-D mesh needs no name), or ``group``
+    as given, or the world group when neither is given."""
+    if group is not None:
+        if mesh is not None:
+            raise ValueError("data_parallel: pass either mesh= (with dim=) or group=, not both")
+        return group
+    if mesh is None:
+        return None
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    if mesh.ndim == 1 and (dim is None or dim not in names):
+        return mesh.get_group(0)
+    if dim is None:
+        raise ValueError(f"data_parallel: the {mesh.ndim}-D mesh {mesh!r} needs dim= (a name)")
+    return mesh.get_group(dim)
+
+
+@dataclass
+class _Bucket:
+    index: int
+    params: list[torch.Tensor]  # local leaf tensors
+    offsets: list[int]
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+    pending: set[int] = field(default_factory=set)  # ids of params not ready yet
+    buffer: torch.Tensor | None = None
+    work: Any = None
+    launched: bool = False
+
+
+class _Reducer:
+    """Owns the buckets and the per-backward state of one data-parallel module."""
+
+    def __init__(self, params: list[torch.Tensor], group: Any, bucket_cap_bytes: int) -> None:
+        self.group = group
+        self.platform = get_platform()
+        self.size = self.platform.world_size(group)
+        self.sync_enabled = True
+        self._in_backward = False
+        self._next = 0  # next bucket to launch, in order
+        self.buckets: list[_Bucket] = []
+        self._where: dict[int, _Bucket] = {}
+        self._handles: list[Any] = []
+        #: buckets launched before the end of the last backward (overlapped with it)
+        self.launched_during_backward = 0
+        # Gradients arrive roughly in reverse registration order: bucket from the end.
+        current: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+        for p in reversed(params):
+            key = (p.dtype, p.device)
+            current.setdefault(key, []).append(p)
+            sizes[key] = sizes.get(key, 0) + p.numel() * p.element_size()
+            if sizes[key] >= bucket_cap_bytes:
+                self._add_bucket(current.pop(key))
+                sizes[key] = 0
+        for group_params in current.values():
+            if group_params:
+                self._add_bucket(group_params)
+        for p in params:
+            self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _add_bucket(self, params: list[torch.Tensor]) -> None:
+        offsets, n = [], 0
+        for p in params:
+            offsets.append(n)
+            n += p.numel()
+        bucket = _Bucket(len(self.buckets), params, offsets, n, params[0].dtype, params[0].device)
+        self.buckets.append(bucket)
+        for p in params:
+            self._where[id(p)] = bucket
+
+    # -------------------------------------------------------------- backward machinery
+    def _start_backward(self) -> None:
+        self._in_backward = True
+        self._next = 0
+        for b in self.buckets:
+            b.pending = {id(p) for p in b.params}
+            b.work = None
+            b.launched = False
+        queue_callback = getattr(torch.autograd.Variable._execution_engine, "queue_callback",
+                                 None)
+        if queue_callback is not None:
+            queue_callback(self.finish)
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self.sync_enabled or self.size == 1:
+            return
+        if not self._in_backward:
+            self._start_backward()
+        bucket = self._where[id(param)]
+        bucket.pending.discard(id(param))
+        while self._next < len(self.buckets) and not self.buckets[self._next].pending:
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        flat = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+        for p, off in zip(bucket.params, bucket.offsets, strict=True):
+            if p.grad is not None:
+                flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
+        bucket.buffer = flat
+        bucket.work = self.platform.all_reduce(flat, op="avg", group=self.group, async_op=True)
+        bucket.launched = True
+
+    def finish(self) -> None:
+        """Launch what is left, wait for every bucket, write the averages into ``.grad``."""
+        if not self._in_backward:
+            return
+        self._in_backward = False
+        self.launched_during_backward = self._next
+        for bucket in self.buckets[self._next:]:
+            self._launch(bucket)
+        self._next = len(self.buckets)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            flat = bucket.buffer
+            for p, off in zip(bucket.params, bucket.offsets, strict=True):
+                avg = flat[off:off + p.numel()].view(p.shape)
+                if p.grad is None:
+                    p.grad = avg.clone()
+                else:
+                    p.grad.copy_(avg)
+            bucket.buffer = None
+            bucket.work = None
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+class DataParallelModule(nn.Module):
+    """Mixin class of a module prepared by :func:`data_parallel` (never built directly)."""
+
+    _hp_reducer: _Reducer
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside this block accumulate gradients locally, without averaging;
+        the first backward after it averages the accumulated gradients."""
+        reducer = self._hp_reducer
+        old = reducer.sync_enabled
+        reducer.sync_enabled = False
+        try:
+            yield
+        finally:
+            reducer.sync_enabled = old
+
+    def finish_gradient_sync(self) -> None:
+        """Complete the gradient averaging of the last backward now (normally done by an
+        autograd callback at the end of backward; calling it again is harmless)."""
+        self._hp_reducer.finish()
+
+    @property
+    def dp_group(self) -> Any:
+        """The process group gradients are averaged over."""
+        return self._hp_reducer.group
+
+
+def data_parallel(model: nn.Module, mesh: Any = None, dim: str | int | None = "dp", *,
+                  group: Any = None, bucket_cap_mb: float = 25.0,
+                  broadcast_from_first_rank: bool = True) -> nn.Module:
+    """Make ``model`` average its gradients over the data-parallel group after backward.
+
+    Args:
+        model: a module (plain or tensor-parallelised with DTensor parameters).
+        mesh: a :class:`~hyperpar.dtensor.DeviceMesh`; its dimension ``dim`` is the dp group
+            (a 1-D mesh may omit ``dim``). Without ``mesh`` and ``group``: the world.
+        dim: the mesh dimension name (or index) of the replicas.
+        group: a process group from ``get_platform().new_group(...)`` instead of a mesh.
+        bucket_cap_mb: gradient bytes per all-reduce bucket.
+        broadcast_from_first_rank: copy parameters and buffers from the first dp rank now.
+
+    Returns ``model`` itself, whose class now also derives from :class:`DataParallelModule`.
+    """
+    if isinstance(model, DataParallelModule):
+        raise ValueError(f"data_parallel: {type(model).__name__} is already data-parallel")
+    if bucket_cap_mb <= 0:
+        raise ValueError(f"data_parallel: bucket_cap_mb must be positive, got {bucket_cap_mb}")
+    platform = get_platform()
+    pg = resolve_group(mesh, dim, group)
+    src = platform.group_ranks(pg)[0]
+    seen: set[int] = set()
+    leaves: list[torch.Tensor] = []
+    for param in model.parameters():
+        local = _local(param)
+        if id(local) in seen:
+            continue
+        seen.add(id(local))
+        if broadcast_from_first_rank and platform.world_size(pg) > 1:
+            with torch.no_grad():
+                platform.broadcast(local.data, src, pg)
+        if param.requires_grad:
+            leaves.append(local)
+    if broadcast_from_first_rank and platform.world_size(pg) > 1:
+        for buf in model.buffers():
+            with torch.no_grad():
+                platform.broadcast(_local(buf).data, src, pg)
+    reducer = _Reducer(leaves, pg, int(bucket_cap_mb * 1024 * 1024))
+    cls = type(model)
+    model.__class__ = type(f"DataParallel{cls.__name__}", (cls, DataParallelModule), {})
+    model._hp_reducer = reducer
+    return model
+
+
+def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """``model.no_sync()`` for a data-parallel model (found among its submodules too)."""
+    return _find(model).no_sync()
+
+
+def finish_gradient_sync(model: nn.Module) -> None:
+    """``model.finish_gradient_sync()`` for every data-parallel module inside ``model``."""
+    for m in model.modules():
+        if isinstance(m, DataParallelModule):
+            m.finish_gradient_sync()
+
+
+def _find(model: nn.Module) -> DataParallelModule:
+    for m in model.modules():
+        if isinstance(m, DataParallelModule):
+            return m
+    raise ValueError(f"{type(model).__name__} has no data-parallel module; call data_parallel()")

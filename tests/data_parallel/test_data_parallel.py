@@ -1,0 +1,163 @@
+"""data_parallel: gradients averaged over the dp group, bucketed and overlapped with backward;
+training on n ranks equals one process on the full batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hyperpar.parallel.data_parallel import data_parallel
+from hyperpar.platform import get_platform
+from hyperpar.testing.parity import assert_close_to_reference
+
+BATCH, STEPS = 16, 3
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 4))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 4, generator=g)
+
+
+def _train(model: nn.Module, rank: int, world: int, accumulate: int = 1,
+           sync: bool = True) -> dict[str, torch.Tensor]:
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        x, y = _batch(step)
+        per = BATCH // world
+        x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        micro = per // accumulate
+        for i in range(accumulate):
+            xs, ys = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
+            last = i == accumulate - 1
+            ctx = model.no_sync() if (sync and not last) else _nullcontext()
+            with ctx:
+                loss = nn.functional.mse_loss(model(xs), ys) / accumulate
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _reference(accumulate: int = 1) -> dict[str, torch.Tensor]:
+    return _train(_model(), 0, 1, accumulate, sync=False)
+
+
+def _dp_training(bucket_cap_mb: float, accumulate: int = 1) -> dict[str, torch.Tensor]:
+    platform = get_platform()
+    rank, world = platform.rank(), platform.world_size()
+    model = data_parallel(_model(seed=rank), bucket_cap_mb=bucket_cap_mb)  # broadcast syncs
+    return _train(model, rank, world, accumulate)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dp_training_equals_one_process_on_the_full_batch(run_on_ranks, world):
+    results = run_on_ranks(world, _dp_training, 25.0)
+    ref = _reference()
+    for state in results:
+        assert_close_to_reference(state, ref, what=f"dp{world} state")
+
+
+def test_tiny_buckets_launch_many_all_reduces_with_the_same_result(run_on_ranks):
+    results = run_on_ranks(2, _dp_training, 0.0002)  # ~50 floats per bucket
+    ref = _reference()
+    for state in results:
+        assert_close_to_reference(state, ref, what="dp2 tiny-bucket state")
+
+
+def test_no_sync_accumulation_equals_one_big_batch(run_on_ranks):
+    results = run_on_ranks(2, _dp_training, 25.0, 2)
+    ref = _reference()
+    for state in results:
+        assert_close_to_reference(state, ref, what="dp2 no_sync state")
+
+
+def _bucket_launches() -> tuple[int, int]:
+    model = data_parallel(_model(), bucket_cap_mb=0.0002)
+    x, y = _batch(0)
+    nn.functional.mse_loss(model(x), y).backward()
+    reducer = model._hp_reducer
+    return len(reducer.buckets), reducer.launched_during_backward
+
+
+def test_full_buckets_are_all_reduced_during_backward_not_after(run_on_ranks):
+    for n_buckets, overlapped in run_on_ranks(2, _bucket_launches):
+        assert n_buckets == 3  # one per Linear: each weight alone exceeds the cap
+        assert overlapped == 3
+
+
+class _TwoBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 1)
+        self.b = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return self.b(x) if use_b else self.a(x)
+
+
+def _unused_param_gets_average() -> list[torch.Tensor]:
+    rank = get_platform().rank()
+    torch.manual_seed(0)
+    model = data_parallel(_TwoBranch())
+    x = torch.full((1, 4), float(rank + 1))
+    model(x, use_b=rank == 1).sum().backward()
+    return [model.a.weight.grad.clone(), model.b.weight.grad.clone()]
+
+
+def test_parameter_unused_on_one_rank_gets_the_average_with_zero(run_on_ranks):
+    (a0, b0), (a1, b1) = run_on_ranks(2, _unused_param_gets_average)
+    torch.testing.assert_close(a0, torch.full((1, 4), 0.5))  # rank 0's 1s, rank 1's 0s
+    torch.testing.assert_close(b0, torch.full((1, 4), 1.0))  # rank 0's 0s, rank 1's 2s
+    torch.testing.assert_close(a1, a0)
+    torch.testing.assert_close(b1, b0)
+
+
+class _ShardedScale(nn.Module):
+    """A tensor-parallel-like module: a DTensor weight sharded over tp, forward on the local
+    shard."""
+
+    def __init__(self, mesh) -> None:
+        super().__init__()
+        from hyperpar.dtensor.api import distribute_tensor
+        from hyperpar.dtensor.placement import Shard
+
+        full = torch.arange(8, dtype=torch.float32)
+        self.w = nn.Parameter(distribute_tensor(full, mesh["tp"], [Shard(0)]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.w.to_local() * x).sum()
+
+
+def _dtensor_grads_reduced_over_dp_only() -> tuple[list[float], tuple, int]:
+    from hyperpar.dtensor.mesh import init_device_mesh
+
+    mesh = init_device_mesh((2, 2), mesh_dim_names=("dp", "tp"))
+    model = data_parallel(_ShardedScale(mesh), mesh, "dp")
+    rank = get_platform().rank()
+    model(torch.full((4,), float(rank))).backward()
+    g = model.w.to_local().grad
+    return g.tolist(), tuple(model.w.placements), mesh.get_local_rank("tp")
+
+
+def test_dtensor_parameter_local_grad_is_averaged_over_dp_only(run_on_ranks):
+    results = run_on_ranks(4, _dtensor_grads_reduced_over_dp_only)
+    # mesh [[0, 1], [2, 3]]: dp groups {0, 2} and {1, 3}; the local grad is the input value.
+    for rank, (grad, placements, tp_index) in enumerate(results):
+        expected = [(0 + 2) / 2] * 4 if tp_index == 0 else [(1 + 3) / 2] * 4
+        assert grad == expected, f"rank {rank}"
+        assert "Shard(dim=0)" in repr(placements)
