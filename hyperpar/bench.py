@@ -209,7 +209,7 @@ def render_markdown(runs: list[BenchRun], mach: dict[str, Any], png: str | None)
     return "\n".join(out).rstrip() + "\n"
 
 
-def plot_ratios(rows: list[dict[str, Any]], path: Path) -> str | None:
+def plot_ratios(rows: list[dict[str, Any]], path: Path, title: str = "") -> str | None:
     """Bar chart of the ratios into ``path``; returns a message instead when impossible."""
     data = [(f"{r['benchmark']}: {r['case']}", r["ratio"]) for r in rows
             if r["ratio"] is not None and math.isfinite(r["ratio"])]
@@ -230,6 +230,8 @@ def plot_ratios(rows: list[dict[str, Any]], path: Path) -> str | None:
     ax.invert_yaxis()
     ax.axvline(1.0, color="black", linewidth=1)
     ax.set_xlabel("hyperpar time / reference time (lower is better, 1 = parity)")
+    if title:
+        ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -287,7 +289,8 @@ def main(names: list[str] | None = None, out_dir: str = "bench-results",
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = [r for run in runs for r in run.rows]
-    message = plot_ratios(rows, out / "ratios.png")
+    message = plot_ratios(rows, out / "ratios.png",
+                          title=f"backend {mach['backend']}, {mach['processor']}, {mach['date']}")
     if message:
         print(f"hyperpar bench: {message}")
     markdown = render_markdown(runs, mach, None if message else "ratios.png")

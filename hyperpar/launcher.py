@@ -104,6 +104,14 @@ def worker_env(backend: str, devices: str | None, quiet: bool) -> dict[str, str]
     return env
 
 
+def _visible_devices_only(backend: str, devices: str) -> dict[str, str]:
+    from hyperpar.platform import backends
+
+    info = backends().get(backend)
+    var = info.cls.visible_devices_env if info is not None else None
+    return {var: devices.replace(" ", "")} if var else {}
+
+
 def torchrun_args(opts: LaunchOptions) -> list[str]:
     """The argument list handed to ``torch.distributed.run`` for ``opts``."""
     args = ["--nproc-per-node", str(opts.nproc_per_node), "--nnodes", str(opts.nnodes),
@@ -157,6 +165,10 @@ def launch(opts: LaunchOptions, *, out=None) -> int:
         print(f"hyperpar run: error: script {opts.script!r} not found", file=out)
         return 2
     try:
+        named = opts.backend or os.environ.get("HYPERPAR_BACKEND", "").strip()
+        if named and opts.devices is not None:
+            # Restrict the devices before the availability probe, so it sees what workers see.
+            os.environ.update(_visible_devices_only(named, opts.devices))
         backend, rule = resolve_backend(opts.backend)
         env = worker_env(backend, opts.devices, opts.quiet)
         _check_devices_cover(opts)
