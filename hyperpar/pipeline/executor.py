@@ -1,0 +1,399 @@
+"""Executors: run a schedule's plan on a :class:`~hyperpar.pipeline.PipelineModule`.
+
+The plan (pure data, see :mod:`hyperpar.pipeline.schedules`) is lowered to batches of sends and
+receives plus compute actions, checked for deadlock once per shape of the pipeline, and then
+replayed by :meth:`PipelineSchedule.step`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from .module import PipelineModule
+from .p2p import P2P, Meta, flatten, meta_of
+from .schedules import (
+    Action,
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Comm,
+    Forward,
+    PlanFn,
+    Step,
+    bubble_fraction_theory,
+    choose_lowering,
+    gpipe_plan,
+    interleaved_1f1b_plan,
+    lower,
+    one_f_one_b_plan,
+    zero_bubble_plan,
+)
+
+
+def split_microbatches(value: Any, n: int, dim: int = 0) -> list[Any]:
+    """Split tensors (recursively inside tuples, lists and dicts) into ``n`` chunks along
+    ``dim`` (``torch.tensor_split``: sizes differ by at most one); other values are repeated."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() <= dim or value.shape[dim] < n:
+            raise ValueError(
+                f"cannot split a tensor of shape {tuple(value.shape)} into {n} microbatches "
+                f"along dim {dim}: it needs at least {n} rows there. Use fewer microbatches or "
+                f"a larger batch."
+            )
+        return list(torch.tensor_split(value, n, dim=dim))
+    if isinstance(value, tuple | list):
+        parts = [split_microbatches(v, n, dim) for v in value]
+        return [type(value)(p[i] for p in parts) for i in range(n)]
+    if isinstance(value, dict):
+        parts = {k: split_microbatches(v, n, dim) for k, v in value.items()}
+        return [{k: p[i] for k, p in parts.items()} for i in range(n)]
+    return [value] * n
+
+
+def merge_microbatches(chunks: Sequence[Any], dim: int = 0) -> Any:
+    """Inverse of :func:`split_microbatches` for tensors and tuples of tensors."""
+    first = chunks[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(chunks), dim=dim)
+    if isinstance(first, tuple | list):
+        return type(first)(merge_microbatches([c[i] for c in chunks], dim)
+                           for i in range(len(first)))
+    return first
+
+
+def _leaf(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    t = t.detach()
+    return t.requires_grad_() if requires_grad and (t.is_floating_point() or t.is_complex()) \
+        else t
+
+
+@dataclass
+class _Unit:
+    layers: list[int]
+    ins: list[torch.Tensor]          # leaves of the unit's input that require grad
+    outs: list[torch.Tensor]         # unit outputs that require grad
+    grads: list[torch.Tensor] | None = None
+
+
+@dataclass
+class StepTimings:
+    """Where one step's time went on this rank (seconds)."""
+
+    step_s: float = 0.0
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    per_action: list[tuple[str, float]] = field(default_factory=list)
+
+    @property
+    def idle_fraction(self) -> float:
+        """Share of the step not spent computing (bubble plus communication)."""
+        return 1.0 - self.compute_s / self.step_s if self.step_s else 0.0
+
+
+class PipelineSchedule:
+    """Base executor; subclasses set :attr:`plan_fn`.
+
+    ``PipelineSchedule(module, n_microbatches, *, loss_fn=None, batch_dim=0,
+    dynamic_shapes=False)``. ``step(*args, target=None, losses=None, **kwargs)`` splits
+    ``args``/``kwargs`` (used on the rank holding stage 0) and ``target`` (used on the rank
+    holding the last stage) into microbatches along ``batch_dim``, runs forward and backward,
+    and returns the loss of the whole batch on the last stage's rank (``None`` elsewhere).
+
+    Each microbatch loss is weighted by its share of the batch, so the gradients equal those
+    of one large batch for a loss that averages over the batch (``mean`` reduction). Gradients
+    accumulate into ``.grad`` like ``loss.backward()``; tied-weight gradients are summed over
+    their owning stages at the end of the step.
+    """
+
+    plan_fn: ClassVar[PlanFn]
+    one_stage_per_rank: ClassVar[bool] = True
+    split_backward: ClassVar[bool] = False
+
+    def __init__(self, module: PipelineModule, n_microbatches: int, *,
+                 loss_fn: Any = None, batch_dim: int = 0, dynamic_shapes: bool = False) -> None:
+        if not isinstance(module, PipelineModule):
+            raise TypeError(f"{type(self).__name__} drives a PipelineModule, got "
+                            f"{type(module).__name__}")
+        if n_microbatches < 1:
+            raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
+        if self.one_stage_per_rank and module.virtual_stages != 1:
+            raise ValueError(
+                f"{type(self).__name__} runs one stage per rank but the module has "
+                f"virtual_stages={module.virtual_stages}; use ScheduleInterleaved1F1B"
+            )
+        self.module = module
+        self.n_microbatches = n_microbatches
+        self.loss_fn = loss_fn if loss_fn is not None else module.loss_fn
+        if self.loss_fn is None:
+            raise ValueError(f"{type(self).__name__}: no loss function; pass loss_fn= to the "
+                             f"schedule or to PipelineModule")
+        self.batch_dim = batch_dim
+        self.n_stages = module.total_stages
+        self.n_ranks = module.num_stages
+        plan_fn = type(self).plan_fn
+        self.fuse = choose_lowering(plan_fn, self.n_stages, n_microbatches, self.n_ranks)
+        self._plan = plan_fn(self.n_stages, n_microbatches, module.stage_id, self.n_ranks)
+        self.program: list[Step] = lower(self._plan, self.n_stages, self.n_ranks,
+                                         fuse=self.fuse)
+        self._p2p = P2P(module.group, module.stage_ranks, dynamic_shapes)
+        self.last_timings = StepTimings()
+
+    # ------------------------------------------------------------------ introspection
+    def plan(self) -> list[Action]:
+        """This rank's compute actions for one step."""
+        return list(self._plan)
+
+    def bubble_fraction_theory(self) -> float:
+        return bubble_fraction_theory(self.n_ranks, self.n_microbatches,
+                                      self.module.virtual_stages)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(stages={self.n_stages}, ranks={self.n_ranks}, "
+                f"microbatches={self.n_microbatches})")
+
+    # ------------------------------------------------------------------ step
+    def step(self, *args: Any, target: Any = None, losses: list[Any] | None = None,
+             **kwargs: Any) -> torch.Tensor | None:
+        mod, m, last = self.module, self.n_microbatches, self.n_stages - 1
+        t_step = time.perf_counter()
+        timings = StepTimings()
+        self._args = self._kwargs = self._targets = None
+        if 0 in mod.local_stages:
+            if not args:
+                raise ValueError("step(): the rank holding stage 0 needs the model inputs")
+            self._args = split_microbatches(args, m, self.batch_dim)
+            self._kwargs = split_microbatches(kwargs, m, self.batch_dim)
+        self._weights = [1.0 / m] * m
+        if last in mod.local_stages and target is not None:
+            self._targets = split_microbatches(target, m, self.batch_dim)
+            if isinstance(target, torch.Tensor):
+                total = target.shape[self.batch_dim]
+                self._weights = [t.shape[self.batch_dim] / total for t in self._targets]
+        self._inputs: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._outputs: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._units: dict[tuple[int, int], list[_Unit]] = {}
+        self._act_in: dict[tuple[int, int], Any] = {}
+        self._grad_in: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._outbox: dict[Comm, tuple[Sequence[torch.Tensor], bool]] = {}
+        self._out_meta: dict[tuple[int, int], Meta] = {}
+        self._losses: list[torch.Tensor | None] = [None] * m
+        stash = mod._stash_tied_gradients()
+        for step in self.program:
+            if step.comms:
+                t0 = time.perf_counter()
+                self._communicate(step.comms)
+                timings.comm_s += time.perf_counter() - t0
+            if step.action is not None:
+                t0 = time.perf_counter()
+                self._run(step.action)
+                dt = time.perf_counter() - t0
+                timings.compute_s += dt
+                timings.per_action.append((repr(step.action), dt))
+        t0 = time.perf_counter()
+        mod.allreduce_tied_gradients()
+        mod._restore_tied_gradients(stash)
+        timings.comm_s += time.perf_counter() - t0
+        timings.step_s = time.perf_counter() - t_step
+        self.last_timings = timings
+        if last not in mod.local_stages:
+            return None
+        mb_losses = [loss for loss in self._losses if loss is not None]
+        if losses is not None:
+            losses.extend(mb_losses)
+        return sum(loss * w for loss, w in zip(mb_losses, self._weights, strict=False))
+
+    # ------------------------------------------------------------------ communication
+    def _communicate(self, comms: Sequence[Comm]) -> None:
+        sends, recvs = [], []
+        for c in comms:
+            if c.kind == "send":
+                tensors, single = self._outbox.pop(c)
+                sends.append((c, tensors, single))
+            elif c.what == "act":
+                recvs.append((c, None))
+            else:  # gradient for our stage c.stage - 1's outputs: shapes known locally
+                meta = self._out_meta[(c.stage - 1, c.mb)]
+                recvs.append((c, Meta(False, tuple(t for t in meta.tensors
+                                                   if t.requires_grad))))
+        got = self._p2p.exchange(sends, recvs)
+        for c, bufs in got.items():
+            if c.what == "act":
+                meta = self._p2p.meta(c)
+                leaves = [_leaf(b, t.requires_grad)
+                          for b, t in zip(bufs, meta.tensors, strict=True)]
+                self._act_in[(c.stage + 1, c.mb)] = leaves[0] if meta.single else tuple(leaves)
+            else:
+                self._grad_in[(c.stage - 1, c.mb)] = bufs
+
+    def _hand_off(self, what: str, stage: int, mb: int, tensors: Sequence[torch.Tensor],
+                  single: bool) -> None:
+        """Deliver to the neighbour stage: locally if it is on this rank, else via the outbox."""
+        nxt = stage + 1 if what == "act" else stage - 1
+        if nxt % self.n_ranks == stage % self.n_ranks:   # same rank (one-rank pipeline)
+            if what == "act":
+                leaves = [_leaf(t, t.requires_grad) for t in tensors]
+                self._act_in[(nxt, mb)] = leaves[0] if single else tuple(leaves)
+            else:
+                self._grad_in[(nxt, mb)] = list(tensors)
+            return
+        self._outbox[Comm("send", what, mb, stage, nxt % self.n_ranks)] = (tensors, single)
+
+    # ------------------------------------------------------------------ compute
+    def _run(self, action: Action) -> None:
+        if isinstance(action, Forward):
+            self._forward(action.stage, action.mb)
+        elif isinstance(action, Backward):
+            self._backward(action.stage, action.mb)
+        elif isinstance(action, BackwardInput):
+            self._backward_input(action.stage, action.mb)
+        elif isinstance(action, BackwardWeight):
+            self._backward_weight(action.stage, action.mb)
+        else:
+            raise TypeError(f"unknown action {action!r}")
+
+    def _forward(self, stage: int, mb: int) -> None:
+        mod = self.module
+        kwargs: dict[str, Any] = {}
+        if stage == 0:
+            args = self._args[mb]
+            x = args[0] if len(args) == 1 else tuple(args)
+            kwargs = self._kwargs[mb]
+        else:
+            x = self._act_in.pop((stage, mb))
+        ins, _ = flatten(x, f"input of stage {stage}") if stage > 0 else ((), True)
+        self._inputs[(stage, mb)] = [t for t in ins if t.requires_grad]
+        if self.split_backward:
+            out = self._forward_units(stage, mb, x, kwargs)
+        else:
+            out = mod.forward_stage(stage, x, **kwargs)
+        if stage == self.n_stages - 1:
+            target = self._targets[mb] if self._targets is not None else None
+            loss = self.loss_fn(out, target) if target is not None else self.loss_fn(out)
+            self._losses[mb] = loss.detach()
+            scaled = loss * self._weights[mb]
+            self._outputs[(stage, mb)] = [scaled]
+            if self.split_backward:
+                self._units[(stage, mb)][-1].outs = [scaled]
+            return
+        tensors, single = flatten(out, f"output of stage {stage}")
+        self._out_meta[(stage, mb)] = meta_of(tensors, single)
+        self._outputs[(stage, mb)] = [t for t in tensors if t.requires_grad]
+        self._hand_off("act", stage, mb, tensors, single)
+
+    def _output_grads(self, stage: int, mb: int) -> list[torch.Tensor] | None:
+        if stage == self.n_stages - 1:
+            return None
+        return self._grad_in.pop((stage, mb))
+
+    def _send_input_grads(self, stage: int, mb: int, grads: Sequence[torch.Tensor | None]
+                          ) -> None:
+        if stage == 0:
+            return
+        ins = self._inputs.pop((stage, mb))
+        full = [g if g is not None else torch.zeros_like(t)
+                for g, t in zip(grads, ins, strict=True)]
+        self._hand_off("grad", stage, mb, full, False)
+
+    def _backward(self, stage: int, mb: int) -> None:
+        outs = self._outputs.pop((stage, mb))
+        grads = self._output_grads(stage, mb)
+        if outs:
+            torch.autograd.backward(outs, grads)
+        ins = self._inputs.get((stage, mb), [])
+        self._send_input_grads(stage, mb, [t.grad for t in ins])
+        self._inputs.pop((stage, mb), None)
+
+    # zero-bubble: forward unit by unit so each unit's weight gradient can run on its own
+    def _forward_units(self, stage: int, mb: int, x: Any, kwargs: dict[str, Any]) -> Any:
+        mod = self.module
+        units: list[_Unit] = []
+        ins = list(self._inputs[(stage, mb)])
+        for j, layers in enumerate(mod.stage_units(stage)):
+            if j > 0:
+                if isinstance(x, torch.Tensor):
+                    x = _leaf(x, x.requires_grad)
+                    ins = [x] if x.requires_grad else []
+                elif isinstance(x, tuple | list):
+                    x = type(x)(_leaf(t, t.requires_grad) if isinstance(t, torch.Tensor) else t
+                                for t in x)
+                    ins = [t for t in x if isinstance(t, torch.Tensor) and t.requires_grad]
+            out = mod.run_unit(layers, x, **(kwargs if j == 0 else {}))
+            outs = ([out] if isinstance(out, torch.Tensor) else
+                    [t for t in out if isinstance(t, torch.Tensor)]
+                    if isinstance(out, tuple | list) else [])
+            units.append(_Unit(layers, ins, [t for t in outs if t.requires_grad]))
+            x = out
+        self._units[(stage, mb)] = units
+        return x
+
+    def _backward_input(self, stage: int, mb: int) -> None:
+        units = self._units[(stage, mb)]
+        self._outputs.pop((stage, mb))
+        grads = self._output_grads(stage, mb)
+        if grads is None:   # last stage: the (scaled) loss
+            grads = [torch.ones_like(t) for t in units[-1].outs]
+        for unit in reversed(units):
+            unit.grads = list(grads)
+            if unit.ins and unit.outs:
+                got = torch.autograd.grad(unit.outs, unit.ins, unit.grads, retain_graph=True,
+                                          allow_unused=True)
+                grads = [g if g is not None else torch.zeros_like(t)
+                         for g, t in zip(got, unit.ins, strict=False)]
+            else:
+                grads = [torch.zeros_like(t) for t in unit.ins]
+        self._send_input_grads(stage, mb, grads)
+        self._inputs.pop((stage, mb), None)
+
+    def _backward_weight(self, stage: int, mb: int) -> None:
+        for unit in self._units.pop((stage, mb)):
+            params = self.module.unit_parameters(unit.layers)
+            if params and unit.outs:
+                torch.autograd.backward(unit.outs, unit.grads, inputs=params)
+
+
+class ScheduleGPipe(PipelineSchedule):
+    """GPipe: all forwards, then all backwards. Any microbatch count."""
+
+    plan_fn = staticmethod(gpipe_plan)
+
+
+class Schedule1F1B(PipelineSchedule):
+    """1F1B (PipeDream-flush): same bubble as GPipe, at most ``p - rank`` microbatches'
+    activations alive. Any microbatch count."""
+
+    plan_fn = staticmethod(one_f_one_b_plan)
+
+
+class ScheduleInterleaved1F1B(PipelineSchedule):
+    """Interleaved 1F1B over ``PipelineModule(..., virtual_stages=v)``: bubble about ``v``
+    times smaller. Microbatch count below ``2p`` or a multiple of ``p``."""
+
+    plan_fn = staticmethod(interleaved_1f1b_plan)
+    one_stage_per_rank = False
+
+
+class ScheduleZeroBubble(PipelineSchedule):
+    """Zero-bubble (ZB-H1 style): backward split into input-gradient and deferred
+    weight-gradient actions, run per layer (per checkpoint unit when checkpointing)."""
+
+    plan_fn = staticmethod(zero_bubble_plan)
+    split_backward = True
+
+
+def get_schedule_class(name: str) -> type[PipelineSchedule]:
+    """Schedule class by name (``"gpipe"``, ``"1f1b"``, ``"interleaved1f1b"``,
+    ``"zerobubble"``; case and ``_``/``-`` ignored)."""
+    table = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+             "interleaved1f1b": ScheduleInterleaved1F1B, "zerobubble": ScheduleZeroBubble,
+             "zb": ScheduleZeroBubble, "zbh1": ScheduleZeroBubble}
+    key = name.lower().replace("_", "").replace("-", "").replace("schedule", "")
+    if key not in table:
+        raise ValueError(f"unknown pipeline schedule {name!r}; known: {sorted(table)}")
+    return table[key]
+
+

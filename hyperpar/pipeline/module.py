@@ -1,0 +1,306 @@
+"""PipelineModule: a layer list split into stages, of which each rank builds only its own."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hyperpar.platform import get_platform
+
+from .partition import partition_layers
+from .spec import LayerSpec, TiedLayerSpec
+
+
+def _pipeline_group_from_mesh(mesh: Any, dim: str | int) -> Any:
+    """The process group of mesh dimension ``dim`` (duck-typed DeviceMesh)."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if isinstance(dim, str) and dim not in names:
+        ndim = getattr(mesh, "ndim", None)
+        if ndim == 1 or (ndim is None and len(names) <= 1):
+            dim = 0
+        else:
+            raise ValueError(
+                f"PipelineModule: mesh has dimensions {names or '(unnamed)'} and none is named "
+                f"{dim!r}; name the pipeline dimension 'pp' or pass mesh_dim=<name or index>"
+            )
+    return mesh.get_group(dim)
+
+
+class PipelineModule(nn.Module):
+    """A sequence of layers split into ``num_stages`` pipeline stages over a process group.
+
+    ``layers`` may hold :class:`LayerSpec` / :class:`TiedLayerSpec` (built only on the rank that
+    owns them), plain modules, or callables (e.g. ``lambda x: x.flatten(1)``). Layer ``i`` is
+    called as ``layer(x)`` with whatever layer ``i - 1`` returned (a tensor or a tuple).
+
+    The pipeline group is ``group`` (a platform group handle; default: the world) or the ``"pp"``
+    dimension of ``mesh`` (any object with ``get_group(dim)``, e.g. a hyperpar ``DeviceMesh``).
+    ``num_stages`` defaults to the group size; a smaller divisor of the world size splits the
+    world into ``world // num_stages`` independent pipelines of consecutive stages
+    (pipeline ``d`` is global ranks ``d, d + dp, d + 2*dp, ...``), as DeepSpeed does.
+
+    ``virtual_stages=v`` cuts the layers into ``num_stages * v`` stages placed round-robin
+    (stage ``s`` on pipeline rank ``s % num_stages``), for interleaved schedules.
+
+    ``partition_method``: ``"parameters"`` (default), ``"uniform"``, ``"type:REGEX"`` or an
+    explicit list of boundaries (see :func:`~hyperpar.pipeline.partition_layers`).
+
+    ``activation_checkpoint_interval=k`` recomputes each run of ``k`` layers in backward
+    instead of storing its activations (0: off). ``seed_layers=True`` seeds the random generator
+    with ``base_seed + layer_index`` before building each layer, so a layer's initial weights do
+    not depend on the partition (a tied layer uses the index of its first position).
+    """
+
+    def __init__(self, layers: Sequence[Any], num_stages: int | None = None, *,
+                 group: Any = None, mesh: Any = None, mesh_dim: str | int = "pp",
+                 loss_fn: Callable[..., torch.Tensor] | None = None,
+                 partition_method: str | Sequence[int] = "parameters",
+                 activation_checkpoint_interval: int = 0, seed_layers: bool = False,
+                 base_seed: int = 1234, virtual_stages: int = 1) -> None:
+        super().__init__()
+        platform = get_platform()
+        layers = list(layers)
+        if not layers:
+            raise ValueError("PipelineModule: the layer list is empty")
+        if mesh is not None and group is not None:
+            raise ValueError("PipelineModule: pass either mesh= or group=, not both")
+        if virtual_stages < 1:
+            raise ValueError(f"PipelineModule: virtual_stages must be >= 1, got {virtual_stages}")
+        if activation_checkpoint_interval < 0:
+            raise ValueError("PipelineModule: activation_checkpoint_interval must be >= 0, got "
+                             f"{activation_checkpoint_interval}")
+        for i, layer in enumerate(layers):
+            if not (isinstance(layer, LayerSpec | nn.Module) or callable(layer)):
+                raise TypeError(
+                    f"PipelineModule: layer {i} is {layer!r} of type {type(layer).__name__}; "
+                    f"expected a LayerSpec, TiedLayerSpec, nn.Module or callable"
+                )
+        if mesh is not None:
+            group = _pipeline_group_from_mesh(mesh, mesh_dim)
+
+        # ---------------------------------------------------------------- the pipeline group
+        distributed = platform.is_initialized()
+        group_size = platform.world_size(group) if distributed else 1
+        group_ranks = platform.group_ranks(group) if distributed else [0]
+        if num_stages is None:
+            num_stages = group_size
+        if not isinstance(num_stages, int) or num_stages < 1:
+            raise ValueError(f"PipelineModule: num_stages must be a positive int, got "
+                             f"{num_stages!r}")
+        if group_size % num_stages:
+            raise ValueError(
+                f"PipelineModule: num_stages={num_stages} does not divide the group size "
+                f"{group_size}; use a divisor of {group_size} (e.g. {group_size})"
+            )
+        self._tied_groups: dict[str, Any] = {}
+        self._tied_src: dict[str, int] = {}
+        if num_stages == 1:
+            self.group = None
+            self.stage_ranks = [platform.rank() if distributed else 0]
+        elif num_stages == group_size:
+            self.group = group
+            self.stage_ranks = group_ranks
+        else:
+            if group is not None and group_size != platform.world_size():
+                raise ValueError(
+                    f"PipelineModule: num_stages={num_stages} is smaller than the group "
+                    f"({group_size} ranks); splitting into several pipelines is supported only "
+                    f"for the world group. Pass a group of exactly {num_stages} ranks instead."
+                )
+            dp = group_size // num_stages
+            me = platform.rank()
+            self.group, self.stage_ranks = None, []
+            for d in range(dp):  # collective: every rank creates every pipeline's group
+                ranks = [group_ranks[s * dp + d] for s in range(num_stages)]
+                handle = platform.new_group(ranks)
+                if me in ranks:
+                    self.group, self.stage_ranks = handle, ranks
+        self._all_pipelines = self._pipelines(group_ranks, num_stages)
+        self.num_stages = num_stages
+        self.virtual_stages = virtual_stages
+        self.total_stages = num_stages * virtual_stages
+        me = platform.rank() if distributed else 0
+        self.stage_id = self.stage_ranks.index(me)
+        self.local_stages = [self.stage_id + k * num_stages for k in range(virtual_stages)]
+        self.loss_fn = loss_fn
+        self.activation_checkpoint_interval = activation_checkpoint_interval
+        self.seed_layers = seed_layers
+        self.base_seed = base_seed
+        self.parts = partition_layers(layers, self.total_stages, partition_method)
+        self._n_layers = len(layers)
+
+        # ---------------------------------------------------------------- build local layers
+        self.tied_modules = nn.ModuleDict()
+        self._tied_attrs: dict[str, tuple[str, ...]] = {}
+        first_index: dict[str, int] = {}
+        for i, layer in enumerate(layers):
+            if isinstance(layer, TiedLayerSpec):
+                first_index.setdefault(layer.key, i)
+        self._funcs: dict[int, Callable[..., Any]] = {}
+        self._layer_modules: dict[int, list[nn.Module]] = {}
+        device = platform.device()
+        for stage in self.local_stages:
+            for i in range(self.parts[stage], self.parts[stage + 1]):
+                layer = layers[i]
+                if isinstance(layer, TiedLayerSpec):
+                    if layer.key not in self.tied_modules:
+                        if seed_layers:
+                            platform.manual_seed(base_seed + first_index[layer.key])
+                        self.tied_modules[layer.key] = layer.build().to(device)
+                        self._tied_attrs[layer.key] = layer.tied_weight_attr
+                    module = self.tied_modules[layer.key]
+                    self._funcs[i] = (partial(layer.forward_fn, module)
+                                      if layer.forward_fn is not None else module)
+                    self._layer_modules[i] = [module]
+                elif isinstance(layer, LayerSpec):
+                    if seed_layers:
+                        platform.manual_seed(base_seed + i)
+                    module = layer.build().to(device)
+                    self.add_module(str(i), module)
+                    self._funcs[i] = module
+                    self._layer_modules[i] = [module]
+                elif isinstance(layer, nn.Module):
+                    self.add_module(str(i), layer.to(device))
+                    self._funcs[i] = layer
+                    self._layer_modules[i] = [layer]
+                else:
+                    self._funcs[i] = layer
+                    self._layer_modules[i] = []
+        self._setup_tied(layers, platform, distributed)
+
+    # ------------------------------------------------------------------ tied weights
+    @staticmethod
+    def _pipelines(group_ranks: list[int], num_stages: int) -> list[list[int]]:
+        dp = len(group_ranks) // num_stages
+        return [[group_ranks[s * dp + d] for s in range(num_stages)] for d in range(dp)]
+
+    def stage_owner(self, stage: int) -> int:
+        """Pipeline rank (index into :attr:`stage_ranks`) that holds ``stage``."""
+        return stage % self.num_stages
+
+    def _setup_tied(self, layers: list[Any], platform: Any, distributed: bool) -> None:
+        owners: dict[str, list[int]] = {}
+        for stage in range(self.total_stages):
+            for i in range(self.parts[stage], self.parts[stage + 1]):
+                if isinstance(layers[i], TiedLayerSpec):
+                    lst = owners.setdefault(layers[i].key, [])
+                    owner = self.stage_owner(stage)
+                    if owner not in lst:
+                        lst.append(owner)
+        self.tied_owners = owners  # key -> pipeline ranks holding a copy, first owner first
+        if not distributed or self.num_stages == 1:
+            return
+        for key in sorted(owners):
+            if len(owners[key]) < 2:
+                continue
+            for pipeline in self._all_pipelines:  # collective over the world, same order
+                ranks = sorted(pipeline[o] for o in owners[key])
+                handle = platform.new_group(ranks)
+                if self.stage_ranks == pipeline and key in self.tied_modules:
+                    self._tied_groups[key] = handle
+                    self._tied_src[key] = pipeline[owners[key][0]]
+        self.synchronize_tied_weights()
+
+    def synchronize_tied_weights(self) -> None:
+        """Broadcast every tied weight from its first owning stage to the other owners."""
+        platform = get_platform()
+        for key, handle in self._tied_groups.items():
+            for attr in self._tied_attrs[key]:
+                param = getattr(self.tied_modules[key], attr)
+                with torch.no_grad():
+                    platform.broadcast(param.data, src=self._tied_src[key], group=handle)
+
+    def tied_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """``(key.attr, parameter)`` for the tied weights held by this rank."""
+        return [(f"{key}.{attr}", getattr(self.tied_modules[key], attr))
+                for key in self.tied_modules for attr in self._tied_attrs[key]]
+
+    def allreduce_tied_gradients(self) -> None:
+        """Sum tied-weight gradients among the owning stages, so every copy gets the same,
+        complete gradient (a missing gradient counts as zero)."""
+        platform = get_platform()
+        for key, handle in self._tied_groups.items():
+            for attr in self._tied_attrs[key]:
+                param = getattr(self.tied_modules[key], attr)
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                platform.all_reduce(param.grad, "sum", group=handle)
+
+    def _stash_tied_gradients(self) -> list[tuple[nn.Parameter, torch.Tensor | None]]:
+        """Set aside gradients accumulated before a step, so only the step's own contribution
+        is all-reduced; :meth:`_restore_tied_gradients` adds them back."""
+        stash = []
+        for key in self._tied_groups:
+            for attr in self._tied_attrs[key]:
+                param = getattr(self.tied_modules[key], attr)
+                stash.append((param, param.grad))
+                param.grad = None
+        return stash
+
+    @staticmethod
+    def _restore_tied_gradients(stash: list[tuple[nn.Parameter, torch.Tensor | None]]) -> None:
+        for param, grad in stash:
+            if grad is not None:
+                param.grad = grad if param.grad is None else param.grad.add_(grad)
+
+    # ------------------------------------------------------------------ forward
+    def stage_layers(self, stage: int) -> range:
+        """Global indices of the layers of ``stage``."""
+        return range(self.parts[stage], self.parts[stage + 1])
+
+    def stage_units(self, stage: int) -> list[list[int]]:
+        """The stage's layers grouped into checkpoint units (one layer each when off)."""
+        idx = list(self.stage_layers(stage))
+        k = self.activation_checkpoint_interval or 1
+        return [idx[j:j + k] for j in range(0, len(idx), k)]
+
+    def unit_parameters(self, unit: Sequence[int]) -> list[nn.Parameter]:
+        """Trainable parameters used by the layers of ``unit`` (deduplicated)."""
+        seen: dict[int, nn.Parameter] = {}
+        for i in unit:
+            for module in self._layer_modules[i]:
+                for p in module.parameters():
+                    if p.requires_grad:
+                        seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def run_unit(self, unit: Sequence[int], x: Any, **kwargs: Any) -> Any:
+        """Run the layers of ``unit`` on ``x`` (checkpointed when the interval is set)."""
+        def run(inp: Any, **kw: Any) -> Any:
+            for j, i in enumerate(unit):
+                inp = self._funcs[i](inp, **kw) if (kw and j == 0) else self._funcs[i](inp)
+            return inp
+
+        if self.activation_checkpoint_interval and torch.is_grad_enabled():
+            return checkpoint(run, x, use_reentrant=False, **kwargs)
+        return run(x, **kwargs)
+
+    def forward_stage(self, stage: int, x: Any, **kwargs: Any) -> Any:
+        """Run every layer of ``stage`` (which must be local) on ``x``."""
+        if stage not in self.local_stages:
+            raise ValueError(f"stage {stage} is not on this rank (local stages: "
+                             f"{self.local_stages})")
+        for j, unit in enumerate(self.stage_units(stage)):
+            x = self.run_unit(unit, x, **(kwargs if j == 0 else {}))
+        return x
+
+    def forward(self, x: Any, **kwargs: Any) -> Any:
+        """Run the whole model; only possible when this rank holds every stage (one stage)."""
+        if len(self.local_stages) != self.total_stages:
+            raise RuntimeError(
+                f"PipelineModule.forward runs the whole model, but this rank holds only stages "
+                f"{self.local_stages} of {self.total_stages}; drive a pipeline with a schedule, "
+                f"e.g. Schedule1F1B(module, n_microbatches).step(x, target=y)"
+            )
+        for stage in range(self.total_stages):
+            x = self.forward_stage(stage, x, **(kwargs if stage == 0 else {}))
+        return x
+
+    def extra_repr(self) -> str:
+        return (f"stages={self.total_stages} (pipeline rank {self.stage_id} of "
+                f"{self.num_stages}, local stages {self.local_stages}), parts={self.parts}")

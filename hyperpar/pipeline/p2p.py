@@ -1,0 +1,138 @@
+"""Point-to-point transfer of stage activations and gradients, through the Platform only.
+
+Shapes and dtypes travel once per (kind, stage, microbatch) -- as a small int64 header ahead of
+the data -- and are cached on both sides; ``dynamic_shapes=True`` sends them every time. Every
+batch of sends and receives is posted together and then waited, which is the rendezvous model
+:func:`hyperpar.pipeline.schedules.check_plans` verifies the schedules against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hyperpar.platform import get_platform
+
+from .schedules import Comm
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64]
+_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape, dtype and whether a gradient flows back for one tensor crossing a stage."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class Meta:
+    """What one stage hands the next: a single tensor (``single``) or a tuple of tensors."""
+
+    single: bool
+    tensors: tuple[TensorMeta, ...]
+
+    def encode(self, device: torch.device) -> torch.Tensor:
+        out = [int(self.single), len(self.tensors)]
+        for t in self.tensors:
+            out += [_CODE[t.dtype], int(t.requires_grad), len(t.shape), *t.shape]
+        return torch.tensor(out, dtype=torch.int64, device=device)
+
+    @staticmethod
+    def decode(buf: torch.Tensor) -> Meta:
+        v = buf.tolist()
+        single, n, i, tensors = bool(v[0]), v[1], 2, []
+        for _ in range(n):
+            code, rg, nd = v[i], v[i + 1], v[i + 2]
+            tensors.append(TensorMeta(tuple(v[i + 3:i + 3 + nd]), _DTYPES[code], bool(rg)))
+            i += 3 + nd
+        return Meta(single, tuple(tensors))
+
+
+def flatten(value: Any, where: str) -> tuple[tuple[torch.Tensor, ...], bool]:
+    """``(tensors, single)`` for a tensor or a tuple/list of tensors; anything else raises."""
+    if isinstance(value, torch.Tensor):
+        return (value,), True
+    if isinstance(value, tuple | list) and all(isinstance(t, torch.Tensor) for t in value):
+        return tuple(value), False
+    raise TypeError(
+        f"{where}: a value crossing pipeline stages must be a tensor or a tuple of tensors, got "
+        f"{type(value).__name__}"
+        + (f" holding {[type(t).__name__ for t in value]}" if isinstance(value, tuple | list)
+           else "")
+    )
+
+
+def meta_of(tensors: Sequence[torch.Tensor], single: bool) -> Meta:
+    for t in tensors:
+        if t.dtype not in _CODE:
+            raise TypeError(f"pipeline P2P cannot carry dtype {t.dtype}; supported: {_DTYPES}")
+    return Meta(single, tuple(TensorMeta(tuple(t.shape), t.dtype, t.requires_grad)
+                              for t in tensors))
+
+
+class P2P:
+    """Batched sends/receives between pipeline ranks (``stage_ranks[i]`` is pipeline rank i)."""
+
+    def __init__(self, group: Any, stage_ranks: Sequence[int], dynamic_shapes: bool = False):
+        self.group = group
+        self.stage_ranks = list(stage_ranks)
+        self.dynamic_shapes = dynamic_shapes
+        self._sent_meta: set[tuple[str, int, int]] = set()
+        self._recv_meta: dict[tuple[str, int, int], Meta] = {}
+
+    def exchange(self, sends: Sequence[tuple[Comm, Sequence[torch.Tensor], bool]],
+                 recvs: Sequence[tuple[Comm, Meta | None]]) -> dict[Comm, list[torch.Tensor]]:
+        """Post ``sends`` (comm, tensors, single) and ``recvs`` (comm, known meta or None to
+        receive it), wait for all, and return the received tensors per receive."""
+        from hyperpar.platform.base import P2POp
+
+        platform = get_platform()
+        device = platform.device()
+        ops: list[P2POp] = []
+        keep: list[torch.Tensor] = []
+        for comm, tensors, single in sends:
+            peer = self.stage_ranks[comm.peer]
+            key = (comm.what, comm.stage, comm.mb)
+            if comm.what == "act" and (self.dynamic_shapes or key not in self._sent_meta):
+                header = meta_of(tensors, single).encode(device)
+                size = torch.tensor([header.numel()], dtype=torch.int64, device=device)
+                keep += [size, header]
+                ops += [P2POp("send", size, peer, self.group), P2POp("send", header, peer,
+                                                                     self.group)]
+                self._sent_meta.add(key)
+            for t in tensors:
+                t = t.detach().contiguous()
+                keep.append(t)
+                ops.append(P2POp("send", t, peer, self.group))
+        works = platform.batch_isend_irecv(ops) if ops else []
+        out: dict[Comm, list[torch.Tensor]] = {}
+        for comm, meta in recvs:  # in channel order: a header must not overtake earlier data
+            peer = self.stage_ranks[comm.peer]
+            key = (comm.what, comm.stage, comm.mb)
+            if meta is None:
+                meta = None if self.dynamic_shapes else self._recv_meta.get(key)
+                if meta is None:
+                    size = torch.empty(1, dtype=torch.int64, device=device)
+                    platform.recv(size, peer, self.group)
+                    header = torch.empty(int(size.item()), dtype=torch.int64, device=device)
+                    platform.recv(header, peer, self.group)
+                    meta = Meta.decode(header)
+                    self._recv_meta[key] = meta
+            bufs = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in meta.tensors]
+            out[comm] = bufs
+            works += platform.batch_isend_irecv([P2POp("recv", b, peer, self.group)
+                                                 for b in bufs])
+        for w in works:
+            w.wait()
+        return out
+
+    def meta(self, comm: Comm) -> Meta:
+        return self._recv_meta[(comm.what, comm.stage, comm.mb)]

@@ -1,0 +1,115 @@
+"""Models and the parity runner shared by the pipeline tests (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hyperpar.pipeline import LayerSpec, PipelineModule, TiedLayerSpec, get_schedule_class
+from hyperpar.testing import assert_close_to_reference
+
+VOCAB, DIM, BATCH, SEQ = 11, 8, 8, 3
+# float32 parity: microbatch sums reorder reductions (~1e-6 relative)
+RTOL, ATOL = 1e-4, 1e-5
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class WithMask(nn.Module):
+    """Returns a tuple whose second tensor (int64) needs no gradient."""
+
+    def forward(self, x: torch.Tensor):
+        return x, (x[..., 0] > -1e9).to(torch.int64)
+
+
+class MaskedBlock(Block):
+    def forward(self, xm):
+        x, mask = xm
+        return super().forward(x) * mask.unsqueeze(-1).to(x.dtype), mask
+
+
+def head(emb: nn.Embedding, h: torch.Tensor) -> torch.Tensor:
+    return h @ emb.weight.t()
+
+
+def drop_mask(xm):
+    return xm[0]
+
+
+def tied_layers() -> list:
+    """10 layers: tied embedding ... tied output head, a tuple with an int tensor in between."""
+    return [
+        TiedLayerSpec("emb", nn.Embedding, VOCAB, DIM),     # 0
+        LayerSpec(Block, DIM),                               # 1
+        LayerSpec(Block, DIM),                               # 2
+        LayerSpec(WithMask),                                 # 3 -> (h, mask)
+        LayerSpec(MaskedBlock, DIM),                         # 4 -> (h, mask)
+        drop_mask,                                           # 5 callable
+        LayerSpec(Block, DIM),                               # 6
+        LayerSpec(Block, DIM),                               # 7
+        LayerSpec(nn.LayerNorm, DIM),                        # 8
+        TiedLayerSpec("emb", nn.Embedding, VOCAB, DIM, forward_fn=head),  # 9
+    ]
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+
+
+def data(batch: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return (torch.randint(0, VOCAB, (batch, SEQ), generator=g),
+            torch.randint(0, VOCAB, (batch, SEQ), generator=g))
+
+
+def reference(layers_fn=tied_layers, batch: int = BATCH):
+    """Loss and gradients of the whole model in one process on the full batch."""
+    model = PipelineModule(layers_fn(), num_stages=1, seed_layers=True, loss_fn=lm_loss,
+                           partition_method="uniform")
+    x, y = data(batch)
+    loss = lm_loss(model(x), y)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def run_cases(cases: list[dict]) -> list[str]:
+    """Run each case (schedule, n_microbatches, virtual_stages, partition, checkpoint, steps)
+    on this rank's pipeline and compare with :func:`reference`; raise on the first mismatch."""
+    ref_loss, ref_grads = reference()
+    x, y = data()
+    done = []
+    for case in cases:
+        what = ", ".join(f"{k}={v}" for k, v in case.items())
+        module = PipelineModule(
+            tied_layers(), loss_fn=lm_loss, seed_layers=True,
+            partition_method=case.get("partition", "uniform"),
+            virtual_stages=case.get("virtual_stages", 1),
+            activation_checkpoint_interval=case.get("checkpoint", 0),
+        )
+        schedule = get_schedule_class(case["schedule"])(module, case["m"])
+        for step in range(case.get("steps", 1)):
+            module.zero_grad(set_to_none=True)
+            losses: list = []
+            loss = schedule.step(x, target=y, losses=losses)
+            if module.total_stages - 1 in module.local_stages:
+                assert len(losses) == case["m"], f"{what}: {len(losses)} microbatch losses"
+                assert_close_to_reference(loss, ref_loss, rtol=RTOL, atol=ATOL,
+                                          what=f"{what} step {step}: loss")
+            else:
+                assert loss is None
+            grads = {n: p.grad for n, p in module.named_parameters()}
+            assert grads, f"{what}: no local parameters"
+            assert_close_to_reference(grads, {n: ref_grads[n] for n in grads}, rtol=RTOL,
+                                      atol=ATOL, what=f"{what} step {step}: grad")
+            for name, p in module.tied_parameters():
+                assert p.grad is not None, f"{what}: tied {name} has no gradient"
+        done.append(what)
+    return done
