@@ -135,7 +135,31 @@ class _LossParallelMode(TorchFunctionMode):
             found = _sharded_class_dim(bound.get("input"))
             if found is not None:
                 return _cross_entropy_on_dtensor(found, **bound)
+        elif func in (torch.Tensor.flatten, torch.flatten) and args:
+            out = _flatten_outside_shard(*args, **kwargs)
+            if out is not None:
+                return out
         return func(*args, **kwargs)
+
+
+def _flatten_outside_shard(x: Any, start_dim: int = 0, end_dim: int = -1) -> Any:
+    """``logits.flatten(0, 1)`` on a DTensor sharded on a dim outside the flattened range
+    (the vocabulary): flatten the local shard and keep the shard on the renumbered dim."""
+    from hyperpar.dtensor import DTensor, Shard
+
+    if not isinstance(x, DTensor) or x.device_mesh.ndim != 1:
+        return None
+    (placement,) = x.placements
+    ndim = x.dim()
+    start, end = start_dim % ndim, end_dim % ndim
+    if not isinstance(placement, Shard) or start <= placement.dim % ndim <= end:
+        return None
+    dim = placement.dim % ndim
+    new_dim = dim if dim < start else dim - (end - start)
+    shape = list(x.shape)
+    shape[start:end + 1] = [int(torch.Size(shape[start:end + 1]).numel())]
+    return DTensor.from_local(x.to_local().flatten(start, end), x.device_mesh,
+                              (Shard(new_dim),), shape=shape)
 
 
 def _cross_entropy_on_dtensor(found: tuple[int, Group, int], input: Any, target: Any,
