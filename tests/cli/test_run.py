@@ -55,11 +55,14 @@ def test_unknown_backend_fails_before_launching_and_lists_installed(capsys):
     assert "unknown hyperpar backend 'nonsense'" in err and "cpu (hyperpar-cpu" in err
 
 
-def test_run_collectives_smoke_on_two_cpu_ranks():
-    proc = hyperpar_cmd("run", "-n", "2", "--backend", "cpu", "examples/collectives_smoke.py")
+def test_run_collectives_smoke_on_two_cpu_ranks_quietly():
+    proc = hyperpar_cmd("run", "-n", "2", "--quiet", "--backend", "cpu",
+                        "examples/collectives_smoke.py")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rank 1/2 all_reduce     [3.0, 3.0]" in proc.stdout
     assert "OK: cpu" in proc.stdout
+    assert "hyperpar run:" not in proc.stderr  # --quiet: no launcher banner
+    assert "OMP_NUM_THREADS" not in proc.stderr  # nor torchrun's
 
 
 def test_failing_worker_fails_the_run_with_its_rank_and_error_last(tmp_path):
