@@ -120,7 +120,6 @@ class PipelineModule(nn.Module):
                 handle = platform.new_group(ranks)
                 if me in ranks:
                     self.group, self.stage_ranks = handle, ranks
-        self._all_pipelines = self._pipelines(group_ranks, num_stages)
         self.num_stages = num_stages
         self.virtual_stages = virtual_stages
         self.total_stages = num_stages * virtual_stages
@@ -174,11 +173,6 @@ class PipelineModule(nn.Module):
         self._setup_tied(layers, platform, distributed)
 
     # ------------------------------------------------------------------ tied weights
-    @staticmethod
-    def _pipelines(group_ranks: list[int], num_stages: int) -> list[list[int]]:
-        dp = len(group_ranks) // num_stages
-        return [[group_ranks[s * dp + d] for s in range(num_stages)] for d in range(dp)]
-
     def stage_owner(self, stage: int) -> int:
         """Pipeline rank (index into :attr:`stage_ranks`) that holds ``stage``."""
         return stage % self.num_stages
@@ -193,12 +187,14 @@ class PipelineModule(nn.Module):
                     if owner not in lst:
                         lst.append(owner)
         self.tied_owners = owners  # key -> pipeline ranks holding a copy, first owner first
-        if not distributed or self.num_stages == 1:
+        shared = sorted(k for k, o in owners.items() if len(o) > 1)
+        if not distributed or self.num_stages == 1 or not shared:
             return
-        for key in sorted(owners):
-            if len(owners[key]) < 2:
-                continue
-            for pipeline in self._all_pipelines:  # collective over the world, same order
+        # new_group is collective over the world: every rank creates the tied groups of every
+        # pipeline (other data-parallel replicas, other mesh rows) in the same order.
+        pipelines = sorted({tuple(r) for r in platform.all_gather_object(self.stage_ranks)})
+        for key in shared:
+            for pipeline in map(list, pipelines):
                 ranks = sorted(pipeline[o] for o in owners[key])
                 handle = platform.new_group(ranks)
                 if self.stage_ranks == pipeline and key in self.tied_modules:

@@ -113,3 +113,37 @@ def run_cases(cases: list[dict]) -> list[str]:
                 assert p.grad is not None, f"{what}: tied {name} has no gradient"
         done.append(what)
     return done
+
+
+def _train_and_compare(module, what: str, m: int = 3) -> None:
+    ref_loss, ref_grads = reference()
+    x, y = data()
+    loss = get_schedule_class("1f1b")(module, m).step(x, target=y)
+    if module.total_stages - 1 in module.local_stages:
+        assert_close_to_reference(loss, ref_loss, rtol=RTOL, atol=ATOL, what=f"{what}: loss")
+    grads = {n: p.grad for n, p in module.named_parameters()}
+    assert_close_to_reference(grads, {n: ref_grads[n] for n in grads}, rtol=RTOL, atol=ATOL,
+                              what=f"{what}: grad")
+
+
+def run_group_cases() -> dict:
+    """On 4 ranks: two 2-stage pipelines (num_stages=2), a ("dp", "pp") mesh, and tied-weight
+    broadcast at build time without seeding."""
+    from hyperpar.dtensor import init_device_mesh
+    from hyperpar.platform import get_platform
+
+    rank = get_platform().rank()
+    out = {}
+    module = PipelineModule(tied_layers(), num_stages=2, loss_fn=lm_loss, seed_layers=True)
+    out["num_stages=2 stage_ranks"] = module.stage_ranks
+    _train_and_compare(module, "num_stages=2 on 4 ranks")
+
+    mesh = init_device_mesh(mesh_shape=(2, 2), mesh_dim_names=("dp", "pp"))
+    module = PipelineModule(tied_layers(), mesh=mesh, loss_fn=lm_loss, seed_layers=True)
+    out["mesh stage_ranks"] = module.stage_ranks
+    _train_and_compare(module, "mesh ('dp', 'pp')")
+
+    torch.manual_seed(100 + rank)          # every rank would build a different embedding
+    module = PipelineModule(tied_layers(), loss_fn=lm_loss, seed_layers=False)
+    out["tied"] = {n: p.detach().clone() for n, p in module.tied_parameters()}
+    return out

@@ -4,7 +4,8 @@ parameter gradients, tied embedding/head included) for several microbatch counts
 from __future__ import annotations
 
 import pytest
-from pipeline_models import run_cases
+import torch
+from pipeline_models import run_cases, run_group_cases
 
 CASES_2 = [
     # m < p, m not a multiple of p, m a multiple of p; several partitions
@@ -31,3 +32,15 @@ CASES_4 = [
 def test_every_schedule_matches_single_process(run_on_ranks, world, cases):
     results = run_on_ranks(world, run_cases, cases, timeout_s=240)
     assert all(len(r) == len(cases) for r in results)
+
+
+def test_pipelines_in_a_larger_world_mesh_and_tied_broadcast(run_on_ranks):
+    results = run_on_ranks(4, run_group_cases, timeout_s=180)
+    # DeepSpeed layout: stage s of pipeline d is global rank s * dp + d
+    assert [r["num_stages=2 stage_ranks"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    # a row-major ("dp", "pp") mesh: pipelines are the rows
+    assert [r["mesh stage_ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    # the embedding (stage 0) and the head (stage 3) hold the broadcast copy of rank 0
+    w0, w3 = results[0]["tied"]["emb.weight"], results[3]["tied"]["emb.weight"]
+    assert torch.equal(w0, w3)
+    assert results[1]["tied"] == {} and results[2]["tied"] == {}
