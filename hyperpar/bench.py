@@ -157,8 +157,13 @@ def machine() -> dict[str, Any]:
                     break
     except OSError:
         pass
+    try:
+        load = round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        load = None
     return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_average": load,
         "host": info.host, "processor": cpu, "cpu_count": os.cpu_count(),
         "backend": info.selected or f"none ({info.selection_error})",
         "device_count": info.device_count,
@@ -184,13 +189,22 @@ def results_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _load_text(mach: dict[str, Any]) -> str:
+    load = mach.get("load_average")
+    if load is None:
+        return ""
+    busy = " -- a busy machine, numbers are indicative" if load > (mach["cpu_count"] or 1) else ""
+    return f", load average {load:.2f} at the start{busy}"
+
+
 def render_markdown(runs: list[BenchRun], mach: dict[str, Any], png: str | None) -> str:
     rows = [r for run in runs for r in run.rows]
     out = [
         "# hyperpar benchmark results", "",
         f"Measured {mach['date']} on {mach['host']}, {mach['processor']} ({mach['cpu_count']} "
-        f"cores); backend **{mach['backend']}** ({mach['device_count']} device(s)); "
-        f"hyperpar {mach['hyperpar']}, torch {mach['torch']}, python {mach['python']}.", "",
+        f"cores{_load_text(mach)}); backend **{mach['backend']}** ({mach['device_count']} "
+        f"device(s)); hyperpar {mach['hyperpar']}, torch {mach['torch']}, "
+        f"python {mach['python']}.", "",
         "`ratio` = hyperpar time / reference time: 1.00 is parity, below 1 hyperpar is faster.",
         "",
     ]
