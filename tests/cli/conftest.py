@@ -26,11 +26,21 @@ def _fresh_selection(monkeypatch) -> Iterator[None]:
     registry.reset()
 
 
+def _env(extra: dict[str, str] | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HYPERPAR_BACKEND", "HYPERPAR_QUIET", "RANK")}
+    env.update(extra or {})
+    return env
+
+
 def hyperpar_cmd(*args: str, env: dict[str, str] | None = None,
                  timeout: float = 120) -> subprocess.CompletedProcess:
     """Run ``python -m hyperpar ARGS`` from the repository root; stdout and stderr captured."""
-    full_env = {k: v for k, v in os.environ.items()
-                if k not in ("HYPERPAR_BACKEND", "HYPERPAR_QUIET", "RANK")}
-    full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "hyperpar", *args], cwd=REPO, env=full_env,
+    return subprocess.run([sys.executable, "-m", "hyperpar", *args], cwd=REPO, env=_env(env),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def hyperpar_popen(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``python -m hyperpar ARGS`` without waiting (for several launchers at once)."""
+    return subprocess.Popen([sys.executable, "-m", "hyperpar", *args], cwd=REPO, env=_env(env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -1,4 +1,4 @@
-"""`hyperpar run`: torchrun's argument list, early validation, and two real launches."""
+"""`hyperpar run`: torchrun's argument list, early validation, and real launches."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import textwrap
 import pytest
 
 from hyperpar.launcher import LaunchError, LaunchOptions, launch, torchrun_args, worker_env
+from hyperpar.testing import free_port
 
-from .conftest import REPO, hyperpar_cmd
+from .conftest import REPO, hyperpar_cmd, hyperpar_popen
 
 
 def test_single_node_run_uses_standalone_rendezvous():
@@ -87,3 +88,18 @@ def test_failing_worker_fails_the_run_with_its_rank_and_error_last(tmp_path):
     assert 'in load_shard\n    raise ValueError("shard 1 is corrupt")' in text
     assert tail[-2] == "rank 1: ValueError: shard 1 is corrupt"
     assert "hyperpar/launcher.py" not in text  # the launcher's own frames are trimmed
+
+
+def test_two_nodes_meet_at_the_rendezvous_endpoint():
+    """Two launchers (one per "node", here both on localhost) form one 2-rank job, as two
+    torchrun invocations with the same --rdzv-endpoint would."""
+    port = free_port()
+    common = ["run", "--nnodes", "2", "-n", "1", "--quiet", "--backend", "cpu",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "cli-test",
+              "examples/collectives_smoke.py"]
+    nodes = [hyperpar_popen(*common) for _ in range(2)]
+    outs = [node.communicate(timeout=120) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outs
+    stdout = "".join(out for out, _ in outs)
+    assert "rank 0/2 broadcast" in stdout and "rank 1/2 broadcast" in stdout
+    assert "OK: cpu" in stdout
