@@ -93,13 +93,27 @@ def _validate(cls: object, source: str) -> type[Platform]:
     return cls
 
 
+def _failed_entry_point(exc: Exception) -> str:
+    """Name the entry point (and distribution) whose import failed -- pluggy does not say."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=hookspecs.ENTRY_POINT_GROUP):
+        try:
+            ep.load()
+        except Exception as err:
+            dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "<unknown distribution>"
+            return (f"backend plugin {ep.name!r} ({dist}, {ep.value}) failed to import: "
+                    f"{type(err).__name__}: {err}; fix or uninstall that distribution")
+    return f"loading a '{hookspecs.ENTRY_POINT_GROUP}' entry point failed: {exc!r}"
+
+
 def _discover() -> dict[str, BackendInfo]:
     manager = pluggy.PluginManager(hookspecs.PROJECT)
     manager.add_hookspecs(hookspecs)
     try:
         manager.load_setuptools_entrypoints(hookspecs.ENTRY_POINT_GROUP)
     except Exception as exc:
-        raise BackendError(f"loading a '{hookspecs.ENTRY_POINT_GROUP}' entry point failed: {exc!r}")
+        raise BackendError(_failed_entry_point(exc)) from exc
     for plugin, _source in _state.extra_plugins:
         if not manager.is_registered(plugin):
             manager.register(plugin)

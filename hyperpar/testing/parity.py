@@ -27,7 +27,7 @@ def assert_close_to_reference(actual: object, expected: object, *, rtol: float =
         return
     if isinstance(expected, Sequence) and not isinstance(expected, str):
         assert len(actual) == len(expected), f"{what}: length {len(actual)} != {len(expected)}"
-        for i, (a, e) in enumerate(zip(actual, expected)):
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
             assert_close_to_reference(a, e, rtol=rtol, atol=atol, what=f"{what}[{i}]")
         return
     torch.testing.assert_close(torch.as_tensor(actual), torch.as_tensor(expected), rtol=rtol,

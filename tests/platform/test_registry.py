@@ -165,3 +165,12 @@ def test_third_party_backend_runs_collectives_in_spawned_ranks(install_distribut
     from hyperpar.testing import run_distributed
 
     assert run_distributed(_selected_backend_name, 2, backend="dummy") == ["dummy", "dummy"]
+
+
+def test_a_plugin_that_fails_to_import_is_named_with_its_distribution(install_distribution):
+    install_distribution("hyperpar-dummy-broken", "hyperpar_dummy_broken",
+                         "raise ImportError('libfoo.so: cannot open shared object file')")
+    with pytest.raises(BackendError) as err:
+        backends()
+    message = str(err.value)
+    assert "hyperpar-dummy-broken" in message and "libfoo.so" in message
