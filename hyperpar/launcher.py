@@ -155,31 +155,42 @@ def launch(opts: LaunchOptions, *, out=None) -> int:
     On failure the last thing written to ``out`` (default stderr) is the failed workers' ranks,
     exit codes and tracebacks.
     """
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
     from hyperpar.platform import BackendError
 
     out = out or sys.stderr
     if not opts.module and not os.path.isfile(opts.script):
         print(f"hyperpar run: error: script {opts.script!r} not found", file=out)
         return 2
-    try:
-        named = opts.backend or os.environ.get("HYPERPAR_BACKEND", "").strip()
-        if named and opts.devices is not None:
-            # Restrict the devices before the availability probe, so it sees what workers see.
-            os.environ.update(_visible_devices_only(named, opts.devices))
-        backend, rule = resolve_backend(opts.backend)
-        env = worker_env(backend, opts.devices, opts.quiet)
-        _check_devices_cover(opts)
-        args = torchrun_args(opts)
-    except (BackendError, LaunchError) as exc:
-        print(f"hyperpar run: error: {exc}", file=out)
-        return 2
+    saved = dict(os.environ)
+    try:  # launch() may be called in-process (tests, notebooks): leave the environment as found
+        try:
+            named = opts.backend or os.environ.get("HYPERPAR_BACKEND", "").strip()
+            if named and opts.devices is not None:
+                # Restrict the devices before the availability probe: it sees what workers see.
+                os.environ.update(_visible_devices_only(named, opts.devices))
+            backend, rule = resolve_backend(opts.backend)
+            env = worker_env(backend, opts.devices, opts.quiet)
+            _check_devices_cover(opts)
+            args = torchrun_args(opts)
+        except (BackendError, LaunchError) as exc:
+            print(f"hyperpar run: error: {exc}", file=out)
+            return 2
+        os.environ.update(env)
+        nproc = str(opts.nproc_per_node)
+        if (opts.quiet and "OMP_NUM_THREADS" not in os.environ and nproc.isdigit()
+                and int(nproc) > 1):
+            os.environ["OMP_NUM_THREADS"] = "1"  # torchrun's own default, without its banner
+        return _run_torchrun(opts, args, backend, rule, env, out)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
-    os.environ.update(env)
-    if opts.quiet and "OMP_NUM_THREADS" not in os.environ:
-        os.environ["OMP_NUM_THREADS"] = "1"  # torchrun's own default, without its banner
+
+def _run_torchrun(opts: LaunchOptions, args: list[str], backend: str, rule: str,
+                  env: dict[str, str], out) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
     if not opts.quiet:
         extra = "".join(f" {k}={v}" for k, v in env.items() if k != "HYPERPAR_BACKEND")
         print(f"hyperpar run: {opts.nproc_per_node} process(es) per node x {opts.nnodes} "

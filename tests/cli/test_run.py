@@ -90,13 +90,14 @@ def test_failing_worker_fails_the_run_with_its_rank_and_error_last(tmp_path):
     assert "hyperpar/launcher.py" not in text  # the launcher's own frames are trimmed
 
 
-def test_two_nodes_meet_at_the_rendezvous_endpoint():
+def test_two_nodes_meet_at_the_rendezvous_endpoint_running_a_module():
     """Two launchers (one per "node", here both on localhost) form one 2-rank job, as two
-    torchrun invocations with the same --rdzv-endpoint would."""
+    torchrun invocations with the same --rdzv-endpoint would; the target is given as a module
+    (``-m``), resolved from the working directory as ``python -m`` does."""
     port = free_port()
     common = ["run", "--nnodes", "2", "-n", "1", "--quiet", "--backend", "cpu",
               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "cli-test",
-              "examples/collectives_smoke.py"]
+              "-m", "examples.collectives_smoke"]
     nodes = [hyperpar_popen(*common) for _ in range(2)]
     outs = [node.communicate(timeout=120) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outs
