@@ -1,0 +1,38 @@
+"""DeviceMesh, placements and DTensor, written once above the Platform.
+
+Names mirror ``torch.distributed.tensor``: :class:`DeviceMesh`, :func:`init_device_mesh`,
+:class:`Shard`, :class:`Replicate`, :class:`Partial`, :class:`DTensor`,
+:func:`distribute_tensor` and the factories ``zeros/ones/empty/full/rand/randn``.
+"""
+
+from . import ops as _ops  # noqa: F401  (installs DTensor.__torch_function__ and the rules)
+from .api import DTensor, DTensorSpec, distribute_tensor
+from .factories import empty, full, ones, rand, randn, zeros
+from .mesh import DeviceMesh, current_mesh, init_device_mesh
+from .ops import OpCall, ShardingError, register_op, registered_ops
+from .placement import Partial, Placement, Replicate, Shard
+from .random import manual_seed
+
+__all__ = [
+    "DTensor",
+    "DTensorSpec",
+    "DeviceMesh",
+    "OpCall",
+    "Partial",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "ShardingError",
+    "current_mesh",
+    "distribute_tensor",
+    "empty",
+    "full",
+    "init_device_mesh",
+    "manual_seed",
+    "ones",
+    "rand",
+    "randn",
+    "register_op",
+    "registered_ops",
+    "zeros",
+]

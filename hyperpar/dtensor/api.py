@@ -1,0 +1,363 @@
+"""DTensor: a ``torch.Tensor`` subclass holding this rank's shard of one logical tensor.
+
+Design (see docs/dtensor.md): a wrapper subclass that intercepts torch functions with
+``__torch_function__`` and looks the function up in one rule table (``ops.py``). Autograd runs on
+the *local* tensors: the gradient of a DTensor laid out as ``p`` is the local shard of the
+logical gradient laid out as ``p`` with Partial replaced by Replicate. Redistributions carry their
+adjoint as backward; a replicated input of an op whose output is sharded gets its gradient summed
+over those mesh dims.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hyperpar.platform import get_platform
+
+from .mesh import DeviceMesh, _require_mesh
+from .placement import (
+    REPLICATE,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    grad_placements_of,
+    normalize_placements,
+)
+from .redistribute import (
+    local_shape_and_offset,
+    redistribute_autograd,
+    redistribute_local,
+)
+
+
+class DTensorSpec:
+    """Mesh, placements and global shape of a DTensor (a small immutable value)."""
+
+    __slots__ = ("mesh", "placements", "shape", "_local", "_hash")
+
+    def __init__(self, mesh: DeviceMesh, placements: tuple[Placement, ...],
+                 shape: torch.Size) -> None:
+        self.mesh = mesh
+        self.placements = placements
+        self.shape = shape
+        self._local: tuple | None = None
+        self._hash = hash((mesh, placements, shape))
+
+    def local_shape_and_offset(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        if self._local is None:
+            self._local = local_shape_and_offset(tuple(self.shape), self.placements, self.mesh)
+        return self._local
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (
+            isinstance(other, DTensorSpec) and self.placements == other.placements
+            and self.shape == other.shape and self.mesh == other.mesh
+        )
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"DTensorSpec({self.mesh!r}, {self.placements}, {tuple(self.shape)})"
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+def _wrap(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    r = _make_wrapper(DTensor, spec.shape, dtype=local.dtype, device=local.device,
+                      requires_grad=False)
+    r._local = local
+    r._spec = spec
+    return r
+
+
+class DTensor(torch.Tensor):
+    """A distributed tensor: ``to_local()`` is this rank's shard, ``placements`` say how the
+    logical tensor of global ``shape`` is laid out over ``device_mesh``."""
+
+    _local: torch.Tensor
+    _spec: DTensorSpec
+
+    @staticmethod
+    def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *,
+                requires_grad: bool = False) -> DTensor:
+        if requires_grad != local_tensor.requires_grad:
+            local_tensor = local_tensor.detach().requires_grad_(requires_grad)
+        return _wrap(local_tensor, spec)
+
+    # -------------------------------------------------------------- metadata (fast paths)
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self._spec.placements
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._spec.mesh
+
+    @property
+    def shape(self) -> torch.Size:  # type: ignore[override]
+        return self._spec.shape
+
+    def size(self, dim: int | None = None):  # type: ignore[override]
+        return self._spec.shape if dim is None else self._spec.shape[dim]
+
+    def dim(self) -> int:
+        return len(self._spec.shape)
+
+    @property
+    def ndim(self) -> int:  # type: ignore[override]
+        return len(self._spec.shape)
+
+    def numel(self) -> int:
+        return self._spec.shape.numel()
+
+    @property
+    def dtype(self) -> torch.dtype:  # type: ignore[override]
+        return self._local.dtype
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return self._local.device
+
+    @property
+    def requires_grad(self) -> bool:  # type: ignore[override]
+        return self._local.requires_grad
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        self._local.requires_grad = value
+
+    def requires_grad_(self, requires_grad: bool = True) -> DTensor:  # type: ignore[override]
+        self._local.requires_grad_(requires_grad)
+        return self
+
+    @property
+    def is_leaf(self) -> bool:  # type: ignore[override]
+        return self._local.is_leaf
+
+    @property
+    def grad_fn(self):  # type: ignore[override]
+        return self._local.grad_fn
+
+    @property
+    def grad(self) -> DTensor | None:  # type: ignore[override]
+        g = self._local.grad
+        if g is None:
+            return None
+        spec = self._spec
+        placements = grad_placements_of(spec.placements)
+        if placements != spec.placements:
+            spec = DTensorSpec(spec.mesh, placements, spec.shape)
+        return _wrap(g, spec)
+
+    @grad.setter
+    def grad(self, value: DTensor | None) -> None:
+        if value is None:
+            self._local.grad = None
+            return
+        if not isinstance(value, DTensor):
+            raise TypeError(f"the grad of a DTensor must be a DTensor or None, got {type(value)}")
+        want = grad_placements_of(self._spec.placements)
+        self._local.grad = value._redistributed_local(want)
+
+    def detach(self) -> DTensor:  # type: ignore[override]
+        return _wrap(self._local.detach(), self._spec)
+
+    def backward(self, gradient: Any = None, retain_graph: Any = None,  # type: ignore[override]
+                 create_graph: bool = False, inputs: Any = None) -> None:
+        if gradient is not None:
+            if not isinstance(gradient, DTensor):
+                raise TypeError("backward(gradient=...) of a DTensor takes a DTensor")
+            gradient = gradient._redistributed_local(grad_placements_of(self._spec.placements))
+        if inputs is not None:
+            inputs = [i._local if isinstance(i, DTensor) else i for i in inputs]
+        torch.autograd.backward(self._local, gradient, retain_graph, create_graph,
+                                inputs=inputs)
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return (f"DTensor(local_tensor={self._local}, device_mesh={self._spec.mesh!r}, "
+                f"placements={self._spec.placements})")
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return id(self)
+
+    def __len__(self) -> int:
+        return self._spec.shape[0]
+
+    def __reduce_ex__(self, protocol: int):  # type: ignore[override]
+        raise TypeError("a DTensor cannot be pickled; send to_local() or full_tensor() instead")
+
+    def __deepcopy__(self, memo: dict) -> DTensor:
+        local = self._local.detach().clone().requires_grad_(self._local.requires_grad)
+        out = _wrap(local, self._spec)
+        if getattr(self, "_is_param", False):
+            out._is_param = True
+        memo[id(self)] = out
+        return out
+
+    # -------------------------------------------------------------- conversions
+    @staticmethod
+    def from_local(local_tensor: torch.Tensor, device_mesh: DeviceMesh | None = None,
+                   placements: Sequence[Placement] | None = None, *, run_check: bool = False,
+                   shape: Sequence[int] | None = None,
+                   stride: Sequence[int] | None = None) -> DTensor:
+        """Wrap this rank's ``local_tensor`` as a DTensor (differentiable, no communication
+        unless ``run_check``).
+
+        The global ``shape`` defaults to the local shape times the mesh size along every
+        sharded dim (even shards); pass ``shape`` for uneven shards, or ``run_check=True`` to
+        compute it from every rank's local shape (and to make replicas equal: they are
+        broadcast from the first rank of each mesh dim)."""
+        mesh = _require_mesh(device_mesh, "DTensor.from_local")
+        placements = normalize_placements(
+            placements if placements is not None else (REPLICATE,) * mesh.ndim, mesh.ndim,
+            local_tensor.ndim, "from_local placements")
+        if shape is None:
+            if run_check:
+                shape = _global_shape_from_ranks(local_tensor, mesh, placements)
+            else:
+                size = list(local_tensor.shape)
+                for m, p in enumerate(placements):
+                    if type(p) is Shard:
+                        size[p.dim] *= mesh.shape[m]
+                shape = size
+        spec = DTensorSpec(mesh, placements, torch.Size(shape))
+        if run_check:
+            want, _ = spec.local_shape_and_offset()
+            if tuple(local_tensor.shape) != want:
+                raise ValueError(
+                    f"from_local: local shape {tuple(local_tensor.shape)} on rank "
+                    f"{mesh.get_rank()} does not match {want}, the piece of global shape "
+                    f"{tuple(shape)} that placements {placements} give it"
+                )
+            if any(type(p) is Replicate for p in placements):
+                local_tensor = _BroadcastReplicas.apply(local_tensor, mesh, placements)
+        return _wrap(local_tensor, spec)
+
+    def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """This rank's shard. With ``grad_placements``, the gradient flowing back into the
+        returned tensor is taken to be laid out that way (e.g. ``[Partial()]``) and is
+        redistributed to this DTensor's layout in backward."""
+        if grad_placements is None:
+            return self._local
+        spec = self._spec
+        gp = normalize_placements(grad_placements, spec.mesh.ndim, len(spec.shape),
+                                  "grad_placements")
+        want = grad_placements_of(spec.placements)
+        if gp == want or not (self._local.requires_grad and torch.is_grad_enabled()):
+            return self._local
+        return _ToLocal.apply(self._local, spec, gp, want)
+
+    def _redistributed_local(self, placements: tuple[Placement, ...]) -> torch.Tensor:
+        spec = self._spec
+        return redistribute_autograd(self._local, spec.mesh, spec.placements, placements,
+                                     tuple(spec.shape))
+
+    def redistribute(self, device_mesh: DeviceMesh | None = None,
+                     placements: Sequence[Placement] | None = None, *,
+                     async_op: bool = False) -> DTensor:
+        """The same logical tensor laid out as ``placements`` (differentiable)."""
+        spec = self._spec
+        if device_mesh is not None and device_mesh != spec.mesh:
+            raise ValueError(
+                f"redistribute across meshes is not supported: {spec.mesh!r} -> {device_mesh!r}"
+            )
+        if placements is None:
+            raise ValueError("redistribute: placements= is required")
+        dst = normalize_placements(placements, spec.mesh.ndim, len(spec.shape),
+                                   "redistribute placements")
+        if dst == spec.placements:
+            return self
+        local = self._redistributed_local(dst)
+        return _wrap(local, DTensorSpec(spec.mesh, dst, spec.shape))
+
+    def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """The whole logical tensor on every rank (differentiable)."""
+        spec = self._spec
+        rep = (REPLICATE,) * spec.mesh.ndim
+        return self.redistribute(spec.mesh, rep).to_local(grad_placements=grad_placements)
+
+    __torch_function__: Any  # installed by hyperpar.dtensor.ops
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(
+            f"hyperpar DTensor: {func} reached the dispatcher without a sharding rule (it was "
+            "called from C++ past __torch_function__); call it on to_local() tensors instead"
+        )
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, spec, grad_placements, want):  # type: ignore[override]
+        ctx.args = (spec, grad_placements, want)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        spec, gp, want = ctx.args
+        return (redistribute_local(grad, spec.mesh, gp, want, tuple(spec.shape)), None, None,
+                None)
+
+
+class _BroadcastReplicas(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mesh, placements):  # type: ignore[override]
+        out = x.detach().clone()
+        for m, p in enumerate(placements):
+            if type(p) is Replicate and mesh.shape[m] > 1:
+                get_platform().broadcast(out, mesh.group_ranks(m)[0], mesh.get_group(m))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad, None, None
+
+
+def _global_shape_from_ranks(local: torch.Tensor, mesh: DeviceMesh,
+                             placements: tuple[Placement, ...]) -> list[int]:
+    shape = list(local.shape)
+    for m in reversed(range(mesh.ndim)):  # innermost first: nested shards add up level by level
+        p = placements[m]
+        if type(p) is Shard and mesh.shape[m] > 1:
+            sizes = get_platform().all_gather_object(int(shape[p.dim]), mesh.get_group(m))
+            shape[p.dim] = sum(sizes)
+    return shape
+
+
+def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = None,
+                      placements: Sequence[Placement] | None = None, *,
+                      src_data_rank: int | None = 0) -> DTensor:
+    """Lay out the full ``tensor`` over ``device_mesh`` as ``placements``.
+
+    With ``src_data_rank=k`` (default 0) the data of the rank at index ``k`` of every mesh dim
+    is used (it is broadcast); with ``None`` every rank keeps its own copy and only slices it.
+    The result is a leaf that requires grad iff ``tensor`` does."""
+    mesh = _require_mesh(device_mesh, "distribute_tensor")
+    if isinstance(tensor, DTensor):
+        raise ValueError("distribute_tensor: the tensor is already a DTensor; use redistribute")
+    placements = normalize_placements(
+        placements if placements is not None else (REPLICATE,) * mesh.ndim, mesh.ndim,
+        tensor.ndim, "distribute_tensor placements")
+    requires_grad = tensor.requires_grad
+    full = tensor.detach()
+    if src_data_rank is not None:
+        full = full.contiguous().clone()
+        for m in range(mesh.ndim):
+            if mesh.shape[m] > 1:
+                get_platform().broadcast(full, mesh.group_ranks(m)[src_data_rank],
+                                         mesh.get_group(m))
+    spec = DTensorSpec(mesh, placements, tensor.shape)
+    local = redistribute_local(full, mesh, (REPLICATE,) * mesh.ndim, placements,
+                               tuple(tensor.shape))
+    if local is full and src_data_rank is None:
+        local = local.clone()
+    return _wrap(local.requires_grad_(requires_grad), spec)
+
+
+__all__ = ["DTensor", "DTensorSpec", "distribute_tensor", "Partial", "Replicate", "Shard"]

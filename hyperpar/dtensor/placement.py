@@ -1,0 +1,129 @@
+"""Placements: how one logical tensor is laid out over one dimension of a device mesh.
+
+* :class:`Shard` ``(dim)`` -- split along tensor dim ``dim`` with ``torch.chunk`` semantics
+  (earlier ranks get the larger piece; trailing ranks may hold an empty piece).
+* :class:`Replicate` ``()`` -- every rank holds the whole tensor.
+* :class:`Partial` ``(reduce_op)`` -- every rank holds a piece of a pending reduction
+  (``sum``, ``avg``, ``max`` or ``min``); the logical value is the reduction over ranks.
+
+Placements are small frozen values: hashable, compared by value, printed as code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Reductions a :class:`Partial` placement may stand for.
+PARTIAL_OPS: tuple[str, ...] = ("sum", "avg", "max", "min")
+
+
+class Placement:
+    """Base class of :class:`Shard`, :class:`Replicate` and :class:`Partial`."""
+
+    __slots__ = ()
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return False
+
+    def is_replicate(self) -> bool:
+        return False
+
+    def is_partial(self, reduce_op: str | None = None) -> bool:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class Shard(Placement):
+    """Split along tensor dimension ``dim`` (negative values count from the end)."""
+
+    dim: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool):
+            raise TypeError(f"Shard(dim=...) takes an int, got {self.dim!r}")
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return dim is None or dim == self.dim
+
+    def __repr__(self) -> str:
+        return f"Shard(dim={self.dim})"
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate(Placement):
+    """Every rank of the mesh dimension holds the whole tensor."""
+
+    def is_replicate(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+
+@dataclass(frozen=True, slots=True)
+class Partial(Placement):
+    """Each rank holds one term of a pending reduction ``reduce_op`` over the mesh dimension."""
+
+    reduce_op: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.reduce_op not in PARTIAL_OPS:
+            raise ValueError(
+                f"Partial(reduce_op={self.reduce_op!r}) is not supported; expected one of "
+                f"{', '.join(repr(op) for op in PARTIAL_OPS)}"
+            )
+
+    def is_partial(self, reduce_op: str | None = None) -> bool:
+        return reduce_op is None or reduce_op == self.reduce_op
+
+    def __repr__(self) -> str:
+        return f"Partial({self.reduce_op!r})"
+
+
+REPLICATE = Replicate()
+
+
+def chunk_bounds(size: int, n: int, index: int) -> tuple[int, int]:
+    """``(offset, length)`` of piece ``index`` when ``size`` elements are split into ``n``
+    pieces with ``torch.chunk`` semantics (pieces of ``ceil(size / n)``; the tail may be
+    shorter or empty)."""
+    step = -(-size // n)
+    start = min(index * step, size)
+    return start, max(0, min(step, size - start))
+
+
+def normalize_placements(placements: object, ndim_mesh: int, ndim_tensor: int,
+                         what: str = "placements") -> tuple[Placement, ...]:
+    """Validate ``placements`` for a mesh of ``ndim_mesh`` dims and a tensor of ``ndim_tensor``
+    dims; negative shard dims are made non-negative."""
+    if isinstance(placements, Placement):
+        placements = (placements,)
+    try:
+        placements = tuple(placements)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{what} must be a sequence of Placement, got {placements!r}") from None
+    if len(placements) != ndim_mesh:
+        raise ValueError(
+            f"{what} {list(placements)} has {len(placements)} entries but the mesh has "
+            f"{ndim_mesh} dimension(s); give one placement per mesh dimension"
+        )
+    out = []
+    for p in placements:
+        if type(p) is Shard:
+            d = p.dim
+            if not -ndim_tensor <= d < ndim_tensor:
+                raise ValueError(
+                    f"{what}: {p!r} is out of range for a tensor with {ndim_tensor} dim(s)"
+                )
+            out.append(p if d >= 0 else Shard(d + ndim_tensor))
+        elif isinstance(p, Placement):
+            out.append(p)
+        else:
+            raise TypeError(f"{what}: {p!r} is not a Placement (Shard, Replicate, Partial)")
+    return tuple(out)
+
+
+def grad_placements_of(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """Placements of the gradient of a tensor laid out as ``placements``: the gradient of a
+    pending reduction is replicated."""
+    return tuple(REPLICATE if type(p) is Partial else p for p in placements)

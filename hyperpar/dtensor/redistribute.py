@@ -1,0 +1,280 @@
+"""Redistribution: turn a local shard laid out as ``src`` placements into the local shard of
+``dst`` placements, on n-D meshes, for uneven shards, differentiably.
+
+A plan is a list of steps, one collective (or local op) on one mesh dimension each:
+
+=================  ===============================  ==========================
+transition         step                             collective
+=================  ===============================  ==========================
+Shard(i) -> R      ``gather``                       all-gather (padded if uneven)
+Partial -> R       ``allreduce``                    all-reduce
+Partial -> S(i)    ``reduce_scatter``               reduce-scatter (padded)
+R -> Shard(i)      ``chunk``                        none (local slice)
+S(i) -> S(j)       ``all_to_all``                   all-to-all (uneven splits)
+R -> Partial       ``to_partial``                   none (rank 0 keeps, others 0)
+=================  ===============================  ==========================
+
+Nested sharding (several mesh dims sharding one tensor dim) follows mesh-dim order: mesh dim 0
+takes the outer chunk. The planner therefore un-shards from the innermost mesh dim outwards,
+then shards from the outermost inwards. Plans are cached per (mesh, src, dst, shape).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from hyperpar.platform import get_platform
+
+from .placement import REPLICATE, Partial, Placement, Replicate, Shard, chunk_bounds
+
+if TYPE_CHECKING:
+    from .mesh import DeviceMesh
+
+Step = tuple  # (kind, mesh_dim, placements_before, arg1, arg2)
+
+_PLAN_CACHE: dict[tuple, tuple[Step, ...]] = {}
+
+
+def _shards(placements: tuple[Placement, ...], d: int, skip: int | None = None,
+            above: int = -1) -> bool:
+    return any(type(p) is Shard and p.dim == d for m, p in enumerate(placements)
+               if m != skip and m > above)
+
+
+def plan_redistribute(mesh: DeviceMesh, src: tuple[Placement, ...], dst: tuple[Placement, ...],
+                      shape: tuple[int, ...]) -> tuple[Step, ...]:
+    """The steps turning ``src`` into ``dst`` (cached)."""
+    key = (mesh, src, dst, shape)
+    plan = _PLAN_CACHE.get(key)
+    if plan is None:
+        plan = _PLAN_CACHE[key] = _plan(mesh, src, dst)
+    return plan
+
+
+def _plan(mesh: DeviceMesh, src: tuple[Placement, ...], dst: tuple[Placement, ...]
+          ) -> tuple[Step, ...]:
+    ndim = len(src)
+    cur = list(src)
+    change = {m for m in range(ndim) if src[m] != dst[m] and mesh.shape[m] > 1}
+    # Inner mesh dims sharding a tensor dim that an outer changing dim touches must be undone
+    # first (and redone afterwards) to keep the nesting order.
+    unshard: set[int] = set()
+    grew = True
+    while grew:
+        grew = False
+        for m in sorted(change | unshard):
+            dims = {p.dim for p in (src[m], dst[m]) if type(p) is Shard}
+            for m2 in range(m + 1, ndim):
+                if m2 not in unshard and type(src[m2]) is Shard and src[m2].dim in dims \
+                        and mesh.shape[m2] > 1:
+                    unshard.add(m2)
+                    grew = True
+    steps: list[Step] = []
+    for m in sorted(change | unshard, reverse=True):
+        c = cur[m]
+        t = dst[m] if m in change else REPLICATE
+        if type(c) is Shard:
+            if (type(t) is Shard and m not in unshard and t.dim != c.dim
+                    and not _shards(tuple(cur), c.dim, skip=m) and not _shards(dst, c.dim, skip=m)
+                    and not _shards(tuple(cur), t.dim, skip=m)
+                    and not _shards(dst, t.dim, skip=m)):
+                steps.append(("all_to_all", m, tuple(cur), c.dim, t.dim))
+                cur[m] = t
+            else:
+                steps.append(("gather", m, tuple(cur), c.dim, None))
+                cur[m] = REPLICATE
+        elif type(c) is Partial:
+            if (type(t) is Shard and not _shards(tuple(cur), t.dim, above=m)
+                    and not _shards(dst, t.dim, above=m)
+                    and all(cur[k] == dst[k] or not (_is_s(cur[k], t.dim) or _is_s(dst[k], t.dim))
+                            for k in range(m))):
+                steps.append(("reduce_scatter", m, tuple(cur), t.dim, c.reduce_op))
+                cur[m] = t
+            else:
+                steps.append(("allreduce", m, tuple(cur), c.reduce_op, None))
+                cur[m] = REPLICATE
+    for m in range(ndim):
+        if cur[m] == dst[m] or mesh.shape[m] == 1:
+            continue
+        t = dst[m]
+        assert type(cur[m]) is Replicate, (src, dst, cur)
+        if type(t) is Shard:
+            steps.append(("chunk", m, tuple(cur), t.dim, None))
+        elif type(t) is Partial:
+            steps.append(("to_partial", m, tuple(cur), t.reduce_op, None))
+        cur[m] = t
+    return tuple(steps)
+
+
+def _is_s(p: Placement, d: int) -> bool:
+    return type(p) is Shard and p.dim == d
+
+
+def _size_at(shape: tuple[int, ...], placements: tuple[Placement, ...], coord: list[int],
+             mesh_shape: tuple[int, ...], upto: int, d: int) -> int:
+    """Size along tensor dim ``d`` after the chunks of mesh dims ``< upto``."""
+    size = shape[d]
+    for m in range(upto):
+        p = placements[m]
+        if type(p) is Shard and p.dim == d:
+            size = chunk_bounds(size, mesh_shape[m], coord[m])[1]
+    return size
+
+
+def local_shape_and_offset(shape: tuple[int, ...], placements: tuple[Placement, ...],
+                           mesh: DeviceMesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shape and global offset of this rank's local shard."""
+    size = list(shape)
+    off = [0] * len(shape)
+    coord = mesh._coordinate
+    if coord is None:
+        return (0,) * len(shape), tuple(off)
+    for m, p in enumerate(placements):
+        if type(p) is Shard:
+            o, n = chunk_bounds(size[p.dim], mesh._shape[m], coord[m])
+            off[p.dim] += o
+            size[p.dim] = n
+    return tuple(size), tuple(off)
+
+
+def _front(x: torch.Tensor, d: int) -> torch.Tensor:
+    return x.movedim(d, 0) if d else x
+
+
+def _back(x: torch.Tensor, d: int) -> torch.Tensor:
+    return x.movedim(0, d) if d else x
+
+
+def _pad_rows(y: torch.Tensor, rows: int) -> torch.Tensor:
+    if y.shape[0] == rows:
+        return y
+    return torch.cat([y, y.new_zeros((rows - y.shape[0],) + tuple(y.shape[1:]))])
+
+
+def _gather(x: torch.Tensor, d: int, full: int, n: int, group) -> torch.Tensor:
+    """All-gather the ``torch.chunk`` pieces of a dim of size ``full`` along ``d``."""
+    step = -(-full // n)
+    y = _pad_rows(_front(x, d), step).contiguous()
+    out = y.new_empty((n * step,) + tuple(y.shape[1:]))
+    get_platform().all_gather_into_tensor(out, y, group)
+    if step * n != full:
+        out = torch.cat([out[k * step:k * step + chunk_bounds(full, n, k)[1]] for k in range(n)])
+    return _back(out, d)
+
+
+def _reduce_scatter(x: torch.Tensor, d: int, n: int, index: int, op: str, group) -> torch.Tensor:
+    full = x.shape[d]
+    step = -(-full // n)
+    y = _pad_rows(_front(x, d), step * n).contiguous()
+    out = y.new_empty((step,) + tuple(y.shape[1:]))
+    get_platform().reduce_scatter_tensor(out, y, op, group)
+    length = chunk_bounds(full, n, index)[1]
+    if length != step:
+        out = out[:length]
+    return _back(out, d).contiguous()
+
+
+def _all_to_all(x: torch.Tensor, i: int, j: int, full_i: int, n: int, index: int,
+                group) -> torch.Tensor:
+    """Shard(i) -> Shard(j): send piece k (along j) to rank k, gather the pieces along i."""
+    full_j = x.shape[j]
+    send = [x.narrow(j, *chunk_bounds(full_j, n, k)).contiguous().reshape(-1) for k in range(n)]
+    my_j = chunk_bounds(full_j, n, index)[1]
+    recv_shapes = []
+    for k in range(n):
+        shape = list(x.shape)
+        shape[i] = chunk_bounds(full_i, n, k)[1]
+        shape[j] = my_j
+        recv_shapes.append(shape)
+    out_sizes = [int(torch.Size(s).numel()) for s in recv_shapes]
+    out = x.new_empty(sum(out_sizes))
+    get_platform().all_to_all_single(out, torch.cat(send), out_sizes,
+                                     [t.numel() for t in send], group)
+    pieces = [p.view(s) for p, s in zip(out.split(out_sizes), recv_shapes, strict=False)]
+    return torch.cat(pieces, dim=i)
+
+
+def run_plan(x: torch.Tensor, plan: tuple[Step, ...], mesh: DeviceMesh,
+             shape: tuple[int, ...]) -> torch.Tensor:
+    """Execute ``plan`` on the local tensor ``x`` (no autograd)."""
+    coord = mesh._coordinate
+    mshape = mesh._shape
+    for kind, m, before, a, b in plan:
+        n = mshape[m]
+        group = mesh._groups[m]
+        if kind == "gather":
+            x = _gather(x, a, _size_at(shape, before, coord, mshape, m, a), n, group)
+        elif kind == "allreduce":
+            x = x.clone(memory_format=torch.contiguous_format)
+            get_platform().all_reduce(x, a, group)
+        elif kind == "chunk":
+            full = x.shape[a]
+            x = x.narrow(a, *chunk_bounds(full, n, coord[m])).clone()
+        elif kind == "reduce_scatter":
+            x = _reduce_scatter(x, a, n, coord[m], b, group)
+        elif kind == "all_to_all":
+            x = _all_to_all(x, a, b, _size_at(shape, before, coord, mshape, m, a), n, coord[m],
+                            group)
+        elif kind == "to_partial":
+            if a == "sum" and coord[m] != 0:
+                x = torch.zeros_like(x)
+        else:  # pragma: no cover
+            raise AssertionError(kind)
+    return x
+
+
+def redistribute_local(x: torch.Tensor, mesh: DeviceMesh, src: tuple[Placement, ...],
+                       dst: tuple[Placement, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    """Non-differentiable redistribution of a local tensor."""
+    if src == dst:
+        return x
+    return run_plan(x, plan_redistribute(mesh, src, dst, shape), mesh, shape)
+
+
+class Redistribute(torch.autograd.Function):
+    """Differentiable redistribution. The gradient of a tensor laid out as ``p`` is laid out as
+    ``p`` with Partial replaced by Replicate; backward redistributes it back."""
+
+    @staticmethod
+    def forward(ctx, x, mesh, src, dst, shape):  # type: ignore[override]
+        ctx.args = (mesh, src, dst, shape)
+        return redistribute_local(x.detach(), mesh, src, dst, shape)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        mesh, src, dst, shape = ctx.args
+        gsrc = tuple(REPLICATE if type(p) is Partial else p for p in src)
+        gdst = tuple(REPLICATE if type(p) is Partial else p for p in dst)
+        return redistribute_local(grad, mesh, gdst, gsrc, shape), None, None, None, None
+
+
+def redistribute_autograd(x: torch.Tensor, mesh: DeviceMesh, src: tuple[Placement, ...],
+                          dst: tuple[Placement, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    """Redistribute ``x``; differentiable when ``x`` requires grad."""
+    if src == dst:
+        return x
+    if x.requires_grad and torch.is_grad_enabled():
+        return Redistribute.apply(x, mesh, src, dst, shape)
+    return redistribute_local(x, mesh, src, dst, shape)
+
+
+class ReduceGrad(torch.autograd.Function):
+    """Identity forward; backward all-reduces (sum) the gradient over ``mesh_dims``.
+
+    Applied to a replicated input of an op whose output is sharded or partial on those mesh
+    dims: each rank's local gradient is then one term of the true (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx, x, mesh, mesh_dims):  # type: ignore[override]
+        ctx.args = (mesh, mesh_dims)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        mesh, mesh_dims = ctx.args
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        for m in mesh_dims:
+            get_platform().all_reduce(grad, "sum", mesh._groups[m])
+        return grad, None, None
