@@ -37,6 +37,7 @@ from .schedules import (
     lower,
     one_f_one_b_plan,
     simulate,
+    timeline,
     zero_bubble_plan,
 )
 from .spec import LayerSpec, TiedLayerSpec
@@ -48,5 +49,5 @@ __all__ = [
     "bubble_fraction_theory", "check_plans", "get_schedule_class", "gpipe_plan",
     "interleaved_1f1b_plan", "lower", "merge_microbatches", "one_f_one_b_plan",
     "partition_balanced", "partition_layers", "partition_uniform", "simulate",
-    "split_microbatches", "zero_bubble_plan",
+    "split_microbatches", "timeline", "zero_bubble_plan",
 ]

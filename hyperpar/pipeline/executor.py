@@ -87,7 +87,7 @@ class StepTimings:
     step_s: float = 0.0
     compute_s: float = 0.0
     comm_s: float = 0.0
-    per_action: list[tuple[str, float]] = field(default_factory=list)
+    per_action: list[tuple[Action, float]] = field(default_factory=list)
 
     @property
     def idle_fraction(self) -> float:
@@ -193,8 +193,9 @@ class PipelineSchedule:
                 self._run(step.action)
                 dt = time.perf_counter() - t0
                 timings.compute_s += dt
-                timings.per_action.append((repr(step.action), dt))
+                timings.per_action.append((step.action, dt))
         t0 = time.perf_counter()
+        self._p2p.wait_sends()
         mod.allreduce_tied_gradients()
         mod._restore_tied_gradients(stash)
         timings.comm_s += time.perf_counter() - t0

@@ -2,8 +2,9 @@
 
 Shapes and dtypes travel once per (kind, stage, microbatch) -- as a small int64 header ahead of
 the data -- and are cached on both sides; ``dynamic_shapes=True`` sends them every time. Every
-batch of sends and receives is posted together and then waited, which is the rendezvous model
-:func:`hyperpar.pipeline.schedules.check_plans` verifies the schedules against.
+batch of sends and receives is posted together; receives are waited at once, sends at the end of
+the step. A plan that passes the rendezvous model of
+:func:`hyperpar.pipeline.schedules.check_plans` therefore cannot deadlock here.
 """
 
 from __future__ import annotations
@@ -87,11 +88,14 @@ class P2P:
         self.dynamic_shapes = dynamic_shapes
         self._sent_meta: set[tuple[str, int, int]] = set()
         self._recv_meta: dict[tuple[str, int, int], Meta] = {}
+        self._pending_sends: list[tuple[Any, list[torch.Tensor]]] = []
 
     def exchange(self, sends: Sequence[tuple[Comm, Sequence[torch.Tensor], bool]],
                  recvs: Sequence[tuple[Comm, Meta | None]]) -> dict[Comm, list[torch.Tensor]]:
         """Post ``sends`` (comm, tensors, single) and ``recvs`` (comm, known meta or None to
-        receive it), wait for all, and return the received tensors per receive."""
+        receive it) together; wait for the receives and return their tensors. Sends complete
+        in the background (:meth:`wait_sends` at the end of a step), which only relaxes the
+        rendezvous model the schedules are checked against."""
         from hyperpar.platform.base import P2POp
 
         platform = get_platform()
@@ -112,7 +116,9 @@ class P2P:
                 t = t.detach().contiguous()
                 keep.append(t)
                 ops.append(P2POp("send", t, peer, self.group))
-        works = platform.batch_isend_irecv(ops) if ops else []
+        send_works = platform.batch_isend_irecv(ops) if ops else []
+        self._pending_sends += [(w, keep) for w in send_works]
+        works: list[Any] = []
         out: dict[Comm, list[torch.Tensor]] = {}
         for comm, meta in recvs:  # in channel order: a header must not overtake earlier data
             peer = self.stage_ranks[comm.peer]
@@ -133,6 +139,12 @@ class P2P:
         for w in works:
             w.wait()
         return out
+
+    def wait_sends(self) -> None:
+        """Wait for every send posted so far (their buffers are kept alive until then)."""
+        pending, self._pending_sends = self._pending_sends, []
+        for w, _ in pending:
+            w.wait()
 
     def meta(self, comm: Comm) -> Meta:
         return self._recv_meta[(comm.what, comm.stage, comm.mb)]

@@ -427,6 +427,44 @@ def simulate(programs: Sequence[Sequence[Step]]) -> int:
     return rounds
 
 
+def timeline(plans: Sequence[Sequence[Action]], n_stages: int,
+             cost: Callable[[int, Action], float]) -> dict[Action, tuple[float, float]]:
+    """Start and end time of every action when each rank runs its plan in order, an action
+    starts once its inputs exist (previous stage's F; next stage's B or I; own I for W), and
+    ``cost(rank, action)`` is its duration -- communication taken as free. The schedule's own
+    bubble is ``1 - busy / (ranks x makespan)``."""
+    ends: dict[tuple[str, int, int], float] = {}
+    out: dict[Action, tuple[float, float]] = {}
+    clock = [0.0] * len(plans)
+    pos = [0] * len(plans)
+    total = sum(len(p) for p in plans)
+    while len(out) < total:
+        progressed = False
+        for r, plan in enumerate(plans):
+            while pos[r] < len(plan):
+                a = plan[pos[r]]
+                if a.kind == "F":
+                    deps = [("F", a.stage - 1, a.mb)] if a.stage > 0 else []
+                elif a.kind in "BI":
+                    deps = [("F", a.stage, a.mb)]
+                    if a.stage < n_stages - 1:
+                        nxt = [k for k in ("B", "I") if (k, a.stage + 1, a.mb) in ends]
+                        deps.append((nxt[0] if nxt else "B", a.stage + 1, a.mb))
+                else:
+                    deps = [("I", a.stage, a.mb)]
+                if any(d not in ends for d in deps):
+                    break
+                start = max([clock[r]] + [ends[d] for d in deps])
+                clock[r] = start + cost(r, a)
+                ends[(a.kind, a.stage, a.mb)] = clock[r]
+                out[a] = (start, clock[r])
+                pos[r] += 1
+                progressed = True
+        if not progressed:
+            raise ScheduleError("timeline: plans wait on each other (incomplete or cyclic)")
+    return out
+
+
 def bubble_fraction_theory(n_ranks: int, n_microbatches: int, virtual_stages: int = 1) -> float:
     """Idle fraction of a synchronous pipeline step: ``(p - 1) / (v * m + p - 1)``."""
     p, m, v = n_ranks, n_microbatches, virtual_stages

@@ -15,6 +15,7 @@ from hyperpar.pipeline import (
     lower,
     one_f_one_b_plan,
     simulate,
+    timeline,
     zero_bubble_plan,
 )
 from hyperpar.pipeline.schedules import I, W, choose_lowering
@@ -117,29 +118,8 @@ def test_zero_bubble_defers_weight_gradients_on_early_ranks():
 
 
 def _makespan(plans, n_stages, cost):
-    """Unit-cost timing of plans (one stage per rank) -- the schedules' own bubble."""
-    done: dict = {}
-    clock = [0.0] * len(plans)
-    pos = [0] * len(plans)
-    while any(pos[r] < len(plans[r]) for r in range(len(plans))):
-        for r, plan in enumerate(plans):
-            while pos[r] < len(plan):
-                a = plan[pos[r]]
-                dep = []
-                if a.kind == "F" and a.stage > 0:
-                    dep = [("F", a.stage - 1, a.mb)]
-                if a.kind in "BI":
-                    dep = [("F", a.stage, a.mb)] + ([(k, a.stage + 1, a.mb) for k in "BI"
-                                                     if (k, a.stage + 1, a.mb) in done]
-                                                    if a.stage < n_stages - 1 else [])
-                    if a.stage < n_stages - 1 and not dep[1:]:
-                        break
-                if any(d not in done for d in dep):
-                    break
-                start = max([clock[r]] + [done[d] for d in dep])
-                clock[r] = done[(a.kind, a.stage, a.mb)] = start + cost[a.kind]
-                pos[r] += 1
-    return max(clock)
+    times = timeline(plans, n_stages, lambda rank, a: cost[a.kind])
+    return max(end for _, end in times.values())
 
 
 def test_zero_bubble_has_a_smaller_bubble_than_1f1b_in_unit_time():
@@ -151,3 +131,12 @@ def test_zero_bubble_has_a_smaller_bubble_than_1f1b_in_unit_time():
     assert (t_1f1b - ideal) / t_1f1b == pytest.approx(bubble_fraction_theory(p, m))
     assert t_1f1b - ideal == 3 * (p - 1)      # (p - 1)(F + B)
     assert t_zb - ideal == p - 1              # ZB-H1: (p - 1)(F + I - W)
+
+
+def test_interleaving_shrinks_the_unit_time_bubble_by_the_virtual_stage_count():
+    p, m, v = 4, 8, 2
+    cost = {"F": 1.0 / v, "B": 2.0 / v}
+    plans = [interleaved_1f1b_plan(p * v, m, r, p) for r in range(p)]
+    t = max(end for _, end in timeline(plans, p * v, lambda r, a: cost[a.kind]).values())
+    ideal = 3.0 * m
+    assert (t - ideal) / t == pytest.approx(bubble_fraction_theory(p, m, v))
