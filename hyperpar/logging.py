@@ -92,13 +92,12 @@ def get_logger(name: str = "hyperpar", *, all_ranks: bool = False,
     Calling it again with the same name returns the same logger, reconfigured.
     """
     logger = logging.getLogger(name)
-    for f in [f for f in logger.filters if isinstance(f, _RankFilter)]:
-        logger.removeFilter(f)
-    logger.addFilter(_RankFilter(all_ranks))
     for h in [h for h in logger.handlers if getattr(h, "_hyperpar", False)]:
         logger.removeHandler(h)
     handler = logging.StreamHandler(stream or sys.stderr)
     handler._hyperpar = True  # type: ignore[attr-defined]
+    # On the handler, not the logger: records of child loggers ("name.sub") are filtered too.
+    handler.addFilter(_RankFilter(all_ranks))
     fmt = "[rank %(rank)s] %(message)s" if all_ranks else "%(message)s"
     handler.setFormatter(logging.Formatter(fmt))
     logger.addHandler(handler)

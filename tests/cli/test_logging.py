@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 
 import pytest
 import torch
@@ -73,3 +74,13 @@ def test_progress_is_silent_when_quiet(capsys):
     hlog.rank0_print("not shown")
     hlog.rank0_print("shown", force=True)
     assert capsys.readouterr().out == "shown\n"
+
+
+def test_child_loggers_are_filtered_by_rank_too(monkeypatch):
+    stream = io.StringIO()
+    hlog.get_logger("hyperpar.test.parent", stream=stream)
+    monkeypatch.setenv("RANK", "1")
+    logging.getLogger("hyperpar.test.parent.child").warning("from rank 1")
+    monkeypatch.setenv("RANK", "0")
+    logging.getLogger("hyperpar.test.parent.child").warning("from rank 0")
+    assert stream.getvalue() == "from rank 0\n"
