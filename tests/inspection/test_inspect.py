@@ -286,3 +286,29 @@ def test_dtensor_outputs_are_gathered_and_edited_through_their_own_layout(run_on
     torch.testing.assert_close(out, ref["out"])
     for key, g in grads.items():
         torch.testing.assert_close(g, ref[key], msg=key)
+
+
+def _pipeline_capture() -> dict:
+    from hyperpar.pipeline import PipelineModule, ScheduleGPipe
+
+    torch.manual_seed(0)
+    net = _Net()
+    pipe = PipelineModule([net.layers[0], net.layers[1], net.head], num_stages=2,
+                          partition_method="uniform", loss_fn=lambda y, t: y.pow(2).sum())
+    im = InspectedModel(pipe)
+    im.register_forward_hook("*.up", (None, 16))
+    im.register_forward_hook("2", (B // 2, 3))  # the head, on the last stage
+    ScheduleGPipe(pipe, n_microbatches=2).step(_x(), target=torch.zeros(B, 3))
+    im.flush()
+    return dict(im.captured)
+
+
+def test_pipeline_stage_activations_of_every_microbatch_reach_rank_zero(run_on_ranks):
+    captured = run_on_ranks(2, _pipeline_capture)[0]
+    ref = _reference()
+    model = _Net()
+    ref_head = model(_x()).detach()
+    assert sorted(captured) == ["0.up", "1.up", "2"]
+    torch.testing.assert_close(captured["0.up"], ref["layers.0.up"])
+    torch.testing.assert_close(captured["1.up"], ref["layers.1.up"])
+    torch.testing.assert_close(captured["2"], ref_head)
