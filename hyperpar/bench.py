@@ -225,8 +225,9 @@ def render_markdown(runs: list[BenchRun], mach: dict[str, Any], png: str | None)
 
 def plot_ratios(rows: list[dict[str, Any]], path: Path, title: str = "") -> str | None:
     """Bar chart of the ratios into ``path``; returns a message instead when impossible."""
-    data = [(f"{r['benchmark']}: {r['case']}", r["ratio"]) for r in rows
-            if r["ratio"] is not None and math.isfinite(r["ratio"])]
+    data = [(f"{r['benchmark']}: {r['case']}" + (f"\nvs {r['reference']}" if r["reference"]
+                                                     else ""), r["ratio"])
+            for r in rows if r["ratio"] is not None and math.isfinite(r["ratio"])]
     if not data:
         return "no ratios to plot"
     try:
@@ -237,9 +238,10 @@ def plot_ratios(rows: list[dict[str, Any]], path: Path, title: str = "") -> str 
     except ImportError:
         return "matplotlib is not installed (pip install 'hyperpar[bench]'); skipped the PNG"
     labels, ratios = zip(*data, strict=True)
-    fig, ax = plt.subplots(figsize=(8, 0.4 * len(data) + 1.2))
+    fig, ax = plt.subplots(figsize=(8, 0.55 * len(data) + 1.4))
     colors = ["tab:green" if x <= 1.0 else "tab:orange" for x in ratios]
-    ax.barh(range(len(data)), ratios, color=colors)
+    bars = ax.barh(range(len(data)), ratios, color=colors)
+    ax.bar_label(bars, fmt="%.2f", fontsize=8, padding=2)
     ax.set_yticks(range(len(data)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.axvline(1.0, color="black", linewidth=1)
