@@ -158,7 +158,11 @@ class PipelineSchedule:
 
     # ------------------------------------------------------------------ step
     def step(self, *args: Any, target: Any = None, losses: list[Any] | None = None,
-             **kwargs: Any) -> torch.Tensor | None:
+             return_outputs: bool = False, **kwargs: Any) -> Any:
+        """One training step over ``n_microbatches`` microbatches; see the class docstring.
+        ``losses`` (a list) receives the unweighted per-microbatch losses; with
+        ``return_outputs=True`` the last stage returns ``(loss, outputs)``, the model outputs
+        merged back along ``batch_dim`` (detached)."""
         mod, m, last = self.module, self.n_microbatches, self.n_stages - 1
         t_step = time.perf_counter()
         timings = StepTimings()
@@ -182,6 +186,8 @@ class PipelineSchedule:
         self._outbox: dict[Comm, tuple[Sequence[torch.Tensor], bool]] = {}
         self._out_meta: dict[tuple[int, int], Meta] = {}
         self._losses: list[torch.Tensor | None] = [None] * m
+        self._keep_outputs = return_outputs
+        self._mb_outputs: list[Any] = [None] * m
         stash = mod._stash_tied_gradients()
         for step in self.program:
             if step.comms:
@@ -206,7 +212,10 @@ class PipelineSchedule:
         mb_losses = [loss for loss in self._losses if loss is not None]
         if losses is not None:
             losses.extend(mb_losses)
-        return sum(loss * w for loss, w in zip(mb_losses, self._weights, strict=False))
+        loss = sum(loss * w for loss, w in zip(mb_losses, self._weights, strict=True))
+        if return_outputs:
+            return loss, merge_microbatches(self._mb_outputs, self.batch_dim)
+        return loss
 
     # ------------------------------------------------------------------ communication
     def _communicate(self, comms: Sequence[Comm]) -> None:
@@ -276,6 +285,9 @@ class PipelineSchedule:
             target = self._targets[mb] if self._targets is not None else None
             loss = self.loss_fn(out, target) if target is not None else self.loss_fn(out)
             self._losses[mb] = loss.detach()
+            if self._keep_outputs:
+                self._mb_outputs[mb] = (out.detach() if isinstance(out, torch.Tensor) else
+                                        type(out)(t.detach() for t in out))
             scaled = loss * self._weights[mb]
             self._outputs[(stage, mb)] = [scaled]
             if self.split_backward:

@@ -147,3 +147,26 @@ def run_group_cases() -> dict:
     module = PipelineModule(tied_layers(), loss_fn=lm_loss, seed_layers=False)
     out["tied"] = {n: p.detach().clone() for n, p in module.tied_parameters()}
     return out
+
+
+def run_shape_cases() -> list[str]:
+    """Merged outputs, and a second step with another batch size (dynamic_shapes=True)."""
+    from hyperpar.pipeline import PipelineModule
+
+    done = []
+    module = PipelineModule(tied_layers(), loss_fn=lm_loss, seed_layers=True)
+    sched = get_schedule_class("1f1b")(module, 3, dynamic_shapes=True)
+    ref = PipelineModule(tied_layers(), num_stages=1, seed_layers=True)
+    for batch in (BATCH, 5):
+        x, y = data(batch)
+        res = sched.step(x, target=y, return_outputs=True)
+        if res is not None:
+            loss, out = res
+            with torch.no_grad():
+                expected = ref(x)
+            assert_close_to_reference(out, expected, rtol=RTOL, atol=ATOL, what="outputs")
+            assert_close_to_reference(loss, lm_loss(expected, y), rtol=RTOL, atol=ATOL,
+                                      what=f"loss at batch {batch}")
+        done.append(f"batch {batch}")
+
+    return done

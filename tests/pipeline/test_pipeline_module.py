@@ -11,6 +11,7 @@ from hyperpar.pipeline import (
     LayerSpec,
     PipelineModule,
     Schedule1F1B,
+    ScheduleInterleaved1F1B,
     TiedLayerSpec,
     partition_balanced,
     partition_layers,
@@ -137,3 +138,13 @@ def test_schedule_without_a_loss_function_says_where_to_put_one():
     model = PipelineModule(tied_layers(), 1)
     with pytest.raises(ValueError, match="pass loss_fn="):
         Schedule1F1B(model, 2)
+
+
+def test_a_dict_cannot_cross_a_stage_boundary():
+    layers = tied_layers()
+    layers[3:3] = [lambda x: {"h": x}, lambda d: d["h"]]
+    model = PipelineModule(layers, 1, virtual_stages=2, partition_method=[0, 4, 12],
+                           loss_fn=lm_loss)
+    x, y = data()
+    with pytest.raises(TypeError, match="output of stage 0.*got dict"):
+        ScheduleInterleaved1F1B(model, 2).step(x, target=y)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pipeline_models import run_cases, run_group_cases
+from pipeline_models import run_cases, run_group_cases, run_shape_cases
 
 CASES_2 = [
     # m < p, m not a multiple of p, m a multiple of p; several partitions
@@ -44,3 +44,7 @@ def test_pipelines_in_a_larger_world_mesh_and_tied_broadcast(run_on_ranks):
     w0, w3 = results[0]["tied"]["emb.weight"], results[3]["tied"]["emb.weight"]
     assert torch.equal(w0, w3)
     assert results[1]["tied"] == {} and results[2]["tied"] == {}
+
+
+def test_outputs_are_merged_and_batch_size_may_change_with_dynamic_shapes(run_on_ranks):
+    assert run_on_ranks(2, run_shape_cases, timeout_s=60) == [["batch 8", "batch 5"]] * 2
