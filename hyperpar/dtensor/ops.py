@@ -296,8 +296,12 @@ def _variants(name: str, *, inplace: bool = False, functional: bool = False) -> 
     return uniq
 
 
-def _mixing_error(func: Any, t: torch.Tensor) -> TypeError:
-    return TypeError(
+class MixedTensorError(RuntimeError):
+    """A DTensor op got a plain (non-scalar) torch.Tensor argument."""
+
+
+def _mixing_error(func: Any, t: Any) -> MixedTensorError:
+    return MixedTensorError(
         f"{_name(func)}: got a mix of DTensor and torch.Tensor (shape {tuple(t.shape)}); "
         "convert the plain tensor with distribute_tensor or DTensor.from_local first "
         "(0-dim tensors and Python numbers are allowed)"
@@ -308,8 +312,8 @@ def _mixing_error(func: Any, t: torch.Tensor) -> TypeError:
 _PW_CACHE: dict[tuple, tuple] = {}
 
 
-def _pointwise_plan(kind: str, inplace: bool, metas: tuple, first_is_arg0: bool, mesh
-                    ) -> tuple:
+def _pointwise_plan(kind: str, inplace: bool, metas: tuple, first_is_arg0: bool, mesh,
+                    has_scalar: bool = False) -> tuple:
     """(targets, out placements, out shape, out spec) for an elementwise op."""
     shapes = [m[1] for m in metas]
     out_shape = torch.Size(torch.broadcast_shapes(*shapes)) if not inplace else shapes[0]
@@ -330,7 +334,7 @@ def _pointwise_plan(kind: str, inplace: bool, metas: tuple, first_is_arg0: bool,
                         out = Shard(d_out)
                         break
         if out is None or type(out) is Partial:
-            partial_out = _partial_result(kind, cur, first_is_arg0)
+            partial_out = _partial_result(kind, cur, first_is_arg0, has_scalar)
             if type(out) is Partial and partial_out != out:
                 raise ShardingError(
                     f"in-place {kind} op on a Partial({out.reduce_op!r}) tensor with inputs "
@@ -361,13 +365,15 @@ def _pointwise_plan(kind: str, inplace: bool, metas: tuple, first_is_arg0: bool,
     return tg, outs_t, out_shape, DTensorSpec(mesh, outs_t, out_shape)
 
 
-def _partial_result(kind: str, cur: list[Placement], first_is_arg0: bool) -> Placement:
+def _partial_result(kind: str, cur: list[Placement], first_is_arg0: bool,
+                    has_scalar: bool = False) -> Placement:
     partials = [p for p in cur if type(p) is Partial]
     if not partials:
         return REPLICATE
     if kind == "linear":
         ops = {p.reduce_op for p in partials}
-        if len(ops) == 1 and next(iter(ops)) in ("sum", "avg"):
+        # x + c on a Partial("sum") would add c once per rank: only "avg" absorbs a constant
+        if len(ops) == 1 and next(iter(ops)) in (("avg",) if has_scalar else ("sum", "avg")):
             return partials[0]
     elif kind in ("mul", "div") and len(partials) == 1 and partials[0] == _P_SUM:
         if kind == "mul" or (first_is_arg0 and type(cur[0]) is Partial):
@@ -396,15 +402,20 @@ def _pointwise_handler(kind: str, inplace: bool = False) -> Callable:
 def _pointwise_general(func: Any, args: Sequence, kwargs: dict, kind: str, inplace: bool) -> Any:
     dts: list[DTensor] = []
     metas = []
-    for a in (*args, *kwargs.values()):
+    has_scalar = False
+    for i, a in enumerate((*args, *kwargs.values())):
         if isinstance(a, DTensor):
             dts.append(a)
             metas.append((a._spec.placements, a._spec.shape))
-        elif isinstance(a, torch.Tensor) and a.ndim > 0:
-            raise _mixing_error(func, a)
+        elif isinstance(a, torch.Tensor):
+            if a.ndim > 0:
+                raise _mixing_error(func, a)
+            has_scalar = has_scalar or i < len(args)
+        elif isinstance(a, int | float | complex) and not isinstance(a, bool):
+            has_scalar = has_scalar or i < len(args)
     mesh = dts[0]._spec.mesh
     first = bool(args) and args[0] is dts[0]
-    key = (kind, inplace, tuple(metas), first, mesh)
+    key = (kind, inplace, tuple(metas), first, mesh, has_scalar)
     plan = _PW_CACHE.get(key)
     if plan is None:
         for d in dts[1:]:
@@ -412,7 +423,8 @@ def _pointwise_general(func: Any, args: Sequence, kwargs: dict, kind: str, inpla
                 raise ValueError(f"{_name(func)}: DTensor inputs live on different meshes")
         if inplace and not (args and args[0] is dts[0]):
             raise ShardingError(f"{_name(func)}: in-place op on a plain tensor with DTensor args")
-        plan = _PW_CACHE[key] = _pointwise_plan(kind, inplace, tuple(metas), first, mesh)
+        plan = _PW_CACHE[key] = _pointwise_plan(kind, inplace, tuple(metas), first, mesh,
+                                                has_scalar)
     targets, outs, _, spec = plan
     same = all(t == m[0] for t, m in zip(targets, metas, strict=False))
     if same and not any(_needs_grad(d._local) for d in dts):

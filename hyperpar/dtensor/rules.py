@@ -449,6 +449,12 @@ def amax_rule(call: OpCall) -> Sharding:
     x, dims, keepdim = _reduction_args(call)
     op = "max" if call.func in (torch.amax, torch.Tensor.amax) else "min"
     spec = x._spec
+    if x.requires_grad and torch.is_grad_enabled():
+        # the gradient of a Partial(max) term is not the replicated gradient: only the rank
+        # holding the maximum may receive it, so differentiable maxima gather first
+        pl = unshard(spec.placements, dims)
+        return Sharding([pl], _reduced_placements(pl, dims, keepdim, op),
+                        _reduced_shape(tuple(spec.shape), dims, keepdim))
     pl = tuple(p if p == Partial(op) else (R if type(p) is Partial else p)
                for p in spec.placements)
     # an empty local shard has no max: gather dims whose shards can be empty

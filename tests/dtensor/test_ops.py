@@ -1,0 +1,249 @@
+"""Op rules: every rule against the same op on full tensors in one process (values and
+gradients), on 1-D (2 ranks) and 2-D (4 ranks) meshes. Cases run together in one call."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hyperpar.dtensor import Partial, Replicate, Shard
+
+S0, S1, S2, R, P = Shard(0), Shard(1), Shard(2), Replicate(), Partial()
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+# name -> function of the inputs; the same function runs on DTensors and on full tensors
+OPS = {
+    "relu": lambda x: torch.relu(x),
+    "gelu_tanh": lambda x: F.gelu(x).tanh(),
+    "add_bias": lambda x, b: x + b,
+    "sub_mul": lambda x, y: (x - y) * y,
+    "mul_scalar": lambda x: x * 3.0 + 1.0,
+    "div": lambda x, y: x / (y.abs() + 1),
+    "where": lambda x, y: torch.where(x > 0, x, y),
+    "matmul": lambda a, b: a @ b,
+    "bmm": lambda a, b: torch.bmm(a, b),
+    "linear": lambda x, w, b: F.linear(x, w, b),
+    "linear_nobias": lambda x, w: F.linear(x, w),
+    "sum_dim0": lambda x: x.sum(0),
+    "sum_all": lambda x: x.sum(),
+    "mean_dim0": lambda x: x.mean(dim=0),
+    "mean_keep": lambda x: x.mean(-1, keepdim=True),
+    "amax": lambda x: x.amax(0),
+    "max_dim": lambda x: x.max(dim=1).values,
+    "view_merge": lambda x: x.view(-1, x.shape[-1]) * 2,
+    "view_split": lambda x: x.reshape(4, 6, 4) * 2,
+    "transpose": lambda x: x.transpose(0, 1) * 2,
+    "permute": lambda x: x.permute(2, 0, 1) * 2,
+    "flatten": lambda x: x.flatten(1) * 2,
+    "unsqueeze_t": lambda x: x.t().unsqueeze(0) * 2,
+    "softmax": lambda x: torch.softmax(x, dim=-1),
+    "log_softmax": lambda x: F.log_softmax(x, dim=0),
+    "layer_norm": lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b),
+    "rms_norm": lambda x, w: F.rms_norm(x, (x.shape[-1],), w),
+    "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    "embedding": lambda ids, w: F.embedding(ids, w) * 1.0,
+    "cat": lambda a, b: torch.cat([a, b], dim=1),
+    "stack": lambda a, b: torch.stack([a, b], dim=0),
+    "split": lambda x: x.split(2, dim=1)[1] * 2,
+    "chunk": lambda x: torch.chunk(x, 2, dim=-1)[0] * 2,
+    "cross_entropy": lambda logits, t: F.cross_entropy(logits, t),
+    "cross_entropy_ignore": lambda logits, t: F.cross_entropy(logits, t, ignore_index=0),
+    "cross_entropy_none": lambda logits, t: F.cross_entropy(logits, t, reduction="none"),
+    "getitem": lambda x: x[:, 1:3] * 2,
+    "expand": lambda x: x.unsqueeze(0).expand(3, -1, -1) * 2,
+    "mlp": lambda x, w1, w2: F.linear(F.silu(F.linear(x, w1)), w2),
+}
+
+# (op, [(shape, placements on a 1-D mesh, placements on a 2-D mesh, kind)]) ; kind "f" float,
+# "i<n>" integer ids below n
+CASES = [
+    ("relu", [((6, 4), [S0], [S0, S1], "f")]),
+    ("relu", [((5, 3), [P], [P, S0], "f")]),
+    ("gelu_tanh", [((5, 3), [S1], [R, S1], "f")]),
+    ("add_bias", [((6, 4), [S0], [S0, S1], "f"), ((4,), [R], [R, R], "f")]),
+    ("add_bias", [((6, 4), [S1], [R, S1], "f"), ((4,), [R], [R, R], "f")]),
+    ("add_bias", [((6, 4), [P], [P, S0], "f"), ((4,), [R], [R, R], "f")]),
+    ("add_bias", [((6, 4), [P], [P, P], "f"), ((6, 4), [P], [P, S1], "f")]),
+    ("sub_mul", [((5, 4), [S0], [S0, S1], "f"), ((5, 4), [S1], [S1, R], "f")]),
+    ("mul_scalar", [((5, 4), [P], [P, S1], "f")]),
+    ("div", [((5, 4), [P], [P, R], "f"), ((5, 4), [R], [R, S0], "f")]),
+    ("where", [((5, 4), [S0], [S0, S1], "f"), ((5, 4), [R], [R, R], "f")]),
+    ("matmul", [((6, 4), [S0], [S0, R], "f"), ((4, 5), [R], [R, S1], "f")]),
+    ("matmul", [((6, 4), [R], [R, R], "f"), ((4, 5), [S1], [S1, S0], "f")]),
+    ("matmul", [((6, 4), [S1], [S1, S0], "f"), ((4, 5), [S0], [S0, R], "f")]),
+    ("matmul", [((6, 4), [S0], [S0, S1], "f"), ((4, 5), [S1], [S1, S0], "f")]),
+    ("matmul", [((2, 6, 4), [S0], [S0, S1], "f"), ((4, 5), [R], [R, S1], "f")]),
+    ("matmul", [((6, 4), [P], [P, R], "f"), ((4, 5), [R], [R, S1], "f")]),
+    ("bmm", [((2, 3, 4), [S0], [S0, S2], "f"), ((2, 4, 5), [S0], [S0, S1], "f")]),
+    ("linear", [((3, 6, 4), [R], [S0, R], "f"), ((5, 4), [S0], [R, S0], "f"),
+                ((5,), [S0], [R, S0], "f")]),
+    ("linear", [((3, 6, 4), [S2], [S0, S2], "f"), ((5, 4), [S1], [R, S1], "f"),
+                ((5,), [R], [R, R], "f")]),
+    ("linear_nobias", [((6, 4), [S0], [S0, R], "f"), ((5, 4), [R], [R, S0], "f")]),
+    ("mlp", [((3, 4), [R], [S0, R], "f"), ((8, 4), [S0], [R, S0], "f"),
+             ((4, 8), [S1], [R, S1], "f")]),
+    ("sum_dim0", [((5, 4), [S0], [S0, S1], "f")]),
+    ("sum_all", [((5, 4), [S1], [S0, S1], "f")]),
+    ("mean_dim0", [((5, 4), [S0], [S0, S0], "f")]),
+    ("mean_keep", [((5, 4), [S1], [P, S1], "f")]),
+    ("amax", [((6, 4), [S0], [S0, S1], "f")]),
+    ("max_dim", [((6, 4), [S1], [S0, S1], "f")]),
+    ("view_merge", [((4, 6, 4), [S0], [S0, S2], "f")]),
+    ("view_merge", [((4, 6, 4), [S1], [S1, R], "f")]),
+    ("view_split", [((24, 4), [S0], [S0, S1], "f")]),
+    ("transpose", [((6, 4), [S0], [S0, S1], "f")]),
+    ("permute", [((2, 6, 4), [S2], [S0, S2], "f")]),
+    ("flatten", [((2, 3, 4), [S0], [S0, S1], "f")]),
+    ("unsqueeze_t", [((6, 4), [S1], [S0, P], "f")]),
+    ("softmax", [((6, 4), [S0], [S0, S1], "f")]),
+    ("log_softmax", [((6, 4), [S0], [S1, S0], "f")]),
+    ("layer_norm", [((4, 6, 8), [S0], [S0, S1], "f"), ((8,), [R], [R, R], "f"),
+                    ((8,), [R], [R, R], "f")]),
+    ("layer_norm", [((4, 6, 8), [S2], [S2, R], "f"), ((8,), [S0], [R, S0], "f"),
+                    ((8,), [R], [R, R], "f")]),
+    ("rms_norm", [((4, 6, 8), [S1], [S0, S1], "f"), ((8,), [R], [R, R], "f")]),
+    ("sdpa", [((2, 4, 6, 8), [S1], [S0, S1], "f"), ((2, 4, 6, 8), [S1], [S0, S1], "f"),
+              ((2, 4, 6, 8), [S1], [S0, S1], "f")]),
+    ("sdpa", [((2, 4, 6, 8), [S0], [S2, R], "f"), ((2, 4, 6, 8), [R], [R, R], "f"),
+              ((2, 4, 6, 8), [R], [R, R], "f")]),
+    ("embedding", [((4, 6), [R], [S0, R], "i10"), ((10, 8), [S0], [R, S0], "f")]),
+    ("embedding", [((4, 6), [R], [R, R], "i10"), ((10, 8), [S1], [S1, S0], "f")]),
+    ("embedding", [((4, 6), [S0], [S0, S1], "i10"), ((10, 8), [R], [R, R], "f")]),
+    ("cat", [((4, 3), [S0], [S0, S1], "f"), ((4, 2), [S0], [S0, R], "f")]),
+    ("stack", [((4, 3), [S0], [S0, S1], "f"), ((4, 3), [S1], [S0, S1], "f")]),
+    ("split", [((4, 6), [S0], [S0, S1], "f")]),
+    ("chunk", [((5, 6), [S1], [S0, S1], "f")]),
+    ("cross_entropy", [((8, 10), [S0], [S0, R], "f"), ((8,), [S0], [S0, R], "i10")]),
+    ("cross_entropy", [((7, 10), [S1], [S1, S0], "f"), ((7,), [R], [R, S0], "i10")]),
+    ("cross_entropy_ignore", [((7, 10), [S0], [S0, S0], "f"), ((7,), [S0], [R, R], "i3")]),
+    ("cross_entropy_none", [((8, 10), [S0], [S0, S1], "f"), ((8,), [S0], [S0, R], "i10")]),
+    ("getitem", [((4, 6), [S0], [S0, S1], "f")]),
+    ("expand", [((4, 6), [S1], [S0, S1], "f")]),
+]
+
+
+def _inputs(case_index, specs):
+    gen = torch.Generator().manual_seed(case_index)
+    out = []
+    for shape, _, _, kind in specs:
+        if kind == "f":
+            out.append(torch.randn(shape, generator=gen))
+        else:
+            out.append(torch.randint(0, int(kind[1:]), shape, generator=gen))
+    return out
+
+
+def run_op_cases(mesh_shape, cases):
+    """On every rank: each case's output and input gradients equal the single-process ones."""
+    from hyperpar.dtensor import DTensor, distribute_tensor, init_device_mesh
+    from hyperpar.testing import assert_close_to_reference
+
+    mesh = init_device_mesh(mesh_shape)
+    failures, placements = [], []
+    for i, (name, specs) in enumerate(cases):
+        fulls = _inputs(i, specs)
+        try:
+            # reference: the same function on full tensors in this one process
+            ref_in = [t.clone().requires_grad_(t.is_floating_point()) for t in fulls]
+            ref = OPS[name](*ref_in)
+            w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(100 + i))
+            ref_grads = [None] * len(ref_in)
+            if ref.requires_grad:
+                ref_grads = torch.autograd.grad((ref * w).sum(), [t for t in ref_in
+                                                                  if t.requires_grad])
+            leaves, dts = [], []
+            for t, (_, p1, p2, _) in zip(fulls, specs, strict=True):
+                pl = p1 if len(mesh_shape) == 1 else p2
+                leaf_pl = [Replicate() if isinstance(p, Partial) else p for p in pl]
+                leaf = distribute_tensor(t.clone().requires_grad_(t.is_floating_point()), mesh,
+                                         leaf_pl)
+                leaves.append(leaf)
+                dts.append(leaf.redistribute(mesh, pl))
+            out = OPS[name](*dts)
+            assert isinstance(out, DTensor), f"{name} returned {type(out)}"
+            placements.append((name, out.placements))
+            full = out.full_tensor()
+            assert_close_to_reference(full, ref, **TOL, what=f"{name} value")
+            if ref.requires_grad:
+                (full * w).sum().backward()
+                got = [leaf.grad.full_tensor() for leaf in leaves if leaf.requires_grad]
+                assert_close_to_reference(got, list(ref_grads), **TOL, what=f"{name} grad")
+        except Exception as exc:  # collect every failure, not just the first
+            failures.append(f"case {i} {name} {specs}: {type(exc).__name__}: {exc}"[:600])
+    return failures, placements
+
+
+def test_every_op_rule_matches_the_full_tensor_op_on_a_1d_mesh(run_on_ranks):
+    results = run_on_ranks(2, run_op_cases, (2,), CASES)
+    assert results[0][0] == [], "\n".join(results[0][0])
+
+
+def test_every_op_rule_matches_the_full_tensor_op_on_a_2d_mesh(run_on_ranks):
+    results = run_on_ranks(4, run_op_cases, (2, 2), CASES)
+    assert results[0][0] == [], "\n".join(results[0][0])
+
+
+def test_matmul_keeps_megatron_layouts_without_communication(run_on_ranks):
+    results = run_on_ranks(2, run_op_cases, (2,), [
+        ("matmul", [((6, 4), [R], [], "f"), ((4, 5), [S1], [], "f")]),   # colwise
+        ("matmul", [((6, 4), [S1], [], "f"), ((4, 5), [S0], [], "f")]),  # rowwise
+        ("matmul", [((6, 4), [S0], [], "f"), ((4, 5), [R], [], "f")]),   # batch
+    ])[0][1]
+    assert [p for _, p in results] == [(S1,), (P,), (S0,)]
+
+
+def _unsupported():
+    from hyperpar.dtensor import ShardingError, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh((2,))
+    x = distribute_tensor(torch.randn(4, 4), mesh, [S0])
+    try:
+        torch.sort(x, dim=0)
+    except ShardingError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_an_op_without_a_rule_raises_naming_the_op_and_the_input_placements(run_on_ranks):
+    message = run_on_ranks(2, _unsupported)[0]
+    assert "torch.sort" in message and "[Shard(dim=0)]" in message and "(4, 4)" in message
+
+
+def _mixing():
+    from hyperpar.dtensor import distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh((2,))
+    x = distribute_tensor(torch.randn(4, 4), mesh, [S0])
+    try:
+        x + torch.ones(4, 4)
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_mixing_a_dtensor_with_a_plain_tensor_is_an_error_that_says_how_to_fix_it(run_on_ranks):
+    assert "distribute_tensor or DTensor.from_local" in run_on_ranks(2, _mixing)[0]
+
+
+@st.composite
+def _broadcast_case(draw):
+    out = draw(st.lists(st.integers(1, 5), min_size=1, max_size=3))
+    specs = []
+    for _ in range(2):
+        k = draw(st.integers(1, len(out)))
+        shape = tuple(s if draw(st.booleans()) else 1 for s in out[-k:])
+        pl1 = draw(st.sampled_from([R, P] + [Shard(d) for d in range(len(shape))]))
+        pl2 = [draw(st.sampled_from([R, P] + [Shard(d) for d in range(len(shape))]))
+               for _ in range(2)]
+        specs.append((shape, [pl1], pl2, "f"))
+    return (draw(st.sampled_from(["add_bias", "sub_mul", "div", "where"])), specs)
+
+
+@settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))
+@given(cases=st.lists(_broadcast_case(), min_size=25, max_size=25))
+@pytest.mark.parametrize("world", [2, 4])
+def test_broadcasting_elementwise_ops_match_for_any_placements(run_on_ranks, world, cases):
+    mesh = (2,) if world == 2 else (2, 2)
+    failures = run_on_ranks(world, run_op_cases, mesh, cases)[0][0]
+    assert failures == [], "\n".join(failures)
