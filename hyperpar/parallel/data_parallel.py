@@ -44,6 +44,12 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _graph_task_id() -> int:
+    """Id of the backward pass running now (-1 outside backward; -1 if torch cannot tell)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current() if current is not None else -1
+
+
 def resolve_group(mesh: Any = None, dim: str | int | None = "dp", group: Any = None) -> Any:
     """The process group of mesh dimension ``dim`` (a 1-D mesh needs no name), or ``group``
     as given, or the world group when neither is given."""
@@ -84,6 +90,7 @@ class _Reducer:
         self.size = self.platform.world_size(group)
         self.sync_enabled = True
         self._in_backward = False
+        self._task = -1  # graph task of the backward being reduced
         self._next = 0  # next bucket to launch, in order
         self.buckets: list[_Bucket] = []
         self._where: dict[int, _Bucket] = {}
@@ -119,6 +126,7 @@ class _Reducer:
     # -------------------------------------------------------------- backward machinery
     def _start_backward(self) -> None:
         self._in_backward = True
+        self._task = _graph_task_id()
         self._next = 0
         for b in self.buckets:
             b.pending = {id(p) for p in b.params}
@@ -132,13 +140,23 @@ class _Reducer:
     def _on_grad(self, param: torch.Tensor) -> None:
         if not self.sync_enabled or self.size == 1:
             return
-        if not self._in_backward:
+        if not self._in_backward or self._task != _graph_task_id():
+            # A new backward (or the previous one raised before its end callback ran:
+            # its half-reduced state is dropped).
+            self._abandon()
             self._start_backward()
         bucket = self._where[id(param)]
         bucket.pending.discard(id(param))
         while self._next < len(self.buckets) and not self.buckets[self._next].pending:
             self._launch(self.buckets[self._next])
             self._next += 1
+
+    def _abandon(self) -> None:
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            bucket.buffer = bucket.work = None
+        self._in_backward = False
 
     def _launch(self, bucket: _Bucket) -> None:
         flat = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device)

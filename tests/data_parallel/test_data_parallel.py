@@ -161,3 +161,54 @@ def test_dtensor_parameter_local_grad_is_averaged_over_dp_only(run_on_ranks):
         expected = [(0 + 2) / 2] * 4 if tp_index == 0 else [(1 + 3) / 2] * 4
         assert grad == expected, f"rank {rank}"
         assert "Shard(dim=0)" in repr(placements)
+
+
+class _FailOnce(torch.autograd.Function):
+    armed = True
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        if _FailOnce.armed:
+            _FailOnce.armed = False
+            raise RuntimeError("injected backward failure")
+        return grad
+
+
+class _Fragile(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(4, 4)
+        self.last = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(_FailOnce.apply(self.first(x)))
+
+
+def _recovers_after_failed_backward() -> list[torch.Tensor]:
+    rank = get_platform().rank()
+    _FailOnce.armed = True
+    model = data_parallel(_Fragile(), bucket_cap_mb=1e-5)  # one bucket per parameter
+    x = torch.full((2, 4), float(rank + 1))
+    try:
+        model(x).sum().backward()  # `last` buckets launched, then the failure
+    except RuntimeError:
+        pass
+    model.zero_grad()
+    model(x).sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_a_backward_that_raised_does_not_poison_the_next_one(run_on_ranks):
+    g0, g1 = run_on_ranks(2, _recovers_after_failed_backward)
+    ref = _Fragile()
+    _FailOnce.armed = False
+    for rank in range(2):
+        ref(torch.full((2, 4), float(rank + 1))).sum().backward()
+    for a, b, r in zip(g0, g1, ref.parameters(), strict=True):
+        torch.testing.assert_close(a, r.grad / 2)
+        torch.testing.assert_close(b, r.grad / 2)
