@@ -240,3 +240,12 @@ def test_save_on_tp2_load_on_pp2_continues_with_identical_outputs(run_on_ranks, 
     loaded = run_on_ranks(2, _load_pipeline, str(tmp_path))
     assert loaded[0] is None  # the first stage returns nothing; the last one the outputs
     torch.testing.assert_close(loaded[1], saved)
+
+
+def _full_everywhere() -> dict[str, torch.Tensor]:
+    return full_state_dict(_Sharded(seed=0), rank0_only=False)
+
+
+def test_full_state_dict_can_be_given_to_every_rank(run_on_ranks):
+    for state in run_on_ranks(2, _full_everywhere):
+        torch.testing.assert_close(state, _values(0), rtol=0, atol=0)

@@ -312,3 +312,40 @@ def test_pipeline_stage_activations_of_every_microbatch_reach_rank_zero(run_on_r
     torch.testing.assert_close(captured["0.up"], ref["layers.0.up"])
     torch.testing.assert_close(captured["1.up"], ref["layers.1.up"])
     torch.testing.assert_close(captured["2"], ref_head)
+
+
+class _UnevenShard(nn.Module):
+    """Returns this rank's torch.chunk piece of the columns (3 + 2 columns of 5 on 2 ranks)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        platform = get_platform()
+        return x.chunk(platform.world_size(), dim=1)[platform.rank()] * 1.0
+
+
+class _UnevenNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shard = _UnevenShard()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shard(x)
+
+
+def _uneven() -> tuple[dict, torch.Tensor]:
+    from hyperpar.dtensor import init_device_mesh
+
+    mesh = init_device_mesh((2,), mesh_dim_names=("tp",))
+    im = InspectedModel(_UnevenNet(), mesh=mesh)
+    im.register_forward_hook("shard", None, lambda t: t.flip(1), sharded_dim=1)
+    x = torch.arange(10.0).reshape(2, 5)
+    out = im(x)
+    return dict(im.captured), out
+
+
+def test_uneven_local_shards_are_gathered_and_edits_resharded(run_on_ranks):
+    (captured0, out0), (_, out1) = run_on_ranks(2, _uneven)
+    x = torch.arange(10.0).reshape(2, 5)
+    torch.testing.assert_close(captured0["shard"], x)
+    flipped = x.flip(1)
+    torch.testing.assert_close(out0, flipped[:, :3])
+    torch.testing.assert_close(out1, flipped[:, 3:])
