@@ -167,6 +167,7 @@ def _zero_bubble_all(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
     pending_w: list[deque[int]] = [deque() for _ in range(p)]
     n_w = [0] * p
     n_i = [0] * p
+    i_ready: list[list[tuple[float, int]]] = [[] for _ in range(p)]
     clock = [0.0] * p
     plans: list[list[Action]] = [[] for _ in range(p)]
     while any(n_w[s] < m for s in range(p)):
@@ -176,11 +177,9 @@ def _zero_bubble_all(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
             if n_w[s] == m:
                 continue
             options = []
-            for mb in range(m):
-                if done_i[s][mb] < 0 and done_f[s][mb] >= 0:
-                    ready = done_f[s][mb] if s == p - 1 else done_i[s + 1][mb]
-                    if ready >= 0:
-                        options.append((max(clock[s], ready), 0, mb, "I"))
+            if i_ready[s]:   # (ready time, mb) of input-gradients whose inputs exist
+                ready, mb = min(i_ready[s])
+                options.append((max(clock[s], ready), 0, mb, "I"))
             mb = next_f[s]
             in_flight = next_f[s] - n_i[s]     # forwards whose input gradient is pending
             if mb < m and in_flight < p - s:
@@ -192,8 +191,6 @@ def _zero_bubble_all(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
             if not options:
                 continue
             start, prio, mb, kind = min(options)
-            # an I or F that becomes ready later must not be delayed by a W started now:
-            # prefer W only if it starts strictly before anything else could.
             cand = (start, prio, s, mb, kind)
             if best is None or cand[:3] < best[:3]:
                 best = cand
@@ -204,10 +201,15 @@ def _zero_bubble_all(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
         if kind == "F":
             done_f[s][mb] = end
             next_f[s] += 1
+            if s == p - 1:
+                i_ready[s].append((end, mb))
             plans[s].append(F(mb, s))
         elif kind == "I":
             done_i[s][mb] = end
             n_i[s] += 1
+            i_ready[s].remove(min(i_ready[s]))
+            if s > 0:
+                i_ready[s - 1].append((end, mb))
             pending_w[s].append(mb)
             plans[s].append(I(mb, s))
         else:
