@@ -124,7 +124,15 @@ class _Reducer:
             self._where[id(p)] = bucket
 
     # -------------------------------------------------------------- backward machinery
-    def _start_backward(self) -> None:
+    def sync_now(self) -> None:
+        """Average the current gradients now, outside backward (after ``no_sync``)."""
+        if self.size == 1:
+            return
+        self._abandon()
+        self._start_backward(callback=False)
+        self.finish()
+
+    def _start_backward(self, callback: bool = True) -> None:
         self._in_backward = True
         self._task = _graph_task_id()
         self._next = 0
@@ -134,7 +142,7 @@ class _Reducer:
             b.launched = False
         queue_callback = getattr(torch.autograd.Variable._execution_engine, "queue_callback",
                                  None)
-        if queue_callback is not None:
+        if callback and queue_callback is not None:
             queue_callback(self.finish)
 
     def _on_grad(self, param: torch.Tensor) -> None:
@@ -216,6 +224,18 @@ class DataParallelModule(nn.Module):
         """Complete the gradient averaging of the last backward now (normally done by an
         autograd callback at the end of backward; calling it again is harmless)."""
         self._hp_reducer.finish()
+
+    def sync_gradients(self) -> None:
+        """Average the gradients accumulated so far across the dp group, now.
+
+        For gradients produced by several backward passes under :meth:`no_sync` -- e.g. a
+        pipeline schedule, which runs one backward per microbatch::
+
+            with model.no_sync():
+                schedule.step(x, target=y)
+            model.sync_gradients()
+        """
+        self._hp_reducer.sync_now()
 
     @property
     def dp_group(self) -> Any:
