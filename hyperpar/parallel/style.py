@@ -296,8 +296,8 @@ class RowwiseParallel(ParallelStyle):
                                            Shard(local.dim() - 1), group)
                 return (local, *args[1:]), kwargs
 
-            def finish(y: torch.Tensor, saved: dict) -> torch.Tensor:
-                bias = saved.get((id(module), "bias"))
+            def finish(mod: nn.Module, y: torch.Tensor, saved: dict) -> torch.Tensor:
+                bias = saved.get((id(mod), "bias"))
                 if bias is None:
                     return y
                 local_bias = bias.to_local() if isinstance(bias, _dtensor_cls()) else bias
@@ -320,7 +320,7 @@ class RowwiseParallel(ParallelStyle):
                 state["outside"] = outside
                 return (local_ids.masked_fill(outside, 0), *args[1:]), kwargs
 
-            def finish(y: torch.Tensor, saved: dict) -> torch.Tensor:
+            def finish(mod: nn.Module, y: torch.Tensor, saved: dict) -> torch.Tensor:
                 return y
 
         else:
@@ -334,7 +334,7 @@ class RowwiseParallel(ParallelStyle):
             if outside is not None:
                 y = y.masked_fill(outside.unsqueeze(-1), 0.0)
             y = redistribute_local(y, Partial(), _norm(dst, y.dim()), group)
-            return _wrap(finish(y, saved), mesh, dst, use_local)
+            return _wrap(finish(mod, y, saved), mesh, dst, use_local)
 
         _LocalForward(params, before, after).install(module)
         return module

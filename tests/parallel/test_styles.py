@@ -170,3 +170,21 @@ def _layers_match_plain_modules(sequence_parallel: bool) -> None:
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_tp_layers_match_plain_modules(run_on_ranks, sequence_parallel):
     run_on_ranks(2, _layers_match_plain_modules, sequence_parallel)
+
+
+def _deepcopy_of_sharded_mlp_computes_the_same() -> None:
+    import copy
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    model = parallelize_module(copy.deepcopy(reference), _mesh(),
+                               {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    clone = copy.deepcopy(model)
+    x = torch.randn(3, 8)
+    assert_close_to_reference(model(x), reference(x).detach())
+    assert_close_to_reference(clone(x), reference(x).detach())
+    assert clone[2].bias.placements == (Replicate(),)
+
+
+def test_deepcopy_of_a_sharded_model_keeps_the_row_parallel_bias(run_on_ranks):
+    run_on_ranks(2, _deepcopy_of_sharded_mlp_computes_the_same)
