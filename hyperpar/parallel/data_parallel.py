@@ -90,7 +90,6 @@ class _Reducer:
         self.size = self.platform.world_size(group)
         self.sync_enabled = True
         self._in_backward = False
-        self._task = -1  # graph task of the backward being reduced
         self._next = 0  # next bucket to launch, in order
         self.buckets: list[_Bucket] = []
         self._where: dict[int, _Bucket] = {}
@@ -134,7 +133,6 @@ class _Reducer:
 
     def _start_backward(self, callback: bool = True) -> None:
         self._in_backward = True
-        self._task = _graph_task_id()
         self._next = 0
         for b in self.buckets:
             b.pending = {id(p) for p in b.params}
@@ -148,16 +146,20 @@ class _Reducer:
     def _on_grad(self, param: torch.Tensor) -> None:
         if not self.sync_enabled or self.size == 1:
             return
-        if not self._in_backward or self._task != _graph_task_id():
-            # A new backward (or the previous one raised before its end callback ran:
-            # its half-reduced state is dropped).
-            self._abandon()
+        if not self._in_backward:
             self._start_backward()
         bucket = self._where[id(param)]
         bucket.pending.discard(id(param))
         while self._next < len(self.buckets) and not self.buckets[self._next].pending:
             self._launch(self.buckets[self._next])
             self._next += 1
+
+    def before_forward(self, module: nn.Module, args: Any) -> None:
+        """Forward pre-hook: a backward that raised before its end callback ran left its
+        half-reduced state behind; drop it (forwards run inside backward -- reentrant
+        recomputation -- leave it alone)."""
+        if self._in_backward and _graph_task_id() == -1:
+            self._abandon()
 
     def _abandon(self) -> None:
         for bucket in self.buckets:
@@ -286,6 +288,7 @@ def data_parallel(model: nn.Module, mesh: Any = None, dim: str | int | None = "d
     cls = type(model)
     model.__class__ = type(f"DataParallel{cls.__name__}", (cls, DataParallelModule), {})
     model._hp_reducer = reducer
+    reducer._handles.append(platform.register_forward_pre_hook(model, reducer.before_forward))
     return model
 
 
