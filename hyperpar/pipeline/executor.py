@@ -14,6 +14,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from hyperpar.platform import get_platform
+
 from .module import PipelineModule
 from .p2p import P2P, Meta, flatten, meta_of
 from .schedules import (
@@ -78,6 +80,8 @@ class _Unit:
     ins: list[torch.Tensor]          # leaves of the unit's input that require grad
     outs: list[torch.Tensor]         # unit outputs that require grad
     grads: list[torch.Tensor] | None = None
+    # finer split: (output of a parameter-owning submodule, its own parameters, grad)
+    leaves: list[list[Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -335,14 +339,58 @@ class PipelineSchedule:
                     x = type(x)(_leaf(t, t.requires_grad) if isinstance(t, torch.Tensor) else t
                                 for t in x)
                     ins = [t for t in x if isinstance(t, torch.Tensor) and t.requires_grad]
-            out = mod.run_unit(layers, x, **(kwargs if j == 0 else {}))
+            captured: list[tuple[torch.nn.Module, torch.Tensor, int]] = []
+            handles = self._capture_leaves(layers, captured)
+            try:
+                out = mod.run_unit(layers, x, **(kwargs if j == 0 else {}))
+            finally:
+                for h in handles:
+                    h.remove()
             outs = ([out] if isinstance(out, torch.Tensor) else
                     [t for t in out if isinstance(t, torch.Tensor)]
                     if isinstance(out, tuple | list) else [])
-            units.append(_Unit(layers, ins, [t for t in outs if t.requires_grad]))
+            unit = _Unit(layers, ins, [t for t in outs if t.requires_grad])
+            unit.leaves = self._leaf_split(layers, captured)
+            units.append(unit)
             x = out
         self._units[(stage, mb)] = units
         return x
+
+    def _capture_leaves(self, layers: list[int], captured: list) -> list[Any]:
+        """Hooks recording the output of every submodule that owns parameters directly."""
+        if self.module.activation_checkpoint_interval:
+            return []   # recomputed units: keep the per-unit split
+        platform = get_platform()
+        handles = []
+
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if isinstance(output, torch.Tensor):
+                captured.append((module, output, output._version))
+
+        for i in layers:
+            for top in self.module._layer_modules[i]:
+                for sub in top.modules():
+                    if any(p.requires_grad for p in sub.parameters(recurse=False)):
+                        handles.append(platform.register_forward_hook(sub, hook))
+        return handles
+
+    def _leaf_split(self, layers: list[int], captured: list) -> list[list[Any]]:
+        """Per-submodule weight-gradient pieces, or ``[]`` when the unit cannot be split
+        exactly (a module called twice, shared or functionally used parameters, an output
+        modified in place): then the whole unit's weight gradient runs as one piece."""
+        if not captured:
+            return []
+        pieces, seen_mods, seen_params = [], set(), set()
+        for module, out, version in captured:
+            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            if id(module) in seen_mods or out._version != version or not out.requires_grad \
+                    or any(id(p) in seen_params for p in params):
+                return []
+            seen_mods.add(id(module))
+            seen_params.update(id(p) for p in params)
+            pieces.append([out, params, None])
+        unit_params = {id(p) for p in self.module.unit_parameters(layers)}
+        return pieces if seen_params == unit_params else []
 
     def _backward_input(self, stage: int, mb: int) -> None:
         units = self._units[(stage, mb)]
@@ -352,11 +400,14 @@ class PipelineSchedule:
             grads = [torch.ones_like(t) for t in units[-1].outs]
         for unit in reversed(units):
             unit.grads = list(grads)
-            if unit.ins and unit.outs:
-                got = torch.autograd.grad(unit.outs, unit.ins, unit.grads, retain_graph=True,
+            wanted = list(unit.ins) + [piece[0] for piece in unit.leaves]
+            if wanted and unit.outs:
+                got = torch.autograd.grad(unit.outs, wanted, unit.grads, retain_graph=True,
                                           allow_unused=True)
+                for piece, g in zip(unit.leaves, got[len(unit.ins):], strict=True):
+                    piece[2] = g
                 grads = [g if g is not None else torch.zeros_like(t)
-                         for g, t in zip(got, unit.ins, strict=False)]
+                         for g, t in zip(got[:len(unit.ins)], unit.ins, strict=True)]
             else:
                 grads = [torch.zeros_like(t) for t in unit.ins]
         self._send_input_grads(stage, mb, grads)
@@ -364,6 +415,11 @@ class PipelineSchedule:
 
     def _backward_weight(self, stage: int, mb: int) -> None:
         for unit in self._units.pop((stage, mb)):
+            if unit.leaves:   # each submodule's own weight gradient, nothing recomputed
+                for out, params, grad in unit.leaves:
+                    if grad is not None:
+                        torch.autograd.backward(out, grad, inputs=params)
+                continue
             params = self.module.unit_parameters(unit.layers)
             if params and unit.outs:
                 torch.autograd.backward(unit.outs, unit.grads, inputs=params)
