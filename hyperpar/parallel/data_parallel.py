@@ -18,7 +18,10 @@ change) and returns it:
 
 DTensor parameters (tensor-parallel shards) are reduced through their *local* tensor over the dp
 group only: their tp layout is untouched. ``with model.no_sync():`` skips the reduction, so
-gradients accumulate locally; the first backward outside it averages the accumulated sum.
+gradients accumulate locally; the first backward outside it averages the accumulated sum, and
+:meth:`DataParallelModule.sync_gradients` averages them at once (for pipeline schedules, which run
+one backward per microbatch). Use non-reentrant activation checkpointing: reentrant
+recomputation runs nested backward passes, which this reducer does not follow.
 """
 
 from __future__ import annotations

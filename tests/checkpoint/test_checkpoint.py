@@ -249,3 +249,22 @@ def _full_everywhere() -> dict[str, torch.Tensor]:
 def test_full_state_dict_can_be_given_to_every_rank(run_on_ranks):
     for state in run_on_ranks(2, _full_everywhere):
         torch.testing.assert_close(state, _values(0), rtol=0, atol=0)
+
+
+def _save_dp_tp(path: str) -> torch.Tensor:
+    from hyperpar.dtensor import init_device_mesh
+    from hyperpar.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh((2, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(_mlp(seed=0), mesh["tp"],
+                               {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    save(model, path)
+    with torch.no_grad():
+        return model(XT)
+
+
+def test_dp2_tp2_replicas_are_written_once_and_load_on_one_rank(run_on_ranks, tmp_path):
+    saved = run_on_ranks(4, _save_dp_tp, str(tmp_path))[0]
+    chunks = read_index(tmp_path)["tensors"]["0.weight"]["chunks"]
+    assert [c["rank"] for c in chunks] == [0, 1]  # dp replica {2, 3} wrote nothing
+    torch.testing.assert_close(run_on_ranks(1, _load_mlp, str(tmp_path), False)[0], saved)

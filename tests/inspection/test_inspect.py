@@ -131,8 +131,11 @@ def _dp_tp_capture() -> dict:
     im = InspectedModel(_tp_model(mesh["tp"]), mesh=mesh, dp_dim="dp")
     im.register_forward_hook("layers.*.up", (B, 16), _zero_middle)
     im.register_forward_hook("head", (B, 3))
+    im.register_backward_hook("layers.1.up", (B, 16))
     dp = mesh.get_local_rank("dp")
     out = im(_x()[dp * B // 2:(dp + 1) * B // 2])
+    out.pow(2).sum().backward()
+    im.flush()
     return {"captured": dict(im.captured), "out": out.detach()}
 
 
@@ -148,9 +151,18 @@ def test_dp2_tp2_hooks_see_the_full_batch_and_edits_apply_to_every_replica(run_o
     for name in ("layers.0.up", "layers.1.up"):
         model.get_submodule(name)._name = name
         model.get_submodule(name).register_forward_hook(edit)
-    ref_out = model(_x()).detach()
+    out = model(_x())
+    ref_out = out.detach()
+    grads = {}
+
+    def grad_of_up1(m, a, o):
+        o.register_hook(lambda g: grads.setdefault("layers.1.up.grad", g.clone()))
+
+    model.get_submodule("layers.1.up").register_forward_hook(grad_of_up1)
+    model(_x()).pow(2).sum().backward()
     captured = results[0]["captured"]
-    assert sorted(captured) == ["head", "layers.0.up", "layers.1.up"]
+    assert sorted(captured) == ["head", "layers.0.up", "layers.1.up", "layers.1.up.grad"]
+    torch.testing.assert_close(captured["layers.1.up.grad"], grads["layers.1.up.grad"])
     torch.testing.assert_close(captured["layers.0.up"], seen["layers.0.up"])
     torch.testing.assert_close(captured["layers.1.up"], seen["layers.1.up"])
     torch.testing.assert_close(captured["head"], ref_out)
