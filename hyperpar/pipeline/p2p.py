@@ -86,7 +86,7 @@ class P2P:
         self.group = group
         self.stage_ranks = list(stage_ranks)
         self.dynamic_shapes = dynamic_shapes
-        self._sent_meta: set[tuple[str, int, int]] = set()
+        self._sent_meta: dict[tuple[str, int, int], Meta] = {}
         self._recv_meta: dict[tuple[str, int, int], Meta] = {}
         self._pending_sends: list[tuple[Any, list[torch.Tensor]]] = []
 
@@ -105,13 +105,22 @@ class P2P:
         for comm, tensors, single in sends:
             peer = self.stage_ranks[comm.peer]
             key = (comm.what, comm.stage, comm.mb)
-            if comm.what == "act" and (self.dynamic_shapes or key not in self._sent_meta):
-                header = meta_of(tensors, single).encode(device)
+            meta = meta_of(tensors, single) if comm.what == "act" else None
+            if meta is not None and not self.dynamic_shapes and key in self._sent_meta \
+                    and self._sent_meta[key] != meta:
+                raise ValueError(
+                    f"stage {comm.stage} output for microbatch {comm.mb} changed from "
+                    f"{[t.shape for t in self._sent_meta[key].tensors]} to "
+                    f"{[t.shape for t in meta.tensors]} since the last step; shapes are sent "
+                    f"once -- create the schedule with dynamic_shapes=True when they vary"
+                )
+            if meta is not None and (self.dynamic_shapes or key not in self._sent_meta):
+                header = meta.encode(device)
                 size = torch.tensor([header.numel()], dtype=torch.int64, device=device)
                 keep += [size, header]
                 ops += [P2POp("send", size, peer, self.group), P2POp("send", header, peer,
                                                                      self.group)]
-                self._sent_meta.add(key)
+                self._sent_meta[key] = meta
             for t in tensors:
                 t = t.detach().contiguous()
                 keep.append(t)
