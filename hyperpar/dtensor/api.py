@@ -35,31 +35,34 @@ from .redistribute import (
 
 
 class DTensorSpec:
-    """Mesh, placements and global shape of a DTensor (a small immutable value)."""
+    """Mesh, placements and global shape of a DTensor (a small immutable value).
 
-    __slots__ = ("mesh", "placements", "shape", "_local", "_hash")
+    Specs are interned: equal specs are the same object, so rule caches hash and compare them
+    by identity (C speed). Create them with ``DTensorSpec(mesh, placements, shape)``."""
 
-    def __init__(self, mesh: DeviceMesh, placements: tuple[Placement, ...],
-                 shape: torch.Size) -> None:
-        self.mesh = mesh
-        self.placements = placements
-        self.shape = shape
-        self._local: tuple | None = None
-        self._hash = hash((mesh, placements, shape))
+    __slots__ = ("mesh", "placements", "shape", "has_partial", "_local", "__weakref__")
+    _interned: dict[tuple, DTensorSpec] = {}
+
+    def __new__(cls, mesh: DeviceMesh, placements: tuple[Placement, ...],
+                shape: torch.Size | Sequence[int]) -> DTensorSpec:
+        shape = shape if type(shape) is torch.Size else torch.Size(shape)
+        key = (mesh, placements, shape)
+        spec = cls._interned.get(key)
+        if spec is None:
+            spec = object.__new__(cls)
+            spec.mesh = mesh
+            spec.placements = placements
+            spec.shape = shape
+            spec.has_partial = any(type(p) is Partial for p in placements)
+            spec._local = None
+            cls._interned[key] = spec
+        return spec
 
     def local_shape_and_offset(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Shape and global offset of this rank's shard."""
         if self._local is None:
             self._local = local_shape_and_offset(tuple(self.shape), self.placements, self.mesh)
         return self._local
-
-    def __eq__(self, other: object) -> bool:
-        return self is other or (
-            isinstance(other, DTensorSpec) and self.placements == other.placements
-            and self.shape == other.shape and self.mesh == other.mesh
-        )
-
-    def __hash__(self) -> int:
-        return self._hash
 
     def __repr__(self) -> str:
         return f"DTensorSpec({self.mesh!r}, {self.placements}, {tuple(self.shape)})"

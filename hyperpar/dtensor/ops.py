@@ -178,15 +178,19 @@ def _localize(dt: DTensor, target: Placements | None, outs: Placements | None,
     return x
 
 
-def _swap(args: Sequence, kwargs: dict, table: dict[int, torch.Tensor]) -> tuple[tuple, dict]:
-    def sub(a: Any) -> Any:
-        if isinstance(a, DTensor):
-            return table[id(a)]
-        if type(a) in (list, tuple) and any(isinstance(b, DTensor) for b in a):
-            return type(a)(table[id(b)] if isinstance(b, DTensor) else b for b in a)
-        return a
+def _swap_one(a: Any, table: dict[int, torch.Tensor]) -> Any:
+    if type(a) is DTensor:
+        return table[id(a)]
+    if type(a) in (list, tuple) and any(isinstance(b, DTensor) for b in a):
+        return type(a)(table[id(b)] if isinstance(b, DTensor) else b for b in a)
+    return a
 
-    return tuple(sub(a) for a in args), {k: sub(v) for k, v in kwargs.items()}
+
+def _swap(args: Sequence, kwargs: dict, table: dict[int, torch.Tensor]) -> tuple[list, dict]:
+    largs = [table[id(a)] if type(a) is DTensor else _swap_one(a, table) for a in args]
+    if not kwargs:
+        return largs, kwargs
+    return largs, {k: _swap_one(v, table) for k, v in kwargs.items()}
 
 
 def _meta(x: Any) -> Any:
@@ -208,30 +212,101 @@ def infer_shapes(func: Any, args: Sequence, kwargs: dict) -> Any:
     return [o.shape if isinstance(o, torch.Tensor) else None for o in out]
 
 
-def execute(call: OpCall, sh: Sharding) -> Any:
-    """Redistribute the inputs as ``sh`` says, run the op locally, wrap the outputs."""
-    multi = isinstance(sh.outputs, list)
-    first_out = sh.outputs[0] if multi else sh.outputs
-    table = {}
-    for dt, target in zip(call.dtensors, sh.inputs, strict=False):
-        if id(dt) not in table:
-            table[id(dt)] = _localize(dt, target, first_out, sh.reduce_grad)
-    largs, lkwargs = _swap(call.args, call.kwargs, table)
-    shapes = sh.shapes if sh.shapes is not None else infer_shapes(call.func, call.args,
-                                                                  call.kwargs)
-    out = (sh.local or call.func)(*largs, **lkwargs)
-    mesh = call.mesh
-    if not multi:
-        return _wrap(out, DTensorSpec(mesh, sh.outputs, torch.Size(shapes)))
-    wrapped = [
-        _wrap(o, DTensorSpec(mesh, p, torch.Size(s))) if isinstance(o, torch.Tensor) else o
-        for o, p, s in zip(out, sh.outputs, shapes, strict=False)
-    ]
+class _Prepared:
+    """A rule's decision turned into what execution needs (cached per op signature)."""
+
+    __slots__ = ("steps", "out_specs", "multi", "local", "no_redistribute")
+
+    def __init__(self, call: OpCall, sh: Sharding) -> None:
+        multi = isinstance(sh.outputs, list)
+        first_out = sh.outputs[0] if multi else sh.outputs
+        mesh = call.mesh
+        steps = []
+        for dt, target in zip(call.dtensors, sh.inputs, strict=False):
+            spec = dt._spec
+            tgt = None if target is None or target == spec.placements else target
+            eff = spec.placements if tgt is None else tgt
+            dims = tuple(m for m in _reduce_dims(eff, first_out) if mesh.shape[m] > 1) \
+                if sh.reduce_grad else ()
+            steps.append((tgt, dims))
+        self.steps = steps
+        self.no_redistribute = all(t is None for t, _ in steps)
+        shapes = sh.shapes if sh.shapes is not None else infer_shapes(call.func, call.args,
+                                                                      call.kwargs)
+        if multi:
+            self.out_specs = [DTensorSpec(mesh, p, torch.Size(s))
+                              for p, s in zip(sh.outputs, shapes, strict=False)]
+        else:
+            self.out_specs = DTensorSpec(mesh, sh.outputs, torch.Size(shapes))
+        self.multi = multi
+        self.local = sh.local
+
+
+def _run(prep: _Prepared, func: Any, args: Sequence, kwargs: dict, dts: list[DTensor]) -> Any:
+    table: dict[int, torch.Tensor] = {}
+    grad = torch.is_grad_enabled()
+    for dt, (tgt, dims) in zip(dts, prep.steps, strict=False):
+        x = dt._local
+        if tgt is not None:
+            spec = dt._spec
+            x = redistribute_autograd(x, spec.mesh, spec.placements, tgt, tuple(spec.shape))
+        if dims and grad and x.requires_grad:
+            x = ReduceGrad.apply(x, dt._spec.mesh, dims)
+        table[id(dt)] = x
+    largs, lkwargs = _swap(args, kwargs, table)
+    out = (prep.local or func)(*largs, **lkwargs)
+    if not prep.multi:
+        return _wrap(out, prep.out_specs)
+    wrapped = [_wrap(o, s) if isinstance(o, torch.Tensor) else o
+               for o, s in zip(out, prep.out_specs, strict=False)]
     return wrapped if type(out) is list else type(out)(wrapped)
 
 
+def execute(call: OpCall, sh: Sharding) -> Any:
+    """Redistribute the inputs as ``sh`` says, run the op locally, wrap the outputs."""
+    return _run(_Prepared(call, sh), call.func, call.args, call.kwargs, call.dtensors)
+
+
+class _Unhashable(Exception):
+    pass
+
+
+def _args_key(args: Sequence) -> tuple:
+    out = []
+    for a in args:
+        t = type(a)
+        if t is DTensor:
+            out.append(_D)
+        elif t is int or t is float or t is bool or a is None:
+            out.append(a)
+        else:
+            out.append(_key_of(a))
+    return tuple(out)
+
+
+def _key_of(a: Any) -> Any:
+    if isinstance(a, DTensor):
+        return _D
+    if a is None or isinstance(a, int | float | bool | str | torch.dtype):
+        return a
+    if type(a) in (list, tuple, torch.Size):
+        return tuple(_key_of(b) for b in a)
+    if isinstance(a, torch.Tensor):
+        return (_T, tuple(a.shape), a.dtype)
+    if isinstance(a, slice):
+        return (slice, a.start, a.stop, a.step)
+    raise _Unhashable
+
+
+_D, _T = object(), object()
+_RULE_CACHE: dict[tuple, _Prepared] = {}
+
+
 def register_op(*funcs: Any) -> Callable[[Callable[[OpCall], Sharding]], Callable]:
-    """Register ``rule(call) -> Sharding`` for every torch function in ``funcs``."""
+    """Register ``rule(call) -> Sharding`` for every torch function in ``funcs``.
+
+    Decisions are cached per (op, input specs, non-tensor arguments, grad mode), so a rule runs
+    once per signature; it must therefore depend only on those."""
 
     def deco(rule: Callable[[OpCall], Sharding]) -> Callable[[OpCall], Sharding]:
         def handler(func: Any, args: Sequence, kwargs: dict) -> Any:
@@ -239,18 +314,39 @@ def register_op(*funcs: Any) -> Callable[[Callable[[OpCall], Sharding]], Callabl
             if not dts:
                 with torch._C.DisableTorchFunctionSubclass():
                     return func(*args, **kwargs)
-            mesh = dts[0]._spec.mesh
-            for d in dts[1:]:
-                if d._spec.mesh != mesh:
-                    raise ValueError(
-                        f"{_name(func)}: DTensor inputs live on different meshes "
-                        f"({mesh!r} and {d._spec.mesh!r}); redistribute them onto one mesh"
-                    )
-            call = OpCall(func, tuple(args), dict(kwargs), dts)
-            sh = rule(call)
-            if not isinstance(sh, Sharding):
-                return sh  # the rule computed the result itself
-            return execute(call, sh)
+            grad = False
+            if torch.is_grad_enabled():
+                for d in dts:
+                    if d._local.requires_grad:
+                        grad = True
+                        break
+            try:
+                key = (func, tuple(d._spec for d in dts), _args_key(args),
+                       _key_of(tuple(kwargs.items())) if kwargs else None, grad)
+                prep = _RULE_CACHE.get(key)
+            except _Unhashable:
+                key, prep = None, None
+            if prep is None:
+                mesh = dts[0]._spec.mesh
+                for d in dts[1:]:
+                    if d._spec.mesh != mesh:
+                        raise ValueError(
+                            f"{_name(func)}: DTensor inputs live on different meshes "
+                            f"({mesh!r} and {d._spec.mesh!r}); redistribute them onto one mesh"
+                        )
+                call = OpCall(func, tuple(args), dict(kwargs), dts)
+                sh = rule(call)
+                if not isinstance(sh, Sharding):
+                    return sh  # the rule computed the result itself
+                prep = _Prepared(call, sh)
+                if key is not None:
+                    _RULE_CACHE[key] = prep
+            if not grad and prep.no_redistribute and not prep.multi and not kwargs:
+                out = (prep.local or func)(*[a._local if type(a) is DTensor else
+                                             _swap_one(a, {id(d): d._local for d in dts})
+                                             for a in args])
+                return _wrap(out, prep.out_specs)
+            return _run(prep, func, args, kwargs, dts)
 
         for f in funcs:
             if f is not None:
@@ -384,14 +480,22 @@ def _partial_result(kind: str, cur: list[Placement], first_is_arg0: bool,
 def _pointwise_handler(kind: str, inplace: bool = False) -> Callable:
     def handler(func: Any, args: Sequence, kwargs: dict) -> Any:
         a0 = args[0] if args else None
-        # fast path: one DTensor, first argument, no Partial, the rest are scalars
         if type(a0) is DTensor and not kwargs:
             spec = a0._spec
-            if not any(type(p) is Partial for p in spec.placements):
-                for a in args[1:]:
-                    if isinstance(a, torch.Tensor):
-                        break
-                else:
+            if not spec.has_partial:
+                n = len(args)
+                if n == 1:
+                    return a0 if inplace else _wrap(func(a0._local), spec)
+                a1 = args[1]
+                if n == 2:
+                    # same layout on both sides: no communication, no gradient reduction
+                    if type(a1) is DTensor and (a1._spec is spec or a1._spec == spec):
+                        out = func(a0._local, a1._local)
+                        return a0 if inplace else _wrap(out, spec)
+                    if not isinstance(a1, torch.Tensor):
+                        out = func(a0._local, a1)
+                        return a0 if inplace else _wrap(out, spec)
+                elif not any(isinstance(a, torch.Tensor) for a in args[1:]):
                     out = func(a0._local, *args[1:])
                     return a0 if inplace else _wrap(out, spec)
         return _pointwise_general(func, args, kwargs, kind, inplace)
@@ -400,41 +504,61 @@ def _pointwise_handler(kind: str, inplace: bool = False) -> Callable:
 
 
 def _pointwise_general(func: Any, args: Sequence, kwargs: dict, kind: str, inplace: bool) -> Any:
+    if not kwargs and len(args) == 2 and type(args[0]) is DTensor and type(args[1]) is DTensor:
+        a, b = args
+        plan = _PW_CACHE.get((kind, inplace, a._spec, b._spec, True, False))
+        if plan is not None:
+            (ta, da), (tb, db) = plan[0]
+            spec = plan[1]
+            la, lb = a._local, b._local
+            if ta is not None or tb is not None or ((da or db) and torch.is_grad_enabled()):
+                return _pointwise_slow(func, args, kwargs, kind, inplace)
+            out = func(la, lb)
+            return a if inplace else _wrap(out, spec)
+    return _pointwise_slow(func, args, kwargs, kind, inplace)
+
+
+def _pointwise_slow(func: Any, args: Sequence, kwargs: dict, kind: str, inplace: bool) -> Any:
     dts: list[DTensor] = []
-    metas = []
     has_scalar = False
     for i, a in enumerate((*args, *kwargs.values())):
         if isinstance(a, DTensor):
             dts.append(a)
-            metas.append((a._spec.placements, a._spec.shape))
         elif isinstance(a, torch.Tensor):
             if a.ndim > 0:
                 raise _mixing_error(func, a)
             has_scalar = has_scalar or i < len(args)
         elif isinstance(a, int | float | complex) and not isinstance(a, bool):
             has_scalar = has_scalar or i < len(args)
-    mesh = dts[0]._spec.mesh
     first = bool(args) and args[0] is dts[0]
-    key = (kind, inplace, tuple(metas), first, mesh, has_scalar)
+    key = (kind, inplace, *[d._spec for d in dts], first, has_scalar)
     plan = _PW_CACHE.get(key)
     if plan is None:
+        mesh = dts[0]._spec.mesh
         for d in dts[1:]:
             if d._spec.mesh != mesh:
                 raise ValueError(f"{_name(func)}: DTensor inputs live on different meshes")
-        if inplace and not (args and args[0] is dts[0]):
+        if inplace and not first:
             raise ShardingError(f"{_name(func)}: in-place op on a plain tensor with DTensor args")
-        plan = _PW_CACHE[key] = _pointwise_plan(kind, inplace, tuple(metas), first, mesh,
-                                                has_scalar)
-    targets, outs, _, spec = plan
-    same = all(t == m[0] for t, m in zip(targets, metas, strict=False))
-    if same and not any(_needs_grad(d._local) for d in dts):
-        table = {id(d): d._local for d in dts}
-    else:
-        table = {}
-        for d, t in zip(dts, targets, strict=False):
-            if id(d) not in table:
-                table[id(d)] = _localize(d, t, outs, True) if not (inplace and d is dts[0]) \
-                    else d._local
+        metas = tuple((d._spec.placements, d._spec.shape) for d in dts)
+        targets, outs, _, spec = _pointwise_plan(kind, inplace, metas, first, mesh, has_scalar)
+        steps = []
+        for k, (t, m) in enumerate(zip(targets, metas, strict=True)):
+            tgt = None if t == m[0] or (inplace and k == 0) else t
+            dims = tuple(d for d in _reduce_dims(t, outs) if mesh.shape[d] > 1)
+            steps.append((tgt, dims))
+        plan = _PW_CACHE[key] = (steps, spec)
+    steps, spec = plan
+    table = {}
+    grad = torch.is_grad_enabled()
+    for d, (tgt, dims) in zip(dts, steps, strict=False):
+        x = d._local
+        if tgt is not None:
+            dspec = d._spec
+            x = redistribute_autograd(x, dspec.mesh, dspec.placements, tgt, tuple(dspec.shape))
+        if dims and grad and x.requires_grad:
+            x = ReduceGrad.apply(x, d._spec.mesh, dims)
+        table[id(d)] = x
     largs, lkwargs = _swap(args, kwargs, table)
     out = func(*largs, **lkwargs)
     if inplace:

@@ -21,9 +21,12 @@ from .ops import (
     Placements,
     Sharding,
     ShardingError,
+    _args_key,
+    _key_of,
     _localize,
     _mixing_error,
     _name,
+    _Unhashable,
     infer_shapes,
     register_handler,
     register_op,
@@ -216,15 +219,16 @@ def _copy_(func, args, kwargs):
 
 @register_handler(torch.Tensor.zero_, torch.nn.init.zeros_, name="zero_")
 def _zero_(func, args, kwargs):
-    args[0]._local.zero_()
-    return args[0]
+    x = _init_args(args, kwargs)[0]
+    x._local.zero_()
+    return x
 
 
 @register_handler(torch.Tensor.fill_, torch.nn.init.constant_, torch.nn.init.ones_,
                   name="fill_")
 def _fill_(func, args, kwargs):
-    x = args[0]
-    value = 1.0 if func is torch.nn.init.ones_ else (args[1] if len(args) > 1
+    x, rest, kwargs = _init_args(args, kwargs)
+    value = 1.0 if func is torch.nn.init.ones_ else (rest[0] if rest
                                                      else kwargs.get("value", kwargs.get("val")))
     if isinstance(value, DTensor):
         value = _replicated(value)
@@ -237,15 +241,22 @@ def _fill_(func, args, kwargs):
     return x
 
 
+def _init_args(args: Sequence, kwargs: dict) -> tuple[Any, tuple, dict]:
+    """nn.init functions pass the tensor as ``tensor=``."""
+    if args:
+        return args[0], tuple(args[1:]), dict(kwargs)
+    kwargs = dict(kwargs)
+    return kwargs.pop("tensor"), (), kwargs
+
+
 def _random_init(kind: str):
     def handler(func, args, kwargs):
-        x = args[0]
+        x, params, kwargs = _init_args(args, kwargs)
         spec = x._spec
         if any(type(p) is Partial for p in spec.placements):
             raise ShardingError(f"{_name(func)} on a Partial DTensor; redistribute it first")
         shape, offset = spec.local_shape_and_offset()
         local = x._local
-        params = list(args[1:])
         if kind == "uniform":
             a = params[0] if params else kwargs.get("a", kwargs.get("from", 0.0))
             b = params[1] if len(params) > 1 else kwargs.get("b", kwargs.get("to", 1.0))
@@ -590,16 +601,37 @@ def view_placements(mesh, src_shape: tuple, dst_shape: tuple, pl: Placements
     return tuple(tg), tuple(out)
 
 
+_VIEW_CACHE: dict[tuple, tuple] = {}
+
+
+def _view_plan(func, args, kwargs) -> tuple:
+    x = args[0]
+    spec = x._spec
+    try:
+        key = (func, spec, _args_key(args[1:]), _key_of(tuple(kwargs.items())))
+        plan = _VIEW_CACHE.get(key)
+    except _Unhashable:
+        key, plan = None, None
+    if plan is None:
+        dst = infer_shapes(func, args, kwargs)
+        tg, out = view_placements(spec.mesh, tuple(spec.shape), tuple(dst), spec.placements)
+        out_spec = DTensorSpec(spec.mesh, out, torch.Size(dst))
+        local_shape, _ = out_spec.local_shape_and_offset()
+        plan = (None if tg == spec.placements else tg, out, out_spec, local_shape)
+        if key is not None:
+            _VIEW_CACHE[key] = plan
+    return plan
+
+
 def _reshape_handler(func, args, kwargs):
     x = args[0]
     if not isinstance(x, DTensor):
         raise _mixing_error(func, x)
-    spec = x._spec
-    dst = infer_shapes(func, args, kwargs)
-    tg, out = view_placements(spec.mesh, tuple(spec.shape), tuple(dst), spec.placements)
-    local = _localize(x, tg, out, True)
-    out_spec = DTensorSpec(spec.mesh, out, torch.Size(dst))
-    local_shape, _ = out_spec.local_shape_and_offset()
+    tg, out, out_spec, local_shape = _view_plan(func, args, kwargs)
+    local = x._local if tg is None and not x._local.requires_grad else \
+        _localize(x, tg, out, True)
+    if func is torch.Tensor.view and tg is None:
+        return _wrap(local.view(local_shape), out_spec)
     return _wrap(local.reshape(local_shape), out_spec)
 
 
@@ -610,7 +642,26 @@ register_handler(torch.Tensor.view, torch.reshape, torch.Tensor.reshape, torch.f
                  name="view_rule")(_reshape_handler)
 
 
+_PERM_CACHE: dict[tuple, tuple] = {}
+
+
 def _permute_handler(func, args, kwargs):
+    x = args[0]
+    spec = x._spec
+    try:
+        key = (func, spec, _args_key(args[1:]), _key_of(tuple(kwargs.items())))
+        plan = _PERM_CACHE.get(key)
+    except _Unhashable:
+        key, plan = None, None
+    if plan is None:
+        plan = _permute_plan(func, args, kwargs)
+        if key is not None:
+            _PERM_CACHE[key] = plan
+    perm, out_spec = plan
+    return _wrap(x._local.permute(perm) if perm else x._local, out_spec)
+
+
+def _permute_plan(func, args, kwargs):
     x = args[0]
     spec = x._spec
     nd = len(spec.shape)
@@ -647,8 +698,7 @@ def _permute_handler(func, args, kwargs):
     inv = {src: dst for dst, src in enumerate(perm)}
     out = tuple(Shard(inv[p.dim]) if type(p) is Shard else p for p in spec.placements)
     shape = torch.Size(spec.shape[p] for p in perm)
-    local = x._local.permute(perm) if nd else x._local
-    return _wrap(local, DTensorSpec(spec.mesh, out, shape))
+    return perm, DTensorSpec(spec.mesh, out, shape)
 
 
 register_handler(torch.Tensor.permute, torch.permute, torch.t, torch.Tensor.t, torch.transpose,
