@@ -124,6 +124,9 @@ class PipelineModule(nn.Module):
         self.virtual_stages = virtual_stages
         self.total_stages = num_stages * virtual_stages
         me = platform.rank() if distributed else 0
+        if me not in self.stage_ranks:
+            raise ValueError(f"PipelineModule: rank {me} is not in the pipeline group (global "
+                             f"ranks {self.stage_ranks}); build the module on its members only")
         self.stage_id = self.stage_ranks.index(me)
         self.local_stages = [self.stage_id + k * num_stages for k in range(virtual_stages)]
         self.loss_fn = loss_fn
