@@ -104,6 +104,22 @@ class _GatherFromRegion(torch.autograd.Function):
         return local_chunk(grad, ctx.dim, ctx.group), None, None
 
 
+class _RegatheredView(torch.autograd.Function):
+    """The already all-gathered ``gathered`` (no communication), differentiated w.r.t. the
+    ``shard`` it came from: backward reduce-scatters the (partial) gradient to the shard."""
+
+    @staticmethod
+    def forward(ctx, shard, gathered, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return gathered.view_as(gathered)
+
+    @staticmethod
+    def backward(ctx, grad):
+        platform = get_platform()
+        out = platform.reduce_scatter_autograd(grad.contiguous(), ctx.dim, "sum", ctx.group)
+        return out, None, None, None
+
+
 class _ScatterToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
@@ -191,7 +207,13 @@ def redistribute_local(x: torch.Tensor, src: Any, dst: Any, group: Group = None)
     if s is not None and d is not None:
         return x if s == d else all_to_all_region(x, split_dim=d, concat_dim=s, group=group)
     if s is not None and dst.is_replicate():
-        return gather_from_region(x, s, group)
+        out = gather_from_region(x, s, group)
+        if out is x:
+            return out
+        # Let a column-parallel consumer route its (partial) gradient straight back to the
+        # shard with one reduce-scatter instead of all-reduce + slice (see to_replicated_input).
+        out._hyperpar_gathered_from = (x, s, group)
+        return out
     if src.is_replicate() and d is not None:
         return scatter_to_region(x, d, group)
     if src.is_partial("sum") and dst.is_replicate():
@@ -252,8 +274,12 @@ def to_replicated_input(x: torch.Tensor, src: Any, group: Group = None, *,
         if hit is not None:
             return hit
     s = _shard_dim(src, x.dim())
+    origin = getattr(x, "_hyperpar_gathered_from", None)
     if s is not None:
         out = gather_from_sequence_region(x, s, group)
+    elif src.is_replicate() and origin is not None and origin[2] == group:
+        shard, dim, _ = origin
+        out = _RegatheredView.apply(shard, x.detach(), dim, group)
     elif src.is_replicate():
         out = copy_to_region(x, group)
     elif src.is_partial("sum"):

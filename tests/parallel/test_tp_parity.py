@@ -137,3 +137,44 @@ def _no_dtensor_dispatch_in_tp_forward_backward() -> int:
 
 def test_tp_forward_backward_runs_on_local_tensors_only(run_on_ranks):
     run_on_ranks(2, _no_dtensor_dispatch_in_tp_forward_backward)
+
+
+def _count_collectives(plan_name: str) -> dict:
+    platform = get_platform()
+    n = platform.world_size()
+    args = llama.ModelArgs.tiny()
+    model = llama.build(args)
+    plan = plans.tp_plan() if plan_name == "tp" else plans.tp_sp_plan()
+    parallelize_module(model, init_device_mesh((n,), mesh_dim_names=("tp",)), plan)
+    tokens, labels = llama.batch(args)
+    counts = {"all_reduce": 0, "all_gather_into_tensor": 0, "reduce_scatter_tensor": 0,
+              "all_to_all_single": 0}
+    originals = {name: getattr(platform, name) for name in counts}
+
+    def counting(name):
+        def call(*a, **k):
+            counts[name] += 1
+            return originals[name](*a, **k)
+        return call
+
+    for name in counts:
+        setattr(platform, name, counting(name))
+    try:
+        F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten()).backward()
+    finally:
+        for name in counts:
+            delattr(platform, name)
+    return counts
+
+
+def test_collectives_per_step_match_megatron(run_on_ranks):
+    """2 layers. TP: forward g after the embedding, wo, w2 (5 all-reduces) and one all-gather of
+    the logits; backward f once per block input + the head (5 all-reduces). TP+SP: all-gather
+    before each block and the head, reduce-scatter after the embedding and each block, the
+    adjoints in backward, and one all-reduce per replicated norm weight (5)."""
+    tp = run_on_ranks(2, _count_collectives, "tp")[0]
+    assert tp == {"all_reduce": 10, "all_gather_into_tensor": 1, "reduce_scatter_tensor": 0,
+                  "all_to_all_single": 0}, tp
+    sp = run_on_ranks(2, _count_collectives, "tp_sp")[0]
+    assert sp == {"all_reduce": 5, "all_gather_into_tensor": 11, "reduce_scatter_tensor": 10,
+                  "all_to_all_single": 0}, sp
