@@ -188,3 +188,32 @@ def _deepcopy_of_sharded_mlp_computes_the_same() -> None:
 
 def test_deepcopy_of_a_sharded_model_keeps_the_row_parallel_bias(run_on_ranks):
     run_on_ranks(2, _deepcopy_of_sharded_mlp_computes_the_same)
+
+
+def _distribute_module_hooks_and_partition() -> None:
+    from hyperpar.dtensor import distribute_tensor
+    from hyperpar.parallel import distribute_module
+
+    mesh = _mesh()
+    torch.manual_seed(0)
+    reference = nn.Linear(4, 6)
+    model = nn.Linear(4, 6)
+    model.load_state_dict(reference.state_dict())
+
+    def partition(name, module, device_mesh):
+        if name == "":
+            module.register_parameter("weight", nn.Parameter(
+                distribute_tensor(module.weight.detach(), device_mesh, [Shard(0)])))
+
+    distribute_module(
+        model, mesh, partition,
+        input_fn=lambda mod, inputs, m: (DTensor.from_local(inputs[0], m, [Replicate()]),),
+        output_fn=lambda mod, out, m: out.full_tensor(),
+    )
+    assert model.weight.placements == (Shard(0),) and model.bias.placements == (Replicate(),)
+    x = torch.randn(3, 4)
+    assert_close_to_reference(model(x), reference(x).detach())
+
+
+def test_distribute_module_partitions_replicates_the_rest_and_hooks_io(run_on_ranks):
+    run_on_ranks(2, _distribute_module_hooks_and_partition)
