@@ -49,72 +49,66 @@ def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out, target)
 
 
-def _timed(fn, steps: int, warmup: int) -> list[float]:
-    from hyperpar.platform import get_platform
-
-    platform = get_platform()
-    times = []
-    for i in range(warmup + steps):
-        platform.barrier()
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-        if i >= warmup:
-            times.append(dt)
-    return times
-
-
 def worker(dim: int, blocks_per_rank: int, batch: int, m: int, steps: int, warmup: int
            ) -> dict:
+    """Build every schedule, then time them round-robin (one step of each per round), so
+    load changes on a shared machine hit all of them alike."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
     from hyperpar.platform import get_platform
 
     platform = get_platform()
-    p = platform.world_size()
+    p, rank = platform.world_size(), platform.rank()
     device = platform.device()
     n_layers = blocks_per_rank * p
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, dim, generator=g).to(device)
     y = torch.randn(batch, dim, generator=g).to(device)
-    out: dict = {}
-    configs = [("gpipe", 1), ("1f1b", 1), ("interleaved1f1b", 2), ("zerobubble", 1)]
-    for name, v in configs:
+    runners, out = {}, {}
+    for name, v in [("gpipe", 1), ("1f1b", 1), ("interleaved1f1b", 2), ("zerobubble", 1)]:
         module = PipelineModule([LayerSpec(Block, dim) for _ in range(n_layers)],
                                 loss_fn=mse, seed_layers=True, virtual_stages=v,
                                 partition_method="uniform")
         sched = get_schedule_class(name)(module, m)
-        compute, actions = [], []
+        out[name] = {"times": [], "compute": [], "actions": [], "v": v,
+                     "stages": module.total_stages}
 
-        def step(module=module, sched=sched, compute=compute, actions=actions):
+        def step(module=module, sched=sched, rec=out[name]):
             module.zero_grad(set_to_none=True)
             sched.step(x, target=y)
-            compute.append(sched.last_timings.compute_s)
-            actions.append(sched.last_timings.per_action)
+            rec["compute"].append(sched.last_timings.compute_s)
+            rec["actions"].append(sched.last_timings.per_action)
 
-        times = _timed(step, steps, warmup)
-        out[name] = {"times": times, "compute": compute[warmup:], "actions": actions[warmup:],
-                     "v": v, "stages": module.total_stages}
+        runners[name] = step
 
-    # torch.distributed.pipelining on the same blocks and microbatches
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-    rank = platform.rank()
+    # torch.distributed.pipelining on the same blocks (same weights) and microbatches
     ref = PipelineModule([LayerSpec(Block, dim) for _ in range(n_layers)], loss_fn=mse,
                          seed_layers=True, partition_method="uniform")
     stage_mod = nn.Sequential(*[ref._funcs[i] for i in ref.stage_layers(rank)])
     stage = PipelineStage(stage_mod, rank, p, device)  # shapes inferred on the first step
-    sched = Schedule1F1B(stage, m, loss_fn=mse)
+    torch_sched = Schedule1F1B(stage, m, loss_fn=mse)
+    out["torch Schedule1F1B"] = {"times": [], "compute": [], "actions": [], "v": 1,
+                                 "stages": p}
 
     def torch_step():
         stage_mod.zero_grad(set_to_none=True)
         if rank == 0:
-            sched.step(x)
+            torch_sched.step(x)
         elif rank == p - 1:
-            sched.step(target=y, losses=[])
+            torch_sched.step(target=y, losses=[])
         else:
-            sched.step()
+            torch_sched.step()
 
-    out["torch Schedule1F1B"] = {"times": _timed(torch_step, steps, warmup), "compute": [],
-                                 "actions": [], "v": 1, "stages": p}
+    runners["torch Schedule1F1B"] = torch_step
+    for _ in range(warmup + steps):
+        for name, fn in runners.items():
+            platform.barrier()
+            t0 = time.perf_counter()
+            fn()
+            out[name]["times"].append(time.perf_counter() - t0)
+    for rec in out.values():
+        for key in ("times", "compute", "actions"):
+            rec[key] = rec[key][warmup:]
     return out
 
 
