@@ -54,7 +54,9 @@ def train(steps: int = 5, sequence_parallel: bool = True, lr: float = 0.1,
     rank, world = platform.rank(), platform.world_size()
     args = llama.ModelArgs(vocab_size=128, dim=64, n_layers=2, n_heads=4, ffn_hidden=128,
                            max_seq_len=32)
-    reference, model = llama.build(args, seed=0), llama.build(args, seed=0)
+    device = platform.device()  # the backend's device: cpu, cuda:i, npu:i
+    reference = llama.build(args, seed=0).to(device)
+    model = llama.build(args, seed=0).to(device)
     mesh = init_device_mesh((world,), mesh_dim_names=("tp",))
     plan = plans.tp_sp_plan() if sequence_parallel else plans.tp_plan()
     parallelize_module(model, mesh, plan)
@@ -65,7 +67,7 @@ def train(steps: int = 5, sequence_parallel: bool = True, lr: float = 0.1,
     worst = {"loss": 0.0, "logits": 0.0, "grad": 0.0}
     start = time.perf_counter()
     for step in range(steps):
-        tokens, labels = llama.batch(args, batch_size=4, seed=step)
+        tokens, labels = (t.to(device) for t in llama.batch(args, batch_size=4, seed=step))
         ref_logits = reference(tokens)
         ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten())
         ref_loss.backward()
@@ -109,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         result = train(args.steps, sp)
         if get_platform().rank() == 0:
             _report(result)
+        get_platform().barrier()
         get_platform().destroy_process_group()
         return 0 if result["ok"] else 1
     from hyperpar.testing import run_distributed
