@@ -153,13 +153,101 @@ def _host(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+OPTIM_PREFIX = "optimizer."
+
+
+def _optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer
+                      ) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` in the optimizer's state-dict index order."""
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError("checkpoint: the optimizer holds a parameter that is not in "
+                                 f"the model (shape {tuple(p.shape)})")
+            out.append((names[id(p)], p))
+    return out
+
+
+def _json_safe(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
+                     ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The optimizer's tensor state keyed ``optimizer.<param>.<key>`` (a state tensor of a
+    DTensor parameter's local shape is given the parameter's layout), and the rest:
+    ``{"param_groups": [hyperparameters...], "scalars": {key: value}}``."""
+    osd = optimizer.state_dict()
+    tensors: dict[str, Any] = {}
+    scalars: dict[str, Any] = {}
+    for index, (name, param) in enumerate(_optimizer_params(model, optimizer)):
+        for k, v in osd["state"].get(index, {}).items():
+            key = f"{OPTIM_PREFIX}{name}.{k}"
+            if isinstance(v, torch.Tensor):
+                if (_is_dtensor(param) and not _is_dtensor(v) and v.ndim
+                        and tuple(v.shape) == tuple(param.to_local().shape)):
+                    v = type(param).from_local(v, param.device_mesh, param.placements,
+                                               shape=param.shape)
+                tensors[key] = v
+            elif _json_safe(v):
+                scalars[key] = v
+    groups = [{k: v for k, v in g.items() if k != "params" and _json_safe(v)}
+              for g in osd["param_groups"]]
+    return tensors, {"param_groups": groups, "scalars": scalars}
+
+
+def _load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, index: dict[str, Any],
+                    reader: _Reader, path: str) -> None:
+    saved = index["tensors"]
+    extra = index.get("optimizer")
+    if extra is None:
+        raise KeyError(f"load(optimizer=...): {path} holds no optimizer state (save it with "
+                       "save(model, path, optimizer=optimizer))")
+    state: dict[int, dict[str, Any]] = {}
+    for i, (name, param) in enumerate(_optimizer_params(model, optimizer)):
+        prefix = f"{OPTIM_PREFIX}{name}."
+        entry_state: dict[str, Any] = {}
+        for key, entry in saved.items():
+            if not key.startswith(prefix) or "." in key[len(prefix):]:
+                continue
+            k = key[len(prefix):]
+            if _is_dtensor(param) and entry["shape"] == list(param.shape) and param.ndim:
+                local_shape, offset = param._spec.local_shape_and_offset()
+                box = _assemble(entry, key, list(offset), list(local_shape), reader)
+                entry_state[k] = type(param).from_local(
+                    box.to(param.device), param.device_mesh, param.placements,
+                    shape=param.shape)
+            else:
+                shape = entry["shape"]
+                entry_state[k] = _assemble(entry, key, [0] * len(shape), shape, reader)
+        for key, value in extra["scalars"].items():
+            if key.startswith(prefix) and "." not in key[len(prefix):]:
+                entry_state[key[len(prefix):]] = value
+        if entry_state:
+            state[i] = entry_state
+    groups = optimizer.state_dict()["param_groups"]
+    if len(extra["param_groups"]) == len(groups):
+        groups = [{**g, **saved_g} for g, saved_g in zip(groups, extra["param_groups"],
+                                                          strict=True)]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
 def save(model: nn.Module | dict[str, Any], path: str | os.PathLike, *,
-         file_format: str = "auto") -> str:
+         optimizer: torch.optim.Optimizer | None = None, file_format: str = "auto") -> str:
     """Write ``model``'s state dict (or a state dict) as a sharded checkpoint folder ``path``.
 
     Collective. Each rank writes one file with the boxes it is the first to hold; rank 0 writes
-    ``index.json``. ``file_format``: ``"safetensors"``, ``"torch"`` (``torch.save``) or
-    ``"auto"`` (safetensors when installed). Returns the index path.
+    ``index.json``. With ``optimizer``, its per-parameter state is saved too, laid out like the
+    parameter (entries ``optimizer.<param name>.<state key>``), so it reshards on load like the
+    model; its hyperparameters and non-tensor state go into the index. ``file_format``:
+    ``"safetensors"``, ``"torch"`` (``torch.save``) or ``"auto"`` (safetensors when installed).
+    Returns the index path.
     """
     platform = get_platform()
     rank, world = platform.rank(), platform.world_size()
@@ -172,9 +260,16 @@ def save(model: nn.Module | dict[str, Any], path: str | os.PathLike, *,
     if file_format == "safetensors" and st is None:
         raise ImportError("save(file_format='safetensors') needs `pip install safetensors`")
     state = model.state_dict() if isinstance(model, nn.Module) else model
+    extras: dict[str, Any] = {}
+    if optimizer is not None:
+        if not isinstance(model, nn.Module):
+            raise TypeError("save(optimizer=...) needs the model itself, not a state dict")
+        opt_tensors, extras = _optimizer_state(model, optimizer)
+        state = {**state, **opt_tensors}
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     mine, metas = _owned(_pieces(state))
+    all_extras = platform.all_gather_object(extras) if optimizer is not None else []
     ext = ".safetensors" if file_format == "safetensors" else ".pt"
     name = f"shard-{rank:05d}-of-{world:05d}{ext}"
     names = [f"{p.key}@{','.join(map(str, p.offset))}" for p in mine]
@@ -206,6 +301,13 @@ def save(model: nn.Module | dict[str, Any], path: str | os.PathLike, *,
                 entry["chunks"].append({
                     "file": files[r], "key": f"{key}@{','.join(map(str, m['offset']))}",
                     "offset": m["offset"], "shape": m["local_shape"], "rank": r})
+        if optimizer is not None:
+            scalars: dict[str, Any] = {}
+            for e in all_extras:
+                for key, value in e["scalars"].items():
+                    scalars.setdefault(key, value)
+            index["optimizer"] = {"param_groups": all_extras[0]["param_groups"],
+                                  "scalars": scalars}
         tmp = os.path.join(path, INDEX_FILE + ".tmp")
         with open(tmp, "w") as f:
             json.dump(index, f, indent=1)
@@ -288,12 +390,15 @@ def _assemble(entry: dict[str, Any], key: str, offset: list[int], shape: list[in
     return out
 
 
-def load(model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> list[str]:
+def load(model: nn.Module, path: str | os.PathLike, *,
+         optimizer: torch.optim.Optimizer | None = None, strict: bool = True) -> list[str]:
     """Load checkpoint folder ``path`` into ``model``, resharding to its current layout.
 
     Each rank reads only the saved chunks overlapping what it holds. With ``strict``, a model
-    tensor missing from the checkpoint or with another global shape raises. Returns the keys of
-    the model that were not found (empty when ``strict``). Collective (ends with a barrier).
+    tensor missing from the checkpoint or with another global shape raises. With ``optimizer``
+    (built over the model's current parameters), its state is restored and resharded the same
+    way. Returns the keys of the model that were not found (empty when ``strict``). Collective
+    (ends with a barrier).
     """
     path = os.fspath(path)
     index = read_index(path)
@@ -331,6 +436,8 @@ def load(model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> l
                        + (" ..." if len(missing) > 5 else "")
                        + f"; the checkpoint holds {len(saved)} tensors, e.g. "
                        + ", ".join(repr(k) for k in list(saved)[:3]))
+    if optimizer is not None:
+        _load_optimizer(model, optimizer, index, reader, path)
     get_platform().barrier()
     return missing
 

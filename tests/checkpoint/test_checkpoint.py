@@ -268,3 +268,45 @@ def test_dp2_tp2_replicas_are_written_once_and_load_on_one_rank(run_on_ranks, tm
     chunks = read_index(tmp_path)["tensors"]["0.weight"]["chunks"]
     assert [c["rank"] for c in chunks] == [0, 1]  # dp replica {2, 3} wrote nothing
     torch.testing.assert_close(run_on_ranks(1, _load_mlp, str(tmp_path), False)[0], saved)
+
+
+# ------------------------------------------------------------------ optimizer state
+def _adam_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> torch.Tensor:
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(4, 8, generator=g)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        return model(XT)
+
+
+def _train_and_save(path: str, tensor_parallel: bool) -> None:
+    model = _tp(_mlp(seed=0)) if tensor_parallel else _mlp(seed=0)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    _adam_steps(model, opt, range(2))
+    save(model, path, optimizer=opt)
+
+
+def _resume(path: str, tensor_parallel: bool) -> torch.Tensor:
+    model = _tp(_mlp(seed=1)) if tensor_parallel else _mlp(seed=1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.5)  # lr comes back from the checkpoint
+    load(model, path, optimizer=opt)
+    assert opt.param_groups[0]["lr"] == 0.05
+    return _adam_steps(model, opt, range(2, 4))
+
+
+@pytest.mark.parametrize(("save_world", "load_world"), [(2, 1), (1, 2)])
+def test_adam_state_reshards_so_training_resumes_exactly(run_on_ranks, tmp_path, save_world,
+                                                         load_world):
+    run_on_ranks(save_world, _train_and_save, str(tmp_path), save_world > 1)
+    index = read_index(tmp_path)
+    assert "optimizer.0.weight.exp_avg" in index["tensors"]
+    assert "optimizer.0.weight.step" in index["tensors"]  # Adam keeps its step as a tensor
+    assert index["optimizer"]["param_groups"][0]["lr"] == 0.05
+    resumed = run_on_ranks(load_world, _resume, str(tmp_path), load_world > 1)
+    model = _mlp(seed=0)
+    uninterrupted = _adam_steps(model, torch.optim.Adam(model.parameters(), lr=0.05), range(4))
+    for out in resumed:
+        torch.testing.assert_close(out, uninterrupted)
