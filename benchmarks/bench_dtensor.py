@@ -21,19 +21,24 @@ from collections.abc import Callable
 import torch
 
 
-def _timeit(fn: Callable[[], object], iters: int, repeats: int, barrier=None) -> float:
-    """Median seconds per call over ``repeats`` runs of ``iters`` calls."""
-    for _ in range(max(2, iters // 10)):
-        fn()
-    runs = []
-    for _ in range(repeats):
-        if barrier is not None:
-            barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
+def _interleaved(fns: list[Callable[[], object]], iters: int, repeats: int, barrier=None,
+                 stat=statistics.median) -> list[float]:
+    """Seconds per call of each function; the functions take turns in every round so that
+    background load hits them alike. ``stat`` (median, or min for dispatch overhead) is taken
+    over ``repeats`` rounds of ``iters`` calls."""
+    for fn in fns:
+        for _ in range(max(2, iters // 10)):
             fn()
-        runs.append((time.perf_counter() - t0) / iters)
-    return statistics.median(runs)
+    runs: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for k, fn in enumerate(fns):
+            if barrier is not None:
+                barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            runs[k].append((time.perf_counter() - t0) / iters)
+    return [stat(r) for r in runs]
 
 
 def _bench(size: int, repeats: int, op_iters: int) -> dict:
@@ -77,13 +82,13 @@ def _bench(size: int, repeats: int, op_iters: int) -> dict:
     for src, dst in transitions:
         hx, tx = make_h(src), make_t(src)
         h_pl, t_pl = [H(dst)], [T(dst)]
-        th = _timeit(lambda hx=hx, h_pl=h_pl: hx.redistribute(hmesh, h_pl), iters, repeats,
-                     barrier)
+        hfn = lambda hx=hx, h_pl=h_pl: hx.redistribute(hmesh, h_pl)  # noqa: E731
         if dst == "P":  # torch: "redistributing to Partial is for internal use only"
+            (th,) = _interleaved([hfn], iters, repeats, barrier)
             redis.append((f"{src}->{dst}", th, None))
             continue
-        tt = _timeit(lambda tx=tx, t_pl=t_pl: tx.redistribute(tmesh, t_pl), iters, repeats,
-                     barrier)
+        tfn = lambda tx=tx, t_pl=t_pl: tx.redistribute(tmesh, t_pl)  # noqa: E731
+        th, tt = _interleaved([hfn, tfn], iters, repeats, barrier)
         # the same result from both
         assert torch.allclose(hx.redistribute(hmesh, h_pl).full_tensor(),
                               tx.redistribute(tmesh, t_pl).full_tensor(), atol=1e-4)
@@ -114,12 +119,13 @@ def _bench(size: int, repeats: int, op_iters: int) -> dict:
          lambda: ta.view(-1, 8).t()),
     ]
     per_op = []
-    with torch.no_grad():
-        for name, plain, hyper, torchd in ops:
-            tp = _timeit(plain, op_iters, repeats)
-            th = _timeit(hyper, op_iters, repeats)
-            tt = _timeit(torchd, op_iters, repeats)
-            per_op.append((name, tp, th, tt))
+    barrier()
+    if platform.rank() == 0:  # no op communicates: rank 1 waits so it does not steal a core
+        with torch.no_grad():
+            for name, plain, hyper, torchd in ops:
+                per_op.append((name, *_interleaved([plain, hyper, torchd], op_iters,
+                                                   3 * repeats, stat=min)))
+    barrier()
     return {"redistribute": redis, "per_op": per_op, "size": size}
 
 
@@ -133,7 +139,7 @@ def _print(res: dict) -> None:
             print(f"{name:<12}{th * 1e3:>14.3f}{'n/a':>12}{'n/a':>12}  (torch refuses R->P)")
             continue
         print(f"{name:<12}{th * 1e3:>14.3f}{tt * 1e3:>12.3f}{th / tt:>12.2f}")
-    print("\nper-op dispatch, 16x16 float32, no grad, median per call (µs); "
+    print("\nper-op dispatch, 16x16 float32, no grad, rank 0 alone, best round per call (µs); "
           "overhead = time - plain")
     print(f"{'op':<20}{'plain':>8}{'hyperpar':>10}{'torch':>9}{'h ovh':>8}{'t ovh':>8}"
           f"{'ovh h/t':>9}")

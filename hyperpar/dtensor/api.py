@@ -72,8 +72,7 @@ _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
 def _wrap(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
-    r = _make_wrapper(DTensor, spec.shape, dtype=local.dtype, device=local.device,
-                      requires_grad=False)
+    r = _make_wrapper(DTensor, spec.shape, dtype=local.dtype, device=local.device)
     r._local = local
     r._spec = spec
     return r
@@ -83,6 +82,7 @@ class DTensor(torch.Tensor):
     """A distributed tensor: ``to_local()`` is this rank's shard, ``placements`` say how the
     logical tensor of global ``shape`` is laid out over ``device_mesh``."""
 
+    __slots__ = ("_local", "_spec")  # faster to set than instance-dict attributes
     _local: torch.Tensor
     _spec: DTensorSpec
 

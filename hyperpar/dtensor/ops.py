@@ -267,6 +267,22 @@ def execute(call: OpCall, sh: Sharding) -> Any:
     return _run(_Prepared(call, sh), call.func, call.args, call.kwargs, call.dtensors)
 
 
+def _decide(rule: Callable[[OpCall], Sharding], func: Any, args: Sequence, kwargs: dict,
+            dts: list[DTensor]) -> Any:
+    mesh = dts[0]._spec.mesh
+    for d in dts[1:]:
+        if d._spec.mesh != mesh:
+            raise ValueError(
+                f"{_name(func)}: DTensor inputs live on different meshes "
+                f"({mesh!r} and {d._spec.mesh!r}); redistribute them onto one mesh"
+            )
+    call = OpCall(func, tuple(args), dict(kwargs), dts)
+    sh = rule(call)
+    if not isinstance(sh, Sharding):
+        return sh  # the rule computed the result itself
+    return _Prepared(call, sh)
+
+
 class _Unhashable(Exception):
     pass
 
@@ -310,16 +326,43 @@ def register_op(*funcs: Any) -> Callable[[Callable[[OpCall], Sharding]], Callabl
 
     def deco(rule: Callable[[OpCall], Sharding]) -> Callable[[OpCall], Sharding]:
         def handler(func: Any, args: Sequence, kwargs: dict) -> Any:
+            if not kwargs:
+                # fast path: flat positional arguments (DTensors and numbers) -> one key
+                parts: list[Any] = [func]
+                dts: list[DTensor] = []
+                grad = False
+                for a in args:
+                    t = type(a)
+                    if t is DTensor:
+                        dts.append(a)
+                        parts.append(a._spec)
+                        if a._local.requires_grad:
+                            grad = True
+                    elif t is int or t is float or t is bool or a is None:
+                        parts.append(a)
+                    else:
+                        break
+                else:
+                    if dts:
+                        grad = grad and torch.is_grad_enabled()
+                        parts.append(grad)
+                        key = tuple(parts)
+                        prep = _RULE_CACHE.get(key)
+                        if prep is None:
+                            prep = _decide(rule, func, args, kwargs, dts)
+                            if not isinstance(prep, _Prepared):
+                                return prep
+                            _RULE_CACHE[key] = prep
+                        if not grad and prep.no_redistribute and not prep.multi:
+                            out = (prep.local or func)(*[a._local if type(a) is DTensor else a
+                                                         for a in args])
+                            return _wrap(out, prep.out_specs)
+                        return _run(prep, func, args, kwargs, dts)
             dts = _collect(args, kwargs)
             if not dts:
                 with torch._C.DisableTorchFunctionSubclass():
                     return func(*args, **kwargs)
-            grad = False
-            if torch.is_grad_enabled():
-                for d in dts:
-                    if d._local.requires_grad:
-                        grad = True
-                        break
+            grad = torch.is_grad_enabled() and any(d._local.requires_grad for d in dts)
             try:
                 key = (func, tuple(d._spec for d in dts), _args_key(args),
                        _key_of(tuple(kwargs.items())) if kwargs else None, grad)
@@ -327,25 +370,11 @@ def register_op(*funcs: Any) -> Callable[[Callable[[OpCall], Sharding]], Callabl
             except _Unhashable:
                 key, prep = None, None
             if prep is None:
-                mesh = dts[0]._spec.mesh
-                for d in dts[1:]:
-                    if d._spec.mesh != mesh:
-                        raise ValueError(
-                            f"{_name(func)}: DTensor inputs live on different meshes "
-                            f"({mesh!r} and {d._spec.mesh!r}); redistribute them onto one mesh"
-                        )
-                call = OpCall(func, tuple(args), dict(kwargs), dts)
-                sh = rule(call)
-                if not isinstance(sh, Sharding):
-                    return sh  # the rule computed the result itself
-                prep = _Prepared(call, sh)
+                prep = _decide(rule, func, args, kwargs, dts)
+                if not isinstance(prep, _Prepared):
+                    return prep
                 if key is not None:
                     _RULE_CACHE[key] = prep
-            if not grad and prep.no_redistribute and not prep.multi and not kwargs:
-                out = (prep.local or func)(*[a._local if type(a) is DTensor else
-                                             _swap_one(a, {id(d): d._local for d in dts})
-                                             for a in args])
-                return _wrap(out, prep.out_specs)
             return _run(prep, func, args, kwargs, dts)
 
         for f in funcs:
