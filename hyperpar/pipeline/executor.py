@@ -28,7 +28,9 @@ from .schedules import (
     PlanFn,
     Step,
     bubble_fraction_theory,
+    check_plans,
     choose_lowering,
+    forward_only_plan,
     gpipe_plan,
     interleaved_1f1b_plan,
     lower,
@@ -144,7 +146,9 @@ class PipelineSchedule:
         self._plan = plan_fn(self.n_stages, n_microbatches, module.stage_id, self.n_ranks)
         self.program: list[Step] = lower(self._plan, self.n_stages, self.n_ranks,
                                          fuse=self.fuse)
-        self._p2p = P2P(module.group, module.stage_ranks, dynamic_shapes)
+        self._train_p2p = P2P(module.group, module.stage_ranks, dynamic_shapes)
+        self._eval_p2p = P2P(module.group, module.stage_ranks, dynamic_shapes)
+        self._eval_program: list[Step] | None = None
         self.last_timings = StepTimings()
 
     # ------------------------------------------------------------------ introspection
@@ -167,6 +171,27 @@ class PipelineSchedule:
         ``losses`` (a list) receives the unweighted per-microbatch losses; with
         ``return_outputs=True`` the last stage returns ``(loss, outputs)``, the model outputs
         merged back along ``batch_dim`` (detached)."""
+        return self._execute(self.program, self._train_p2p, True, args, kwargs, target, losses,
+                             return_outputs)
+
+    def eval_step(self, *args: Any, target: Any = None, losses: list[Any] | None = None,
+                  return_outputs: bool = False, **kwargs: Any) -> Any:
+        """Forward only, without gradients: the batch loss on the last stage (``None`` without a
+        ``target``), or ``(loss, outputs)`` with ``return_outputs=True``; ``None`` elsewhere."""
+        if self._eval_program is None:
+            plans = [forward_only_plan(self.n_stages, self.n_microbatches, r, self.n_ranks)
+                     for r in range(self.n_ranks)]
+            check_plans(plans, self.n_stages, self.n_microbatches, self.n_ranks,
+                        forward_only=True)
+            self._eval_program = lower(plans[self.module.stage_id], self.n_stages,
+                                       self.n_ranks)
+        with torch.no_grad():
+            return self._execute(self._eval_program, self._eval_p2p, False, args, kwargs,
+                                 target, losses, return_outputs)
+
+    def _execute(self, program: list[Step], p2p: P2P, train: bool, args: tuple,
+                 kwargs: dict, target: Any, losses: list[Any] | None,
+                 return_outputs: bool) -> Any:
         mod, m, last = self.module, self.n_microbatches, self.n_stages - 1
         t_step = time.perf_counter()
         timings = StepTimings()
@@ -192,8 +217,9 @@ class PipelineSchedule:
         self._losses: list[torch.Tensor | None] = [None] * m
         self._keep_outputs = return_outputs
         self._mb_outputs: list[Any] = [None] * m
-        stash = mod._stash_tied_gradients()
-        for step in self.program:
+        self._p2p, self._train = p2p, train
+        stash = mod._stash_tied_gradients() if train else []
+        for step in program:
             if step.comms:
                 t0 = time.perf_counter()
                 self._communicate(step.comms)
@@ -206,8 +232,9 @@ class PipelineSchedule:
                 timings.per_action.append((step.action, dt))
         t0 = time.perf_counter()
         self._p2p.wait_sends()
-        mod.allreduce_tied_gradients()
-        mod._restore_tied_gradients(stash)
+        if train:
+            mod.allreduce_tied_gradients()
+            mod._restore_tied_gradients(stash)
         timings.comm_s += time.perf_counter() - t0
         timings.step_s = time.perf_counter() - t_step
         self.last_timings = timings
@@ -216,7 +243,8 @@ class PipelineSchedule:
         mb_losses = [loss for loss in self._losses if loss is not None]
         if losses is not None:
             losses.extend(mb_losses)
-        loss = sum(loss * w for loss, w in zip(mb_losses, self._weights, strict=True))
+        loss = (sum(loss * w for loss, w in zip(mb_losses, self._weights, strict=True))
+                if mb_losses else None)
         if return_outputs:
             return loss, merge_microbatches(self._mb_outputs, self.batch_dim)
         return loss
@@ -281,17 +309,21 @@ class PipelineSchedule:
             x = self._act_in.pop((stage, mb))
         ins, _ = flatten(x, f"input of stage {stage}") if stage > 0 else ((), True)
         self._inputs[(stage, mb)] = [t for t in ins if t.requires_grad]
-        if self.split_backward:
+        if self.split_backward and self._train:
             out = self._forward_units(stage, mb, x, kwargs)
         else:
             out = mod.forward_stage(stage, x, **kwargs)
         if stage == self.n_stages - 1:
-            target = self._targets[mb] if self._targets is not None else None
-            loss = self.loss_fn(out, target) if target is not None else self.loss_fn(out)
-            self._losses[mb] = loss.detach()
             if self._keep_outputs:
                 self._mb_outputs[mb] = (out.detach() if isinstance(out, torch.Tensor) else
                                         type(out)(t.detach() for t in out))
+            target = self._targets[mb] if self._targets is not None else None
+            if not self._train:
+                if target is not None:
+                    self._losses[mb] = self.loss_fn(out, target).detach()
+                return
+            loss = self.loss_fn(out, target) if target is not None else self.loss_fn(out)
+            self._losses[mb] = loss.detach()
             scaled = loss * self._weights[mb]
             self._outputs[(stage, mb)] = [scaled]
             if self.split_backward:

@@ -230,6 +230,15 @@ def zero_bubble_plan(n_stages: int, n_microbatches: int, rank: int,
     return list(_zero_bubble_all(n_stages, n_microbatches)[rank])
 
 
+# ---------------------------------------------------------------------------------- inference
+def forward_only_plan(n_stages: int, n_microbatches: int, rank: int,
+                      n_ranks: int | None = None) -> Plan:
+    """Forwards only (evaluation): each of the rank's stages runs every microbatch, stages in
+    order -- the data flow itself, so it cannot wait on a later stage."""
+    n_ranks = _check(n_stages, n_microbatches, rank, n_ranks)
+    return [F(mb, s) for s in range(rank, n_stages, n_ranks) for mb in range(n_microbatches)]
+
+
 # ---------------------------------------------------------------------------------- lowering
 @dataclass(frozen=True)
 class Comm:
@@ -327,11 +336,13 @@ def choose_lowering(plan_fn: PlanFn, n_stages: int, n_microbatches: int, n_ranks
 
 
 def check_plans(plans: Sequence[Sequence[Action]], n_stages: int, n_microbatches: int,
-                n_ranks: int | None = None, *, fuse: bool = False) -> None:
+                n_ranks: int | None = None, *, fuse: bool = False,
+                forward_only: bool = False) -> None:
     """Raise :class:`ScheduleError` unless the per-rank ``plans`` form a correct step:
 
     * every rank runs only its own stages; every (stage, microbatch) has exactly one ``F`` and
-      either one ``B`` or one ``I`` and one ``W``, in dependency order on its rank;
+      either one ``B`` or one ``I`` and one ``W`` (none with ``forward_only``), in dependency
+      order on its rank;
     * replaying the lowered programs with rendezvous semantics finishes (no deadlock) and every
       channel's k-th send matches its k-th receive.
     """
@@ -368,6 +379,11 @@ def check_plans(plans: Sequence[Sequence[Action]], n_stages: int, n_microbatches
                                         f"{k[0]}(mb={k[2]}, stage={k[1]})")
         for s in range(r, n_stages, n_ranks):
             for mb in range(n_microbatches):
+                if forward_only:
+                    if ("F", s, mb) not in seen or any(k[0] != "F" for k in seen):
+                        raise ScheduleError(f"rank {r}: a forward-only plan needs one F per "
+                                            f"microbatch and stage and nothing else")
+                    continue
                 full = ("B", s, mb) in seen
                 split = ("I", s, mb) in seen and ("W", s, mb) in seen
                 if ("F", s, mb) not in seen or full == split:

@@ -150,7 +150,8 @@ def run_group_cases() -> dict:
 
 
 def run_shape_cases() -> list[str]:
-    """Merged outputs, and a second step with another batch size (dynamic_shapes=True)."""
+    """Merged outputs, a second step with another batch size (dynamic_shapes=True), and
+    forward-only evaluation."""
     from hyperpar.pipeline import PipelineModule
 
     done = []
@@ -168,5 +169,18 @@ def run_shape_cases() -> list[str]:
             assert_close_to_reference(loss, lm_loss(expected, y), rtol=RTOL, atol=ATOL,
                                       what=f"loss at batch {batch}")
         done.append(f"batch {batch}")
-
+    x, y = data()
+    for name in ("1f1b", "interleaved1f1b"):
+        module = PipelineModule(tied_layers(), loss_fn=lm_loss, seed_layers=True,
+                                virtual_stages=2 if name.startswith("inter") else 1)
+        res = get_schedule_class(name)(module, 3).eval_step(x, target=y, return_outputs=True)
+        assert all(p.grad is None for p in module.parameters()), "eval_step made gradients"
+        if res is not None:
+            loss, out = res
+            with torch.no_grad():
+                expected = ref(x)
+            assert_close_to_reference(out, expected, rtol=RTOL, atol=ATOL, what="eval outputs")
+            assert_close_to_reference(loss, lm_loss(expected, y), rtol=RTOL, atol=ATOL,
+                                      what=f"{name} eval loss")
+        done.append(f"eval {name}")
     return done

@@ -140,3 +140,13 @@ def test_interleaving_shrinks_the_unit_time_bubble_by_the_virtual_stage_count():
     t = max(end for _, end in timeline(plans, p * v, lambda r, a: cost[a.kind]).values())
     ideal = 3.0 * m
     assert (t - ideal) / t == pytest.approx(bubble_fraction_theory(p, m, v))
+
+
+def test_forward_only_plans_follow_the_data_flow():
+    from hyperpar.pipeline import forward_only_plan
+
+    for p, v, m in [(2, 1, 3), (4, 2, 5), (3, 3, 1)]:
+        plans = [forward_only_plan(p * v, m, r, p) for r in range(p)]
+        check_plans(plans, p * v, m, p, forward_only=True)
+    with pytest.raises(ScheduleError, match="one F per microbatch"):
+        check_plans([one_f_one_b_plan(2, 2, r) for r in range(2)], 2, 2, forward_only=True)
