@@ -273,7 +273,8 @@ def data_parallel(model: nn.Module, mesh: Any = None, dim: str | int | None = "d
     src = platform.group_ranks(pg)[0]
     seen: set[int] = set()
     leaves: list[torch.Tensor] = []
-    for param in model.parameters():
+    for name, param in model.named_parameters():
+        _check_not_sharded_over(name, param, dim if group is None else None)
         local = _local(param)
         if id(local) in seen:
             continue
@@ -293,6 +294,21 @@ def data_parallel(model: nn.Module, mesh: Any = None, dim: str | int | None = "d
     model._hp_reducer = reducer
     reducer._handles.append(platform.register_forward_pre_hook(model, reducer.before_forward))
     return model
+
+
+def _check_not_sharded_over(name: str, param: torch.Tensor, dim: Any) -> None:
+    """A DTensor parameter split over the dp mesh dimension itself cannot be averaged there."""
+    if not isinstance(dim, str) or not hasattr(param, "placements"):
+        return
+    names = getattr(param.device_mesh, "mesh_dim_names", None) or ()
+    if dim in names:
+        placement = param.placements[names.index(dim)]
+        if not placement.is_replicate():
+            raise ValueError(
+                f"data_parallel: parameter {name!r} is laid out as {placement!r} over mesh "
+                f"dimension {dim!r}, the dimension its gradients would be averaged over; "
+                f"shard parameters over another dimension (e.g. parallelize_module(model, "
+                f"mesh['tp'], plan)) or replicate them over {dim!r}")
 
 
 def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[None]:

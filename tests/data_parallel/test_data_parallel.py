@@ -212,3 +212,27 @@ def test_a_backward_that_raised_does_not_poison_the_next_one(run_on_ranks):
     for a, b, r in zip(g0, g1, ref.parameters(), strict=True):
         torch.testing.assert_close(a, r.grad / 2)
         torch.testing.assert_close(b, r.grad / 2)
+
+
+class _ShardedOverDp(nn.Module):
+    def __init__(self, mesh) -> None:
+        super().__init__()
+        from hyperpar.dtensor import Shard, distribute_tensor
+
+        self.w = nn.Parameter(distribute_tensor(torch.ones(4), mesh, [Shard(0)]))
+
+
+def _sharded_over_dp_is_refused() -> str:
+    from hyperpar.dtensor import init_device_mesh
+
+    mesh = init_device_mesh((2,), mesh_dim_names=("dp",))
+    try:
+        data_parallel(_ShardedOverDp(mesh), mesh, "dp")
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def test_a_parameter_sharded_over_the_dp_dimension_is_refused(run_on_ranks):
+    msg = run_on_ranks(2, _sharded_over_dp_is_refused)[0]
+    assert "'w'" in msg and "Shard(dim=0)" in msg and "'dp'" in msg
