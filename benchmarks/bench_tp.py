@@ -164,8 +164,10 @@ def _measure(size_names: list[str], rounds: int) -> list[dict]:
         dist.all_reduce(iters_t, op=dist.ReduceOp.MIN)  # every rank must run the same steps
         iters = int(iters_t.item())
         times: dict[str, list[float]] = {k: [] for k in variants}
-        for _ in range(rounds):
-            for name, m in variants.items():
+        names = list(variants)
+        for r in range(rounds):
+            for name in names[r % 3:] + names[:r % 3]:  # rotate: no variant always goes first
+                m = variants[name]
                 dist.barrier()
                 start = time.perf_counter()
                 for _ in range(iters):
