@@ -1010,3 +1010,57 @@ def _getitem(func, args, kwargs):
 
 
 __all__ = ["einsum_sharding", "unshard", "view_placements"]
+
+
+# ---------------------------------------------------------------------------- autograd entry
+def _grad_local(t: DTensor, g: Any) -> Any:
+    if g is None:
+        return None
+    if not isinstance(g, DTensor):
+        raise _mixing_error(torch.autograd.backward, g)
+    want = tuple(R if type(p) is Partial else p for p in t._spec.placements)
+    return redistribute_autograd(g._local, g._spec.mesh, g._spec.placements, want,
+                                 tuple(g._spec.shape))
+
+
+def _as_list(x: Any) -> list:
+    if x is None:
+        return []
+    return [x] if isinstance(x, torch.Tensor) else list(x)
+
+
+@register_handler(torch.autograd.backward, name="autograd on local tensors")
+def _autograd_backward(func, args, kwargs):
+    kwargs = dict(kwargs)
+    tensors = _as_list(args[0] if args else kwargs.pop("tensors"))
+    grads = _as_list(args[1] if len(args) > 1 else kwargs.pop("grad_tensors", None))
+    grads = grads or [None] * len(tensors)
+    local_t = [t._local if isinstance(t, DTensor) else t for t in tensors]
+    local_g = [_grad_local(t, g) if isinstance(t, DTensor) else g
+               for t, g in zip(tensors, grads, strict=True)]
+    if "inputs" in kwargs and kwargs["inputs"] is not None:
+        kwargs["inputs"] = [i._local if isinstance(i, DTensor) else i
+                            for i in _as_list(kwargs["inputs"])]
+    return torch.autograd.backward(local_t, local_g, *args[2:], **kwargs)
+
+
+@register_handler(torch.autograd.grad, name="autograd on local tensors")
+def _autograd_grad(func, args, kwargs):
+    kwargs = dict(kwargs)
+    outputs = _as_list(args[0] if args else kwargs.pop("outputs"))
+    inputs = _as_list(args[1] if len(args) > 1 else kwargs.pop("inputs"))
+    grads = _as_list(args[2] if len(args) > 2 else kwargs.pop("grad_outputs", None))
+    grads = grads or [None] * len(outputs)
+    local_o = [o._local if isinstance(o, DTensor) else o for o in outputs]
+    local_g = [_grad_local(o, g) if isinstance(o, DTensor) else g
+               for o, g in zip(outputs, grads, strict=True)]
+    local_i = [i._local if isinstance(i, DTensor) else i for i in inputs]
+    res = torch.autograd.grad(local_o, local_i, local_g, *args[3:], **kwargs)
+    out = []
+    for i, g in zip(inputs, res, strict=True):
+        if isinstance(i, DTensor) and g is not None:
+            spec = i._spec
+            gp = tuple(R if type(p) is Partial else p for p in spec.placements)
+            g = _wrap(g, DTensorSpec(spec.mesh, gp, spec.shape))
+        out.append(g)
+    return tuple(out)

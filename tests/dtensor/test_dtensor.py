@@ -131,3 +131,43 @@ def test_distribute_tensor_takes_the_data_of_src_data_rank(run_on_ranks):
     for rank, (r0, r1, own) in enumerate(run_on_ranks(2, _distribute_uses_source_rank)):
         assert r0.tolist() == [0.0, 0.0] and r1.tolist() == [1.0, 1.0]
         assert own.tolist() == [float(rank)] * 2
+
+
+def _tp_mlp_step():
+    import torch.nn.functional as F
+
+    from hyperpar.dtensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh((2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    x, t = torch.randn(8, 6), torch.randint(0, 5, (8,))
+    w1, w2 = torch.randn(16, 6), torch.randn(5, 16)
+    # data parallel over "dp", Megatron column/row parallel over "tp"
+    dx = distribute_tensor(x, mesh, [Shard(0), Replicate()])
+    dt = distribute_tensor(t, mesh, [Shard(0), Replicate()])
+    p1 = torch.nn.Parameter(distribute_tensor(w1, mesh, [Replicate(), Shard(0)]))
+    p2 = torch.nn.Parameter(distribute_tensor(w2, mesh, [Replicate(), Shard(1)]))
+    loss = F.cross_entropy(F.linear(F.relu(F.linear(dx, p1)), p2), dt)
+    loss.backward()
+    g1, g2 = torch.autograd.grad(
+        F.cross_entropy(F.linear(F.relu(F.linear(dx, p1)), p2), dt), [p1, p2])
+    return (loss.full_tensor().detach(), p1.grad.full_tensor(), p2.grad.full_tensor(),
+            g1.full_tensor(), g2.full_tensor(), p1.grad.placements)
+
+
+def test_a_2d_data_and_tensor_parallel_mlp_step_matches_one_process(run_on_ranks):
+    import torch.nn.functional as F
+
+    from hyperpar.dtensor import Replicate, Shard
+
+    torch.manual_seed(0)
+    x, t = torch.randn(8, 6), torch.randint(0, 5, (8,))
+    w1 = torch.randn(16, 6, requires_grad=True)
+    w2 = torch.randn(5, 16, requires_grad=True)
+    loss = F.cross_entropy(F.linear(F.relu(F.linear(x, w1)), w2), t)
+    loss.backward()
+    for got in run_on_ranks(4, _tp_mlp_step):
+        assert_close_to_reference(list(got[:5]),
+                                  [loss.detach(), w1.grad, w2.grad, w1.grad, w2.grad],
+                                  rtol=1e-4, atol=1e-5)
+        assert got[5] == (Replicate(), Shard(0))
