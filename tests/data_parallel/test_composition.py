@@ -1,6 +1,6 @@
-"""Composition with pipelines on 4 real ranks: dp2 x pp2 and pp2 x tp2 train a stack of MLP
-blocks exactly like one process on the full batch (gradients at every step, parameters after
-SGD; float32, rtol = atol = 1e-5).
+"""Composition with pipelines on 4 and 8 real ranks: dp2 x pp2, pp2 x tp2 and pp2 x dp2 x tp2
+train a stack of MLP blocks exactly like one process on the full batch (gradients at every
+step, parameters after SGD; float32, rtol = atol = 1e-5).
 
 Rank placement, ``init_device_mesh((2, 2), (a, b))`` -> grid [[0, 1], [2, 3]]: the groups of the
 second dim are the rows {0, 1} and {2, 3}, the groups of the first dim the columns {0, 2} and
@@ -76,11 +76,11 @@ def _pipeline(mesh, tp: bool):
     return pipe
 
 
-def _train(dims: tuple[str, str]) -> None:
+def _train(dims: tuple[str, ...]) -> None:
     from hyperpar.dtensor import init_device_mesh
     from hyperpar.pipeline import Schedule1F1B
 
-    mesh = init_device_mesh((2, 2), mesh_dim_names=dims)
+    mesh = init_device_mesh((2,) * len(dims), mesh_dim_names=dims)
     pipe = _pipeline(mesh, tp="tp" in dims)
     reference = _reference()
     dp = mesh.get_local_rank("dp") if "dp" in dims else None
@@ -114,3 +114,9 @@ def test_dp2_pp2_matches_one_process_on_the_full_batch(run_on_ranks):
 
 def test_pp2_tp2_matches_one_process(run_on_ranks):
     run_on_ranks(4, _train, ("pp", "tp"))
+
+
+def test_pp2_dp2_tp2_on_eight_ranks_matches_one_process(run_on_ranks):
+    # grid [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]: stage 0 = ranks 0-3, stage 1 = ranks 4-7;
+    # tp pairs {0, 1}, {2, 3}, ...; dp pairs {0, 2}, {1, 3}, ...; pipelines {0, 4}, {1, 5}, ...
+    run_on_ranks(8, _train, ("pp", "dp", "tp"))
