@@ -60,7 +60,7 @@ def _candidates(module: nn.Module) -> list[str]:
 def _apply_style(style: Any, module: nn.Module, mesh: Any, fqn: str, src_data_rank: int | None
                  ) -> None:
     if isinstance(style, Mapping):
-        parallelize_module(module, mesh, dict(style), src_data_rank=src_data_rank, _prefix=fqn)
+        _parallelize(module, mesh, dict(style), src_data_rank, fqn)
         return
     if not isinstance(style, ParallelStyle):
         raise TypeError(
@@ -92,8 +92,8 @@ def _match(module: nn.Module, atoms: list[str]) -> list[tuple[str, nn.Module]]:
 
 def parallelize_module(module: nn.Module, device_mesh: Any = None,
                        parallelize_plan: ParallelStyle | dict[str, Any] | None = None, *,
-                       src_data_rank: int | None = 0, tp_mesh_dim: str | int | None = None,
-                       _prefix: str = "") -> nn.Module:
+                       src_data_rank: int | None = 0, tp_mesh_dim: str | int | None = None
+                       ) -> nn.Module:
     """Apply a parallel style, or a plan ``{fqn: style}``, to ``module`` in place.
 
     Plan keys are dotted module paths with ``fnmatch`` wildcards per level
@@ -108,6 +108,11 @@ def parallelize_module(module: nn.Module, device_mesh: Any = None,
         warnings.warn("parallelize_module: no parallelize_plan given; the module is unchanged",
                       stacklevel=2)
         return module
+    return _parallelize(module, mesh, parallelize_plan, src_data_rank, "")
+
+
+def _parallelize(module: nn.Module, mesh: Any, parallelize_plan: Any,
+                 src_data_rank: int | None, _prefix: str) -> nn.Module:
     if isinstance(parallelize_plan, ParallelStyle):
         _apply_style(parallelize_plan, module, mesh, _prefix, src_data_rank)
         return module
