@@ -1,6 +1,6 @@
 """DeviceMesh, placements and DTensor, written once above the Platform.
 
-Names mirror ``torch.distributed.tensor``: :class:`DeviceMesh`, :func:`init_device_mesh`,
+Names mirror torch's own DTensor API: :class:`DeviceMesh`, :func:`init_device_mesh`,
 :class:`Shard`, :class:`Replicate`, :class:`Partial`, :class:`DTensor`,
 :func:`distribute_tensor` and the factories ``zeros/ones/empty/full/rand/randn``.
 """

@@ -1,5 +1,5 @@
 """DeviceMesh: an n-dimensional arrangement of global ranks, with one process group per
-mesh dimension obtained through the Platform (never ``torch.distributed`` directly)."""
+mesh dimension obtained through the Platform (never torch's collective module directly)."""
 
 from __future__ import annotations
 
@@ -218,7 +218,7 @@ class DeviceMesh:
         root._flattened[mesh_dim_name] = flat
         return flat
 
-    _flatten = flatten  # torch.distributed.tensor spelling
+    _flatten = flatten  # torch's spelling
 
     # -------------------------------------------------------------- current mesh
     def __enter__(self) -> DeviceMesh:

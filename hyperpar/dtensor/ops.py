@@ -127,18 +127,15 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
 DTensor.__torch_function__ = classmethod(_torch_function)  # type: ignore[assignment]
 
 # Attribute getters that can be answered from the wrapper's metadata.
-_META_ATTRS = {
-    "is_sparse", "is_quantized", "is_meta", "is_nested", "layout", "is_mkldnn", "is_cuda",
-    "is_xpu", "is_mps", "is_complex", "is_floating_point", "names", "is_sparse_csr", "itemsize",
-    "nbytes", "_base", "output_nr", "_version", "retains_grad", "is_ipu", "is_xla", "is_mtia",
-    "is_maia", "is_vulkan", "_is_view",
-}
+# (every ``is_*`` flag -- device kinds included -- plus these)
+_META_ATTRS = {"layout", "names", "itemsize", "nbytes", "_base", "output_nr", "_version",
+               "retains_grad", "_is_view"}
 
 
 def _fallback(func: Any, args: Sequence, kwargs: dict) -> Any:
     if getattr(func, "__name__", "") == "__get__":
         attr = getattr(getattr(func, "__self__", None), "__name__", "")
-        if attr in _META_ATTRS:
+        if attr in _META_ATTRS or attr.startswith("is_"):
             self = args[0]
             if attr in ("_base", "output_nr", "_version", "retains_grad", "_is_view"):
                 return getattr(self._local, attr)

@@ -1,4 +1,4 @@
-"""Offset-based random numbers for DTensors, identical on every backend (cpu included).
+"""Offset-based random numbers for DTensors, identical on every backend (the host backend included).
 
 Every random value is a pure function of ``(seed, offset, global element index)`` -- a
 counter-based generator (splitmix64 finaliser, in int64 tensor ops) -- so a rank that holds
