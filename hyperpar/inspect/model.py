@@ -133,6 +133,8 @@ class _Layout:
                 self.dt = DTensor.from_local(x, tp, [Shard(dim)], shape=shape,
                                              run_check=shape is None)
         self.dp = owner._dp_mesh()
+        if self.dt is not None and owner.dp_dim in (self.dt.device_mesh.mesh_dim_names or ()):
+            self.dp = None  # a DTensor on a mesh with the dp dim: full_tensor() covers it
         self.dp_dt: Any = None
         self.Replicate, self.Shard = Replicate, Shard
 
