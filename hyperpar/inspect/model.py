@@ -340,11 +340,13 @@ class InspectedModel(nn.Module):
         edit = hook.editing_function
         with torch.no_grad() if edit is None else contextlib.nullcontext():
             full = layout.full()
-            what = "the gradient of the output" if grad_of is not None or key != name \
-                else "the output"
+            what = "the gradient of the output" if key != name else "the output"
             _check_shape(name, hook, tuple(full.shape), what)
             if hook.capture and layout.is_leader():
-                self._pending.setdefault(key, []).append(full.detach().cpu().clone())
+                host = full.detach().cpu()
+                if host.data_ptr() == full.data_ptr():  # already on the host: keep a copy
+                    host = host.clone()
+                self._pending.setdefault(key, []).append(host)
             if edit is None:
                 return None
             new = edit(full)
