@@ -361,3 +361,35 @@ def test_uneven_local_shards_are_gathered_and_edits_resharded(run_on_ranks):
     flipped = x.flip(1)
     torch.testing.assert_close(out0, flipped[:, :3])
     torch.testing.assert_close(out1, flipped[:, 3:])
+
+
+def _pp_tp_capture() -> dict:
+    from hyperpar.dtensor import init_device_mesh
+    from hyperpar.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from hyperpar.pipeline import PipelineModule, ScheduleGPipe
+
+    mesh = init_device_mesh((2, 2), mesh_dim_names=("pp", "tp"))
+    torch.manual_seed(0)
+    net = _Net()
+    pipe = PipelineModule([net.layers[0], net.layers[1], net.head], mesh=mesh, mesh_dim="pp",
+                          partition_method=[0, 1, 3], loss_fn=lambda y, t: y.pow(2).sum())
+    parallelize_module(pipe, mesh["tp"], {"*.up": ColwiseParallel(),
+                                          "*.down": RowwiseParallel()})
+    im = InspectedModel(pipe, mesh=mesh)
+    im.register_forward_hook("*.up", (B // 2, 16))  # one microbatch; local shards are (2, 8)
+    im.register_backward_hook("1.down", (B // 2, 8))
+    ScheduleGPipe(pipe, n_microbatches=2).step(_x(), target=torch.zeros(B, 3))
+    im.flush()
+    return dict(im.captured)
+
+
+def test_pp2_tp2_stage_activations_and_gradients_are_gathered_to_rank_zero(run_on_ranks):
+    results = run_on_ranks(4, _pp_tp_capture)
+    captured = results[0]
+    assert all(r == {} for r in results[1:])
+    ref = _reference()
+    assert sorted(captured) == ["0.up", "1.down.grad", "1.up"]
+    torch.testing.assert_close(captured["0.up"], ref["layers.0.up"])
+    torch.testing.assert_close(captured["1.up"], ref["layers.1.up"])
+    # The schedule weights each of its 2 microbatch losses by 1/2: gradients are halved.
+    torch.testing.assert_close(captured["1.down.grad"], ref["layers.1.down.grad"] / 2)
