@@ -3,6 +3,7 @@ pipeline stages regrouped); full_state_dict gathers plain tensors on rank 0."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
@@ -85,6 +86,8 @@ def test_torch_save_format_round_trips(run_on_ranks, tmp_path):
 def test_index_records_layout_and_writes_each_box_once(run_on_ranks, tmp_path):
     run_on_ranks(2, _save, str(tmp_path))
     index = json.loads((tmp_path / "index.json").read_text())
+    has_safetensors = importlib.util.find_spec("safetensors") is not None
+    assert index["file_format"] == ("safetensors" if has_safetensors else "torch")
     t = index["tensors"]
     assert t["a"]["shape"] == [6, 4] and t["a"]["dtype"] == "float32"
     assert t["a"]["placements"] == ["Shard(dim=0)"] and t["a"]["mesh_shape"] == [2]
