@@ -86,7 +86,13 @@ class _CopyToRegion(torch.autograd.Function):
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return all_reduce_out_of_place(x, group)
+        if x.is_leaf or x._base is not None or not x.is_contiguous():
+            return all_reduce_out_of_place(x, group)
+        # A fresh module output (a matmul's result): reduce in place, as Megatron does. Marked
+        # dirty, so if anything had saved it for backward autograd raises instead of using it.
+        get_platform().all_reduce(x, "sum", group)
+        ctx.mark_dirty(x)
+        return x
 
     @staticmethod
     def backward(ctx, grad):
