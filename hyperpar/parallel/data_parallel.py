@@ -97,6 +97,7 @@ class _Reducer:
         self.buckets: list[_Bucket] = []
         self._where: dict[int, _Bucket] = {}
         self._handles: list[Any] = []
+        self.leaf_ids: tuple[int, ...] = ()
         #: buckets launched before the end of the last backward (overlapped with it)
         self.launched_during_backward = 0
         # Gradients arrive roughly in reverse registration order: bucket from the end.
@@ -163,6 +164,12 @@ class _Reducer:
         recomputation -- leave it alone)."""
         if self._in_backward and _graph_task_id() == -1:
             self._abandon()
+        if _leaf_ids(module) != self.leaf_ids:
+            raise RuntimeError(
+                f"data_parallel: the parameters of {type(module).__name__} were replaced after "
+                "data_parallel() was applied (their gradients would not be averaged); apply "
+                "tensor parallelism (parallelize_module) and other parameter changes first, "
+                "then data_parallel()")
 
     def _abandon(self) -> None:
         for bucket in self.buckets:
@@ -289,11 +296,16 @@ def data_parallel(model: nn.Module, mesh: Any = None, dim: str | int | None = "d
             with torch.no_grad():
                 platform.broadcast(_local(buf).data, src, pg)
     reducer = _Reducer(leaves, pg, int(bucket_cap_mb * 1024 * 1024))
+    reducer.leaf_ids = _leaf_ids(model)
     cls = type(model)
     model.__class__ = type(f"DataParallel{cls.__name__}", (cls, DataParallelModule), {})
     model._hp_reducer = reducer
     reducer._handles.append(platform.register_forward_pre_hook(model, reducer.before_forward))
     return model
+
+
+def _leaf_ids(model: nn.Module) -> tuple[int, ...]:
+    return tuple(id(_local(p)) for p in model.parameters() if p.requires_grad)
 
 
 def _check_not_sharded_over(name: str, param: torch.Tensor, dim: Any) -> None:

@@ -236,3 +236,22 @@ def _sharded_over_dp_is_refused() -> str:
 def test_a_parameter_sharded_over_the_dp_dimension_is_refused(run_on_ranks):
     msg = run_on_ranks(2, _sharded_over_dp_is_refused)[0]
     assert "'w'" in msg and "Shard(dim=0)" in msg and "'dp'" in msg
+
+
+def _tp_after_dp_is_caught() -> str:
+    from hyperpar.dtensor import init_device_mesh
+    from hyperpar.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh((2,), mesh_dim_names=("tp",))
+    model = data_parallel(nn.Sequential(nn.Linear(4, 4)))
+    parallelize_module(model, mesh, {"0": ColwiseParallel()})  # wrong order
+    try:
+        model(torch.ones(1, 4))
+    except RuntimeError as exc:
+        return str(exc)
+    return ""
+
+
+def test_parameters_replaced_after_wrapping_are_reported_at_forward(run_on_ranks):
+    msg = run_on_ranks(2, _tp_after_dp_is_caught)[0]
+    assert "replaced after data_parallel()" in msg and "parallelize_module" in msg
