@@ -1064,3 +1064,50 @@ def _autograd_grad(func, args, kwargs):
             g = _wrap(g, DTensorSpec(spec.mesh, gp, spec.shape))
         out.append(g)
     return tuple(out)
+
+
+# ---------------------------------------------------------------------------- module plumbing
+@register_handler(torch._has_compatible_shallow_copy_type, name="module _apply support")
+def _compatible(func, args, kwargs):
+    a, b = args[0], args[1]
+    return isinstance(a, DTensor) and isinstance(b, DTensor) and a._spec is b._spec
+
+
+@register_handler(torch.Tensor.data.__set__, name="data")
+def _set_data(func, args, kwargs):
+    self, value = args[0], args[1]
+    if not isinstance(value, DTensor) or value._spec is not self._spec:
+        raise ShardingError(
+            "setting .data of a DTensor needs a DTensor with the same mesh, placements and "
+            f"shape; got {type(value).__name__}")
+    self._local.data = value._local
+
+
+# ---------------------------------------------------------------------------- vector norm
+@register_handler(torch.linalg.vector_norm, name="vector_norm (partial sums of |x|^p)")
+def _vector_norm(func, args, kwargs):
+    x = args[0]
+    ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
+    dtype = kwargs.get("dtype")
+    spec = x._spec
+    dims = _dims_arg(dim, x.ndim)
+    pl = unshard(spec.placements)  # a norm of a pending sum needs the sum first
+    if ord_ in (float("inf"), float("-inf"), 0) or isinstance(ord_, torch.Tensor):
+        pl = unshard(pl, dims)
+    local = _localize(x, pl, None, False)
+    if dtype is not None:
+        local = local.to(dtype)
+    mesh = spec.mesh
+    partial = [m for m, p in enumerate(pl) if type(p) is Shard and p.dim in dims]
+    out_shape = _reduced_shape(tuple(spec.shape), dims, bool(keepdim))
+    if not partial:
+        out = torch.linalg.vector_norm(local, ord_, dims, bool(keepdim))
+        return _wrap(out, DTensorSpec(mesh, _reduced_placements(pl, dims, bool(keepdim), "sum"),
+                                      out_shape))
+    powered = local.abs().pow(ord_).sum(dims, keepdim=bool(keepdim))
+    src = _reduced_placements(pl, dims, bool(keepdim), "sum")
+    dst = tuple(R if type(p) is Partial else p for p in src)
+    total = redistribute_autograd(powered, mesh, src, dst, out_shape)
+    return _wrap(total.pow(1.0 / ord_), DTensorSpec(mesh, dst, out_shape))

@@ -171,3 +171,37 @@ def test_a_2d_data_and_tensor_parallel_mlp_step_matches_one_process(run_on_ranks
                                   [loss.detach(), w1.grad, w2.grad, w1.grad, w2.grad],
                                   rtol=1e-4, atol=1e-5)
         assert got[5] == (Replicate(), Shard(0))
+
+
+def _module_plumbing():
+    from hyperpar.dtensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh((2,))
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 6)
+    x = torch.randn(3, 4)
+    for name in ("weight", "bias"):
+        full = getattr(lin, name).detach()
+        setattr(lin, name, torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)])))
+    dx = distribute_tensor(x, mesh, [Replicate()])
+    lin(dx).pow(2).sum().backward()
+    total = torch.nn.utils.clip_grad_norm_(lin.parameters(), 0.5)
+    grads = [p.grad.full_tensor() for p in lin.parameters()]
+    state = {k: v.full_tensor() for k, v in lin.state_dict().items()}
+    lin.load_state_dict({k: v * 2 for k, v in state.items()})
+    loaded = lin.weight.full_tensor().detach()
+    lin.double()
+    return total.full_tensor(), grads, loaded, lin.weight.dtype, type(lin.weight).__name__
+
+
+def test_clip_grad_norm_state_dict_and_dtype_casts_work_on_dtensor_modules(run_on_ranks):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 6)
+    x = torch.randn(3, 4)
+    lin(x).pow(2).sum().backward()
+    total = torch.nn.utils.clip_grad_norm_(lin.parameters(), 0.5)
+    for got in run_on_ranks(2, _module_plumbing):
+        assert_close_to_reference(got[0], total, rtol=1e-5, atol=1e-5)
+        assert_close_to_reference(got[1], [lin.weight.grad, lin.bias.grad])
+        assert_close_to_reference(got[2], lin.weight.detach() * 2)
+        assert got[3:] == (torch.float64, "DTensor")

@@ -53,6 +53,8 @@ OPS = {
     "getitem": lambda x: x[:, 1:3] * 2,
     "expand": lambda x: x.unsqueeze(0).expand(3, -1, -1) * 2,
     "mlp": lambda x, w1, w2: F.linear(F.silu(F.linear(x, w1)), w2),
+    "vector_norm": lambda x: torch.linalg.vector_norm(x) * 1.0,
+    "vector_norm_dim": lambda x: torch.linalg.vector_norm(x, 3, dim=1),
 }
 
 # (op, [(shape, placements on a 1-D mesh, placements on a 2-D mesh, kind)]) ; kind "f" float,
@@ -120,6 +122,9 @@ CASES = [
     ("cross_entropy_none", [((8, 10), [S0], [S0, S1], "f"), ((8,), [S0], [S0, R], "i10")]),
     ("getitem", [((4, 6), [S0], [S0, S1], "f")]),
     ("expand", [((4, 6), [S1], [S0, S1], "f")]),
+    ("vector_norm", [((5, 4), [S0], [S0, S1], "f")]),
+    ("vector_norm_dim", [((5, 4), [S1], [S0, S1], "f")]),
+    ("vector_norm_dim", [((5, 4), [P], [P, S0], "f")]),
 ]
 
 
