@@ -217,3 +217,37 @@ def _distribute_module_hooks_and_partition() -> None:
 
 def test_distribute_module_partitions_replicates_the_rest_and_hooks_io(run_on_ranks):
     run_on_ranks(2, _distribute_module_hooks_and_partition)
+
+
+class _ResidualBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(4, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x))) + 2 * x  # x also feeds a replicated branch
+
+
+def _gathered_input_feeding_parallel_and_replicated_branches() -> None:
+    import copy
+
+    n, rank = get_platform().world_size(), get_platform().rank()
+    torch.manual_seed(0)
+    reference = _ResidualBlock()
+    block = copy.deepcopy(reference)
+    parallelize_module(block, _mesh(), PrepareModuleInput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True))
+    parallelize_module(block, _mesh(), {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    x = torch.randn(2, 2 * n, 4)
+    x_ref = x.clone().requires_grad_()
+    reference(x_ref).square().sum().backward()
+    x_local = x.chunk(n, 1)[rank].clone().requires_grad_()
+    out = block(x_local)
+    assert_close_to_reference(out, reference(x).detach())
+    out.square().sum().backward()
+    assert_close_to_reference(x_local.grad, x_ref.grad.chunk(n, 1)[rank], what="input grad")
+    assert_close_to_reference(block.up.weight.grad.full_tensor(), reference.up.weight.grad)
+
+
+def test_sequence_gathered_input_used_by_parallel_and_replicated_code(run_on_ranks):
+    run_on_ranks(2, _gathered_input_feeding_parallel_and_replicated_branches)
