@@ -2,6 +2,7 @@
 
     python examples/llama/train_tp.py                  # spawns 2 ranks on this machine
     python examples/llama/train_tp.py --no-sp --steps 8
+    python examples/llama/train_tp.py --loss-parallel   # logits never gathered for the loss
     HYPERPAR_BACKEND=cpu torchrun --nproc-per-node 2 examples/llama/train_tp.py
 
 Every rank builds the same model (same seed), shards it with the plan from ``plan.py`` and
@@ -44,10 +45,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def train(steps: int = 5, sequence_parallel: bool = True, lr: float = 0.1,
-          verbose: bool = True) -> dict:
+          verbose: bool = True, use_loss_parallel: bool = False) -> dict:
     """Train on the already-initialised process group; return the parity figures."""
     from hyperpar.dtensor import init_device_mesh
-    from hyperpar.parallel import parallelize_module
+    from hyperpar.parallel import loss_parallel, parallelize_module
     from hyperpar.platform import get_platform
 
     platform = get_platform()
@@ -58,11 +59,15 @@ def train(steps: int = 5, sequence_parallel: bool = True, lr: float = 0.1,
     reference = llama.build(args, seed=0).to(device)
     model = llama.build(args, seed=0).to(device)
     mesh = init_device_mesh((world,), mesh_dim_names=("tp",))
-    plan = plans.tp_sp_plan() if sequence_parallel else plans.tp_plan()
+    if use_loss_parallel and not sequence_parallel:
+        raise ValueError("--loss-parallel uses the TP+SP plan; drop --no-sp")
+    plan = (plans.tp_sp_plan(loss_parallel=use_loss_parallel) if sequence_parallel
+            else plans.tp_plan())
     parallelize_module(model, mesh, plan)
     say = print if (verbose and rank == 0) else (lambda *a, **k: None)
     say(f"[hyperpar] {world} ranks on backend {platform.name}; plan: "
-        f"{'TP+SP' if sequence_parallel else 'TP'}; "
+        f"{'TP+SP' if sequence_parallel else 'TP'}"
+        f"{' + loss_parallel' if use_loss_parallel else ''}; "
         f"w1 placements {model.layers[0].feed_forward.w1.weight.placements}")
     worst = {"loss": 0.0, "logits": 0.0, "grad": 0.0}
     start = time.perf_counter()
@@ -72,7 +77,12 @@ def train(steps: int = 5, sequence_parallel: bool = True, lr: float = 0.1,
         ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten())
         ref_loss.backward()
         logits = model(tokens)
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        if use_loss_parallel:  # logits stay sharded on the vocabulary
+            with loss_parallel():
+                loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            logits = logits.full_tensor().detach()  # only for the parity check
+        else:
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
         loss.backward()
         worst["loss"] = max(worst["loss"], abs(loss.item() - ref_loss.item()))
         worst["logits"] = max(worst["logits"], (logits - ref_logits).abs().max().item())
@@ -102,13 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--no-sp", action="store_true", help="tensor parallelism only")
+    parser.add_argument("--loss-parallel", action="store_true",
+                        help="keep the logits vocabulary-sharded; loss under loss_parallel()")
     args = parser.parse_args(argv)
     sp = not args.no_sp
     if "RANK" in os.environ:  # under torchrun / hyperpar run
         from hyperpar.platform import get_platform
 
         get_platform().init_process_group()
-        result = train(args.steps, sp)
+        result = train(args.steps, sp, use_loss_parallel=args.loss_parallel)
         if get_platform().rank() == 0:
             _report(result)
         get_platform().barrier()
@@ -116,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if result["ok"] else 1
     from hyperpar.testing import run_distributed
 
-    result = run_distributed(train, args.world_size, args.steps, sp)[0]
+    result = run_distributed(train, args.world_size, args.steps, sp,
+                             use_loss_parallel=args.loss_parallel)[0]
     _report(result)
     return 0 if result["ok"] else 1
 

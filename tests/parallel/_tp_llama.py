@@ -12,4 +12,4 @@ if str(ROOT) not in sys.path:
 from examples.llama import model as llama  # noqa: E402
 from examples.llama import plan as plans  # noqa: E402
 
-__all__ = ["llama", "plans"]
+__all__ = ["ROOT", "llama", "plans"]
