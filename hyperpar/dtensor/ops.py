@@ -323,6 +323,20 @@ def register_op(*funcs: Any) -> Callable[[Callable[[OpCall], Sharding]], Callabl
 
     def deco(rule: Callable[[OpCall], Sharding]) -> Callable[[OpCall], Sharding]:
         def handler(func: Any, args: Sequence, kwargs: dict) -> Any:
+            if not kwargs and len(args) == 2 and type(args[0]) is DTensor:
+                # fastest paths: (DTensor, DTensor) as in mm, (DTensor, int) as in sum(x, 1)
+                a, b = args
+                la = a._local
+                if type(b) is DTensor:
+                    lb = b._local
+                    if not (la.requires_grad or lb.requires_grad) or not torch.is_grad_enabled():
+                        prep = _RULE_CACHE.get((func, a._spec, b._spec, False))
+                        if prep is not None and prep.no_redistribute and not prep.multi:
+                            return _wrap((prep.local or func)(la, lb), prep.out_specs)
+                elif type(b) is int and (not la.requires_grad or not torch.is_grad_enabled()):
+                    prep = _RULE_CACHE.get((func, a._spec, b, False))
+                    if prep is not None and prep.no_redistribute and not prep.multi:
+                        return _wrap((prep.local or func)(la, b), prep.out_specs)
             if not kwargs:
                 # fast path: flat positional arguments (DTensors and numbers) -> one key
                 parts: list[Any] = [func]
@@ -514,10 +528,18 @@ def _pointwise_handler(kind: str, inplace: bool = False) -> Callable:
                     return a0 if inplace else _wrap(func(a0._local), spec)
                 a1 = args[1]
                 if n == 2:
-                    # same layout on both sides: no communication, no gradient reduction
-                    if type(a1) is DTensor and (a1._spec is spec or a1._spec == spec):
-                        out = func(a0._local, a1._local)
-                        return a0 if inplace else _wrap(out, spec)
+                    if type(a1) is DTensor:
+                        # same layout on both sides: no communication, no gradient reduction
+                        if a1._spec is spec:
+                            out = func(a0._local, a1._local)
+                            return a0 if inplace else _wrap(out, spec)
+                        plan = _PW_CACHE.get((kind, inplace, spec, a1._spec, True, False))
+                        if plan is not None:
+                            (ta, da), (tb, db) = plan[0]
+                            if ta is None and tb is None and not (
+                                    (da or db) and torch.is_grad_enabled()):
+                                out = func(a0._local, a1._local)
+                                return a0 if inplace else _wrap(out, plan[1])
                     if not isinstance(a1, torch.Tensor):
                         out = func(a0._local, a1)
                         return a0 if inplace else _wrap(out, spec)
