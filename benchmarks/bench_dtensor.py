@@ -118,15 +118,35 @@ def _bench(size: int, repeats: int, op_iters: int) -> dict:
         ("view+transpose(S0)", lambda: la.view(-1, 8).t(), lambda: ha.view(-1, 8).t(),
          lambda: ta.view(-1, 8).t()),
     ]
-    per_op = []
+    # the same ops on leaves that require grad (forward only: records the autograd graph)
+    ga, gw = a.clone().requires_grad_(), b.clone().requires_grad_()
+    gla = ga.detach()[: n // 2].clone().requires_grad_()
+    glw = gw.detach()[:, : n // 2].clone().requires_grad_()
+    gha = hdt.distribute_tensor(ga, hmesh, [hdt.Shard(0)])
+    ghr = hdt.distribute_tensor(ga, hmesh, [hdt.Replicate()])
+    ghw = hdt.distribute_tensor(gw, hmesh, [hdt.Shard(1)])
+    gta = tdt.distribute_tensor(ga, tmesh, [tdt.Shard(0)])
+    gtr = tdt.distribute_tensor(ga, tmesh, [tdt.Replicate()])
+    gtw = tdt.distribute_tensor(gw, tmesh, [tdt.Shard(1)])
+    grad_ops = [
+        ("relu(S0)", lambda: torch.relu(gla), lambda: torch.relu(gha),
+         lambda: torch.relu(gta)),
+        ("add(S0, S0)", lambda: gla + gla, lambda: gha + gha, lambda: gta + gta),
+        ("mm(R, S1)", lambda: torch.mm(ga, glw), lambda: torch.mm(ghr, ghw),
+         lambda: torch.mm(gtr, gtw)),
+    ]
+    per_op, per_op_grad = [], []
     barrier()
     if platform.rank() == 0:  # no op communicates: rank 1 waits so it does not steal a core
         with torch.no_grad():
             for name, plain, hyper, torchd in ops:
                 per_op.append((name, *_interleaved([plain, hyper, torchd], op_iters,
                                                    3 * repeats, stat=min)))
+        for name, plain, hyper, torchd in grad_ops:
+            per_op_grad.append((name, *_interleaved([plain, hyper, torchd], op_iters,
+                                                    3 * repeats, stat=min)))
     barrier()
-    return {"redistribute": redis, "per_op": per_op, "size": size}
+    return {"redistribute": redis, "per_op": per_op, "per_op_grad": per_op_grad, "size": size}
 
 
 def _print(res: dict) -> None:
@@ -151,6 +171,13 @@ def _print(res: dict) -> None:
               f"{ot * 1e6:>8.1f}{oh / ot:>9.2f}")
     print(f"median overhead ratio hyperpar/torch: {statistics.median(ratios):.2f} "
           "(goal: <= 0.5)")
+    print("\nthe same with inputs that require grad (forward, graph recorded), µs")
+    print(f"{'op':<20}{'plain':>8}{'hyperpar':>10}{'torch':>9}{'h ovh':>8}{'t ovh':>8}"
+          f"{'ovh h/t':>9}")
+    for name, tp, th, tt in res["per_op_grad"]:
+        oh, ot = th - tp, tt - tp
+        print(f"{name:<20}{tp * 1e6:>8.1f}{th * 1e6:>10.1f}{tt * 1e6:>9.1f}{oh * 1e6:>8.1f}"
+              f"{ot * 1e6:>8.1f}{oh / ot:>9.2f}")
 
 
 def main() -> None:

@@ -1111,3 +1111,27 @@ def _vector_norm(func, args, kwargs):
     dst = tuple(R if type(p) is Partial else p for p in src)
     total = redistribute_autograd(powered, mesh, src, dst, out_shape)
     return _wrap(total.pow(1.0 / ord_), DTensorSpec(mesh, dst, out_shape))
+
+
+# ---------------------------------------------------------------------------- python protocol
+@register_handler(torch.Tensor.__format__, name="format")
+def _format(func, args, kwargs):
+    return repr(args[0]) if not args[1] else format(_replicated(args[0]).detach(), args[1])
+
+
+@register_handler(torch.Tensor.__iter__, name="iterate over dim 0 (unbind)")
+def _iter(func, args, kwargs):
+    return iter(args[0].unbind(0))
+
+
+@register_handler(torch.equal, torch.Tensor.equal, torch.allclose, torch.Tensor.allclose,
+                  torch.isclose, torch.Tensor.isclose, name="compare full tensors")
+def _compare(func, args, kwargs):
+    a, b = args[0], args[1]
+    if not (isinstance(a, DTensor) and isinstance(b, DTensor)):
+        raise _mixing_error(func, b if isinstance(a, DTensor) else a)
+    if func in (torch.isclose, torch.Tensor.isclose):
+        from .ops import _pointwise_handler
+
+        return _pointwise_handler("other")(func, args, kwargs)
+    return func(_replicated(a), _replicated(b), *args[2:], **kwargs)

@@ -205,3 +205,18 @@ def test_clip_grad_norm_state_dict_and_dtype_casts_work_on_dtensor_modules(run_o
         assert_close_to_reference(got[1], [lin.weight.grad, lin.bias.grad])
         assert_close_to_reference(got[2], lin.weight.detach() * 2)
         assert got[3:] == (torch.float64, "DTensor")
+
+
+def _python_protocol():
+    from hyperpar.dtensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh((2,))
+    x = distribute_tensor(torch.arange(6.0).reshape(3, 2), mesh, [Shard(0)])
+    rows = [row.full_tensor().tolist() for row in x]
+    return (f"{x}".startswith("DTensor(local_tensor="), rows, torch.equal(x, x),
+            torch.allclose(x, x + 1), x.sum().item(), float(x.amax()))
+
+
+def test_dtensors_format_iterate_compare_and_convert_to_python_numbers(run_on_ranks):
+    for got in run_on_ranks(2, _python_protocol):
+        assert got == (True, [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]], True, False, 15.0, 5.0)
