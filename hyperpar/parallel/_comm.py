@@ -22,10 +22,13 @@ opaque platform group handle (``None`` is the world group).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from hyperpar.dtensor.placement import Shard
 from hyperpar.platform import get_platform
 
 Group = Any
@@ -196,41 +199,57 @@ def all_to_all_region(x: torch.Tensor, split_dim: int, concat_dim: int,
 
 
 def _shard_dim(placement: Any, ndim: int) -> int | None:
-    from hyperpar.dtensor import Shard
-
     if isinstance(placement, Shard):
         return _norm_dim(placement.dim, ndim)
     return None
 
 
-def redistribute_local(x: torch.Tensor, src: Any, dst: Any, group: Group = None) -> torch.Tensor:
-    """Re-lay out ``x`` (this rank's local piece under placement ``src``) as ``dst``, both
-    placements of one mesh dimension whose process group is ``group``. Differentiable."""
-    if src == dst:
-        return x
-    ndim = x.dim()
+def _keep(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x
+
+
+def _gather_tagged(dim: int) -> Callable[[torch.Tensor, Group], torch.Tensor]:
+    def run(x: torch.Tensor, group: Group) -> torch.Tensor:
+        out = gather_from_region(x, dim, group)
+        if out is not x:
+            # Let a column-parallel consumer route its (partial) gradient straight back to the
+            # shard with one reduce-scatter instead of all-reduce + slice (to_replicated_input).
+            out._hyperpar_gathered_from = (x, dim, group)
+        return out
+    return run
+
+
+@functools.lru_cache(maxsize=512)
+def transition(src: Any, dst: Any, ndim: int) -> Callable[[torch.Tensor, Group], torch.Tensor]:
+    """The function ``(local, group) -> local`` that re-lays out a local piece of an
+    ``ndim``-dim tensor from placement ``src`` to ``dst`` on one mesh dimension (cached: the
+    boundaries of a model resolve once)."""
     s, d = _shard_dim(src, ndim), _shard_dim(dst, ndim)
     if s is not None and d is not None:
-        return x if s == d else all_to_all_region(x, split_dim=d, concat_dim=s, group=group)
+        if s == d:
+            return _keep
+        return lambda x, g: all_to_all_region(x, split_dim=d, concat_dim=s, group=g)
+    if src == dst:
+        return _keep
     if s is not None and dst.is_replicate():
-        out = gather_from_region(x, s, group)
-        if out is x:
-            return out
-        # Let a column-parallel consumer route its (partial) gradient straight back to the
-        # shard with one reduce-scatter instead of all-reduce + slice (see to_replicated_input).
-        out._hyperpar_gathered_from = (x, s, group)
-        return out
+        return _gather_tagged(s)
     if src.is_replicate() and d is not None:
-        return scatter_to_region(x, d, group)
+        return lambda x, g: scatter_to_region(x, d, g)
     if src.is_partial("sum") and dst.is_replicate():
-        return reduce_from_region(x, group)
+        return reduce_from_region
     if src.is_partial("sum") and d is not None:
-        return reduce_scatter_to_region(x, d, group)
+        return lambda x, g: reduce_scatter_to_region(x, d, g)
     raise NotImplementedError(
         f"tensor-parallel boundary: redistributing {src!r} -> {dst!r} is not supported on the "
         f"fast path (supported: Shard<->Replicate, Shard(i)->Shard(j), Partial('sum')->"
         f"Replicate/Shard)"
     )
+
+
+def redistribute_local(x: torch.Tensor, src: Any, dst: Any, group: Group = None) -> torch.Tensor:
+    """Re-lay out ``x`` (this rank's local piece under placement ``src``) as ``dst``, both
+    placements of one mesh dimension whose process group is ``group``. Differentiable."""
+    return transition(src, dst, x.dim())(x, group)
 
 
 class _LastInputMemo:

@@ -46,10 +46,16 @@ class UnsupportedModuleError(TypeError):
 
 
 # ---------------------------------------------------------------------------------- helpers
-def _dtensor_cls() -> type:
-    from hyperpar.dtensor import DTensor
+_LAST, _PARTIAL = Shard(-1), Partial()
+_DTENSOR: list[type] = []
 
-    return DTensor
+
+def _dtensor_cls() -> type:
+    if not _DTENSOR:
+        from hyperpar.dtensor import DTensor
+
+        _DTENSOR.append(DTensor)
+    return _DTENSOR[0]
 
 
 def as_placement(p: Any) -> Placement | None:
@@ -238,16 +244,12 @@ class ColwiseParallel(ParallelStyle):
             )
 
         def after(mod: nn.Module, y: torch.Tensor, saved: dict) -> Any:
-            y = redistribute_local(y, Shard(y.dim() - 1), _norm(dst, y.dim()), group)
+            y = redistribute_local(y, _LAST, dst, group)
             return _wrap(y, mesh, dst, use_local)
 
         names = ("weight", "bias") if platform.is_linear(module) else ("weight",)
         _LocalForward([(module, n, _identity) for n in names], before, after).install(module)
         return module
-
-
-def _norm(p: Placement, ndim: int) -> Placement:
-    return Shard(p.dim % ndim) if isinstance(p, Shard) else p
 
 
 def _replicated_ids(x: Any, src: Placement, group: Any) -> torch.Tensor:
@@ -292,8 +294,7 @@ class RowwiseParallel(ParallelStyle):
 
             def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
                 local, src = _local_and_layout(args[0], src_default)
-                local = redistribute_local(local, _norm(src, local.dim()),
-                                           Shard(local.dim() - 1), group)
+                local = redistribute_local(local, src, _LAST, group)
                 return (local, *args[1:]), kwargs
 
             def finish(mod: nn.Module, y: torch.Tensor, saved: dict) -> torch.Tensor:
@@ -333,7 +334,7 @@ class RowwiseParallel(ParallelStyle):
             outside = state.pop("outside", None)
             if outside is not None:
                 y = y.masked_fill(outside.unsqueeze(-1), 0.0)
-            y = redistribute_local(y, Partial(), _norm(dst, y.dim()), group)
+            y = redistribute_local(y, _PARTIAL, dst, group)
             return _wrap(finish(mod, y, saved), mesh, dst, use_local)
 
         _LocalForward(params, before, after).install(module)
@@ -362,8 +363,7 @@ class SequenceParallel(ParallelStyle):
             if not args or not isinstance(args[0], torch.Tensor):
                 return args, kwargs
             local, src = _local_and_layout(args[0], seq)
-            local = redistribute_local(local, _norm(src, local.dim()), _norm(seq, local.dim()),
-                                       group)
+            local = redistribute_local(local, src, seq, group)
             return (local, *args[1:]), kwargs
 
         def after(mod: nn.Module, y: Any, saved: dict) -> Any:
@@ -385,8 +385,7 @@ def _convert(x: Any, layout: Placement | None, desired: Placement | None, mesh: 
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what}: expected a tensor for layout {layout!r}, got {type(x).__name__}")
     local, src = _local_and_layout(x, layout)
-    ndim = local.dim()
-    y = redistribute_local(local, _norm(src, ndim), _norm(desired, ndim), mesh.get_group(0))
+    y = redistribute_local(local, src, desired, mesh.get_group(0))
     return _wrap(y, mesh, desired, use_local)
 
 
