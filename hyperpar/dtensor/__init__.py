@@ -9,7 +9,7 @@ from . import ops as _ops  # noqa: F401  (installs DTensor.__torch_function__ an
 from .api import DTensor, DTensorSpec, distribute_tensor
 from .factories import empty, full, ones, rand, randn, zeros
 from .mesh import DeviceMesh, current_mesh, init_device_mesh
-from .ops import OpCall, ShardingError, register_op, registered_ops
+from .ops import MixedTensorError, OpCall, Sharding, ShardingError, register_op, registered_ops
 from .placement import Partial, Placement, Replicate, Shard
 from .random import manual_seed
 
@@ -17,11 +17,13 @@ __all__ = [
     "DTensor",
     "DTensorSpec",
     "DeviceMesh",
+    "MixedTensorError",
     "OpCall",
     "Partial",
     "Placement",
     "Replicate",
     "Shard",
+    "Sharding",
     "ShardingError",
     "current_mesh",
     "distribute_tensor",

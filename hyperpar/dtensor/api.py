@@ -46,7 +46,9 @@ class DTensorSpec:
     def __new__(cls, mesh: DeviceMesh, placements: tuple[Placement, ...],
                 shape: torch.Size | Sequence[int]) -> DTensorSpec:
         shape = shape if type(shape) is torch.Size else torch.Size(shape)
-        key = (mesh, placements, shape)
+        # keyed by mesh identity: an equal mesh built after a process-group restart carries
+        # new group handles and must not get a spec holding the old mesh
+        key = (id(mesh), placements, shape)
         spec = cls._interned.get(key)
         if spec is None:
             spec = object.__new__(cls)
