@@ -24,7 +24,8 @@ text in the report.
 The runner writes ``DIR/results.md`` (machine, then a Markdown table of every row, then raw
 outputs), ``DIR/results.json`` (the machine and the rows) and ``DIR/ratios.png`` (a bar chart of
 the ratios; skipped with a message when matplotlib is not installed). ``--update-doc FILE``
-also replaces the text between ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` in FILE.
+also replaces the text between ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` in FILE with
+the report and copies the plot next to FILE as ``<FILE stem>-ratios.png``.
 """
 
 from __future__ import annotations
@@ -264,6 +265,21 @@ def update_doc(doc: Path, body: str) -> None:
     doc.write_text(f"{head}{DOC_BEGIN}\n{body.rstrip()}\n{DOC_END}{tail}")
 
 
+def refresh_doc(doc: Path, markdown: str, png: Path | None) -> None:
+    """Put a report into ``doc``'s bench block: the report without its title, and the plot
+    copied next to the doc as ``<doc stem>-ratios.png`` (its link dropped when there is none)."""
+    body = markdown.split("\n", 2)[2]
+    # One heading level down: the block sits under a "##" section of the doc.
+    body = body.replace("\n### ", "\n#### ").replace("\n## ", "\n### ")
+    if png is not None and png.exists():
+        target = doc.with_name(f"{doc.stem}-ratios.png")
+        target.write_bytes(png.read_bytes())
+        body = body.replace("![ratios](ratios.png)", f"![ratios]({target.name})")
+    else:
+        body = body.replace("\n![ratios](ratios.png)\n", "\n")
+    update_doc(doc, body)
+
+
 # --------------------------------------------------------------------------- entry point
 def main(names: list[str] | None = None, out_dir: str = "bench-results",
          bench_dir: str | None = None, timeout_s: float = 600.0, list_only: bool = False,
@@ -318,11 +334,8 @@ def main(names: list[str] | None = None, out_dir: str = "bench-results",
     print(f"\nhyperpar bench: wrote {out / 'results.md'}"
           + ("" if message else f" and {out / 'ratios.png'}"))
     if update_doc_path:
-        # The doc embeds the report without its title; the image link is dropped (the PNG
-        # lives in the output folder, not in docs/).
-        body = markdown.split("\n", 2)[2].replace("\n![ratios](ratios.png)\n", "\n")
         try:
-            update_doc(Path(update_doc_path), body)
+            refresh_doc(Path(update_doc_path), markdown, None if message else out / "ratios.png")
         except (OSError, ValueError) as exc:
             print(f"hyperpar bench: error: {exc}", file=sys.stderr)
             return 2

@@ -92,3 +92,6 @@ def test_update_doc_replaces_only_the_marked_block(bench_dir, tmp_path):
     text = doc.read_text()
     assert text.startswith("# Performance\n\nintro\n\n") and text.endswith("\n\noutro\n")
     assert "old numbers" not in text and "| fast | mlp on" in text
+    if (tmp_path / "out" / "ratios.png").exists():  # with matplotlib: the plot goes along
+        assert "![ratios](performance-ratios.png)" in text
+        assert (tmp_path / "performance-ratios.png").exists()
