@@ -143,8 +143,15 @@ class _LocalForward:
         platform.register_forward_pre_hook(module, self._pre, with_kwargs=True)
         platform.register_forward_hook(module, self._post)
 
+    def _restore(self, saved: dict[tuple[int, str], Any]) -> None:
+        for owner, name, _ in self.params:
+            if (id(owner), name) in saved:
+                owner._parameters[name] = saved[(id(owner), name)]
+
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         dtensor = _dtensor_cls()
+        while self._stack:  # an earlier forward raised before its post-hook: undo its swap
+            self._restore(self._stack.pop())
         saved: dict[tuple[int, str], Any] = {}
         for owner, name, transform in self.params:
             param = owner._parameters.get(name)
@@ -158,9 +165,7 @@ class _LocalForward:
 
     def _post(self, module: nn.Module, args: tuple, output: Any) -> Any:
         saved = self._stack.pop()
-        for owner, name, _ in self.params:
-            if (id(owner), name) in saved:
-                owner._parameters[name] = saved[(id(owner), name)]
+        self._restore(saved)
         return self.after(module, output, saved)
 
 

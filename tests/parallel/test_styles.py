@@ -251,3 +251,22 @@ def _gathered_input_feeding_parallel_and_replicated_branches() -> None:
 
 def test_sequence_gathered_input_used_by_parallel_and_replicated_code(run_on_ranks):
     run_on_ranks(2, _gathered_input_feeding_parallel_and_replicated_branches)
+
+
+def _forward_after_a_failed_forward() -> None:
+    torch.manual_seed(0)
+    reference = nn.Linear(4, 6)
+    model = parallelize_module(nn.Linear(4, 6), _mesh(),
+                               ColwiseParallel(output_layouts=Replicate()))
+    for name in ("weight", "bias"):
+        getattr(model, name).to_local().data.copy_(
+            getattr(reference, name).detach().chunk(get_platform().world_size(), 0)[
+                get_platform().rank()])
+    _raises(lambda: model(torch.randn(3, 5)), RuntimeError)  # wrong feature size
+    x = torch.randn(3, 4)
+    assert_close_to_reference(model(x), reference(x).detach())
+    assert isinstance(model.weight, DTensor)
+
+
+def test_a_failed_forward_does_not_break_the_next_one(run_on_ranks):
+    run_on_ranks(2, _forward_after_a_failed_forward)
