@@ -54,6 +54,7 @@ OPS = {
     "expand": lambda x: x.unsqueeze(0).expand(3, -1, -1) * 2,
     "mlp": lambda x, w1, w2: F.linear(F.silu(F.linear(x, w1)), w2),
     "vector_norm": lambda x: torch.linalg.vector_norm(x) * 1.0,
+    "reshape_to": lambda x, shape=(): x.reshape(shape) * 2,
     "vector_norm_dim": lambda x: torch.linalg.vector_norm(x, 3, dim=1),
 }
 
@@ -146,12 +147,13 @@ def run_op_cases(mesh_shape, cases):
 
     mesh = init_device_mesh(mesh_shape)
     failures, placements = [], []
-    for i, (name, specs) in enumerate(cases):
+    for i, (name, specs, *extra) in enumerate(cases):
+        kw = extra[0] if extra else {}
         fulls = _inputs(i, specs)
         try:
             # reference: the same function on full tensors in this one process
             ref_in = [t.clone().requires_grad_(t.is_floating_point()) for t in fulls]
-            ref = OPS[name](*ref_in)
+            ref = OPS[name](*ref_in, **kw)
             w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(100 + i))
             ref_grads = [None] * len(ref_in)
             if ref.requires_grad:
@@ -165,7 +167,7 @@ def run_op_cases(mesh_shape, cases):
                                          leaf_pl)
                 leaves.append(leaf)
                 dts.append(leaf.redistribute(mesh, pl))
-            out = OPS[name](*dts)
+            out = OPS[name](*dts, **kw)
             assert isinstance(out, DTensor), f"{name} returned {type(out)}"
             placements.append((name, out.placements))
             full = out.full_tensor()
@@ -251,4 +253,27 @@ def _broadcast_case(draw):
 def test_broadcasting_elementwise_ops_match_for_any_placements(run_on_ranks, world, cases):
     mesh = (2,) if world == 2 else (2, 2)
     failures = run_on_ranks(world, run_op_cases, mesh, cases)[0][0]
+    assert failures == [], "\n".join(failures)
+
+
+@st.composite
+def _reshape_case(draw):
+    shape = tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=3)))
+    numel = 1
+    for s in shape:
+        numel *= s
+    factors = [d for d in range(1, numel + 1) if numel % d == 0]
+    first = draw(st.sampled_from(factors))
+    rest = numel // first
+    second = draw(st.sampled_from([d for d in factors if rest % d == 0]))
+    target = tuple(x for x in (first, second, rest // second))
+    placements = [draw(st.sampled_from([R, P] + [Shard(d) for d in range(len(shape))]))
+                  for _ in range(2)]
+    return ("reshape_to", [(shape, placements[:1], placements, "f")], {"shape": target})
+
+
+@settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))
+@given(cases=st.lists(_reshape_case(), min_size=30, max_size=30))
+def test_reshape_keeps_shards_when_they_map_and_gathers_otherwise(run_on_ranks, cases):
+    failures = run_on_ranks(4, run_op_cases, (2, 2), cases)[0][0]
     assert failures == [], "\n".join(failures)
