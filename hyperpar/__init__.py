@@ -18,15 +18,65 @@ _EXPORTS: dict[str, str] = {
     "get_platform": "hyperpar.platform",
     "set_backend": "hyperpar.platform",
     "BackendError": "hyperpar.platform",
+    "P2POp": "hyperpar.platform",
+    # dtensor
+    "DeviceMesh": "hyperpar.dtensor",
+    "init_device_mesh": "hyperpar.dtensor",
+    "DTensor": "hyperpar.dtensor",
+    "Shard": "hyperpar.dtensor",
+    "Replicate": "hyperpar.dtensor",
+    "Partial": "hyperpar.dtensor",
+    "Placement": "hyperpar.dtensor",
+    "distribute_tensor": "hyperpar.dtensor",
+    "current_mesh": "hyperpar.dtensor",
+    "ShardingError": "hyperpar.dtensor",
+    # parallel
+    "ColwiseParallel": "hyperpar.parallel",
+    "RowwiseParallel": "hyperpar.parallel",
+    "SequenceParallel": "hyperpar.parallel",
+    "PrepareModuleInput": "hyperpar.parallel",
+    "PrepareModuleOutput": "hyperpar.parallel",
+    "PrepareModuleInputOutput": "hyperpar.parallel",
+    "ParallelStyle": "hyperpar.parallel",
+    "parallelize_module": "hyperpar.parallel",
+    "distribute_module": "hyperpar.parallel",
+    "loss_parallel": "hyperpar.parallel",
+    "ColumnParallelLinear": "hyperpar.parallel",
+    "RowParallelLinear": "hyperpar.parallel",
+    "VocabParallelEmbedding": "hyperpar.parallel",
+    "PlanKeyError": "hyperpar.parallel",
+    "UnsupportedModuleError": "hyperpar.parallel",
+    "data_parallel": "hyperpar.parallel",
+    "DataParallelModule": "hyperpar.parallel",
+    # pipeline
+    "LayerSpec": "hyperpar.pipeline",
+    "TiedLayerSpec": "hyperpar.pipeline",
+    "PipelineModule": "hyperpar.pipeline",
+    "PipelineSchedule": "hyperpar.pipeline",
+    "ScheduleGPipe": "hyperpar.pipeline",
+    "Schedule1F1B": "hyperpar.pipeline",
+    "ScheduleInterleaved1F1B": "hyperpar.pipeline",
+    "ScheduleZeroBubble": "hyperpar.pipeline",
+    "get_schedule_class": "hyperpar.pipeline",
+    # inspect
+    "InspectedModel": "hyperpar.inspect",
+    "HookFunction": "hyperpar.inspect",
+    "ShapeMismatchError": "hyperpar.inspect",
     # testing
     "run_distributed": "hyperpar.testing",
     "WorkerPool": "hyperpar.testing",
+    "DistributedError": "hyperpar.testing",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+#: subpackages reachable as attributes (``hyperpar.checkpoint.save``)
+_SUBMODULES = ("checkpoint", "dtensor", "inspect", "parallel", "pipeline", "platform", "testing")
+
+__all__ = sorted(_EXPORTS) + ["__version__", *_SUBMODULES]
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"hyperpar.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'hyperpar' has no attribute {name!r}")

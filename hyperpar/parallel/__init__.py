@@ -5,6 +5,7 @@ Styles shard parameters as DTensors but run Linear/Embedding forwards on local s
 communicating only at module boundaries (see :mod:`hyperpar.parallel.style`).
 """
 
+from .data_parallel import DataParallelModule, data_parallel
 from .api import PlanKeyError, distribute_module, parallelize_module
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .loss import loss_parallel, vocab_parallel_cross_entropy
@@ -22,6 +23,7 @@ from .style import (
 __all__ = [
     "ColumnParallelLinear",
     "ColwiseParallel",
+    "DataParallelModule",
     "ParallelStyle",
     "PlanKeyError",
     "PrepareModuleInput",
@@ -32,6 +34,7 @@ __all__ = [
     "SequenceParallel",
     "UnsupportedModuleError",
     "VocabParallelEmbedding",
+    "data_parallel",
     "distribute_module",
     "loss_parallel",
     "parallelize_module",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -76,9 +77,13 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str | None,
         task_id, fn, args, kwargs = task
         try:
             result = fn(*args, **kwargs)
-            outbox.put((rank, task_id, True, result))
+            # Pickle here: a queue pickles in a background thread, where a failure would be
+            # printed and lost, leaving the parent to wait for its timeout.
+            payload = pickle.dumps(result)
         except BaseException:
             outbox.put((rank, task_id, False, traceback.format_exc()))
+            continue
+        outbox.put((rank, task_id, True, payload))
     try:
         platform.destroy_process_group()
     except Exception:
@@ -165,6 +170,13 @@ class WorkerPool:
         a rank that died, or the ranks still running after ``timeout_s``. After a failure the
         pool restarts on the next call.
         """
+        try:
+            pickle.dumps((fn, args, kwargs))
+        except Exception as exc:
+            raise DistributedError(
+                f"cannot send {getattr(fn, '__qualname__', fn)!r} to the ranks: {exc}. Define "
+                "the function at module level and pass picklable arguments."
+            ) from exc
         if not self._procs:
             self._start()
         self._task += 1
@@ -205,7 +217,7 @@ class WorkerPool:
                     f"{what}: rank {rank} of {self.world_size} raised:\n{value}", rank=rank,
                     remote_traceback=value,
                 )
-            results[rank] = value
+            results[rank] = pickle.loads(value) if task_id is not None else value
         return [results[r] for r in range(self.world_size)]
 
 

@@ -70,3 +70,30 @@ def test_pool_timeout_names_the_ranks_still_running():
         with pytest.raises(DistributedError, match=r"timed out after 2 s; ranks \[0, 1\]"):
             pool.run(time.sleep, 20, timeout_s=2)
         assert pool.run(_rank_and_world) == [(0, 2), (1, 2)], "the pool restarts after a failure"
+
+
+def _returns_a_tensor_that_requires_grad() -> torch.Tensor:
+    return torch.ones(2, requires_grad=True) * 2
+
+
+def _returns_a_lock():
+    import threading
+
+    return threading.Lock()
+
+
+def test_a_tensor_that_requires_grad_comes_back_by_value():
+    results = run_distributed(_returns_a_tensor_that_requires_grad, 2, timeout_s=60)
+    assert [r.tolist() for r in results] == [[2.0, 2.0], [2.0, 2.0]]
+
+
+def test_an_unpicklable_result_fails_at_once_with_the_rank():
+    start = time.monotonic()
+    with pytest.raises(DistributedError, match="rank 0 of 2 raised"):
+        run_distributed(_returns_a_lock, 2, timeout_s=60)
+    assert time.monotonic() - start < 30
+
+
+def test_an_unpicklable_function_is_refused_before_any_rank_starts():
+    with pytest.raises(DistributedError, match="module level"):
+        run_distributed(lambda: 1, 2, timeout_s=60)

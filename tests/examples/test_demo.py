@@ -1,0 +1,32 @@
+"""The README's main demo (examples/demo.py) trains pp2 x tp2 and matches one process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_main_demo_pp2_tp2_matches_one_process():
+    proc = subprocess.run([sys.executable, "examples/demo.py", "--steps", "3"], cwd=REPO,
+                          env={**os.environ, "HYPERPAR_BACKEND": "cpu"},
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[pp2xtp2] step 2: loss" in proc.stdout
+    assert "-> OK" in proc.stdout
+
+
+def test_demo_compare_detects_a_parameter_mismatch():
+    sys.path.insert(0, str(REPO / "examples"))
+    import torch
+    from demo import compare
+
+    reference = {"losses": [1.0, 0.5], "params": {"w": torch.zeros(3)}}
+    same = [{"losses": [1.0, 0.5], "params": {"w": torch.zeros(3)}}]
+    off = [{"losses": None, "params": {"w": torch.tensor([0.0, 0.1, 0.0])}},
+           {"losses": [1.0, 0.5], "params": {}}]
+    assert compare(same, reference) == 0.0
+    assert abs(compare(off, reference) - 0.1) < 1e-6
