@@ -5,8 +5,8 @@ Styles shard parameters as DTensors but run Linear/Embedding forwards on local s
 communicating only at module boundaries (see :mod:`hyperpar.parallel.style`).
 """
 
-from .data_parallel import DataParallelModule, data_parallel
 from .api import PlanKeyError, distribute_module, parallelize_module
+from .data_parallel import DataParallelModule, data_parallel
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .loss import loss_parallel, vocab_parallel_cross_entropy
 from .style import (

@@ -65,13 +65,16 @@ def _make_device_module() -> types.ModuleType:
     npu.set_device = set_device
     npu.current_device = lambda: current["index"]
     npu.synchronize = lambda device=None: None
-    npu.manual_seed = lambda seed: torch.manual_seed(seed)
-    npu.manual_seed_all = lambda seed: torch.manual_seed(seed)
+    # Emulated tensors live on the host, whose generator torch.manual_seed already seeds (and
+    # torch.manual_seed calls these back: they must not call it again).
+    npu.manual_seed = lambda seed: None
+    npu.manual_seed_all = lambda seed: None
     npu.get_rng_state = lambda device=None: torch.get_rng_state()
     npu.set_rng_state = lambda state, device=None: torch.set_rng_state(state)
     npu.memory_allocated = lambda device=None: 0
     npu.max_memory_allocated = lambda device=None: peak["bytes"]
     npu.is_initialized = lambda: True
+    npu._is_in_bad_fork = lambda: False
     npu._is_hyperpar_emulation = True
     return npu
 

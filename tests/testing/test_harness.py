@@ -89,7 +89,7 @@ def test_a_tensor_that_requires_grad_comes_back_by_value():
 
 def test_an_unpicklable_result_fails_at_once_with_the_rank():
     start = time.monotonic()
-    with pytest.raises(DistributedError, match="rank 0 of 2 raised"):
+    with pytest.raises(DistributedError, match=r"rank [01] of 2 raised(.|\n)*cannot pickle"):
         run_distributed(_returns_a_lock, 2, timeout_s=60)
     assert time.monotonic() - start < 30
 
