@@ -37,15 +37,18 @@ def _measure(repeats: int) -> list[dict]:
     rows = []
     for label, numel in SIZES.items():
         t = torch.ones(numel)
-        calls = max(2, min(50, 20_000_000 // (numel * 8) or 2))
-        rounds = max(5, repeats // calls)
+        calls = max(2, min(20, 20_000_000 // (numel * 8) or 2))
+        rounds = max(15, repeats // calls)
         ours, raw = [], []
         for _ in range(2):  # warm-up
             platform.all_reduce(t)
             dist.all_reduce(t)
-        for _ in range(rounds):
+        for i in range(rounds):  # alternate which variant goes first in a round
+            if i % 2:
+                raw.append(_time_calls(dist.all_reduce, t, calls))
             ours.append(_time_calls(platform.all_reduce, t, calls))
-            raw.append(_time_calls(dist.all_reduce, t, calls))
+            if not i % 2:
+                raw.append(_time_calls(dist.all_reduce, t, calls))
         h, r = statistics.median(ours) * 1e3, statistics.median(raw) * 1e3
         rows.append({
             "benchmark": "platform", "case": f"all_reduce {label}", "hyperpar_ms": h,
@@ -57,7 +60,7 @@ def _measure(repeats: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=2000)
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args(argv)
     rows = run_distributed(_measure, args.ranks, args.repeats, timeout_s=600)[0]

@@ -23,6 +23,7 @@ opaque platform group handle (``None`` is the world group).
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -208,13 +209,32 @@ def _keep(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x
 
 
+# gathered output id -> (weak ref to it, the shard it came from, dim, group). Kept beside the
+# tensor, not on it: an attribute would make user-visible outputs unpicklable (a process group)
+# and would travel with the tensor into user code.
+_GATHERED_FROM: dict[int, tuple[weakref.ref, torch.Tensor, int, Group]] = {}
+
+
+def _remember_gather(out: torch.Tensor, shard: torch.Tensor, dim: int, group: Group) -> None:
+    key = id(out)
+    _GATHERED_FROM[key] = (weakref.ref(out), shard, dim, group)
+    weakref.finalize(out, _GATHERED_FROM.pop, key, None)
+
+
+def _gathered_origin(x: torch.Tensor) -> tuple[torch.Tensor, int, Group] | None:
+    entry = _GATHERED_FROM.get(id(x))
+    if entry is None or entry[0]() is not x:
+        return None
+    return entry[1], entry[2], entry[3]
+
+
 def _gather_tagged(dim: int) -> Callable[[torch.Tensor, Group], torch.Tensor]:
     def run(x: torch.Tensor, group: Group) -> torch.Tensor:
         out = gather_from_region(x, dim, group)
         if out is not x:
             # Let a column-parallel consumer route its (partial) gradient straight back to the
             # shard with one reduce-scatter instead of all-reduce + slice (to_replicated_input).
-            out._hyperpar_gathered_from = (x, dim, group)
+            _remember_gather(out, x, dim, group)
         return out
     return run
 
@@ -299,7 +319,7 @@ def to_replicated_input(x: torch.Tensor, src: Any, group: Group = None, *,
         if hit is not None:
             return hit
     s = _shard_dim(src, x.dim())
-    origin = getattr(x, "_hyperpar_gathered_from", None)
+    origin = _gathered_origin(x)
     if s is not None:
         out = gather_from_sequence_region(x, s, group)
     elif src.is_replicate() and origin is not None and origin[2] == group:

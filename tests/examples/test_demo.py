@@ -30,3 +30,12 @@ def test_demo_compare_detects_a_parameter_mismatch():
            {"losses": [1.0, 0.5], "params": {}}]
     assert compare(same, reference) == 0.0
     assert abs(compare(off, reference) - 0.1) < 1e-6
+
+
+def test_inspection_example_captures_full_activations_and_ablates_like_one_process():
+    proc = subprocess.run([sys.executable, "examples/inspect_activations.py"], cwd=REPO,
+                          env={**os.environ, "HYPERPAR_BACKEND": "cpu"},
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "layers.0.feed_forward.w1: full shape (2, 16, 128)" in proc.stdout
+    assert proc.stdout.rstrip().endswith("-> OK")
