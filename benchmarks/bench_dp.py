@@ -24,17 +24,8 @@ import statistics
 import time
 
 import torch
+from models import Block  # the script's folder is on sys.path
 from torch import nn
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(dim, 4 * dim)
-        self.down = nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
 
 
 def _model(dim: int, blocks: int, device: torch.device | None = None) -> nn.Module:

@@ -24,6 +24,7 @@ import statistics
 import time
 
 import torch
+from models import Block  # the script's folder is on sys.path
 from torch import nn
 
 from hyperpar.pipeline import (
@@ -33,16 +34,6 @@ from hyperpar.pipeline import (
     get_schedule_class,
     timeline,
 )
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(dim, 4 * dim)
-        self.down = nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
 
 
 def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
