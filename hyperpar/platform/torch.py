@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -413,6 +414,43 @@ class TorchPlatform(Platform):
         out = torch.empty_like(stacked)
         self.all_to_all_single(out.view(n, -1), stacked.view(n, -1), group=group)
         return torch.cat(out.unbind(0), dim=concat_dim)
+
+
+class HostDevicePlatform(TorchPlatform):
+    """A TorchPlatform whose tensors live on the host CPU: one "device", nothing to select or
+    synchronise, the host random generator. Subclasses set ``name``, ``dist_backend`` and
+    ``priority`` (and ``native_reduce_ops`` for their collective library)."""
+
+    device_type = "cpu"
+
+    def device_count(self) -> int:
+        return 1
+
+    def device(self, index: int | None = None) -> torch.device:
+        return torch.device(self.device_type)
+
+    def set_device(self, index: int) -> None:
+        """Processes share the host; there is no device to select."""
+
+    def current_device(self) -> int:
+        return 0
+
+    def synchronize(self) -> None:
+        """Host kernels run synchronously."""
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def get_rng_state(self) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        torch.set_rng_state(state)
+
+    def memory_stats(self) -> dict[str, int]:
+        # Peak resident set size of the process (Linux reports KiB): the closest host analogue.
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return {"allocated": 0, "max_allocated": int(peak)}
 
 
 class _AllReduce(torch.autograd.Function):

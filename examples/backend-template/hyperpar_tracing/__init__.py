@@ -6,13 +6,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-import torch
-
 from hyperpar.platform import Availability, hookimpl
-from hyperpar.platform.torch import TorchPlatform
+from hyperpar.platform.torch import HostDevicePlatform
 
 
-class TracingPlatform(TorchPlatform):
+class TracingPlatform(HostDevicePlatform):  # host tensors: device members inherited
     name = "tracing"
     device_type = "cpu"
     dist_backend = "gloo"
@@ -24,34 +22,6 @@ class TracingPlatform(TorchPlatform):
     @classmethod
     def is_available(cls) -> Availability:
         return Availability(True)
-
-    # identity & device: one host "device"
-    def device_count(self) -> int:
-        return 1
-
-    def device(self, index=None) -> torch.device:
-        return torch.device("cpu")
-
-    def set_device(self, index: int) -> None:
-        pass
-
-    def current_device(self) -> int:
-        return 0
-
-    def synchronize(self) -> None:
-        pass
-
-    def manual_seed(self, seed: int) -> None:
-        torch.manual_seed(seed)
-
-    def get_rng_state(self) -> torch.Tensor:
-        return torch.get_rng_state()
-
-    def set_rng_state(self, state: torch.Tensor) -> None:
-        torch.set_rng_state(state)
-
-    def memory_stats(self) -> dict[str, int]:
-        return {"allocated": 0, "max_allocated": 0}
 
     # collectives: count, then defer to the shared torch implementation
     def all_reduce(self, tensor, op="sum", group=None, async_op=False):
