@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hyperpar.platform import Availability
-from hyperpar.platform.torch import HostDevicePlatform
+from hyperpar.platform.torch_platform import HostDevicePlatform
 
 
 class CPUPlatform(HostDevicePlatform):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from hyperpar.platform import Availability
-from hyperpar.platform.torch import TorchPlatform, accelerator_availability
+from hyperpar.platform.torch_platform import TorchPlatform, accelerator_availability
 
 
 class CUDAPlatform(TorchPlatform):

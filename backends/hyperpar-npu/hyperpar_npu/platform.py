@@ -8,7 +8,7 @@ from types import ModuleType
 import torch
 
 from hyperpar.platform import Availability
-from hyperpar.platform.torch import TorchPlatform, accelerator_availability
+from hyperpar.platform.torch_platform import TorchPlatform, accelerator_availability
 
 
 def _import_torch_npu() -> tuple[ModuleType | None, str | None]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 from hyperpar.platform import Availability, hookimpl
-from hyperpar.platform.torch import HostDevicePlatform
+from hyperpar.platform.torch_platform import HostDevicePlatform
 
 
 class TracingPlatform(HostDevicePlatform):  # host tensors: device members inherited
