@@ -64,7 +64,7 @@ def check_collectives() -> list[str]:
 
 def launched_main() -> None:
     """Under ``hyperpar run``/torchrun: join the group, check, print per rank, then OK."""
-    from hyperpar.logging import rank0_print
+    from hyperpar.log import rank0_print
 
     platform = get_platform()
     platform.init_process_group()

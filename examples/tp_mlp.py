@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from hyperpar.dtensor import init_device_mesh
-from hyperpar.logging import Progress, get_logger, rank0_print
+from hyperpar.log import Progress, get_logger, rank0_print
 from hyperpar.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from hyperpar.platform import get_platform
 

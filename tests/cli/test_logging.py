@@ -1,4 +1,4 @@
-"""hyperpar.logging: rank-0-only output, the quiet switch, the progress line."""
+"""hyperpar.log: rank-0-only output, the quiet switch, the progress line."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from hyperpar import logging as hlog
+from hyperpar import log as hlog
 
 
 @pytest.fixture(autouse=True)
