@@ -77,8 +77,9 @@ def test_save_on_two_ranks_load_on_other_world_sizes(run_on_ranks, tmp_path, loa
 def test_torch_save_format_round_trips(run_on_ranks, tmp_path):
     run_on_ranks(2, _save, str(tmp_path), "torch")
     assert read_index(tmp_path)["file_format"] == "torch"
+    save_id = read_index(tmp_path)["save_id"]
     assert sorted(os.listdir(tmp_path)) == [
-        "index.json", "shard-00000-of-00002.pt", "shard-00001-of-00002.pt"]
+        "index.json", f"shard-00000-of-00002-{save_id}.pt", f"shard-00001-of-00002-{save_id}.pt"]
     state, _ = run_on_ranks(2, _load_and_run, str(tmp_path))[0]
     torch.testing.assert_close(state, _values(0), rtol=0, atol=0)
 

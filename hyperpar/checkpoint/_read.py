@@ -1,0 +1,94 @@
+"""Reading boxes out of a checkpoint's shard files, checking sizes and digests on the way."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+
+from ._boxes import overlap
+from ._format import CorruptCheckpointError, digest, dtype_of
+
+
+class Reader:
+    """Opens the shard files named by an index lazily; every chunk read is checked against the
+    digest the index records for it (version 2), and every file against its recorded size."""
+
+    def __init__(self, path: str, index: dict[str, Any]) -> None:
+        self.path, self.file_format = path, index["file_format"]
+        self.files: dict[str, Any] = index.get("files", {})
+        self._open: dict[str, Any] = {}
+
+    def _handle(self, file: str) -> Any:
+        handle = self._open.get(file)
+        if handle is not None:
+            return handle
+        full = os.path.join(self.path, file)
+        if not os.path.exists(full):
+            raise CorruptCheckpointError(f"{full} is missing: index.json lists it; the "
+                                         "checkpoint folder is incomplete")
+        want = self.files.get(file, {}).get("bytes")
+        size = os.path.getsize(full)
+        if want is not None and size != want:
+            raise CorruptCheckpointError(
+                f"{full} is {size} bytes but index.json says {want}: the file was truncated or "
+                "overwritten after the save; restore it or save again")
+        try:
+            if self.file_format == "safetensors":
+                from safetensors import safe_open
+
+                handle = safe_open(full, framework="pt")
+            else:
+                handle = torch.load(full, mmap=True, weights_only=True)
+        except Exception as exc:
+            raise CorruptCheckpointError(f"{full} cannot be opened as a {self.file_format} "
+                                         f"file ({type(exc).__name__}: {exc})") from exc
+        self._open[file] = handle
+        return handle
+
+    def read(self, chunk: dict[str, Any], region: tuple[slice, ...], *, key: str) -> torch.Tensor:
+        """``region`` of ``chunk`` (of saved tensor ``key``). With a digest, the whole chunk is
+        read and checked first (at most one saved shard of one tensor in memory)."""
+        file, name = chunk["file"], chunk["key"]
+        handle = self._handle(file)
+        full = os.path.join(self.path, file)
+        try:
+            if "digest" not in chunk:  # version 1: nothing to check against
+                if self.file_format == "safetensors":
+                    return handle.get_slice(name)[region] if region else handle.get_tensor(name)
+                return handle[name][region]
+            whole = handle.get_tensor(name) if self.file_format == "safetensors" else handle[name]
+        except Exception as exc:
+            raise CorruptCheckpointError(f"{full}: cannot read {name!r} of {key!r} "
+                                         f"({type(exc).__name__}: {exc})") from exc
+        if list(whole.shape) != list(chunk["shape"]) or digest(whole) != chunk["digest"]:
+            raise CorruptCheckpointError(
+                f"{full}: the bytes of {key!r} (chunk at offset {chunk['offset']}) do not match "
+                "the sha256 digest in index.json: the file was modified after the save; restore "
+                "it or save again")
+        return whole[region]
+
+
+def assemble(entry: dict[str, Any], key: str, offset: list[int], shape: list[int],
+             reader: Reader) -> torch.Tensor:
+    """The box (``offset``, ``shape``) of saved tensor ``key``, from every chunk that overlaps."""
+    out = torch.empty(shape, dtype=dtype_of(entry["dtype"]))
+    covered = 0
+    for chunk in entry["chunks"]:
+        ov = overlap(offset, shape, chunk["offset"], chunk["shape"])
+        if ov is None:
+            continue
+        lo, hi = ov
+        src = tuple(slice(low - c, h - c) for low, h, c in zip(lo, hi, chunk["offset"],
+                                                                strict=True))
+        dst = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, offset, strict=True))
+        out[dst] = reader.read(chunk, src, key=key)
+        covered += math.prod(h - low for low, h in zip(lo, hi, strict=True))
+    want = math.prod(shape)
+    if covered != want:
+        raise CorruptCheckpointError(
+            f"load: the saved chunks of {key!r} cover {covered} of the {want} elements of box "
+            f"offset={offset} shape={shape}; the checkpoint is incomplete")
+    return out

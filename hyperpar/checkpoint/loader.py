@@ -1,0 +1,128 @@
+"""``load``: each rank reads the parts of the saved chunks that overlap what it holds now.
+
+Steps: check the model against the index on every rank together (keys, shapes), read and
+verify the boxes, then agree that every rank succeeded, so a problem seen by one rank is raised
+on all of them instead of leaving the others waiting.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from hyperpar.platform import get_platform
+
+from ._boxes import copy_box, local_box
+from ._format import CheckpointError, CorruptCheckpointError, LoadResult, read_index
+from ._read import Reader, assemble
+from .optim import load_optimizer, optimizer_keys
+
+__all__ = ["load", "verify"]
+
+
+def load(model: nn.Module, path: str | os.PathLike, *,
+         optimizer: torch.optim.Optimizer | None = None, strict: bool = True) -> LoadResult:
+    """Load checkpoint folder ``path`` into ``model``, resharding to its current layout.
+
+    Each rank reads only the saved chunks overlapping what it holds, and checks every chunk it
+    reads against the digest in the index (a corrupted or truncated file raises
+    :class:`CorruptCheckpointError` naming the file, on every rank). ``strict`` is
+    ``torch.nn.Module.load_state_dict``'s: model tensors missing from the checkpoint *and*
+    checkpoint tensors the model lacks (over all ranks together, so pipeline stages count as
+    one model) raise :class:`CheckpointError`, before anything is copied. A global shape that
+    differs always raises. With ``optimizer`` (built over the model's current parameters), its
+    state is restored and resharded the same way. Returns ``LoadResult(missing_keys,
+    unexpected_keys)``. Collective. After a raise the model may be partly loaded.
+    """
+    path = os.fspath(path)
+    index = read_index(path)
+    if optimizer is not None and index.get("optimizer") is None:
+        raise CheckpointError(f"load(optimizer=...): {path} holds no optimizer state (save it "
+                              "with save(model, path, optimizer=optimizer))")
+    state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    result = _check_keys(state, index, path, strict)
+    reader = Reader(path, index)
+    error = None
+    try:
+        with torch.no_grad():
+            _copy_in(state, index["tensors"], reader)
+        if optimizer is not None:
+            load_optimizer(model, optimizer, index, reader, path)
+    except CheckpointError as exc:
+        error = exc
+    agree_or_raise(error)
+    return result
+
+
+def _check_keys(state: dict[str, torch.Tensor], index: dict[str, Any], path: str,
+                strict: bool) -> LoadResult:
+    """Missing/unexpected keys and shape mismatches over all ranks; raises on every rank."""
+    saved = index["tensors"]
+    problems = [f"{key!r} has global shape {list(v.shape)} in the model but "
+                f"{saved[key]['shape']} in {path}"
+                for key, v in state.items()
+                if key in saved and list(v.shape) != saved[key]["shape"]]
+    gathered = get_platform().all_gather_object((sorted(state), problems))
+    model_keys = {k for keys, _ in gathered for k in keys}
+    problems = sorted({p for _, ps in gathered for p in ps})
+    saved_model_keys = set(saved) - optimizer_keys(index)
+    missing = sorted(model_keys - set(saved))
+    unexpected = sorted(saved_model_keys - model_keys)
+    if strict:
+        if missing:
+            problems.append(f"{len(missing)} tensor(s) of the model are not in {path}: "
+                            f"{show_keys(missing)}")
+        if unexpected:
+            problems.append(f"{len(unexpected)} tensor(s) in {path} are not in the model: "
+                            f"{show_keys(unexpected)}")
+    if problems:
+        hint = " (pass strict=False to load the matching tensors only)" if strict and (
+            missing or unexpected) else ""
+        raise CheckpointError("load: " + "; ".join(problems) + hint)
+    return LoadResult(missing, unexpected)
+
+
+def show_keys(keys: list[str], n: int = 8) -> str:
+    return ", ".join(repr(k) for k in keys[:n]) + (f" ... ({len(keys) - n} more)"
+                                                   if len(keys) > n else "")
+
+
+def _copy_in(state: dict[str, torch.Tensor], saved: dict[str, Any], reader: Reader) -> None:
+    """Copy this rank's box of every model tensor found in the checkpoint."""
+    for key, value in state.items():
+        entry = saved.get(key)
+        if entry is None:
+            continue
+        offset, shape, _ = local_box(value)
+        copy_box(value, assemble(entry, key, list(offset), list(shape), reader))
+
+
+def agree_or_raise(error: CheckpointError | None) -> None:
+    """Raise on every rank if any rank failed (the first failure, naming its rank)."""
+    platform = get_platform()
+    errors = platform.all_gather_object(None if error is None else str(error))
+    bad = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if not bad:
+        return
+    r, message = bad[0]
+    cls = type(error) if error is not None else CorruptCheckpointError
+    if r == platform.rank() and error is not None:
+        raise error
+    raise cls(f"rank {r}: {message}")
+
+
+def verify(path: str | os.PathLike) -> int:
+    """Check every file and chunk of checkpoint ``path`` against its index (sizes and sha256
+    digests); return the number of chunks checked. Not collective: run it on one process."""
+    path = os.fspath(path)
+    index = read_index(path)
+    reader = Reader(path, index)
+    n = 0
+    for key, entry in index["tensors"].items():
+        for chunk in entry["chunks"]:
+            reader.read(chunk, (), key=key)
+            n += 1
+    return n

@@ -1,0 +1,187 @@
+"""``save``: every rank writes the boxes it is first to hold into a file no earlier save used;
+after all ranks have written, rank 0 commits the new ``index.json`` in one atomic step and
+removes what the previous save left. A rank that dies before the commit leaves the previous
+checkpoint exactly as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from hyperpar.platform import get_platform
+
+from ._boxes import Piece, host, owned, pieces
+from ._format import (
+    DIGEST,
+    FORMAT,
+    INDEX_FILE,
+    VERSION,
+    CheckpointError,
+    digest,
+    is_checkpoint_file,
+    shard_name,
+    write_index,
+)
+from .optim import merge_extras, optimizer_state
+
+__all__ = ["save"]
+
+
+def save(model: nn.Module | dict[str, Any], path: str | os.PathLike, *,
+         optimizer: torch.optim.Optimizer | None = None, file_format: str = "auto") -> str:
+    """Write ``model``'s state dict (or a state dict) as a sharded checkpoint folder ``path``.
+
+    Collective. Each rank writes one new file with the boxes it is the first to hold; once
+    every rank has written, rank 0 replaces ``index.json`` atomically, which is the moment the
+    new checkpoint replaces the previous one in ``path``; then the previous save's files are
+    removed. A crash before that moment leaves the previous checkpoint loadable. The index
+    records each file's size and each chunk's sha256, which ``load`` checks.
+
+    With ``optimizer``, its per-parameter state is saved too, laid out like the parameter
+    (entries ``optimizer.<param name>.<state key>``), so it reshards on load like the model;
+    its hyperparameters and non-tensor state go into the index. ``file_format``:
+    ``"safetensors"``, ``"torch"`` (``torch.save``) or ``"auto"`` (safetensors when installed).
+    Returns the index path.
+    """
+    file_format = _resolve_format(file_format)
+    if optimizer is not None and not isinstance(model, nn.Module):
+        raise TypeError("save(optimizer=...) needs the model itself, not a state dict")
+    state, extras, optim_keys = _state_to_save(model, optimizer)
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    platform = get_platform()
+    rank, world = platform.rank(), platform.world_size()
+
+    # 1. Who writes which box; rank 0's fresh save id travels with the same collective.
+    mine, metas, proposals = owned(pieces(state), (_new_save_id(), extras))
+    save_id = proposals[0][0]
+    # 2. Write this rank's file under a new name (errors are shared, not raised alone).
+    written = _write_shard(path, shard_name(rank, world, save_id, file_format), mine,
+                           file_format)
+    # 3. The gather doubles as the barrier: nobody commits before every rank has written.
+    files = platform.all_gather_object(written)
+    failed = [(r, w["error"]) for r, w in enumerate(files) if "error" in w]
+    if failed:
+        raise CheckpointError(f"save: rank {failed[0][0]} could not write its shard: "
+                              f"{failed[0][1]}; {path} still holds the previous checkpoint")
+    # 4. Rank 0 commits, then cleans up; everyone learns the outcome.
+    outcome = None
+    if rank == 0:
+        try:
+            index = _build_index(metas, files, file_format, world, save_id)
+            if optimizer is not None:
+                index["optimizer"] = merge_extras([p[1] for p in proposals], optim_keys)
+            write_index(path, index, save_id)
+            _remove_stale(path, {f["file"] for f in files})
+        except Exception as exc:  # shared below so no rank waits for a commit that failed
+            outcome = f"{type(exc).__name__}: {exc}"
+    outcome = platform.broadcast_object(outcome, 0)
+    if outcome is not None:
+        raise CheckpointError(f"save: committing {path} failed on rank 0: {outcome}")
+    return os.path.join(path, INDEX_FILE)
+
+
+def _resolve_format(file_format: str) -> str:
+    has_st = _has_safetensors()
+    if file_format == "auto":
+        return "safetensors" if has_st else "torch"
+    if file_format not in ("safetensors", "torch"):
+        raise ValueError(f"save: file_format must be 'auto', 'safetensors' or 'torch', got "
+                         f"{file_format!r}")
+    if file_format == "safetensors" and not has_st:
+        raise ImportError("save(file_format='safetensors') needs `pip install safetensors`")
+    return file_format
+
+
+def _has_safetensors() -> bool:
+    try:
+        import safetensors.torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _state_to_save(model: nn.Module | dict[str, Any], optimizer: torch.optim.Optimizer | None
+                   ) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """The tensors to save (model, then optimizer state), the optimizer's non-tensor state,
+    and the keys of its tensor state."""
+    state = model.state_dict() if isinstance(model, nn.Module) else dict(model)
+    if optimizer is None:
+        return state, {}, []
+    assert isinstance(model, nn.Module)
+    opt_tensors, extras = optimizer_state(model, optimizer)
+    return {**state, **opt_tensors}, extras, list(opt_tensors)
+
+
+def _new_save_id() -> str:
+    """Unique per save: a clock part (sortable) and a random part (two saves in one tick)."""
+    return f"{time.time_ns() // 1_000_000:x}{secrets.token_hex(3)}"
+
+
+def _write_shard(path: str, name: str, mine: list[Piece], file_format: str) -> dict[str, Any]:
+    """Write ``mine`` to a new file ``name``, durably; its size and per-chunk digests, or the
+    error."""
+    full = os.path.join(path, name)
+    try:
+        keys = [f"{p.key}@{','.join(map(str, p.offset))}" for p in mine]
+        tensors = dict(zip(keys, host(p.local for p in mine), strict=True))
+        digests = {k: digest(t) for k, t in tensors.items()}
+        _write_file(full, tensors, file_format)
+        with open(full, "rb") as f:
+            os.fsync(f.fileno())
+        return {"file": name, "bytes": os.path.getsize(full), "digests": digests}
+    except Exception as exc:
+        return {"file": name, "error": f"{full}: {type(exc).__name__}: {exc}"}
+
+
+def _write_file(full: str, tensors: dict[str, torch.Tensor], file_format: str) -> None:
+    if file_format == "safetensors":
+        import safetensors.torch as st
+
+        st.save_file(tensors, full, metadata={"format": FORMAT})
+    else:
+        torch.save(tensors, full)
+
+
+def _build_index(metas: list[list[dict[str, Any]]], files: list[dict[str, Any]],
+                 file_format: str, world: int, save_id: str) -> dict[str, Any]:
+    """The index of this save: every tensor's layout and where each distinct box lives."""
+    entries: dict[str, Any] = {}
+    written: set[tuple] = set()
+    for r, items in enumerate(metas):
+        for m in items:
+            key = m["key"]
+            entry = entries.setdefault(key, {
+                "shape": m["shape"], "dtype": m["dtype"], "placements": m["placements"],
+                "mesh_shape": m["mesh_shape"], "chunks": []})
+            if entry["shape"] != m["shape"]:
+                raise CheckpointError(f"save: {key!r} has global shape {m['shape']} on rank "
+                                      f"{r} but {entry['shape']} on a lower rank")
+            box = (key, tuple(m["offset"]), tuple(m["local_shape"]))
+            if box in written:
+                continue
+            written.add(box)
+            name = f"{key}@{','.join(map(str, m['offset']))}"
+            entry["chunks"].append({
+                "file": files[r]["file"], "key": name, "offset": m["offset"],
+                "shape": m["local_shape"], "rank": r, "digest": files[r]["digests"][name]})
+    return {"format": FORMAT, "version": VERSION, "file_format": file_format,
+            "world_size": world, "save_id": save_id, "digest": DIGEST,
+            "files": {f["file"]: {"rank": r, "bytes": f["bytes"]} for r, f in enumerate(files)},
+            "tensors": entries}
+
+
+def _remove_stale(path: str, keep: set[str]) -> None:
+    """Remove files of earlier (or crashed) saves: everything a save writes but ``keep``."""
+    for name in os.listdir(path):
+        if name not in keep and name != INDEX_FILE and is_checkpoint_file(name):
+            try:
+                os.remove(os.path.join(path, name))
+            except FileNotFoundError:
+                pass
