@@ -48,6 +48,13 @@ _EXPORTS: dict[str, str] = {
     "UnsupportedModuleError": "hyperpar.parallel",
     "data_parallel": "hyperpar.parallel",
     "DataParallelModule": "hyperpar.parallel",
+    # fsdp
+    "fully_shard": "hyperpar.fsdp",
+    "FSDPModule": "hyperpar.fsdp",
+    "MixedPrecisionPolicy": "hyperpar.fsdp",
+    "CPUOffloadPolicy": "hyperpar.fsdp",
+    "OffloadPolicy": "hyperpar.fsdp",
+    "clip_grad_norm_": "hyperpar.fsdp",
     # pipeline
     "LayerSpec": "hyperpar.pipeline",
     "TiedLayerSpec": "hyperpar.pipeline",
@@ -69,7 +76,8 @@ _EXPORTS: dict[str, str] = {
 }
 
 #: subpackages reachable as attributes (``hyperpar.checkpoint.save``)
-_SUBMODULES = ("checkpoint", "dtensor", "inspect", "parallel", "pipeline", "platform", "testing")
+_SUBMODULES = ("checkpoint", "dtensor", "fsdp", "inspect", "parallel", "pipeline", "platform",
+               "testing")
 
 __all__ = sorted(_EXPORTS) + ["__version__", *_SUBMODULES]
 

@@ -1,0 +1,190 @@
+"""The parameters of one ``fully_shard``-ed module, gathered and reduced as one flat buffer.
+
+One all-gather brings every rank's shards of the group's parameters (each rank's flat shard is
+the concatenation of its padded per-parameter pieces); one reduce-scatter (plus, under HSDP,
+one all-reduce across replicas) returns each rank its piece of the averaged gradients. Both run
+asynchronously through the Platform, so a prefetched gather overlaps the previous block's
+compute and a reduce-scatter overlaps the next block's backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hyperpar.platform import get_platform
+
+from ._param import ShardedParam, _free
+from .policy import MixedPrecisionPolicy
+
+SHARDED, GATHERING, UNSHARDED = "sharded", "gathering", "unsharded"
+
+
+class ParamGroup:
+    """Sharded/unsharded state machine of one fully_shard module's parameters."""
+
+    def __init__(self, params: list[ShardedParam], *, shard_group: Any, replicate_group: Any,
+                 mp: MixedPrecisionPolicy, reshard_after_forward: bool, offload: bool,
+                 device: torch.device, label: str) -> None:
+        self.params = params
+        self.label = label
+        self.platform = get_platform()
+        self.shard_group, self.replicate_group = shard_group, replicate_group
+        self.shard_size = self.platform.world_size(shard_group)
+        self.mp = mp
+        self.reshard_after_forward = reshard_after_forward
+        self.offload = offload
+        self.device = device
+        dtypes = {p.unsharded_dtype for p in params}
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"fully_shard({label}): its parameters have different dtypes "
+                f"{sorted(map(str, dtypes))}; "
+                "one all-gather needs one dtype -- cast the module first, or fully_shard the "
+                "submodules of each dtype separately")
+        self.dtype = dtypes.pop() if dtypes else torch.float32
+        self.reduce_dtype = mp.reduce_dtype or self.dtype
+        offset = 0
+        for p in params:
+            p.offset = offset
+            offset += p.padded_numel
+        self.flat_numel = offset
+        self.state = SHARDED
+        self._work: Any = None
+        self._gathered: torch.Tensor | None = None
+        self.requires_gradient_sync = True
+        # per-backward bookkeeping
+        self.pending: set[int] = set()
+        self.used_in_backward = False
+        self.reduced_in_backward = False
+        self._hooks: list[Any] = []
+
+    # ------------------------------------------------------------------ unshard / reshard
+    @torch.no_grad()
+    def unshard(self, async_op: bool = False) -> None:
+        """Start the all-gather of this group's parameters (a no-op if already under way)."""
+        if self.state != SHARDED or not self.params:
+            if not async_op:
+                self.wait_unshard()
+            return
+        n = self.shard_size
+        inp = torch.zeros(self.flat_numel, dtype=self.dtype, device=self.device)
+        for p in self.params:
+            local = p.shard_local()
+            if local.numel():
+                inp[p.offset:p.offset + local.numel()].copy_(local.reshape(-1))
+        out = torch.empty(n * self.flat_numel, dtype=self.dtype, device=self.device)
+        if n == 1:
+            out.copy_(inp)
+            self._work = None
+        else:
+            self._work = self.platform.all_gather_into_tensor(
+                out, inp, group=self.shard_group, async_op=True)
+        self._gathered = out
+        self.state = GATHERING
+        if not async_op:
+            self.wait_unshard()
+
+    @torch.no_grad()
+    def wait_unshard(self) -> None:
+        """Finish a started all-gather and make the module use the unsharded parameters."""
+        if self.state != GATHERING:
+            return
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        n = self.shard_size
+        gathered = self._gathered.view(n, self.flat_numel)
+        for p in self.params:
+            padded = p.alloc_unsharded(n)
+            # refilling the same tensor autograd saved in forward is intended: keep its
+            # version so backward accepts it
+            with torch.autograd._unsafe_preserve_version_counter(p.unsharded):
+                padded.copy_(gathered[:, p.offset:p.offset + p.padded_numel])
+            p.bind_unsharded()
+            if p.requires_grad and not getattr(p, "_hooked", False):
+                self._hooks.append(p.unsharded.register_post_accumulate_grad_hook(
+                    self._on_grad))
+                p._hooked = True
+        self._gathered = None
+        self.state = UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters; the module uses its sharded DTensors again."""
+        if self.state == GATHERING:
+            self.wait_unshard()
+        if self.state != UNSHARDED:
+            return
+        for p in self.params:
+            p.free_unsharded()
+            p.rebind_sharded()
+        self.state = SHARDED
+
+    # ------------------------------------------------------------------ backward
+    def begin_backward(self) -> None:
+        if self.used_in_backward:
+            return
+        self.used_in_backward = True
+        self.pending = {id(p.unsharded) for p in self.params
+                        if p.requires_grad and p.unsharded is not None}
+
+    def _on_grad(self, tensor: torch.Tensor) -> None:
+        ctx = getattr(self, "ctx", None)
+        if ctx is not None:
+            ctx.ensure_final_callback()
+        self.begin_backward()
+        self.pending.discard(id(tensor))
+        if not self.pending and not self.reduced_in_backward:
+            self.post_backward()
+
+    def post_backward(self) -> None:
+        """All gradients of this group are ready: reduce-scatter them (unless gradient sync is
+        off, when they stay accumulated on the unsharded parameters) and reshard."""
+        self.reduced_in_backward = True
+        if self.requires_gradient_sync:
+            self.reduce_grads()
+        self.reshard()
+
+    @torch.no_grad()
+    def reduce_grads(self) -> None:
+        """Launch the reduce-scatter of the unsharded gradients (async; ctx waits on it)."""
+        if not any(p.requires_grad for p in self.params):
+            return
+        n = self.shard_size
+        inp = torch.zeros(n, self.flat_numel, dtype=self.reduce_dtype, device=self.device)
+        for p in self.params:
+            g = p.padded_grad(n, self.reduce_dtype)
+            if g is not None:
+                inp[:, p.offset:p.offset + p.padded_numel].copy_(g)
+                p.unsharded.grad = None
+        out = torch.empty(self.flat_numel, dtype=self.reduce_dtype, device=self.device)
+        if n == 1:
+            out.copy_(inp.view(-1))
+            work = None
+        else:
+            work = self.platform.reduce_scatter_tensor(out, inp.view(-1), op="avg",
+                                                       group=self.shard_group, async_op=True)
+        self.ctx.add_reduction(self, work, out)
+
+    @torch.no_grad()
+    def finish_reduction(self, work: Any, out: torch.Tensor) -> None:
+        if work is not None:
+            work.wait()
+        if self.replicate_group is not None and self.platform.world_size(
+                self.replicate_group) > 1:
+            self.platform.all_reduce(out, op="avg", group=self.replicate_group)
+        for p in self.params:
+            if p.requires_grad:
+                p.accumulate_shard_grad(out)
+        _free(out)
+
+    def end_backward(self) -> None:
+        self.pending = set()
+        self.used_in_backward = False
+        self.reduced_in_backward = False
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
