@@ -5,11 +5,18 @@ Names mirror torch's own DTensor API: :class:`DeviceMesh`, :func:`init_device_me
 :func:`distribute_tensor` and the factories ``zeros/ones/empty/full/rand/randn``.
 """
 
-from . import ops as _ops  # noqa: F401  (installs DTensor.__torch_function__ and the rules)
+from . import _ops  # noqa: F401  (installs DTensor.__torch_function__ and fills the op table)
+from ._ops import (
+    MixedTensorError,
+    OpCall,
+    Sharding,
+    ShardingError,
+    register_op,
+    registered_ops,
+)
 from .api import DTensor, DTensorSpec, distribute_tensor
 from .factories import empty, full, ones, rand, randn, zeros
 from .mesh import DeviceMesh, current_mesh, init_device_mesh
-from .ops import MixedTensorError, OpCall, Sharding, ShardingError, register_op, registered_ops
 from .placement import Partial, Placement, Replicate, Shard
 from .random import manual_seed
 

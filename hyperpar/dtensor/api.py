@@ -1,11 +1,11 @@
 """DTensor: a ``torch.Tensor`` subclass holding this rank's shard of one logical tensor.
 
 Design (see docs/dtensor.md): a wrapper subclass that intercepts torch functions with
-``__torch_function__`` and looks the function up in one rule table (``ops.py``). Autograd runs on
-the *local* tensors: the gradient of a DTensor laid out as ``p`` is the local shard of the
-logical gradient laid out as ``p`` with Partial replaced by Replicate. Redistributions carry their
-adjoint as backward; a replicated input of an op whose output is sharded gets its gradient summed
-over those mesh dims.
+``__torch_function__`` and looks the function up in one rule table (``_ops/registry.py``).
+Autograd runs on the *local* tensors: the gradient of a DTensor laid out as ``p`` is the local
+shard of the logical gradient laid out as ``p`` with Partial replaced by Replicate.
+Redistributions carry their adjoint as backward; a replicated input of an op whose output is
+sharded gets its gradient summed over those mesh dims.
 """
 
 from __future__ import annotations
@@ -287,7 +287,7 @@ class DTensor(torch.Tensor):
         rep = (REPLICATE,) * spec.mesh.ndim
         return self.redistribute(spec.mesh, rep).to_local(grad_placements=grad_placements)
 
-    __torch_function__: Any  # installed by hyperpar.dtensor.ops
+    __torch_function__: Any  # installed by hyperpar.dtensor._ops.dispatch
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

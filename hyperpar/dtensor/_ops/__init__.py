@@ -1,0 +1,56 @@
+"""DTensor op rules, by family (``hyperpar.dtensor._ops``).
+
+``registry`` holds the table (:data:`~.registry.OP_TABLE`), the one decorator
+(:func:`~.registry.register_op`), what rules see and return (``OpCall``/``Sharding``) and the
+errors; ``dispatch`` is ``DTensor.__torch_function__`` with the one bounded plan cache. Each
+family file registers its ops: ``pointwise``, ``matmul``, ``reduction``, ``view``, ``factory``,
+``nn`` (softmax, norms, attention, embedding, dropout, losses), ``tensor`` (metadata, autograd,
+comparisons). Importing this package fills the table.
+"""
+
+from . import (  # noqa: F401  (dispatch installs __torch_function__)  # noqa: F401
+    dispatch,
+    factory,
+    matmul,
+    nn,
+    pointwise,  # noqa: F401,I001  (first: the families below override some entries)
+    reduction,
+    registry,
+    tensor,
+    view,
+)
+from .dispatch import PLAN_CACHE, PlanCache, infer_shapes
+from .matmul import einsum_sharding
+from .pointwise import pointwise_sharding
+from .registry import (
+    OP_TABLE,
+    MixedTensorError,
+    OpCall,
+    OpEntry,
+    OpOverlay,
+    Sharding,
+    ShardingError,
+    register_op,
+    registered_ops,
+    unshard,
+)
+from .view import view_placements
+
+__all__ = [
+    "OP_TABLE",
+    "PLAN_CACHE",
+    "MixedTensorError",
+    "OpCall",
+    "OpEntry",
+    "OpOverlay",
+    "PlanCache",
+    "Sharding",
+    "ShardingError",
+    "einsum_sharding",
+    "infer_shapes",
+    "pointwise_sharding",
+    "register_op",
+    "registered_ops",
+    "unshard",
+    "view_placements",
+]

@@ -1,0 +1,352 @@
+"""From a torch call on DTensors to the result: ``DTensor.__torch_function__``.
+
+The function is looked up in :data:`~.registry.OP_TABLE`. A raw rule runs the op itself; a
+:class:`~.registry.Sharding` rule is asked once per signature (op, input specs, non-tensor
+arguments, grad mode) and its decision, turned into a :class:`Prepared` plan, is kept in the one
+bounded :data:`PLAN_CACHE`; then the inputs are redistributed (differentiably), the op runs on
+the local tensors and the outputs are wrapped. Families with plans of their own (elementwise,
+views) keep them in the same cache under their own key prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..api import DTensor, DTensorSpec, _wrap
+from ..placement import REPLICATE, Replicate, Shard
+from ..redistribute import ReduceGrad, redistribute_autograd
+from .registry import (
+    OP_TABLE,
+    P_SUM,
+    OpCall,
+    OpEntry,
+    Placements,
+    Sharding,
+    collect_dtensors,
+    no_rule_error,
+    op_name,
+)
+
+_EMPTY: dict = {}
+
+
+class PlanCache(dict):
+    """A dict with a size cap: inserting into a full cache evicts the oldest entries first.
+
+    Lookups are plain ``dict.get`` (the dispatch hot path); only :meth:`put` pays for the cap.
+    Keys are shape-dependent, so without a cap a run with varying shapes would grow it forever.
+    """
+
+    def __init__(self, maxsize: int) -> None:
+        super().__init__()
+        self.maxsize = maxsize
+
+    def put(self, key: Any, value: Any) -> Any:
+        """Insert ``key``; evict the oldest eighth when full. Returns ``value``."""
+        if len(self) >= self.maxsize:
+            for k in list(self)[: max(1, self.maxsize // 8)]:
+                del self[k]
+        self[key] = value
+        return value
+
+
+#: The one cache of op decisions (rules, elementwise plans, view plans).
+PLAN_CACHE = PlanCache(maxsize=8192)
+
+
+def _torch_function(cls, func, types, args=(), kwargs=None):
+    entry = OP_TABLE.get(func)
+    if entry is None:
+        return _fallback(func, args, kwargs or _EMPTY)
+    if entry.raw:
+        return entry.rule(func, args, kwargs or _EMPTY)
+    return run_rule(entry.rule, func, args, kwargs or _EMPTY)
+
+
+DTensor.__torch_function__ = classmethod(_torch_function)  # type: ignore[assignment]
+
+
+def call_entry(entry: OpEntry | None, func: Any, args: Sequence, kwargs: dict) -> Any:
+    """Run ``func`` through ``entry`` (``None``: as if the op had no entry)."""
+    if entry is None:
+        return _fallback(func, args, kwargs)
+    if entry.raw:
+        return entry.rule(func, args, kwargs)
+    return run_rule(entry.rule, func, args, kwargs)
+
+
+# Attribute getters answered from the wrapper's metadata: every ``is_*`` flag plus these.
+_META_ATTRS = {"layout", "names", "itemsize", "nbytes", "_base", "output_nr", "_version",
+               "retains_grad", "_is_view"}
+_FROM_LOCAL = ("_base", "output_nr", "_version", "retains_grad", "_is_view")
+
+
+def _fallback(func: Any, args: Sequence, kwargs: dict) -> Any:
+    if getattr(func, "__name__", "") == "__get__":
+        attr = getattr(getattr(func, "__self__", None), "__name__", "")
+        if attr in _META_ATTRS or attr.startswith("is_"):
+            if attr in _FROM_LOCAL:
+                return getattr(args[0]._local, attr)
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+    raise no_rule_error(func, args, kwargs)
+
+
+# ---------------------------------------------------------------------------- execution
+def reduce_dims(target: Placements, outs: Placements) -> tuple[int, ...]:
+    """Mesh dims where a replicated input feeds a sharded or Partial("sum") output."""
+    return tuple(m for m, (t, o) in enumerate(zip(target, outs, strict=False))
+                 if type(t) is Replicate and (type(o) is Shard or o == P_SUM))
+
+
+def localize(dt: DTensor, target: Placements | None, outs: Placements | None,
+             reduce_grad: bool) -> torch.Tensor:
+    """``dt``'s local tensor redistributed to ``target``; with ``reduce_grad`` its gradient is
+    summed over the mesh dims where ``outs`` is sharded or partial."""
+    spec = dt._spec
+    x = dt._local
+    if target is not None and target != spec.placements:
+        x = redistribute_autograd(x, spec.mesh, spec.placements, target, tuple(spec.shape))
+    else:
+        target = spec.placements
+    if reduce_grad and outs is not None and x.requires_grad and torch.is_grad_enabled():
+        dims = tuple(m for m in reduce_dims(target, outs) if spec.mesh.shape[m] > 1)
+        if dims:
+            x = ReduceGrad.apply(x, spec.mesh, dims)
+    return x
+
+
+def replicated_local(dt: DTensor) -> torch.Tensor:
+    """``dt``'s full value as a local tensor (differentiable)."""
+    spec = dt._spec
+    return redistribute_autograd(dt._local, spec.mesh, spec.placements,
+                                 (REPLICATE,) * spec.mesh.ndim, tuple(spec.shape))
+
+
+def _swap_one(a: Any, table: dict[int, torch.Tensor]) -> Any:
+    if type(a) is DTensor:
+        return table[id(a)]
+    if type(a) in (list, tuple) and any(isinstance(b, DTensor) for b in a):
+        return type(a)(table[id(b)] if isinstance(b, DTensor) else b for b in a)
+    return a
+
+
+def swap_locals(args: Sequence, kwargs: dict, table: dict[int, torch.Tensor]
+                ) -> tuple[list, dict]:
+    """``args``/``kwargs`` with every DTensor replaced by ``table[id(dtensor)]``."""
+    largs = [table[id(a)] if type(a) is DTensor else _swap_one(a, table) for a in args]
+    if not kwargs:
+        return largs, kwargs
+    return largs, {k: _swap_one(v, table) for k, v in kwargs.items()}
+
+
+def _meta(x: Any) -> Any:
+    if isinstance(x, DTensor):
+        return torch.empty(x._spec.shape, dtype=x._local.dtype, device="meta")
+    if isinstance(x, torch.Tensor):
+        return torch.empty(x.shape, dtype=x.dtype, device="meta")
+    if type(x) in (list, tuple):
+        return type(x)(_meta(b) for b in x)
+    return x
+
+
+def infer_shapes(func: Any, args: Sequence, kwargs: dict) -> Any:
+    """Global output shape(s) of ``func`` by running it on meta tensors."""
+    with torch._C.DisableTorchFunctionSubclass():
+        out = func(*[_meta(a) for a in args], **{k: _meta(v) for k, v in kwargs.items()})
+    if isinstance(out, torch.Tensor):
+        return out.shape
+    return [o.shape if isinstance(o, torch.Tensor) else None for o in out]
+
+
+class Prepared:
+    """A rule's decision turned into what execution needs (cached per op signature)."""
+
+    __slots__ = ("steps", "out_specs", "multi", "local", "no_redistribute", "pair")
+
+    def __init__(self, call: OpCall, sh: Sharding) -> None:
+        multi = isinstance(sh.outputs, list)
+        first_out = sh.outputs[0] if multi else sh.outputs
+        mesh = call.mesh
+        steps = []
+        for dt, target in zip(call.dtensors, sh.inputs, strict=False):
+            spec = dt._spec
+            tgt = None if target is None or target == spec.placements else target
+            eff = spec.placements if tgt is None else tgt
+            dims = tuple(m for m in reduce_dims(eff, first_out) if mesh.shape[m] > 1) \
+                if sh.reduce_grad else ()
+            steps.append((tgt, dims))
+        self.steps = steps
+        self.no_redistribute = all(t is None for t, _ in steps)
+        shapes = sh.shapes if sh.shapes is not None else infer_shapes(call.func, call.args,
+                                                                      call.kwargs)
+        if multi:
+            self.out_specs = [DTensorSpec(mesh, p, torch.Size(s))
+                              for p, s in zip(sh.outputs, shapes, strict=False)]
+        else:
+            self.out_specs = DTensorSpec(mesh, sh.outputs, torch.Size(shapes))
+        self.multi = multi
+        self.local = sh.local
+        # (DTensor, DTensor) ops with no redistribution: the gradient reductions per input
+        self.pair = (steps[0][1], steps[1][1]) if (
+            len(steps) == 2 and self.no_redistribute and not multi) else None
+
+
+def run_prepared(prep: Prepared, func: Any, args: Sequence, kwargs: dict,
+                 dts: list[DTensor]) -> Any:
+    """Execute a cached decision: redistribute, run locally, wrap."""
+    table: dict[int, torch.Tensor] = {}
+    grad = torch.is_grad_enabled()
+    for dt, (tgt, dims) in zip(dts, prep.steps, strict=False):
+        x = dt._local
+        if tgt is not None:
+            spec = dt._spec
+            x = redistribute_autograd(x, spec.mesh, spec.placements, tgt, tuple(spec.shape))
+        if dims and grad and x.requires_grad:
+            x = ReduceGrad.apply(x, dt._spec.mesh, dims)
+        table[id(dt)] = x
+    largs, lkwargs = swap_locals(args, kwargs, table)
+    out = (prep.local or func)(*largs, **lkwargs)
+    if not prep.multi:
+        return _wrap(out, prep.out_specs)
+    wrapped = [_wrap(o, s) if isinstance(o, torch.Tensor) else o
+               for o, s in zip(out, prep.out_specs, strict=False)]
+    return wrapped if type(out) is list else type(out)(wrapped)
+
+
+def execute(call: OpCall, sh: Sharding) -> Any:
+    """Redistribute the inputs as ``sh`` says, run the op locally, wrap the outputs."""
+    return run_prepared(Prepared(call, sh), call.func, call.args, call.kwargs, call.dtensors)
+
+
+def _decide(rule: Callable[[OpCall], Sharding], func: Any, args: Sequence, kwargs: dict,
+            dts: list[DTensor]) -> Any:
+    mesh = dts[0]._spec.mesh
+    for d in dts[1:]:
+        if d._spec.mesh != mesh:
+            raise ValueError(
+                f"{op_name(func)}: DTensor inputs live on different meshes "
+                f"({mesh!r} and {d._spec.mesh!r}); redistribute them onto one mesh"
+            )
+    call = OpCall(func, tuple(args), dict(kwargs), dts)
+    sh = rule(call)
+    if not isinstance(sh, Sharding):
+        return sh  # the rule computed the result itself
+    return Prepared(call, sh)
+
+
+class Unhashable(Exception):
+    """An argument that cannot be part of a cache key (the decision is then not cached)."""
+
+
+_D, _T = object(), object()
+
+
+def args_key(args: Sequence) -> tuple:
+    """Cache key of positional arguments (DTensors stand for their spec, given separately)."""
+    out = []
+    for a in args:
+        t = type(a)
+        if t is DTensor:
+            out.append(_D)
+        elif t is int or t is float or t is bool or a is None:
+            out.append(a)
+        else:
+            out.append(key_of(a))
+    return tuple(out)
+
+
+def key_of(a: Any) -> Any:
+    """Cache key of one argument; raises :class:`Unhashable` for anything else."""
+    if isinstance(a, DTensor):
+        return _D
+    if a is None or isinstance(a, int | float | bool | str | torch.dtype):
+        return a
+    if type(a) in (list, tuple, torch.Size):
+        return tuple(key_of(b) for b in a)
+    if isinstance(a, torch.Tensor):
+        return (_T, tuple(a.shape), a.dtype)
+    if isinstance(a, slice):
+        return (slice, a.start, a.stop, a.step)
+    raise Unhashable
+
+
+def run_rule(rule: Callable[[OpCall], Sharding], func: Any, args: Sequence,
+             kwargs: dict) -> Any:
+    """Run ``func`` under a Sharding ``rule``, deciding at most once per signature."""
+    if not kwargs and len(args) == 2 and type(args[0]) is DTensor:
+        # fastest paths: (DTensor, DTensor) as in mm, (DTensor, int) as in sum(x, 1)
+        a, b = args
+        la = a._local
+        if type(b) is DTensor:
+            lb = b._local
+            if (la.requires_grad or lb.requires_grad) and torch.is_grad_enabled():
+                prep = PLAN_CACHE.get((func, a._spec, b._spec, True))
+                if prep is not None and prep.pair is not None:
+                    da, db = prep.pair
+                    if da and la.requires_grad:
+                        la = ReduceGrad.apply(la, a._spec.mesh, da)
+                    if db and lb.requires_grad:
+                        lb = ReduceGrad.apply(lb, b._spec.mesh, db)
+                    return _wrap((prep.local or func)(la, lb), prep.out_specs)
+            else:
+                prep = PLAN_CACHE.get((func, a._spec, b._spec, False))
+                if prep is not None and prep.no_redistribute and not prep.multi:
+                    return _wrap((prep.local or func)(la, lb), prep.out_specs)
+        elif type(b) is int and (not la.requires_grad or not torch.is_grad_enabled()):
+            prep = PLAN_CACHE.get((func, a._spec, b, False))
+            if prep is not None and prep.no_redistribute and not prep.multi:
+                return _wrap((prep.local or func)(la, b), prep.out_specs)
+    if not kwargs:
+        # flat positional arguments (DTensors and numbers) -> one key
+        parts: list[Any] = [func]
+        dts: list[DTensor] = []
+        grad = False
+        for a in args:
+            t = type(a)
+            if t is DTensor:
+                dts.append(a)
+                parts.append(a._spec)
+                if a._local.requires_grad:
+                    grad = True
+            elif t is int or t is float or t is bool or a is None:
+                parts.append(a)
+            else:
+                break
+        else:
+            if dts:
+                grad = grad and torch.is_grad_enabled()
+                parts.append(grad)
+                key = tuple(parts)
+                prep = PLAN_CACHE.get(key)
+                if prep is None:
+                    prep = _decide(rule, func, args, kwargs, dts)
+                    if not isinstance(prep, Prepared):
+                        return prep
+                    PLAN_CACHE.put(key, prep)
+                if not grad and prep.no_redistribute and not prep.multi:
+                    out = (prep.local or func)(*[a._local if type(a) is DTensor else a
+                                                 for a in args])
+                    return _wrap(out, prep.out_specs)
+                return run_prepared(prep, func, args, kwargs, dts)
+    dts = collect_dtensors(args, kwargs)
+    if not dts:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    grad = torch.is_grad_enabled() and any(d._local.requires_grad for d in dts)
+    try:
+        key = (func, tuple(d._spec for d in dts), args_key(args),
+               key_of(tuple(kwargs.items())) if kwargs else None, grad)
+        prep = PLAN_CACHE.get(key)
+    except Unhashable:
+        key, prep = None, None
+    if prep is None:
+        prep = _decide(rule, func, args, kwargs, dts)
+        if not isinstance(prep, Prepared):
+            return prep
+        if key is not None:
+            PLAN_CACHE.put(key, prep)
+    return run_prepared(prep, func, args, kwargs, dts)

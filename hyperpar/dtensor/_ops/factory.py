@@ -1,0 +1,177 @@
+"""Ops that make or fill tensors: ``*_like``, ``new_*``, ``copy_``/``fill_``/``zero_`` and the
+random initialisers (offset-based random numbers, equal to the unsharded tensor's)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .. import random as _random
+from ..api import DTensor, DTensorSpec, _wrap
+from ..placement import REPLICATE, Partial
+from ..redistribute import redistribute_autograd
+from .dispatch import replicated_local
+from .registry import P_SUM, ShardingError, mixing_error, op_name, register_op
+
+R = REPLICATE
+
+
+# ---------------------------------------------------------------------------- *_like / new_*
+_LIKE = {getattr(torch, f"{fill}_like"): fill
+         for fill in ("zeros", "ones", "empty", "full", "rand", "randn")}
+
+
+@register_op(list(_LIKE), raw=True)
+def like_rule(func, args, kwargs):
+    """``*_like``: the input's layout (Partial -> Replicate unless zeros/empty), no
+    communication; ``rand_like``/``randn_like`` use offset-based random numbers."""
+    fill = _LIKE[func]
+    x = args[0]
+    kwargs = dict(kwargs)
+    kwargs.pop("memory_format", None)
+    spec = x._spec
+    zero = fill == "zeros" or fill == "empty"
+    placements = spec.placements if zero else tuple(
+        R if type(p) is Partial else p for p in spec.placements)
+    out_spec = spec if placements == spec.placements else DTensorSpec(spec.mesh, placements,
+                                                                      spec.shape)
+    local_shape, offset = out_spec.local_shape_and_offset()
+    dtype = kwargs.pop("dtype", None) or x._local.dtype
+    requires_grad = kwargs.pop("requires_grad", False)
+    device = x._local.device
+    if fill in ("rand", "randn"):
+        block = _random.uniform_block if fill == "rand" else _random.normal_block
+        local = block(tuple(spec.shape), local_shape, offset, dtype, device)
+    elif fill == "full":
+        local = torch.full(local_shape, args[1] if len(args) > 1 else kwargs["fill_value"],
+                           dtype=dtype, device=device)
+    else:
+        local = getattr(torch, fill)(local_shape, dtype=dtype, device=device)
+    return _wrap(local.requires_grad_(requires_grad), out_spec)
+
+
+_NEW = {getattr(torch.Tensor, f"new_{fill}"): fill for fill in ("zeros", "ones", "empty", "full")}
+
+
+@register_op(list(_NEW), raw=True)
+def new_rule(func, args, kwargs):
+    """``Tensor.new_*``: a replicated DTensor of the given size on the input's mesh."""
+    fill = _NEW[func]
+    x = args[0]
+    rest = args[1:]
+    if fill == "full":
+        size, value, rest = rest[0], rest[1] if len(rest) > 1 else kwargs.pop("fill_value"), ()
+    elif len(rest) == 1 and not isinstance(rest[0], int):
+        size = tuple(rest[0])
+    else:
+        size = tuple(rest)
+    kwargs = dict(kwargs)
+    kwargs.pop("size", None)
+    dtype = kwargs.pop("dtype", None) or x._local.dtype
+    requires_grad = kwargs.pop("requires_grad", False)
+    mesh = x._spec.mesh
+    if fill == "full":
+        local = torch.full(size, value, dtype=dtype, device=x._local.device)
+    else:
+        local = getattr(torch, fill)(size, dtype=dtype, device=x._local.device)
+    return _wrap(local.requires_grad_(requires_grad),
+                 DTensorSpec(mesh, (R,) * mesh.ndim, torch.Size(size)))
+
+
+# ---------------------------------------------------------------------------- in-place init
+@register_op(torch.Tensor.copy_, raw=True)
+def _copy_(func, args, kwargs):
+    """``copy_``: a DTensor source is redistributed to the destination's layout; a full plain
+    tensor gives this rank's piece."""
+    dst, src = args[0], args[1]
+    spec = dst._spec
+    if isinstance(src, DTensor):
+        local = redistribute_autograd(src._local, spec.mesh, src._spec.placements,
+                                      spec.placements, tuple(src._spec.shape))
+    else:
+        if src.ndim and tuple(src.shape) != tuple(spec.shape):
+            raise mixing_error(func, src)
+        if any(type(p) is Partial for p in spec.placements):
+            raise ShardingError("copy_ of a plain tensor into a Partial DTensor")
+        local = src
+        if src.ndim:
+            shape, offset = spec.local_shape_and_offset()
+            for d, (o, n) in enumerate(zip(offset, shape, strict=False)):
+                local = local.narrow(d, o, n)
+    dst._local.copy_(local, *args[2:], **kwargs)
+    return dst
+
+
+@register_op(torch.Tensor.zero_, torch.nn.init.zeros_, raw=True)
+def _zero_(func, args, kwargs):
+    """``zero_``/``nn.init.zeros_``: zero the local piece (any layout)."""
+    x = _init_args(args, kwargs)[0]
+    x._local.zero_()
+    return x
+
+
+@register_op(torch.Tensor.fill_, torch.nn.init.constant_, torch.nn.init.ones_,
+                  raw=True)
+def _fill_(func, args, kwargs):
+    """``fill_``/``constant_``/``ones_``: fill the local piece (Partial: rank 0 of the mesh dim
+    only)."""
+    x, rest, kwargs = _init_args(args, kwargs)
+    value = 1.0 if func is torch.nn.init.ones_ else (rest[0] if rest
+                                                     else kwargs.get("value", kwargs.get("val")))
+    if isinstance(value, DTensor):
+        value = replicated_local(value)
+    spec = x._spec
+    x._local.fill_(value)
+    coord = spec.mesh._coordinate
+    for m, p in enumerate(spec.placements):
+        if p == P_SUM and coord[m] != 0:
+            x._local.zero_()
+    return x
+
+
+def _init_args(args: Sequence, kwargs: dict) -> tuple[Any, tuple, dict]:
+    """nn.init functions pass the tensor as ``tensor=``."""
+    if args:
+        return args[0], tuple(args[1:]), dict(kwargs)
+    kwargs = dict(kwargs)
+    return kwargs.pop("tensor"), (), kwargs
+
+
+_RANDOM_INIT = {torch.Tensor.uniform_: "uniform", torch.nn.init.uniform_: "uniform",
+                torch.Tensor.normal_: "normal", torch.nn.init.normal_: "normal",
+                torch.nn.init.trunc_normal_: "trunc_normal"}
+
+
+@register_op(list(_RANDOM_INIT), raw=True)
+def random_init_rule(func, args, kwargs):
+    """``uniform_``/``normal_``/``trunc_normal_``: each rank fills its piece with the
+    offset-based random numbers of the whole tensor (no communication; not on Partial)."""
+    kind = _RANDOM_INIT[func]
+    x, params, kwargs = _init_args(args, kwargs)
+    spec = x._spec
+    if any(type(p) is Partial for p in spec.placements):
+        raise ShardingError(f"{op_name(func)} on a Partial DTensor; redistribute it first")
+    shape, offset = spec.local_shape_and_offset()
+    local = x._local
+    if kind == "uniform":
+        a = params[0] if params else kwargs.get("a", kwargs.get("from", 0.0))
+        b = params[1] if len(params) > 1 else kwargs.get("b", kwargs.get("to", 1.0))
+        u = _random.uniform_block(tuple(spec.shape), shape, offset, torch.float64,
+                                  local.device)
+        vals = a + (b - a) * u
+    else:
+        mean = params[0] if params else kwargs.get("mean", 0.0)
+        std = params[1] if len(params) > 1 else kwargs.get("std", 1.0)
+        vals = mean + std * _random.normal_block(tuple(spec.shape), shape, offset,
+                                                 torch.float64, local.device)
+        if kind == "trunc_normal":
+            a = params[2] if len(params) > 2 else kwargs.get("a", -2.0)
+            b = params[3] if len(params) > 3 else kwargs.get("b", 2.0)
+            vals = vals.clamp(a, b)
+    with torch.no_grad():
+        local.copy_(vals.to(local.dtype))
+    return x
+
+

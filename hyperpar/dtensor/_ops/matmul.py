@@ -1,0 +1,137 @@
+"""Contractions (``matmul``, ``mm``, ``bmm``, ``@``, ``F.linear``) as einsums: per mesh dim the
+cheapest of shard-a-kept-label, shard-the-contracted-label (output ``Partial("sum")``), one
+partial operand, or all replicated."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..api import DTensor
+from ..placement import REPLICATE, Placement, Replicate, Shard
+from .registry import P_SUM, OpCall, Placements, Sharding, ShardingError, mixing_error, register_op
+
+R = REPLICATE
+
+
+# ---------------------------------------------------------------------------- matmul family
+def _cost(cur: Placement, tgt: Placement, numel: int) -> float:
+    if cur == tgt:
+        return 0.0
+    if type(cur) is Replicate:
+        return 0.01 * numel if type(tgt) is Shard else 1.0 * numel
+    if type(cur) is Shard:
+        return 0.5 * numel if type(tgt) is Shard else 1.0 * numel
+    return (1.0 if type(tgt) is Shard else 2.0) * numel  # Partial
+
+
+def einsum_sharding(mesh, operands: list[tuple[Placements, str, tuple[int, ...]]], out: str,
+                    blocked: str = "") -> tuple[list[Placements], Placements]:
+    """Placements for a contraction given by labels (``"bmk,kn->bmn"``). Per mesh dim it picks
+    the cheapest of: shard a kept label (output sharded), shard a contracted label (output
+    Partial), one Partial operand with the others replicated, or everything replicated."""
+    labels = sorted({c for _, lab, _ in operands for c in lab} - set(blocked))
+    numels = [max(1, math.prod(shape)) for _, _, shape in operands]
+    targets: list[list[Placement]] = [[] for _ in operands]
+    outs: list[Placement] = []
+    for m in range(mesh.ndim):
+        cur = [pl[m] for pl, _, _ in operands]
+        cands: list[tuple[list[Placement], Placement]] = []
+        for lab in labels:
+            tg = [Shard(ls.index(lab)) if lab in ls else R for _, ls, _ in operands]
+            cands.append((tg, Shard(out.index(lab)) if lab in out else P_SUM))
+        for k in range(len(operands)):
+            if cur[k] == P_SUM:
+                cands.append(([P_SUM if j == k else R for j in range(len(operands))], P_SUM))
+        cands.append(([R] * len(operands), R))
+        best = min(cands, key=lambda c: sum(_cost(cu, t, n)
+                                            for cu, t, n in zip(cur, c[0], numels, strict=False)))
+        for k, t in enumerate(best[0]):
+            targets[k].append(t)
+        outs.append(best[1])
+    return [tuple(t) for t in targets], tuple(outs)
+
+
+_LETTERS = "abcdefghij"
+
+
+def _matmul_labels(sa: tuple, sb: tuple) -> tuple[str, str, str, str, tuple]:
+    if len(sa) == 0 or len(sb) == 0:
+        raise ShardingError("matmul of a 0-dim tensor")
+    la = "k" if len(sa) == 1 else "mk"
+    lb = "k" if len(sb) == 1 else "kn"
+    ba, bb = sa[:-2] if len(sa) > 1 else (), sb[:-2] if len(sb) > 1 else ()
+    nb = max(len(ba), len(bb))
+    blocked = ""
+    pa, pb, po = "", "", ""
+    out_batch = []
+    for i in range(nb):
+        da = ba[i - (nb - len(ba))] if i >= nb - len(ba) else None
+        db = bb[i - (nb - len(bb))] if i >= nb - len(bb) else None
+        lab = _LETTERS[i]
+        if da is not None and db is not None and da != db:
+            # broadcast: the size-1 side may not be sharded on this dim
+            big = lab
+            small = lab.upper()
+            blocked += small
+            pa += big if da != 1 else small
+            pb += big if db != 1 else small
+        else:
+            if da is not None:
+                pa += lab
+            if db is not None:
+                pb += lab
+        po += lab
+        out_batch.append(max(d for d in (da, db) if d is not None))
+    out = po + ("m" if len(sa) > 1 else "") + ("n" if len(sb) > 1 else "")
+    shape = tuple(out_batch) + ((sa[-2],) if len(sa) > 1 else ()) + ((sb[-1],) if len(sb) > 1
+                                                                      else ())
+    return pa + la, pb + lb, out, blocked, shape
+
+
+@register_op(torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm,
+             torch.Tensor.mm, torch.bmm, torch.Tensor.bmm)
+def matmul_rule(call: OpCall) -> Sharding:
+    """``matmul``/``mm``/``bmm``/``@`` as an einsum (batch dims broadcast)."""
+    a, b = call.args[0], call.args[1]
+    if not (isinstance(a, DTensor) and isinstance(b, DTensor)):
+        raise mixing_error(call.func, b if isinstance(a, DTensor) else a)
+    sa, sb = tuple(a._spec.shape), tuple(b._spec.shape)
+    la, lb, lo, blocked, shape = _matmul_labels(sa, sb)
+    tg, out = einsum_sharding(call.mesh, [(a._spec.placements, la, sa),
+                                          (b._spec.placements, lb, sb)], lo, blocked)
+    return Sharding(tg, out, shape)
+
+
+@register_op(torch.Tensor.__rmatmul__, raw=True)
+def _rmatmul(func, args, kwargs):
+    """``b.__rmatmul__(a)`` is ``matmul(a, b)``."""
+    return torch.matmul(args[1], args[0])
+
+
+@register_op(F.linear)
+def linear_rule(call: OpCall) -> Sharding:
+    """``F.linear`` as an einsum; the bias follows the output (added once when Partial)."""
+    x, w = call.args[0], call.args[1]
+    bias = call.arg(2, "bias")
+    for t in (x, w, bias):
+        if t is not None and not isinstance(t, DTensor):
+            raise mixing_error(call.func, t)
+    sx, sw = tuple(x._spec.shape), tuple(w._spec.shape)
+    batch = _LETTERS[:len(sx) - 1]
+    tg, out = einsum_sharding(call.mesh, [(x._spec.placements, batch + "k", sx),
+                                          (w._spec.placements, "nk", sw)], batch + "n")
+    shape = sx[:-1] + (sw[0],)
+    if bias is not None:
+        bt = []
+        for o in out:
+            if type(o) is Shard and o.dim == len(shape) - 1:
+                bt.append(Shard(0))
+            elif o == P_SUM:
+                bt.append(P_SUM)  # added once: rank 0 of the mesh dim keeps it
+            else:
+                bt.append(R)
+        tg = tg + [tuple(bt)]
+    return Sharding(tg, out, shape)
