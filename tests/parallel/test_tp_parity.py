@@ -111,7 +111,7 @@ def test_parameters_become_dtensors_with_full_tensor(run_on_ranks):
 
 
 def _no_dtensor_dispatch_in_tp_forward_backward() -> int:
-    from hyperpar.dtensor import ops
+    from hyperpar.dtensor import _ops as ops
 
     n = get_platform().world_size()
     args = llama.ModelArgs.tiny()
