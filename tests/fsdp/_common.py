@@ -21,8 +21,23 @@ from examples.llama import plan as plans  # noqa: E402
 STEPS, BATCH, LR = 3, 4, 1e-2
 ARGS = llama.ModelArgs.tiny()
 
-__all__ = ["ARGS", "BATCH", "LR", "STEPS", "full_state", "llama", "plans", "reference_state",
-           "train"]
+__all__ = ["ARGS", "BATCH", "LR", "STEPS", "full_state", "llama", "plans", "rank_rows",
+           "reference_state", "shard_blocks", "train"]
+
+
+def rank_rows(dp_rank: int, dp_size: int) -> slice:
+    """This data-parallel rank's rows of the global batch."""
+    per = BATCH // dp_size
+    return slice(dp_rank * per, (dp_rank + 1) * per)
+
+
+def shard_blocks(model: nn.Module, **kw) -> nn.Module:
+    """fully_shard every transformer block, then the root (the FSDP2 recipe)."""
+    from hyperpar import fully_shard
+
+    for layer in model.layers:
+        fully_shard(layer, **kw)
+    return fully_shard(model, **kw)
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -39,13 +54,14 @@ def loss_of(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> tor
 
 
 def train(model: nn.Module, rows: slice, *, steps: int = STEPS, accumulate: int = 1,
+          args: llama.ModelArgs = ARGS,
           before_step: Callable[[nn.Module], None] | None = None,
           sync: Callable[[nn.Module, bool], None] | None = None) -> list[float]:
     """AdamW on batch rows ``rows`` of each step's batch; returns the losses (of the rows)."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     losses = []
     for step in range(steps):
-        tokens, labels = llama.batch(ARGS, batch_size=BATCH, seed=step)
+        tokens, labels = llama.batch(args, batch_size=BATCH, seed=step)
         tokens, labels = tokens[rows], labels[rows]
         micro = tokens.shape[0] // accumulate
         for i in range(accumulate):
@@ -62,7 +78,8 @@ def train(model: nn.Module, rows: slice, *, steps: int = STEPS, accumulate: int 
     return losses
 
 
-def reference_state(steps: int = STEPS, **kw) -> dict[str, torch.Tensor]:
-    model = llama.build(ARGS, seed=0)
-    train(model, slice(0, BATCH), steps=steps, **kw)
+def reference_state(steps: int = STEPS, args: llama.ModelArgs = ARGS,
+                    **kw) -> dict[str, torch.Tensor]:
+    model = llama.build(args, seed=0)
+    train(model, slice(0, BATCH), steps=steps, args=args, **kw)
     return full_state(model)
