@@ -4,14 +4,86 @@ mesh dimension obtained through the Platform (never torch's collective module di
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, overload
 
 import torch
 
-from hyperpar.platform import get_platform
+from hyperpar.platform import Platform, backends, get_platform
+
+__all__ = ["DeviceMesh", "MeshDimError", "current_mesh", "init_device_mesh"]
 
 _MESH_STACK: list[DeviceMesh] = []
+
+#: a mesh dimension: its name or its index
+MeshDim = str | int
+
+
+class MeshDimError(KeyError, ValueError):
+    """A mesh dimension (name or index) that the mesh does not have. A ``KeyError`` like
+    torch's ``mesh["x"]`` and a ``ValueError`` like the other bad-argument errors."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+def _names_tuple(names: Sequence[str] | str | None, ndim: int, what: str
+                 ) -> tuple[str, ...] | None:
+    """``mesh_dim_names`` as a tuple of ``ndim`` unique strings (a lone string is one name)."""
+    if names is None:
+        return None
+    if isinstance(names, str):
+        if ndim != 1:
+            raise ValueError(
+                f"{what}: mesh_dim_names={names!r} is one string but the mesh is {ndim}-D; pass "
+                f"a tuple of {ndim} names, one per dimension (e.g. mesh_dim_names=('dp', 'tp'))"
+            )
+        names = (names,)
+    names = tuple(names)
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        raise TypeError(f"{what}: mesh_dim_names {names} must be strings, got {bad}")
+    if len(names) != ndim:
+        raise ValueError(
+            f"{what}: {len(names)} mesh_dim_names {names} for a {ndim}-D mesh; give one name "
+            f"per dimension"
+        )
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"{what}: mesh_dim_names {names} repeats {dup}; names must be unique")
+    return names
+
+
+def _check_device_type(device_type: str | None, platform: Platform, what: str) -> None:
+    """A named device type must be the selected backend's: a mesh labelled with one device
+    type over another backend's tensors and groups would be wrong everywhere it is used."""
+    if device_type is None or device_type == platform.device_type:
+        return
+    if not isinstance(device_type, str):
+        raise TypeError(f"{what}: device_type must be a string, got {device_type!r}")
+    if ":" in device_type:
+        raise ValueError(
+            f"{what}: device_type {device_type!r} names a device index; pass the type only "
+            f"({device_type.split(':')[0]!r}), as torch requires"
+        )
+    matching = sorted(n for n, info in backends().items()
+                      if getattr(info.cls, "device_type", None) == device_type)
+    hint = (f"backends for {device_type!r}: {', '.join(matching)}" if matching
+            else f"no installed backend has device type {device_type!r}")
+    raise ValueError(
+        f"{what}: device_type {device_type!r} does not match the selected hyperpar backend "
+        f"{platform.name!r} (device type {platform.device_type!r}). Choose the backend with "
+        f"HYPERPAR_BACKEND=<name> or hyperpar.set_backend(<name>) ({hint}; `hyperpar info` "
+        f"lists them), or pass device_type={platform.device_type!r} or leave it out"
+    )
+
+
+def _ensure_world(platform: Platform) -> None:
+    """Join the default process group from the launcher's environment (``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) when none exists, as torch's mesh does."""
+    if not platform.is_initialized():
+        platform.init_process_group()
 
 
 def _slices(mesh: torch.Tensor, dims: Sequence[int]) -> list[tuple[int, ...]]:
@@ -31,25 +103,19 @@ class DeviceMesh:
     by every mesh that uses that rank list.
     """
 
-    def __init__(self, device_type: str | None, mesh: Any, *,
-                 mesh_dim_names: Sequence[str] | None = None, _groups: list[Any] | None = None,
-                 _root: DeviceMesh | None = None, _root_dims: tuple[int, ...] | None = None
-                 ) -> None:
+    def __init__(self, device_type: str | None, mesh: torch.Tensor | Sequence[Any], *,
+                 mesh_dim_names: Sequence[str] | str | None = None,
+                 _groups: list[Any] | None = None, _root: DeviceMesh | None = None,
+                 _root_dims: tuple[int, ...] | None = None) -> None:
         platform = get_platform()
+        if _groups is None:  # a root mesh: check what the user named, join the world
+            _check_device_type(device_type, platform, "DeviceMesh")
+            _ensure_world(platform)
         self.device_type = device_type or platform.device_type
         self.mesh = torch.as_tensor(mesh, dtype=torch.int64)
         if self.mesh.ndim == 0:
             self.mesh = self.mesh.reshape(1)
-        names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
-        if names is not None:
-            if len(names) != self.mesh.ndim:
-                raise ValueError(
-                    f"mesh_dim_names {names} has {len(names)} names for a {self.mesh.ndim}-D "
-                    f"mesh of shape {tuple(self.mesh.shape)}"
-                )
-            dup = sorted({n for n in names if names.count(n) > 1})
-            if dup:
-                raise ValueError(f"mesh_dim_names {names} repeats {dup}; names must be unique")
+        names = _names_tuple(mesh_dim_names, self.mesh.ndim, "DeviceMesh")
         self.mesh_dim_names = names
         flat = [int(r) for r in self.mesh.reshape(-1).tolist()]
         if len(set(flat)) != len(flat):
@@ -57,6 +123,7 @@ class DeviceMesh:
         self._root = _root if _root is not None else self
         self._root_dims = _root_dims if _root_dims is not None else tuple(range(self.mesh.ndim))
         self._flattened: dict[str, DeviceMesh] = {}
+        self._submeshes: dict[tuple[int, ...], DeviceMesh] = {}
         rank = platform.rank()
         self._rank = rank
         hits = (self.mesh == rank).nonzero()
@@ -104,17 +171,29 @@ class DeviceMesh:
             return math.prod(self._shape)
         return self._shape[self._dim(mesh_dim)]
 
-    def _dim(self, mesh_dim: int | str) -> int:
+    def _dim(self, mesh_dim: MeshDim) -> int:
+        """Index of ``mesh_dim`` (a name of this mesh, or an index; negative allowed)."""
         if isinstance(mesh_dim, str):
             if not self.mesh_dim_names or mesh_dim not in self.mesh_dim_names:
-                raise KeyError(
-                    f"mesh has no dimension named {mesh_dim!r}; its dimensions are "
-                    f"{self.mesh_dim_names or '(unnamed)'}"
-                )
+                raise MeshDimError(self._no_such_dim(mesh_dim))
             return self.mesh_dim_names.index(mesh_dim)
-        if not -self.ndim <= mesh_dim < self.ndim:
-            raise IndexError(f"mesh dimension {mesh_dim} out of range for a {self.ndim}-D mesh")
-        return mesh_dim % self.ndim
+        if isinstance(mesh_dim, bool) or not hasattr(mesh_dim, "__index__"):
+            raise TypeError(f"a mesh dimension is a name or an index, got {mesh_dim!r}")
+        index = operator.index(mesh_dim)
+        if not -self.ndim <= index < self.ndim:
+            raise IndexError(f"mesh dimension {index} out of range for a {self.ndim}-D mesh "
+                             f"{self!r}")
+        return index % self.ndim
+
+    def _no_such_dim(self, name: str, default: bool = False) -> str:
+        flat = sorted(self._root._flattened)
+        names = (f"{self.mesh_dim_names}" if self.mesh_dim_names
+                 else f"unnamed (index them 0..{self.ndim - 1})")
+        fix = ("pass the dimension to use (a name or an index) or its 1-D sub-mesh" if default
+               else "pass one of these names or an index")
+        return (f"mesh {self!r} has no dimension named {name!r}"
+                + (" (the default)" if default else "") + f"; its dimensions are {names}"
+                + (f", flattened: {flat}" if flat else "") + f"; {fix}")
 
     # -------------------------------------------------------------- ranks and groups
     def get_rank(self) -> int:
@@ -161,26 +240,38 @@ class DeviceMesh:
 
     # -------------------------------------------------------------- slicing
     def __getitem__(self, names: str | Sequence[str]) -> DeviceMesh:
+        """The sub-mesh of the named dimensions (in the order given) containing this rank."""
         if isinstance(names, str):
             names = (names,)
+        if not isinstance(names, Sequence) or not all(isinstance(n, str) for n in names):
+            raise TypeError(
+                f"a DeviceMesh is sliced by dimension name (mesh['tp'] or mesh['dp', 'tp']), as "
+                f"torch's is; got {names!r}. For a dimension by index use mesh.get_mesh(i)"
+            )
         names = tuple(names)
         if not self.mesh_dim_names:
-            raise KeyError("cannot slice a mesh without mesh_dim_names; pass mesh_dim_names=")
+            raise MeshDimError(
+                f"cannot slice {self!r} by name: it has no mesh_dim_names. Pass mesh_dim_names= "
+                f"to init_device_mesh, or use mesh.get_mesh(i) for dimension i"
+            )
         if len(set(names)) != len(names):
-            raise KeyError(f"mesh slice {names} repeats a dimension name")
+            raise MeshDimError(f"mesh slice {names} repeats a dimension name")
         if names == self.mesh_dim_names:
             return self
-        root = self._root
-        if len(names) == 1 and names[0] in root._flattened:
-            return root._flattened[names[0]]
+        if len(names) == 1 and names[0] in self._root._flattened:
+            return self._root._flattened[names[0]]
         for name in names:
             if name not in self.mesh_dim_names:
-                flat = sorted(root._flattened)
-                raise KeyError(
-                    f"mesh has no dimension named {name!r}; its dimensions are "
-                    f"{self.mesh_dim_names}" + (f", flattened: {flat}" if flat else "")
-                )
-        dims = [self.mesh_dim_names.index(n) for n in names]
+                raise MeshDimError(self._no_such_dim(name))
+        return self._submesh(tuple(self.mesh_dim_names.index(n) for n in names))
+
+    def _submesh(self, dims: tuple[int, ...]) -> DeviceMesh:
+        """The sub-mesh of ``dims`` (in that order) containing this rank; cached per mesh."""
+        if dims == tuple(range(self.ndim)):
+            return self
+        cached = self._submeshes.get(dims)
+        if cached is not None:
+            return cached
         if self._coordinate is None:
             raise RuntimeError(f"rank {self._rank} is not part of {self!r}; cannot slice it")
         index: list[Any] = list(self._coordinate)
@@ -189,9 +280,54 @@ class DeviceMesh:
         sub = self.mesh[tuple(index)]  # kept dims, in original order
         kept = sorted(dims)
         sub = sub.permute(*[kept.index(d) for d in dims])
-        return DeviceMesh(self.device_type, sub, mesh_dim_names=names,
-                          _groups=[self._groups[d] for d in dims], _root=root,
+        names = (tuple(self.mesh_dim_names[d] for d in dims) if self.mesh_dim_names else None)
+        mesh = DeviceMesh(self.device_type, sub, mesh_dim_names=names,
+                          _groups=[self._groups[d] for d in dims], _root=self._root,
                           _root_dims=tuple(self._root_dims[d] for d in dims))
+        self._submeshes[dims] = mesh
+        return mesh
+
+    # -------------------------------------------------------------- the dimension resolver
+    def get_mesh(self, mesh_dim: MeshDim | None = None, *, default: str | None = None
+                 ) -> DeviceMesh:
+        """The 1-D mesh along ``mesh_dim`` containing this rank. The one place where a mesh
+        dimension asked for by a user (or by a library default such as ``"tp"``) is resolved.
+
+        * ``mesh_dim``: a dimension name (also one made by :meth:`flatten`) or an index
+          (negative allowed);
+        * ``mesh_dim=None``: a 1-D mesh is itself; an n-D mesh takes the dimension named
+          ``default``; with no ``default`` that is an error;
+        * an unnamed 1-D mesh answers to any name: it has no name to disagree with.
+
+        Raises :class:`MeshDimError` naming the dimension asked for and listing the mesh's.
+        """
+        found = self.get_mesh_or_none(mesh_dim, default=default)
+        if found is None:
+            raise MeshDimError(self._no_such_dim(
+                default if mesh_dim is None else mesh_dim, default=mesh_dim is None))
+        return found
+
+    def get_mesh_or_none(self, mesh_dim: MeshDim | None = None, *, default: str | None = None
+                         ) -> DeviceMesh | None:
+        """Like :meth:`get_mesh`, but ``None`` when the mesh has no dimension of that name (a
+        dimension that is optional to the caller). A bad index is still an error."""
+        if mesh_dim is None:
+            if self.ndim == 1:
+                return self
+            if default is None:
+                raise MeshDimError(
+                    f"{self!r} is {self.ndim}-D: say which dimension to use (one of "
+                    f"{self.mesh_dim_names or 'its indices'}), or pass its 1-D sub-mesh"
+                )
+            mesh_dim = default
+        if isinstance(mesh_dim, str):
+            names = self.mesh_dim_names
+            if names is None and self.ndim == 1:
+                return self
+            if names is not None and mesh_dim in names:
+                return self._submesh((names.index(mesh_dim),))
+            return self._root._flattened.get(mesh_dim)
+        return self._submesh((self._dim(mesh_dim),))
 
     def flatten(self, mesh_dim_name: str | None = None) -> DeviceMesh:
         """A 1-D mesh whose single dimension walks every dim of this mesh (row-major).
@@ -241,37 +377,81 @@ def _require_mesh(mesh: DeviceMesh | None, what: str) -> DeviceMesh:
     return mesh
 
 
-def init_device_mesh(device_type: str | None = None, mesh_shape: Sequence[int] | int = (),
-                     *, mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
+@overload
+def init_device_mesh(mesh_shape: Sequence[int] | int,
+                     mesh_dim_names: Sequence[str] | str | None = None, *,
+                     device_type: str | None = None) -> DeviceMesh: ...
+
+
+@overload
+def init_device_mesh(device_type: str, mesh_shape: Sequence[int] | int, *,
+                     mesh_dim_names: Sequence[str] | str | None = None) -> DeviceMesh: ...
+
+
+def init_device_mesh(*args: Any, device_type: str | None = None,
+                     mesh_shape: Sequence[int] | int | None = None,
+                     mesh_dim_names: Sequence[str] | str | None = None) -> DeviceMesh:
     """Create a mesh of shape ``mesh_shape`` over every rank of the world (row-major).
 
-    ``device_type`` defaults to the selected backend's. Accepts both
-    ``init_device_mesh((2, 2), mesh_dim_names=...)`` and torch's
-    ``init_device_mesh(device_type, (2, 2), mesh_dim_names=...)``.
+    Two call forms, told apart by the first argument (a device type is a string, a shape
+    never is):
+
+    * hyperpar's ``init_device_mesh(mesh_shape, mesh_dim_names=None, *, device_type=None)``:
+      the device type is the selected backend's;
+    * torch's ``init_device_mesh(device_type, mesh_shape, *, mesh_dim_names=None)``: the
+      device type must be the selected backend's (else a ``ValueError`` says how to choose
+      another backend).
+
+    Every argument may also be passed by keyword. A single string as ``mesh_dim_names`` names
+    a 1-D mesh. When no process group exists yet, the default one is joined from the
+    launcher's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, as set
+    by ``hyperpar run`` or ``torchrun``), as torch does. The product of ``mesh_shape`` must be
+    the world size.
     """
-    if not isinstance(device_type, str | None):
-        device_type, mesh_shape = None, device_type  # init_device_mesh((2, 2), ...)
-    if isinstance(mesh_shape, int):
-        mesh_shape = (mesh_shape,)
-    mesh_shape = tuple(int(s) for s in mesh_shape)
-    if not mesh_shape or any(s < 1 for s in mesh_shape):
-        raise ValueError(f"init_device_mesh: mesh_shape must be positive sizes, got {mesh_shape}")
+    device_type, mesh_shape, mesh_dim_names = _parse_mesh_args(
+        args, device_type, mesh_shape, mesh_dim_names)
     platform = get_platform()
-    if not platform.is_initialized():
-        raise RuntimeError(
-            "init_device_mesh: the process group is not initialised; launch with "
-            "`hyperpar run -n N script.py` and call get_platform().init_process_group() first"
-        )
+    _check_device_type(device_type, platform, "init_device_mesh")
+    names = _names_tuple(mesh_dim_names, len(mesh_shape), "init_device_mesh")
+    _ensure_world(platform)
     world = platform.world_size()
     if math.prod(mesh_shape) != world:
         raise ValueError(
             f"init_device_mesh: mesh shape {mesh_shape} holds {math.prod(mesh_shape)} ranks but "
-            f"the world has {world}; the product of mesh_shape must equal the world size"
-        )
-    if mesh_dim_names is not None and len(mesh_dim_names) != len(mesh_shape):
-        raise ValueError(
-            f"init_device_mesh: {len(mesh_dim_names)} mesh_dim_names {tuple(mesh_dim_names)} "
-            f"for a {len(mesh_shape)}-D mesh_shape {mesh_shape}"
+            f"the world has {world}; the product of mesh_shape must equal the world size (the "
+            f"number of processes launched, e.g. `hyperpar run -n {math.prod(mesh_shape)}`)"
         )
     grid = torch.arange(world, dtype=torch.int64).reshape(mesh_shape)
-    return DeviceMesh(device_type, grid, mesh_dim_names=mesh_dim_names)
+    return DeviceMesh(device_type, grid, mesh_dim_names=names)
+
+
+def _parse_mesh_args(args: tuple[Any, ...], device_type: str | None, mesh_shape: Any,
+                     mesh_dim_names: Any) -> tuple[str | None, tuple[int, ...], Any]:
+    """``(device_type, mesh_shape, mesh_dim_names)`` from either call form, each given once."""
+    slots = (("device_type", "mesh_shape", "mesh_dim_names") if args and isinstance(args[0], str)
+             else ("mesh_shape", "mesh_dim_names"))
+    if len(args) > len(slots):
+        raise TypeError(
+            f"init_device_mesh takes at most {len(slots)} positional arguments "
+            f"({', '.join(slots)}) in this form, got {len(args)}: {args!r}"
+        )
+    given = {"device_type": device_type, "mesh_shape": mesh_shape,
+             "mesh_dim_names": mesh_dim_names}
+    for slot, value in zip(slots, args, strict=False):
+        if given[slot] is not None:
+            raise TypeError(f"init_device_mesh got {slot} twice: {value!r} by position and "
+                            f"{given[slot]!r} by keyword")
+        given[slot] = value
+    shape = given["mesh_shape"]
+    if shape is None:
+        raise TypeError("init_device_mesh: mesh_shape is required, e.g. init_device_mesh((2, 2), "
+                        "mesh_dim_names=('dp', 'tp'))")
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        shape = (shape,)
+    if (isinstance(shape, str) or not isinstance(shape, Sequence)
+            or not all(hasattr(s, "__index__") and not isinstance(s, bool) for s in shape)):
+        raise TypeError(f"init_device_mesh: mesh_shape must be a tuple of ints, got {shape!r}")
+    shape = tuple(operator.index(s) for s in shape)
+    if not shape or any(s < 1 for s in shape):
+        raise ValueError(f"init_device_mesh: mesh_shape must be positive sizes, got {shape}")
+    return given["device_type"], shape, given["mesh_dim_names"]

@@ -1,5 +1,9 @@
 """DeviceMesh on real ranks: shape, names, slicing, groups, coordinates, errors."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from hyperpar.platform import get_platform
@@ -102,3 +106,161 @@ def _coord(shape):
 
     mesh = init_device_mesh(shape)
     return mesh.get_coordinate(), mesh.shape
+
+
+# ---------------------------------------------------------------- call forms (torch's and ours)
+def _call_forms():
+    from hyperpar.dtensor import init_device_mesh
+
+    device = get_platform().device_type
+    forms = {
+        "ours_positional_names": init_device_mesh((1, 2), ("dp", "tp")),
+        "ours_keyword": init_device_mesh(mesh_shape=(1, 2), mesh_dim_names=("dp", "tp")),
+        "torch": init_device_mesh(device, (2,), mesh_dim_names=("tp",)),
+        "torch_keywords": init_device_mesh(device_type=device, mesh_shape=(2,),
+                                           mesh_dim_names=("tp",)),
+        "string_1d": init_device_mesh((2,), mesh_dim_names="tp"),
+    }
+    return {k: (m.device_type == device, m.shape, m.mesh_dim_names) for k, m in forms.items()}
+
+
+def test_both_call_forms_keep_shape_and_names(run_on_ranks):
+    forms = run_on_ranks(2, _call_forms)[0]
+    assert forms["ours_positional_names"] == (True, (1, 2), ("dp", "tp"))
+    assert forms["ours_keyword"] == (True, (1, 2), ("dp", "tp"))
+    assert forms["torch"] == forms["torch_keywords"] == (True, (2,), ("tp",))
+    assert forms["string_1d"] == (True, (2,), ("tp",))
+
+
+def _bad_calls():
+    from hyperpar.dtensor import init_device_mesh
+
+    platform = get_platform()
+    mesh = init_device_mesh((1, 2), mesh_dim_names=("dp", "tp"))
+    other = "cuda" if platform.device_type != "cuda" else "cpu"
+    out = {}
+    for key, call in {
+        "string_names_2d": lambda: init_device_mesh((1, 2), mesh_dim_names="tp"),
+        "int_index": lambda: mesh[0],
+        "other_device": lambda: init_device_mesh(other, (2,), mesh_dim_names=("tp",)),
+        "device_index": lambda: init_device_mesh(f"{platform.device_type}:0", (2,)),
+        "names_twice": lambda: init_device_mesh((2,), ("tp",), mesh_dim_names=("tp",)),
+        "shape_twice": lambda: init_device_mesh(platform.device_type, (2,), mesh_shape=(2,)),
+        "no_shape": lambda: init_device_mesh(platform.device_type),
+    }.items():
+        try:
+            call()
+        except (TypeError, ValueError, KeyError) as exc:
+            out[key] = (type(exc).__name__, str(exc))
+    return out, other, platform.name
+
+
+def test_bad_mesh_arguments_raise_clear_errors(run_on_ranks):
+    errors, other, backend = run_on_ranks(2, _bad_calls)[0]
+    kind, msg = errors["string_names_2d"]
+    assert kind == "ValueError" and "mesh_dim_names='tp' is one string" in msg
+    assert "tuple of 2 names" in msg
+    kind, msg = errors["int_index"]
+    assert kind == "TypeError" and "sliced by dimension name" in msg and "get_mesh(i)" in msg
+    kind, msg = errors["other_device"]
+    assert kind == "ValueError" and f"device_type {other!r} does not match" in msg
+    assert f"backend {backend!r}" in msg and "HYPERPAR_BACKEND" in msg and "set_backend" in msg
+    assert "names a device index" in errors["device_index"][1]
+    assert "mesh_dim_names twice" in errors["names_twice"][1]
+    assert "mesh_shape twice" in errors["shape_twice"][1]
+    assert "mesh_shape is required" in errors["no_shape"][1]
+
+
+# ---------------------------------------------------------------- the dimension resolver
+def _resolver():
+    from hyperpar.dtensor import init_device_mesh
+    from hyperpar.dtensor.mesh import MeshDimError
+
+    platform = get_platform()
+    mesh = init_device_mesh((2, 2), mesh_dim_names=("dp", "tp"))
+    unnamed = init_device_mesh((4,))
+    flat = mesh.flatten("dp_tp")
+
+    def ranks(m):
+        return platform.group_ranks(m.get_group())
+
+    def error(call):
+        try:
+            call()
+        except MeshDimError as exc:
+            return str(exc)
+        return None
+
+    return {
+        "by_name": ranks(mesh.get_mesh("tp")), "by_index": ranks(mesh.get_mesh(0)),
+        "negative": ranks(mesh.get_mesh(-1)), "default": ranks(mesh.get_mesh(default="tp")),
+        "same_as_slice": mesh.get_mesh("tp") == mesh["tp"],
+        "cached": mesh.get_mesh("tp") is mesh.get_mesh(1),
+        "one_d_self": mesh["tp"].get_mesh() is mesh["tp"],
+        "one_d_default": mesh["tp"].get_mesh(default="dp") is mesh["tp"],
+        "unnamed_any": unnamed.get_mesh("tp") is unnamed,
+        "flattened": mesh.get_mesh("dp_tp") is flat,
+        "optional_missing": mesh.get_mesh_or_none("pp"),
+        "optional_present": ranks(mesh.get_mesh_or_none("dp")),
+        "missing": error(lambda: mesh.get_mesh("pp")),
+        "named_1d_other": error(lambda: mesh["tp"].get_mesh("dp")),
+        "missing_default": error(lambda: mesh.get_mesh(default="pp")),
+        "no_default": error(lambda: mesh.get_mesh()),
+    }
+
+
+def test_get_mesh_resolves_names_indices_and_defaults_and_lists_names(run_on_ranks):
+    for rank, r in enumerate(run_on_ranks(4, _resolver)):
+        dp, tp = divmod(rank, 2)
+        assert r["by_name"] == r["negative"] == r["default"] == [2 * dp, 2 * dp + 1]
+        assert r["by_index"] == r["optional_present"] == [tp, tp + 2]
+        assert r["same_as_slice"] and r["cached"] and r["one_d_self"] and r["one_d_default"]
+        assert r["unnamed_any"] and r["flattened"] and r["optional_missing"] is None
+        assert "no dimension named 'pp'" in r["missing"] and "('dp', 'tp')" in r["missing"]
+        assert "flattened: ['dp_tp']" in r["missing"]
+        assert "no dimension named 'dp'" in r["named_1d_other"]
+        assert "'pp' (the default)" in r["missing_default"]
+        assert "is 2-D: say which dimension" in r["no_default"]
+
+
+# ---------------------------------------------------------------- a torch TP script, unchanged
+TORCH_STYLE_TP = '''
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hyperpar import ColwiseParallel, RowwiseParallel, init_device_mesh, parallelize_module
+
+# no init_process_group: the mesh joins the world from the launcher's environment, as torch's
+tp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+reference = copy.deepcopy(model)
+parallelize_module(model, tp_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+x = torch.randn(4, 8)
+torch.testing.assert_close(model(x), reference(x), atol=1e-5, rtol=1e-5)
+print(f"rank {dist.get_rank()}: tp output matches one process")
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.parametrize("launcher", ["hyperpar run", "torchrun"])
+def test_torch_style_tp_script_runs_without_init_process_group(tmp_path, launcher):
+    script = tmp_path / "tp_torch_style.py"
+    script.write_text(TORCH_STYLE_TP)
+    env = {**os.environ, "HYPERPAR_BACKEND": "cpu", "OMP_NUM_THREADS": "1"}
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(var, None)
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", str(script)]
+    else:
+        cmd = [sys.executable, "-m", "hyperpar", "run", "-n", "2", "--backend", "cpu",
+               str(script)]
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in (0, 1):
+        assert f"rank {rank}: tp output matches one process" in proc.stdout
