@@ -24,12 +24,15 @@ __all__ = ["load", "verify"]
 
 
 def load(model: nn.Module, path: str | os.PathLike, *,
-         optimizer: torch.optim.Optimizer | None = None, strict: bool = True) -> LoadResult:
+         optimizer: torch.optim.Optimizer | None = None, strict: bool = True,
+         verify: bool = True) -> LoadResult:
     """Load checkpoint folder ``path`` into ``model``, resharding to its current layout.
 
     Each rank reads only the saved chunks overlapping what it holds, and checks every chunk it
     reads against the digest in the index (a corrupted or truncated file raises
-    :class:`CorruptCheckpointError` naming the file, on every rank). ``strict`` is
+    :class:`CorruptCheckpointError` naming the file, on every rank); a chunk is read whole
+    to be checked, so ``verify=False`` (sizes still checked) reads only the overlapping slices
+    where a rank needs a small part of a large chunk. ``strict`` is
     ``torch.nn.Module.load_state_dict``'s: model tensors missing from the checkpoint *and*
     checkpoint tensors the model lacks (over all ranks together, so pipeline stages count as
     one model) raise :class:`CheckpointError`, before anything is copied. A global shape that
@@ -44,7 +47,7 @@ def load(model: nn.Module, path: str | os.PathLike, *,
                               "with save(model, path, optimizer=optimizer))")
     state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     result = _check_keys(state, index, path, strict)
-    reader = Reader(path, index)
+    reader = Reader(path, index, verify=verify)
     error = None
     try:
         with torch.no_grad():
