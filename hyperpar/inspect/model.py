@@ -5,9 +5,11 @@ are registered by module name (``fnmatch`` wildcards) and see the *full* activat
 
 * a DTensor output is gathered with ``full_tensor()`` (Shard -> all-gather, Partial ->
   all-reduce), whatever mesh it lives on;
-* a plain-tensor output of a sharded module (``use_local_output=True``) is gathered over the
-  tensor-parallel mesh dimension along ``sharded_dim`` -- given per hook, or inferred when
-  ``expected_shape`` differs from the local shape in exactly one dimension;
+* a plain-tensor output of a sharded module (``use_local_output=True``) is examined across the
+  tensor-parallel group (local shapes and values exchanged, see :mod:`._layout`): equal pieces
+  are a replicated tensor, different ones are gathered along ``sharded_dim`` -- given per hook,
+  or the one dimension where ``expected_shape`` differs from the local shape. The global shape
+  always comes from the ranks; ``expected_shape`` is only checked against it;
 * with ``dp_dim`` set, the (TP-gathered) activation is also gathered across data-parallel
   replicas along ``batch_dim``;
 * modules that live on another pipeline stage are captured there and shipped to rank 0 by
@@ -29,8 +31,9 @@ from __future__ import annotations
 import contextlib
 import difflib
 import fnmatch
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import torch
@@ -38,26 +41,32 @@ from torch import nn
 
 from hyperpar.platform import get_platform
 
+from ._layout import ShapeMismatchError, _dtensor_types, _Layout
+
 __all__ = ["HookFunction", "InspectedModel", "ShapeMismatchError"]
 
 EditFn = Callable[[torch.Tensor], "torch.Tensor | None"]
 
 
-class ShapeMismatchError(ValueError):
-    """A gathered activation does not have the hook's ``expected_shape``."""
-
-
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity: hook groups key on instances
 class HookFunction:
     """What to do with the output of the modules matching ``module_name``.
 
     * ``module_name`` -- a module path or an ``fnmatch`` pattern (``"layers.*.mlp"``).
     * ``expected_shape`` -- the global shape of the full activation; ``None`` accepts any shape,
-      and a ``None`` entry accepts any size in that dimension.
-    * ``editing_function`` -- ``fn(full) -> new full`` (or ``None`` to keep ``full``, which it
-      may have changed in place); runs on every rank with the same full tensor.
+      and a ``None`` entry accepts any size in that dimension. It is checked against the shape
+      the real sharding gives, never used to decide the gather (see :mod:`._layout`).
+    * ``editing_function`` -- under :class:`InspectedModel`: ``fn(full) -> new full`` (or
+      ``None`` to keep ``full``, which it may have changed in place); under
+      :class:`~hyperpar.inspect.FlexModel`: FlexModel's ``fn(current_module, inputs, save_ctx,
+      modules) -> new full``. Runs on every rank with the same full tensor.
+    * ``unpack_idx`` -- which tensor of a module output holding several (tuples, lists, dicts,
+      nested) is the activation, counting tensors depth-first (FlexModel's argument).
+
+    Keyword only:
+
     * ``sharded_dim`` -- for a plain-tensor output sharded over the TP dimension: the tensor
-      dimension it is split along (inferred from ``expected_shape`` when omitted).
+      dimension it is split along (found from the ranks' pieces when omitted).
     * ``group`` -- the hook group, switched on and off per forward call.
     * ``kind`` -- ``"forward"`` (the module's output) or ``"backward"`` (the gradient of the
       loss w.r.t. the module's output).
@@ -66,7 +75,9 @@ class HookFunction:
 
     module_name: str
     expected_shape: Sequence[int | None] | None = None
-    editing_function: EditFn | None = None
+    editing_function: Callable[..., Any] | None = None
+    unpack_idx: int = 0
+    _: KW_ONLY
     sharded_dim: int | None = None
     group: str = "default"
     kind: str = "forward"
@@ -78,117 +89,18 @@ class HookFunction:
                              f"{self.kind!r}")
         if self.expected_shape is not None:
             self.expected_shape = tuple(self.expected_shape)
+        if self.editing_function is not None and not callable(self.editing_function):
+            raise TypeError(f"HookFunction {self.module_name!r}: editing_function must be "
+                            f"callable, got {type(self.editing_function).__name__}")
 
 
-def _dtensor_types() -> tuple[type, Any, Any, Any]:
-    from hyperpar.dtensor import DTensor, Partial, Replicate, Shard
-
-    return DTensor, Replicate, Shard, Partial
-
-
-def _check_shape(name: str, hook: HookFunction, shape: Sequence[int], what: str) -> None:
-    want = hook.expected_shape
-    if want is None:
-        return
-    ok = len(want) == len(shape) and all(w is None or w == s for w, s in zip(want, shape,
-                                                                                strict=False))
-    if not ok:
-        raise ShapeMismatchError(
-            f"inspect: {what} of module {name!r} (hook {hook.module_name!r}) has full shape "
-            f"{tuple(shape)} but expected_shape is {tuple(want)}"
-        )
-
-
-class _Layout:
-    """How one local tensor maps to the full one: ``full()`` gathers, ``reshard(full)`` gives
-    back a tensor laid out like the original (differentiable both ways)."""
-
-    def __init__(self, owner: InspectedModel, x: torch.Tensor, name: str, hook: HookFunction,
-                 grad_of: Any = None) -> None:
-        DTensor, Replicate, Shard, _ = _dtensor_types()
-        self.owner, self.x = owner, x
-        self.dt: Any = None
-        self.was_local = True
-        if grad_of is not None:  # x is the local gradient of DTensor grad_of
-            from hyperpar.dtensor.placement import grad_placements_of
-
-            self.dt = DTensor.from_local(x, grad_of.device_mesh,
-                                         grad_placements_of(tuple(grad_of.placements)),
-                                         shape=grad_of.shape)
-        elif isinstance(x, DTensor):
-            self.dt, self.was_local = x, False
-        else:
-            dim = hook.sharded_dim
-            tp = owner._tp_mesh()
-            if dim is None and tp is not None and hook.expected_shape is not None:
-                skip = owner.batch_dim % x.ndim if owner._dp_mesh() is not None else None
-                dim = self._infer_dim(hook, tuple(x.shape), tp.size(), skip)
-            if dim is not None:
-                if tp is None:
-                    raise ValueError(
-                        f"inspect: hook {hook.module_name!r} says sharded_dim={dim} but the "
-                        "InspectedModel has no tensor-parallel mesh; pass mesh= (and tp_dim=)")
-                dim = dim % x.ndim
-                shape = self._global_shape(hook, x, dim, tp.size())
-                self.dt = DTensor.from_local(x, tp, [Shard(dim)], shape=shape,
-                                             run_check=shape is None)
-        self.dp = owner._dp_mesh()
-        if self.dt is not None and owner.dp_dim in (self.dt.device_mesh.mesh_dim_names or ()):
-            self.dp = None  # a DTensor on a mesh with the dp dim: full_tensor() covers it
-        self.dp_dt: Any = None
-        self.Replicate, self.Shard = Replicate, Shard
-
-    @staticmethod
-    def _infer_dim(hook: HookFunction, local: tuple[int, ...], n: int, skip: int | None
-                   ) -> int | None:
-        """The one dimension where ``expected_shape`` exceeds the local shape (ignoring the
-        batch dimension ``skip`` that data parallelism splits)."""
-        want = hook.expected_shape
-        if want is None or len(want) != len(local):
-            return None
-        diff = [d for d, (w, s) in enumerate(zip(want, local, strict=True))
-                if w is not None and w != s and d != skip]
-        if len(diff) == 1 and -(-want[diff[0]] // n) >= local[diff[0]]:
-            return diff[0]
-        return None
-
-    @staticmethod
-    def _global_shape(hook: HookFunction, x: torch.Tensor, dim: int, n: int
-                      ) -> list[int] | None:
-        want = hook.expected_shape
-        if want is not None and len(want) == x.ndim and want[dim] is not None:
-            shape = list(x.shape)
-            shape[dim] = int(want[dim])
-            return shape
-        return None  # ask the ranks (uneven shards)
-
-    def full(self) -> torch.Tensor:
-        full = self.dt.full_tensor() if self.dt is not None else self.x
-        if self.dp is not None:
-            DTensor = type(self.dt) if self.dt is not None else _dtensor_types()[0]
-            self.dp_dt = DTensor.from_local(full, self.dp, [self.Shard(self.owner.batch_dim)],
-                                            run_check=True)
-            full = self.dp_dt.full_tensor()
-        return full
-
-    def reshard(self, full: torch.Tensor) -> torch.Tensor:
-        DTensor = _dtensor_types()[0]
-        y = full
-        if self.dp_dt is not None:
-            rep = DTensor.from_local(y, self.dp, [self.Replicate()])
-            y = rep.redistribute(self.dp, self.dp_dt.placements).to_local()
-        if self.dt is None:
-            return y
-        mesh = self.dt.device_mesh
-        rep = DTensor.from_local(y, mesh, [self.Replicate()] * mesh.ndim)
-        out = rep.redistribute(mesh, self.dt.placements)
-        return out.to_local() if self.was_local else out
-
-    def is_leader(self) -> bool:
-        """Whether this rank keeps the capture (first rank of every gathered dimension)."""
-        if self.dt is not None and any(c != 0 for c in self.dt.device_mesh.get_coordinate()):
-            return False
-        return self.dp is None or self.dp.get_local_rank(0) == 0
+def _remove_handles(hooks: list[tuple[HookFunction, list[Any]]]) -> None:
+    """Take every hook off the model (run by :meth:`InspectedModel.restore` and when the
+    wrapper is garbage-collected: it holds no reference to the wrapper)."""
+    for _, handles in hooks:
+        for handle in handles:
+            handle.remove()
+    hooks.clear()
 
 
 class InspectedModel(nn.Module):
@@ -202,6 +114,9 @@ class InspectedModel(nn.Module):
         dp_dim: name of the data-parallel mesh dimension; ``None``: do not gather replicas.
         batch_dim: the tensor dimension data-parallel replicas split (and microbatches stack).
         output_ptr: the dict captures go to on rank 0 (a new one by default).
+
+    The hooks hold only a weak reference to the wrapper: dropping it (or :meth:`restore`)
+    takes them off the model.
     """
 
     def __init__(self, model: nn.Module, *, mesh: Any = None, tp_dim: str | None = "tp",
@@ -215,7 +130,10 @@ class InspectedModel(nn.Module):
         self._hooks: list[tuple[HookFunction, list[Any]]] = []
         self._disabled: set[str] = set()
         self._only: set[str] | None = None
+        self._only_hooks: set[HookFunction] | None = None
+        self._concat = True  # several calls of a module between flushes: one tensor
         self._modules_by_name = dict(model.named_modules())
+        self._finalizer = weakref.finalize(self, _remove_handles, self._hooks)
         if dp_dim is not None and (mesh is None or dp_dim not in (mesh.mesh_dim_names or ())):
             raise ValueError(f"InspectedModel: dp_dim={dp_dim!r} needs a mesh with that "
                              f"dimension, got mesh={mesh!r}")
@@ -224,12 +142,10 @@ class InspectedModel(nn.Module):
     def _sub(self, dim: str | None) -> Any:
         if self.mesh is None or dim is None:
             return None
-        names = self.mesh.mesh_dim_names or ()
-        if dim not in names:
-            return self.mesh if (self.mesh.ndim == 1 and dim == self.tp_dim
-                                 and self.dp_dim is None) else None
-        sub = self.mesh[dim]
-        return sub if sub.size() > 1 else None
+        # a 1-D mesh without a dp dimension is the tp mesh, whatever its name
+        lone_tp = self.mesh.ndim == 1 and dim == self.tp_dim and self.dp_dim is None
+        sub = self.mesh if lone_tp else self.mesh.get_mesh_or_none(dim)
+        return sub if sub is not None and sub.size() > 1 else None
 
     def _tp_mesh(self) -> Any:
         return self._sub(self.tp_dim)
@@ -252,10 +168,11 @@ class InspectedModel(nn.Module):
                 f"{type(self.module).__name__}" + (f"; closest: {close}" if close else "")
             )
         handles = []
+        me = weakref.ref(self)
         for name in names:
             module = self._modules_by_name[name]
             handles.append(platform.register_forward_hook(
-                module, self._make_forward_hook(name, hook)))
+                module, _make_forward_hook(me, name, hook)))
         self._hooks.append((hook, handles))
         return hook
 
@@ -265,7 +182,8 @@ class InspectedModel(nn.Module):
                               capture: bool = True) -> HookFunction:
         """Capture (and optionally edit) the full output of the modules named ``module_name``."""
         return self.register_hook(HookFunction(module_name, expected_shape, editing_function,
-                                               sharded_dim, group, "forward", capture))
+                                               sharded_dim=sharded_dim, group=group,
+                                               kind="forward", capture=capture))
 
     def register_backward_hook(self, module_name: str, expected_shape: Sequence[int | None] |
                                None = None, editing_function: EditFn | None = None, *,
@@ -273,7 +191,8 @@ class InspectedModel(nn.Module):
                                capture: bool = True) -> HookFunction:
         """Capture (and optionally edit) the full gradient w.r.t. the modules' output."""
         return self.register_hook(HookFunction(module_name, expected_shape, editing_function,
-                                               sharded_dim, group, "backward", capture))
+                                               sharded_dim=sharded_dim, group=group,
+                                               kind="backward", capture=capture))
 
     def remove_hooks(self, group: str | None = None) -> None:
         """Remove every hook (of ``group`` only, if given)."""
@@ -284,7 +203,13 @@ class InspectedModel(nn.Module):
                     h.remove()
             else:
                 keep.append((hook, handles))
-        self._hooks = keep
+        self._hooks[:] = keep  # the finalizer holds this list
+
+    def restore(self) -> nn.Module:
+        """Take every hook off the model and return it (also done when the wrapper is
+        garbage-collected)."""
+        self._finalizer()
+        return self.module
 
     # -------------------------------------------------------------- groups
     def enable(self, group: str) -> None:
@@ -305,43 +230,23 @@ class InspectedModel(nn.Module):
             self._only = old
 
     def _active(self, hook: HookFunction) -> bool:
+        if self._only_hooks is not None and hook not in self._only_hooks:
+            return False
         if hook.group in self._disabled:
             return False
         return self._only is None or hook.group in self._only
 
     # -------------------------------------------------------------- hooks
-    def _make_forward_hook(self, name: str, hook: HookFunction) -> Callable[..., Any]:
-        def forward_hook(module: nn.Module, args: Any, output: Any) -> Any:
-            if not self._active(hook):
-                return None
-            rest: tuple = ()
-            if isinstance(output, (tuple, list)) and output and isinstance(output[0],
-                                                                          torch.Tensor):
-                out, rest = output[0], tuple(output[1:])
-            elif isinstance(output, torch.Tensor):
-                out = output
-            else:
-                raise TypeError(f"inspect: module {name!r} returned {type(output).__name__}; "
-                                "hooks need a tensor (or a tuple whose first item is one)")
-            if hook.kind == "forward":
-                new = self._visit(name, hook, out, name)
-            else:
-                new = None
-                self._watch_grad(name, hook, out)
-            if new is None:
-                return None
-            return (new, *rest) if rest or isinstance(output, (tuple, list)) else new
-
-        return forward_hook
-
     def _visit(self, name: str, hook: HookFunction, x: torch.Tensor, key: str,
                grad_of: Any = None) -> torch.Tensor | None:
-        layout = _Layout(self, x, name, hook, grad_of)
+        what = "the gradient of the output" if key != name else "the output"
+        layout = _Layout(self, x, name, hook, grad_of, what)  # checks expected_shape
         edit = hook.editing_function
         with torch.no_grad() if edit is None else contextlib.nullcontext():
             full = layout.full()
-            what = "the gradient of the output" if key != name else "the output"
-            _check_shape(name, hook, tuple(full.shape), what)
+            if tuple(full.shape) != layout.shape:  # a bug in the layout, never the user's
+                raise RuntimeError(f"inspect: gathered {what} of {name!r} has shape "
+                                   f"{tuple(full.shape)}, its layout says {layout.shape}")
             if hook.capture and layout.is_leader():
                 host = full.detach().cpu()
                 if host.data_ptr() == full.data_ptr():  # already on the host: keep a copy
@@ -349,7 +254,7 @@ class InspectedModel(nn.Module):
                 self._pending.setdefault(key, []).append(host)
             if edit is None:
                 return None
-            new = edit(full)
+            new = self._call_edit(hook, name, full)
             if new is None:
                 new = full
             if tuple(new.shape) != tuple(full.shape):
@@ -358,6 +263,10 @@ class InspectedModel(nn.Module):
                     f"returned shape {tuple(new.shape)} for an input of shape "
                     f"{tuple(full.shape)}; edits must keep the shape")
             return layout.reshard(new)
+
+    def _call_edit(self, hook: HookFunction, name: str, full: torch.Tensor) -> Any:
+        """Run the hook's editing function (FlexModel overrides the calling convention)."""
+        return hook.editing_function(full)
 
     def _watch_grad(self, name: str, hook: HookFunction, out: torch.Tensor) -> None:
         DTensor = _dtensor_types()[0]
@@ -388,8 +297,9 @@ class InspectedModel(nn.Module):
         """Move every pending capture to :attr:`captured` on rank 0. Collective: every rank
         calls it (after a backward too, to collect gradient captures)."""
         platform = get_platform()
-        local = {k: (v[0] if len(v) == 1 else torch.cat(v, self.batch_dim))
-                 for k, v in self._pending.items()}
+        local: dict[str, Any] = {
+            k: (v if not self._concat else v[0] if len(v) == 1 else torch.cat(v, self.batch_dim))
+            for k, v in self._pending.items()}
         self._pending = {}
         if not platform.is_initialized() or platform.world_size() == 1:
             self.captured.update(local)
@@ -413,3 +323,36 @@ class InspectedModel(nn.Module):
         """Forget every capture (pending and on rank 0)."""
         self._pending.clear()
         self.captured.clear()
+
+
+def _make_forward_hook(owner_ref: weakref.ref, name: str, hook: HookFunction
+                       ) -> Callable[..., Any]:
+    """The forward hook of ``hook`` on module ``name``; a no-op once the wrapper is gone."""
+    from torch.utils import _pytree
+
+    def forward_hook(module: nn.Module, args: Any, output: Any) -> Any:
+        self = owner_ref()
+        if self is None or not self._active(hook):
+            return None
+        leaves, spec = _pytree.tree_flatten(output)
+        at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        if hook.unpack_idx >= len(at) or hook.unpack_idx < -len(at):
+            raise TypeError(
+                f"inspect: module {name!r} returned {type(output).__name__} with {len(at)} "
+                f"tensor(s); hook {hook.module_name!r} needs tensor number {hook.unpack_idx} "
+                "(unpack_idx) among them")
+        where = at[hook.unpack_idx]
+        out = leaves[where]
+        if hook.kind == "forward":
+            new = self._visit(name, hook, out, name)
+        else:
+            new = None
+            self._watch_grad(name, hook, out)
+        if new is None:
+            return None
+        if isinstance(output, torch.Tensor):
+            return new
+        leaves[where] = new
+        return _pytree.tree_unflatten(leaves, spec)
+
+    return forward_hook

@@ -176,7 +176,9 @@ def _groups() -> list[list[str]]:
 
     mesh = init_device_mesh((2,), mesh_dim_names=("tp",))
     im = InspectedModel(_tp_model(mesh), mesh=mesh)
-    im.register_forward_hook("layers.0.*", group="first")
+    # the up projection's output is split over tp: its global shape says along which dim
+    im.register_forward_hook("layers.0.up", (B, 16), group="first")
+    im.register_forward_hook("layers.0.down", group="first")
     im.register_forward_hook("head", group="last")
     seen = []
     for groups in ("first", "last", None):
