@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "--nnodes and the same --rdzv-endpoint on every node. A failed worker makes "
                     "the command exit non-zero and its rank and traceback are printed last.",
         usage="hyperpar run [options] (SCRIPT | -m MODULE) [script args ...]",
+        epilog="environment: HYPERPAR_TIMEOUT=S collective timeout in seconds (default 300; "
+               "--timeout sets it); HYPERPAR_DEBUG_COLLECTIVES=1 checks every collective's "
+               "name, dtypes and shapes across ranks before issuing it (slow; names the "
+               "mismatching call and ranks).",
     )
     run.add_argument("-n", "--nproc-per-node", default="1", metavar="N",
                      help="processes per node (default 1; torchrun also accepts 'auto')")
@@ -73,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--devices", default=None, metavar="LIST",
                      help="devices made visible to the workers, e.g. 0,1 (sets the backend's "
                           "visible-devices variable, e.g. CUDA_VISIBLE_DEVICES)")
+    run.add_argument("--timeout", type=float, default=None, metavar="S",
+                     help="seconds a collective waits for its peers before failing; the "
+                          "failure then names the rank that did not reach it (sets "
+                          "HYPERPAR_TIMEOUT; default: HYPERPAR_TIMEOUT or 300)")
     run.add_argument("-q", "--quiet", action="store_true",
                      help="no launcher banner; workers get HYPERPAR_QUIET=1 (no progress lines)")
     run.add_argument("-m", "--module", action="store_true",
@@ -129,7 +137,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
         rdzv_endpoint=args.rdzv_endpoint, rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id,
         max_restarts=args.max_restarts, backend=args.backend, devices=args.devices,
-        quiet=args.quiet,
+        quiet=args.quiet, timeout_s=args.timeout,
     )
     return launch(opts)
 

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 QUIET_ENV = "HYPERPAR_QUIET"
+TIMEOUT_ENV = "HYPERPAR_TIMEOUT"
 
 
 class LaunchError(RuntimeError):
@@ -51,6 +52,7 @@ class LaunchOptions:
     backend: str | None = None
     devices: str | None = None
     quiet: bool = False
+    timeout_s: float | None = None
 
 
 @dataclass
@@ -62,6 +64,9 @@ class WorkerFailure:
     exitcode: int
     message: str
     traceback: str
+    # Set on the culprit named by a collective diagnosis (health.py): the rank that held up
+    # the others, with the reporting rank's traceback (where it waited).
+    blamed_by: int | None = None
 
 
 # --------------------------------------------------------------------------- preparation
@@ -83,11 +88,16 @@ def resolve_backend(name: str | None) -> tuple[str, str]:
     return platform.name, selection_rule()
 
 
-def worker_env(backend: str, devices: str | None, quiet: bool) -> dict[str, str]:
+def worker_env(backend: str, devices: str | None, quiet: bool,
+               timeout_s: float | None = None) -> dict[str, str]:
     """Environment variables every worker gets (on top of the launcher's own)."""
     from hyperpar.platform import backends
 
     env = {"HYPERPAR_BACKEND": backend}
+    if timeout_s is not None:
+        if not timeout_s > 0:
+            raise LaunchError(f"--timeout must be a positive number of seconds, got {timeout_s}")
+        env[TIMEOUT_ENV] = repr(float(timeout_s))
     if devices is not None:
         var = backends()[backend].cls.visible_devices_env
         if var is None:
@@ -137,6 +147,21 @@ def torchrun_args(opts: LaunchOptions) -> list[str]:
     return args
 
 
+def check_counts(opts: LaunchOptions) -> None:
+    """``-n`` and ``--nnodes`` name at least one process/node (torchrun asserts otherwise)."""
+    nproc = str(opts.nproc_per_node).strip()
+    if nproc not in ("auto", "cpu", "gpu", "xpu") and not (nproc.isdigit() and int(nproc) > 0):
+        raise LaunchError(
+            f"-n/--nproc-per-node must be a positive number of processes (or 'auto'), got "
+            f"{opts.nproc_per_node!r}; e.g. -n 2"
+        )
+    for part in str(opts.nnodes).split(":"):
+        if not (part.strip().isdigit() and int(part) > 0):
+            raise LaunchError(
+                f"--nnodes must be a positive number of nodes (or MIN:MAX), got {opts.nnodes!r}"
+            )
+
+
 def _check_devices_cover(opts: LaunchOptions) -> None:
     if opts.devices is None or not str(opts.nproc_per_node).isdigit():
         return
@@ -155,7 +180,7 @@ def launch(opts: LaunchOptions, *, out=None) -> int:
     On failure the last thing written to ``out`` (default stderr) is the failed workers' ranks,
     exit codes and tracebacks.
     """
-    from hyperpar.platform import BackendError
+    from hyperpar.platform import BackendError, backends
 
     out = out or sys.stderr
     if not opts.module and not os.path.isfile(opts.script):
@@ -168,9 +193,12 @@ def launch(opts: LaunchOptions, *, out=None) -> int:
             if named and opts.devices is not None:
                 # Restrict the devices before the availability probe: it sees what workers see.
                 os.environ.update(_visible_devices_only(named, opts.devices))
+            check_counts(opts)
             backend, rule = resolve_backend(opts.backend)
-            env = worker_env(backend, opts.devices, opts.quiet)
+            env = worker_env(backend, opts.devices, opts.quiet, opts.timeout_s)
             _check_devices_cover(opts)
+            if str(opts.nproc_per_node).isdigit():  # one rank per device on cuda/npu
+                backends()[backend].cls().check_world_fits(int(opts.nproc_per_node))
             args = torchrun_args(opts)
         except (BackendError, LaunchError) as exc:
             print(f"hyperpar run: error: {exc}", file=out)
@@ -233,8 +261,39 @@ def collect_failures(exc) -> list[WorkerFailure]:
         return (failure.exitcode < 0, precise)
 
     root_rank = min(exc.failures, key=when)
+    blamed = _diagnosed_culprit(exc, rows)
+    if blamed is not None:
+        root_rank = blamed.rank
+        rows = [r for r in rows if r.rank != root_rank] + [blamed]
     rows.sort(key=lambda r: (r.rank == root_rank, r.rank))
     return rows
+
+
+def _diagnosed_culprit(exc, rows: list[WorkerFailure]) -> WorkerFailure | None:
+    """The rank a failed collective's diagnosis blames (the rank that did not reach it), as a
+    failure row -- also when that rank itself exited 0 -- or ``None`` without a diagnosis."""
+    for rank in sorted(exc.failures):
+        message = exc.failures[rank].message
+        extra = message.get("extraInfo", {}) if isinstance(message, dict) else {}
+        culprits = extra.get("hyperpar_culprits")
+        if not culprits:
+            continue
+        culprit = int(culprits[0])
+        reporter = next(r for r in rows if r.rank == rank)
+        diagnosis = str(extra.get("hyperpar_diagnosis", reporter.message))
+        found = next((r for r in rows if r.rank == culprit), None)
+        if found is None:  # it finished without the collective (or runs on another node)
+            return WorkerFailure(culprit, -1, 0, f"{diagnosis} [rank {culprit} did not fail "
+                                 "on this node: it exited 0, or runs on another node]",
+                                 reporter.traceback, blamed_by=rank)
+        how = (f" [it was stopped by the launcher, signal {-found.exitcode}]"
+               if found.exitcode < 0 else "")
+        if found.traceback:  # it raised too: its own traceback says where it was
+            return WorkerFailure(found.rank, found.local_rank, found.exitcode,
+                                 f"{diagnosis} [then: {found.message}]", found.traceback)
+        return WorkerFailure(found.rank, found.local_rank, found.exitcode, diagnosis + how,
+                             reporter.traceback, blamed_by=rank)
+    return None
 
 
 _LAUNCH_FRAMES = (f"{os.sep}runpy.py", "<frozen runpy>", f"hyperpar{os.sep}launcher.py",
@@ -267,11 +326,22 @@ def format_failures(script: str, failures: Sequence[WorkerFailure]) -> str:
         lines += [f"  rank {f.rank} (local rank {f.local_rank}), exit code {f.exitcode}: "
                   f"{f.message.splitlines()[0] if f.message else ''}" for f in others]
     lines.append("-" * 72)
-    lines.append(f"first failure: rank {root.rank} (local rank {root.local_rank}), "
-                 f"exit code {root.exitcode}")
+    local = f"local rank {root.local_rank}" if root.local_rank >= 0 else "local rank ?"
+    if root.blamed_by is not None:
+        lines.append(f"culprit: rank {root.rank} ({local}), exit code {root.exitcode}")
+        if root.traceback:
+            lines.append(f"where rank {root.blamed_by} waited for it:")
+    else:
+        lines.append(f"first failure: rank {root.rank} ({local}), exit code {root.exitcode}")
     if root.traceback:
         lines.append(root.traceback.rstrip())
     lines.append(f"rank {root.rank}: {root.message}")
+    if root.exitcode == -6 and root.blamed_by is None:
+        lines.append(
+            f"(SIGABRT: a native abort, e.g. in the collective library; rank {root.rank}'s "
+            "Python stack is printed above, after 'Fatal Python error'. If the abort mentions "
+            "a size or collective mismatch, rerun with HYPERPAR_DEBUG_COLLECTIVES=1 to name "
+            "the call and the ranks that disagree.)")
     lines.append("=" * 72)
     return "\n".join(lines)
 
@@ -295,6 +365,18 @@ def _is_launch_frame(filename: str) -> bool:
         part in filename for part in _LAUNCH_FRAMES)
 
 
+def _blamed_error(exc: BaseException | None) -> BaseException | None:
+    """The first exception in ``exc``'s cause/context chain that names culprit ranks (a
+    :class:`hyperpar.platform.health.CollectiveError`, possibly wrapped by user code)."""
+    seen = 0
+    while exc is not None and seen < 20:
+        if getattr(exc, "culprits", None):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return None
+
+
 def _record_failure(exc: BaseException) -> str:
     """Write ``exc`` to torchrun's error file (its JSON format, plus a sub-second timestamp that
     orders failures within one second) and return the traceback without launcher frames."""
@@ -305,11 +387,12 @@ def _record_failure(exc: BaseException) -> str:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         now = time.time()
-        data = {"message": {
-            "message": f"{type(exc).__name__}: {exc}",
-            "extraInfo": {"py_callstack": text, "timestamp": str(int(now)),
-                          "hyperpar_time": repr(now)},
-        }}
+        extra = {"py_callstack": text, "timestamp": str(int(now)), "hyperpar_time": repr(now)}
+        blamed = _blamed_error(exc)
+        if blamed is not None:  # a collective failed because of other ranks: name them
+            extra["hyperpar_culprits"] = list(blamed.culprits)
+            extra["hyperpar_diagnosis"] = str(blamed).splitlines()[0]
+        data = {"message": {"message": f"{type(exc).__name__}: {exc}", "extraInfo": extra}}
         with open(path, "w") as fp:
             json.dump(data, fp)
     return text

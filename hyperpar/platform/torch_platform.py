@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import health
 from .base import REDUCE_OPS, Availability, Group, P2POp, Platform, RemovableHandle, Work
 
 _TORCH_OPS = {
@@ -414,6 +415,10 @@ class TorchPlatform(Platform):
         out = torch.empty_like(stacked)
         self.all_to_all_single(out.view(n, -1), stacked.view(n, -1), group=group)
         return torch.cat(out.unbind(0), dim=concat_dim)
+
+
+# Count collectives and, when one fails, name the rank that did not reach it (health.py).
+health.instrument(TorchPlatform)
 
 
 class HostDevicePlatform(TorchPlatform):

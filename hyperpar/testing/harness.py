@@ -25,6 +25,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from hyperpar.platform.health import diagnosis_grace_s
+
 DEFAULT_TIMEOUT_S = 120.0
 
 
@@ -42,6 +44,20 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _failure_report(exc: BaseException) -> tuple[str, list[int], str]:
+    """(traceback, culprit ranks, diagnosis) of an exception raised on a rank: a failed
+    collective's diagnosis (hyperpar.platform.health) names the ranks that held it up."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    seen: BaseException | None = exc
+    for _ in range(20):
+        if seen is None:
+            break
+        if getattr(seen, "culprits", None):
+            return text, [int(r) for r in seen.culprits], str(seen).splitlines()[0]
+        seen = seen.__cause__ or seen.__context__
+    return text, [], ""
 
 
 def _worker_main(rank: int, world_size: int, port: int, backend: str | None,
@@ -66,8 +82,8 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str | None,
 
         platform = get_platform()
         platform.init_process_group(timeout_s=collective_timeout_s)
-    except BaseException:
-        outbox.put((rank, None, False, traceback.format_exc()))
+    except BaseException as exc:
+        outbox.put((rank, None, False, _failure_report(exc)))
         return
     outbox.put((rank, None, True, "ready"))
     while True:
@@ -80,8 +96,8 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str | None,
             # Pickle here: a queue pickles in a background thread, where a failure would be
             # printed and lost, leaving the parent to wait for its timeout.
             payload = pickle.dumps(result)
-        except BaseException:
-            outbox.put((rank, task_id, False, traceback.format_exc()))
+        except BaseException as exc:
+            outbox.put((rank, task_id, False, _failure_report(exc)))
             continue
         outbox.put((rank, task_id, True, payload))
     try:
@@ -184,15 +200,23 @@ class WorkerPool:
             box.put((self._task, fn, args, kwargs))
         return self._collect(self._task, timeout_s, what=getattr(fn, "__qualname__", str(fn)))
 
+    def _dead(self, finished: dict[int, Any]) -> list[tuple[int, int | None]]:
+        return [(r, p.exitcode) for r, p in enumerate(self._procs)
+                if not p.is_alive() and r not in finished]
+
     def _collect(self, task_id: int | None, timeout_s: float, what: str) -> list[Any]:
         results: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout_s
+        # A collective that times out on a rank is diagnosed there (health.py: the ranks agree
+        # on who is behind, within a grace period); leave time for that report to arrive.
+        grace = 0.0
+        if self.collective_timeout_s <= timeout_s:
+            grace = diagnosis_grace_s(self.collective_timeout_s) + 2.0
+        deadline = time.monotonic() + timeout_s + grace
         while len(results) < self.world_size:
             try:
                 rank, tid, ok, value = self._outbox.get(timeout=0.2)
             except queue.Empty:
-                dead = [(r, p.exitcode) for r, p in enumerate(self._procs)
-                        if not p.is_alive() and r not in results]
+                dead = self._dead(results)
                 if dead:
                     self._kill()
                     r, code = dead[0]
@@ -203,22 +227,47 @@ class WorkerPool:
                 if time.monotonic() > deadline:
                     pending = sorted(set(range(self.world_size)) - set(results))
                     self._kill()
+                    done = sorted(results)
+                    also = (f" while ranks {done} finished: the ranks still running are "
+                            f"behind" if done else " (a collective waiting for a peer?)")
                     raise DistributedError(
                         f"{what}: timed out after {timeout_s:.0f} s; ranks {pending} never "
-                        f"finished (a collective waiting for a peer?)",
+                        f"finished{also}",
                         rank=pending[0],
                     ) from None
                 continue
             if tid != task_id:
                 continue  # a late answer of an earlier, failed task
             if not ok:
-                self._kill()
-                raise DistributedError(
-                    f"{what}: rank {rank} of {self.world_size} raised:\n{value}", rank=rank,
-                    remote_traceback=value,
-                )
+                raise self._failure(what, rank, *value)
             results[rank] = pickle.loads(value) if task_id is not None else value
         return [results[r] for r in range(self.world_size)]
+
+    def _failure(self, what: str, rank: int, tb: str, culprits: list[int],
+                 diagnosis: str) -> DistributedError:
+        """The error for ``rank``'s failure, blaming the rank that caused it: the one its
+        collective diagnosis names, else a rank that died meanwhile, else ``rank`` itself."""
+        if culprits:
+            self._kill()
+            return DistributedError(
+                f"{what}: {diagnosis}\n(reported by rank {rank} of {self.world_size}:)\n{tb}",
+                rank=culprits[0], remote_traceback=tb)
+        # A peer that died makes the survivors' collectives fail at once, often before the
+        # death is seen here: look for a dead rank for a moment before blaming this one.
+        until = time.monotonic() + 1.0
+        dead = self._dead({rank: None})
+        while not dead and time.monotonic() < until:
+            time.sleep(0.05)
+            dead = self._dead({rank: None})
+        crashed = [(r, code) for r, code in dead if code != 0]
+        self._kill()
+        if crashed:
+            r, code = crashed[0]
+            return DistributedError(
+                f"{what}: rank {r} died (exit code {code}) without reporting a result; rank "
+                f"{rank} then failed:\n{tb}", rank=r, remote_traceback=tb)
+        return DistributedError(f"{what}: rank {rank} of {self.world_size} raised:\n{tb}",
+                                rank=rank, remote_traceback=tb)
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
