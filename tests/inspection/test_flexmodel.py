@@ -279,6 +279,24 @@ def test_dropping_the_wrapper_takes_its_hooks_off_the_model():
     assert (before, during, after) == (0, 1, 0)
 
 
+def test_dropping_or_restoring_an_inspected_model_takes_its_hooks_off_the_model():
+    from hyperpar.inspect import InspectedModel
+
+    def hooks(m: nn.Module) -> int:
+        return sum(len(sub._forward_hooks) for sub in m.modules())
+
+    model = MyModel()
+    im = InspectedModel(model)
+    im.register_forward_hook("my_model.layers.*.mlp")
+    assert hooks(model) == 2
+    del im
+    gc.collect()
+    assert hooks(model) == 0
+    im = InspectedModel(model)
+    im.register_forward_hook("my_model.layers.0.mlp")
+    assert im.restore() is model and hooks(model) == 0
+
+
 def _sizes_error() -> str:
     from hyperpar.inspect import FlexModel
 
