@@ -46,6 +46,7 @@ _EXPORTS: dict[str, str] = {
     "VocabParallelEmbedding": "hyperpar.parallel",
     "PlanKeyError": "hyperpar.parallel",
     "UnsupportedModuleError": "hyperpar.parallel",
+    "AlreadyParallelizedError": "hyperpar.parallel",
     "data_parallel": "hyperpar.parallel",
     "DataParallelModule": "hyperpar.parallel",
     # fsdp
@@ -69,7 +70,6 @@ _EXPORTS: dict[str, str] = {
     "InspectedModel": "hyperpar.inspect",
     "HookFunction": "hyperpar.inspect",
     "ShapeMismatchError": "hyperpar.inspect",
-    "FlexModel": "hyperpar.inspect",
     # testing
     "run_distributed": "hyperpar.testing",
     "WorkerPool": "hyperpar.testing",

@@ -139,61 +139,9 @@ def local_shape_and_offset(shape: tuple[int, ...], placements: tuple[Placement, 
     return tuple(size), tuple(off)
 
 
-def _front(x: torch.Tensor, d: int) -> torch.Tensor:
-    return x.movedim(d, 0) if d else x
-
-
-def _back(x: torch.Tensor, d: int) -> torch.Tensor:
-    return x.movedim(0, d) if d else x
-
-
-def _pad_rows(y: torch.Tensor, rows: int) -> torch.Tensor:
-    if y.shape[0] == rows:
-        return y
-    return torch.cat([y, y.new_zeros((rows - y.shape[0],) + tuple(y.shape[1:]))])
-
-
-def _gather(x: torch.Tensor, d: int, full: int, n: int, group) -> torch.Tensor:
-    """All-gather the ``torch.chunk`` pieces of a dim of size ``full`` along ``d``."""
-    step = -(-full // n)
-    y = _pad_rows(_front(x, d), step).contiguous()
-    out = y.new_empty((n * step,) + tuple(y.shape[1:]))
-    get_platform().all_gather_into_tensor(out, y, group)
-    if step * n != full:
-        out = torch.cat([out[k * step:k * step + chunk_bounds(full, n, k)[1]] for k in range(n)])
-    return _back(out, d)
-
-
-def _reduce_scatter(x: torch.Tensor, d: int, n: int, index: int, op: str, group) -> torch.Tensor:
-    full = x.shape[d]
-    step = -(-full // n)
-    y = _pad_rows(_front(x, d), step * n).contiguous()
-    out = y.new_empty((step,) + tuple(y.shape[1:]))
-    get_platform().reduce_scatter_tensor(out, y, op, group)
-    length = chunk_bounds(full, n, index)[1]
-    if length != step:
-        out = out[:length]
-    return _back(out, d).contiguous()
-
-
-def _all_to_all(x: torch.Tensor, i: int, j: int, full_i: int, n: int, index: int,
-                group) -> torch.Tensor:
-    """Shard(i) -> Shard(j): send piece k (along j) to rank k, gather the pieces along i."""
-    full_j = x.shape[j]
-    send = [x.narrow(j, *chunk_bounds(full_j, n, k)).contiguous().reshape(-1) for k in range(n)]
-    my_j = chunk_bounds(full_j, n, index)[1]
-    recv_shapes = []
-    for k in range(n):
-        shape = list(x.shape)
-        shape[i] = chunk_bounds(full_i, n, k)[1]
-        shape[j] = my_j
-        recv_shapes.append(shape)
-    out_sizes = [int(torch.Size(s).numel()) for s in recv_shapes]
-    out = x.new_empty(sum(out_sizes))
-    get_platform().all_to_all_single(out, torch.cat(send), out_sizes,
-                                     [t.numel() for t in send], group)
-    pieces = [p.view(s) for p, s in zip(out.split(out_sizes), recv_shapes, strict=False)]
-    return torch.cat(pieces, dim=i)
+def _sizes(full: int, n: int) -> list[int]:
+    """Every rank's piece length when ``full`` elements are ``Shard``-ed over ``n`` ranks."""
+    return [chunk_bounds(full, n, k)[1] for k in range(n)]
 
 
 def run_plan(x: torch.Tensor, plan: tuple[Step, ...], mesh: DeviceMesh,
@@ -205,7 +153,8 @@ def run_plan(x: torch.Tensor, plan: tuple[Step, ...], mesh: DeviceMesh,
         n = mshape[m]
         group = mesh._groups[m]
         if kind == "gather":
-            x = _gather(x, a, _size_at(shape, before, coord, mshape, m, a), n, group)
+            full = _size_at(shape, before, coord, mshape, m, a)
+            x = get_platform().all_gather_along(x, a, group, sizes=_sizes(full, n))
         elif kind == "allreduce":
             x = x.clone(memory_format=torch.contiguous_format)
             get_platform().all_reduce(x, a, group)
@@ -213,10 +162,10 @@ def run_plan(x: torch.Tensor, plan: tuple[Step, ...], mesh: DeviceMesh,
             full = x.shape[a]
             x = x.narrow(a, *chunk_bounds(full, n, coord[m])).clone()
         elif kind == "reduce_scatter":
-            x = _reduce_scatter(x, a, n, coord[m], b, group)
+            x = get_platform().reduce_scatter_along(x, a, b, group)
         elif kind == "all_to_all":
-            x = _all_to_all(x, a, b, _size_at(shape, before, coord, mshape, m, a), n, coord[m],
-                            group)
+            full = _size_at(shape, before, coord, mshape, m, a)
+            x = get_platform().all_to_all_along(x, b, a, group, concat_sizes=_sizes(full, n))
         elif kind == "to_partial":
             if a == "sum" and coord[m] != 0:
                 x = torch.zeros_like(x)

@@ -9,18 +9,18 @@ from .api import PlanKeyError, distribute_module, parallelize_module
 from .data_parallel import DataParallelModule, data_parallel
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .loss import loss_parallel, vocab_parallel_cross_entropy
+from .prepare import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
 from .style import (
+    AlreadyParallelizedError,
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     UnsupportedModuleError,
 )
 
 __all__ = [
+    "AlreadyParallelizedError",
     "ColumnParallelLinear",
     "ColwiseParallel",
     "DataParallelModule",

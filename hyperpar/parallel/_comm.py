@@ -1,82 +1,79 @@
-"""Megatron-style communication primitives on *local* tensors.
+"""Tensor-parallel boundaries: the DTensor redistribution plan on a 1-D mesh, run on *local*
+tensors with the backward choices of tensor parallelism.
 
-These are the only collectives the tensor-parallel fast path issues. Each is an autograd
-function whose backward is chosen for tensor parallelism, which is not always the adjoint of
-the forward collective:
+Which collective a boundary issues is decided by the one planner,
+:func:`hyperpar.dtensor.redistribute.plan_redistribute` (a 1-D plan has one or two steps);
+the collectives along a dimension are the platform's
+(:class:`~hyperpar.platform.dim_collectives.DimCollectives`), uneven pieces included. This
+module only adds what a per-op DTensor does not know: each step's backward, chosen for tensor
+parallelism, which is not always the adjoint of the forward:
 
 =====================================  ==========================  ============================
-primitive                              forward                     backward
+step / primitive                       forward                     backward
 =====================================  ==========================  ============================
 :func:`copy_to_region` (Megatron f)    identity                    all-reduce (grads are partial)
-:func:`reduce_from_region` (g)         all-reduce                  identity (grad is replicated)
-:func:`gather_from_region`             all-gather along ``dim``    keep this rank's chunk
-:func:`scatter_to_region`              keep this rank's chunk      all-gather along ``dim``
-:func:`gather_from_sequence_region`    all-gather along ``dim``    reduce-scatter (partial grads)
-:func:`reduce_scatter_to_region`       reduce-scatter              all-gather
-:func:`all_to_all_region`              all-to-all                  all-to-all, dims swapped
+``allreduce`` (Megatron g)             all-reduce (in place)       identity (grad is replicated)
+``gather``                             all-gather along ``dim``    keep this rank's piece
+``chunk``                              keep this rank's piece      all-gather along ``dim``
+``reduce_scatter``                     reduce-scatter              all-gather
+``all_to_all``                         all-to-all                  all-to-all, dims swapped
+:func:`to_replicated_input`            all-gather (Shard input)    reduce-scatter (partial grads)
 =====================================  ==========================  ============================
 
-Everything goes through :func:`hyperpar.platform.get_platform` at call time; ``group`` is an
-opaque platform group handle (``None`` is the world group).
+Pieces follow ``torch.chunk`` (like DTensor's ``Shard``). A boundary that gathers a plain
+tensor declared ``Shard(d)`` does not know the other ranks' lengths: it exchanges them first
+(one small all-gather) and raises on every rank if they are not a ``torch.chunk`` split.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from hyperpar.dtensor.placement import Shard
+from hyperpar.dtensor.placement import Placement, Shard, chunk_bounds
+from hyperpar.dtensor.redistribute import plan_redistribute
 from hyperpar.platform import get_platform
 
 Group = Any
+Mesh = Any  # a 1-D hyperpar DeviceMesh
 
 
 def _norm_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
 
-def all_gather_along(tensor: torch.Tensor, dim: int, group: Group = None) -> torch.Tensor:
-    """Non-differentiable all-gather of equal-shaped ``tensor`` concatenated along ``dim``."""
-    platform = get_platform()
-    n = platform.world_size(group)
-    if n == 1:
-        return tensor
-    dim = _norm_dim(dim, tensor.dim())
-    flat = torch.empty((n * tensor.numel(),), dtype=tensor.dtype, device=tensor.device)
-    platform.all_gather_into_tensor(flat, tensor.contiguous().view(-1), group)
-    stacked = flat.view(n, *tensor.shape)
-    if dim == 0:
-        return stacked.view(n * tensor.shape[0], *tensor.shape[1:])
-    return torch.cat(stacked.unbind(0), dim=dim)
+def _sizes(full: int, n: int) -> tuple[int, ...]:
+    return tuple(chunk_bounds(full, n, k)[1] for k in range(n))
 
 
-def local_chunk(tensor: torch.Tensor, dim: int, group: Group = None) -> torch.Tensor:
-    """This rank's equal chunk of ``tensor`` along ``dim`` (contiguous copy)."""
-    platform = get_platform()
-    n = platform.world_size(group)
+def full_length(local: torch.Tensor, dim: int, mesh: Mesh) -> int:
+    """Global length along ``dim`` of a plain local piece laid out as ``Shard(dim)`` on the 1-D
+    ``mesh``: the pieces' lengths are exchanged (one small all-gather) and must be a
+    ``torch.chunk`` split, else every rank raises the same error."""
+    n = mesh.size(0)
     if n == 1:
-        return tensor
-    size = tensor.shape[dim]
-    if size % n:
+        return local.shape[dim]
+    lengths = get_platform().all_gather_sizes(local.shape[dim], mesh.get_group(0))
+    full = sum(lengths)
+    if tuple(lengths) != _sizes(full, n):
         raise ValueError(
-            f"cannot split dim {dim} of size {size} evenly over {n} ranks; tensor-parallel "
-            f"boundaries need sizes divisible by the mesh dimension"
+            f"tensor-parallel boundary: the local pieces laid out as Shard({dim}) have lengths "
+            f"{lengths} across the {n} ranks, but Shard({dim}) of a dim of size {full} means "
+            f"torch.chunk's pieces {list(_sizes(full, n))}; split the full tensor with "
+            f"torch.chunk (earlier ranks hold the longer pieces) or pass a DTensor"
         )
-    return tensor.chunk(n, dim)[platform.rank(group)].contiguous()
+    return full
 
 
-def all_reduce_out_of_place(tensor: torch.Tensor, group: Group = None,
-                            op: str = "sum") -> torch.Tensor:
-    out = tensor.contiguous().clone()
-    get_platform().all_reduce(out, op, group)
-    return out
+def _piece(x: torch.Tensor, dim: int, sizes: tuple[int, ...], index: int) -> torch.Tensor:
+    return x.narrow(dim, sum(sizes[:index]), sizes[index]).contiguous()
 
 
-class _CopyToRegion(torch.autograd.Function):
+# --------------------------------------------------------------------- autograd functions
+class _Copy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -84,34 +81,56 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce_out_of_place(grad, ctx.group), None
+        out = grad.contiguous().clone()
+        get_platform().all_reduce(out, "sum", ctx.group)
+        return out, None
 
 
-class _ReduceFromRegion(torch.autograd.Function):
+class _Reduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, op, group):
         if x.is_leaf or x._base is not None or not x.is_contiguous():
-            return all_reduce_out_of_place(x, group)
+            out = x.contiguous().clone()
+            get_platform().all_reduce(out, op, group)
+            return out
         # A fresh module output (a matmul's result): reduce in place, as Megatron does. Marked
         # dirty, so if anything had saved it for backward autograd raises instead of using it.
-        get_platform().all_reduce(x, "sum", group)
+        get_platform().all_reduce(x, op, group)
         ctx.mark_dirty(x)
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
-class _GatherFromRegion(torch.autograd.Function):
+class _Gather(torch.autograd.Function):
+    """All-gather forward; backward keeps this rank's piece of the replicated gradient."""
+
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return all_gather_along(x, dim, group)
+    def forward(ctx, x, dim, sizes, index, group):
+        ctx.args = (dim, sizes, index)
+        return get_platform().all_gather_along(x, dim, group, sizes=sizes)
 
     @staticmethod
     def backward(ctx, grad):
-        return local_chunk(grad, ctx.dim, ctx.group), None, None
+        return _piece(grad, *ctx.args), None, None, None, None
+
+
+class _GatherPartialGrad(torch.autograd.Function):
+    """All-gather forward; backward reduce-scatters the (partial) gradient to the piece."""
+
+    @staticmethod
+    def forward(ctx, x, dim, sizes, group):
+        ctx.args = (dim, sizes, group)
+        return get_platform().all_gather_along(x, dim, group, sizes=sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, sizes, group = ctx.args
+        out = get_platform().reduce_scatter_along(grad.contiguous(), dim, "sum", group,
+                                                  sizes=sizes)
+        return out, None, None, None
 
 
 class _RegatheredView(torch.autograd.Function):
@@ -119,157 +138,170 @@ class _RegatheredView(torch.autograd.Function):
     ``shard`` it came from: backward reduce-scatters the (partial) gradient to the shard."""
 
     @staticmethod
-    def forward(ctx, shard, gathered, dim, group):
-        ctx.dim, ctx.group = dim, group
+    def forward(ctx, shard, gathered, dim, sizes, group):
+        ctx.args = (dim, sizes, group)
         return gathered.view_as(gathered)
 
     @staticmethod
     def backward(ctx, grad):
-        platform = get_platform()
-        out = platform.reduce_scatter_autograd(grad.contiguous(), ctx.dim, "sum", ctx.group)
-        return out, None, None, None
+        dim, sizes, group = ctx.args
+        out = get_platform().reduce_scatter_along(grad.contiguous(), dim, "sum", group,
+                                                  sizes=sizes)
+        return out, None, None, None, None
 
 
-class _ScatterToRegion(torch.autograd.Function):
+class _Chunk(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return local_chunk(x, dim, group)
+    def forward(ctx, x, dim, index, group):
+        sizes = _sizes(x.shape[dim], get_platform().world_size(group))
+        ctx.args = (dim, sizes, group)
+        return _piece(x, dim, sizes, index)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather_along(grad, ctx.dim, ctx.group), None, None
+        dim, sizes, group = ctx.args
+        return get_platform().all_gather_along(grad, dim, group, sizes=sizes), None, None, None
 
 
-def _single(group: Group) -> bool:
-    return get_platform().world_size(group) == 1
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, op, group):
+        sizes = _sizes(x.shape[dim], get_platform().world_size(group))
+        ctx.args = (dim, sizes, group)
+        return get_platform().reduce_scatter_along(x, dim, op, group, sizes=sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, sizes, group = ctx.args
+        return get_platform().all_gather_along(grad, dim, group, sizes=sizes), None, None, None
 
 
+class _AllToAll(torch.autograd.Function):
+    """Shard(concat) -> Shard(split); backward is the same exchange the other way round."""
+
+    @staticmethod
+    def forward(ctx, x, split, concat, concat_sizes, group):
+        split_sizes = _sizes(x.shape[split], len(concat_sizes))
+        ctx.args = (split, concat, split_sizes, concat_sizes, group)
+        return get_platform().all_to_all_along(x, split, concat, group, split_sizes=split_sizes,
+                                               concat_sizes=concat_sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        split, concat, split_sizes, concat_sizes, group = ctx.args
+        out = get_platform().all_to_all_along(grad, concat, split, group,
+                                              split_sizes=concat_sizes, concat_sizes=split_sizes)
+        return out, None, None, None, None
+
+
+class _ToPartial(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, op, index):
+        return torch.zeros_like(x) if op == "sum" and index != 0 else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+# --------------------------------------------------------------------- primitives
 def copy_to_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Megatron's *f*: identity forward, all-reduce (sum) of the gradient backward."""
-    return x if _single(group) else _CopyToRegion.apply(x, group)
+    return x if get_platform().world_size(group) == 1 else _Copy.apply(x, group)
 
 
-def reduce_from_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """Megatron's *g*: all-reduce (sum) forward, identity backward."""
-    return x if _single(group) else _ReduceFromRegion.apply(x, group)
+def reduce_from_region(x: torch.Tensor, group: Group = None, op: str = "sum") -> torch.Tensor:
+    """Megatron's *g*: all-reduce forward (in place on a fresh output), identity backward."""
+    return x if get_platform().world_size(group) == 1 else _Reduce.apply(x, op, group)
 
 
-def gather_from_region(x: torch.Tensor, dim: int = -1, group: Group = None) -> torch.Tensor:
-    """All-gather along ``dim`` forward; backward keeps this rank's chunk of the (replicated)
-    gradient."""
-    return x if _single(group) else _GatherFromRegion.apply(x, dim, group)
+# gathered output id -> (weak ref to it, the shard it came from, dim, sizes, group). Kept beside
+# the tensor, not on it: an attribute would make user-visible outputs unpicklable (a process
+# group) and would travel with the tensor into user code.
+_GATHERED_FROM: dict[int, tuple[weakref.ref, torch.Tensor, int, tuple[int, ...], Group]] = {}
 
 
-def scatter_to_region(x: torch.Tensor, dim: int = -1, group: Group = None) -> torch.Tensor:
-    """Keep this rank's chunk along ``dim`` forward; all-gather the gradient backward."""
-    return x if _single(group) else _ScatterToRegion.apply(x, dim, group)
-
-
-def gather_from_sequence_region(x: torch.Tensor, dim: int = 1,
-                                group: Group = None) -> torch.Tensor:
-    """All-gather along ``dim`` forward; reduce-scatter (sum) of partial gradients backward."""
-    if _single(group):
-        return x
-    return get_platform().all_gather_autograd(x.contiguous(), _norm_dim(dim, x.dim()), group)
-
-
-def reduce_scatter_to_region(x: torch.Tensor, dim: int = 1, group: Group = None) -> torch.Tensor:
-    """Reduce-scatter (sum) along ``dim`` forward; all-gather of the gradient backward."""
-    if _single(group):
-        return x
-    return get_platform().reduce_scatter_autograd(x.contiguous(), _norm_dim(dim, x.dim()), "sum",
-                                                  group)
-
-
-def all_to_all_region(x: torch.Tensor, split_dim: int, concat_dim: int,
-                      group: Group = None) -> torch.Tensor:
-    """Re-shard from ``concat_dim`` to ``split_dim`` (an all-to-all); differentiable."""
-    if _single(group):
-        return x
-    return get_platform().all_to_all_autograd(
-        x.contiguous(), _norm_dim(split_dim, x.dim()), _norm_dim(concat_dim, x.dim()), group
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# Placement transitions on local tensors (one mesh dimension).
-# Convention (the DTensor one): the gradient of a value laid out as ``dst`` arrives laid out as
-# ``grad_placements_of(dst)`` (a replicated value has a full, identical gradient on every rank),
-# and backward re-lays it out as ``src``.
-
-
-def _shard_dim(placement: Any, ndim: int) -> int | None:
-    if isinstance(placement, Shard):
-        return _norm_dim(placement.dim, ndim)
-    return None
-
-
-def _keep(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return x
-
-
-# gathered output id -> (weak ref to it, the shard it came from, dim, group). Kept beside the
-# tensor, not on it: an attribute would make user-visible outputs unpicklable (a process group)
-# and would travel with the tensor into user code.
-_GATHERED_FROM: dict[int, tuple[weakref.ref, torch.Tensor, int, Group]] = {}
-
-
-def _remember_gather(out: torch.Tensor, shard: torch.Tensor, dim: int, group: Group) -> None:
+def _remember_gather(out: torch.Tensor, shard: torch.Tensor, dim: int,
+                     sizes: tuple[int, ...], group: Group) -> None:
     key = id(out)
-    _GATHERED_FROM[key] = (weakref.ref(out), shard, dim, group)
+    _GATHERED_FROM[key] = (weakref.ref(out), shard, dim, sizes, group)
     weakref.finalize(out, _GATHERED_FROM.pop, key, None)
 
 
-def _gathered_origin(x: torch.Tensor) -> tuple[torch.Tensor, int, Group] | None:
+def _gathered_origin(x: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, ...], Group] | None:
     entry = _GATHERED_FROM.get(id(x))
     if entry is None or entry[0]() is not x:
         return None
-    return entry[1], entry[2], entry[3]
+    return entry[1], entry[2], entry[3], entry[4]
 
 
-def _gather_tagged(dim: int) -> Callable[[torch.Tensor, Group], torch.Tensor]:
-    def run(x: torch.Tensor, group: Group) -> torch.Tensor:
-        out = gather_from_region(x, dim, group)
-        if out is not x:
-            # Let a column-parallel consumer route its (partial) gradient straight back to the
-            # shard with one reduce-scatter instead of all-reduce + slice (to_replicated_input).
-            _remember_gather(out, x, dim, group)
-        return out
-    return run
+# --------------------------------------------------------------------- the boundary
+def _resolve(p: Placement, ndim: int) -> Placement:
+    return Shard(p.dim + ndim) if type(p) is Shard and p.dim < 0 else p
 
 
 @functools.lru_cache(maxsize=512)
-def transition(src: Any, dst: Any, ndim: int) -> Callable[[torch.Tensor, Group], torch.Tensor]:
-    """The function ``(local, group) -> local`` that re-lays out a local piece of an
-    ``ndim``-dim tensor from placement ``src`` to ``dst`` on one mesh dimension (cached: the
-    boundaries of a model resolve once)."""
-    s, d = _shard_dim(src, ndim), _shard_dim(dst, ndim)
-    if s is not None and d is not None:
-        if s == d:
-            return _keep
-        return lambda x, g: all_to_all_region(x, split_dim=d, concat_dim=s, group=g)
-    if src == dst:
-        return _keep
-    if s is not None and dst.is_replicate():
-        return _gather_tagged(s)
-    if src.is_replicate() and d is not None:
-        return lambda x, g: scatter_to_region(x, d, g)
-    if src.is_partial("sum") and dst.is_replicate():
-        return reduce_from_region
-    if src.is_partial("sum") and d is not None:
-        return lambda x, g: reduce_scatter_to_region(x, d, g)
-    raise NotImplementedError(
-        f"tensor-parallel boundary: redistributing {src!r} -> {dst!r} is not supported on the "
-        f"fast path (supported: Shard<->Replicate, Shard(i)->Shard(j), Partial('sum')->"
-        f"Replicate/Shard)"
-    )
+def _steps(src: Placement, dst: Placement, ndim: int, mesh: Mesh) -> tuple[tuple, ...]:
+    """The redistribution plan ``src -> dst`` on the 1-D ``mesh``, with what running it needs
+    (``(kind, arg1, arg2, group, mesh size, this rank's index)`` per step); cached, so a
+    model's boundaries resolve once. 1-D plans do not depend on the tensor's shape."""
+    s, d = _resolve(src, ndim), _resolve(dst, ndim)
+    group, n, index = mesh.get_group(0), mesh.size(0), mesh.get_local_rank(0)
+    return tuple((kind, a, b, group, n, index)
+                 for kind, _, _, a, b in plan_redistribute(mesh, (s,), (d,), ()))
 
 
-def redistribute_local(x: torch.Tensor, src: Any, dst: Any, group: Group = None) -> torch.Tensor:
-    """Re-lay out ``x`` (this rank's local piece under placement ``src``) as ``dst``, both
-    placements of one mesh dimension whose process group is ``group``. Differentiable."""
-    return transition(src, dst, x.dim())(x, group)
+def needs_full_length(src: Placement, dst: Placement, ndim: int, mesh: Mesh) -> bool:
+    """Whether ``src -> dst`` must know the other ranks' lengths along ``src``'s shard dim."""
+    return any(step[0] in ("gather", "all_to_all") for step in _steps(src, dst, ndim, mesh))
+
+
+def redistribute_boundary(x: torch.Tensor, src: Placement, dst: Placement, mesh: Mesh, *,
+                          full: int | None = None, tag_gather: bool = True) -> torch.Tensor:
+    """Re-lay out ``x``, this rank's piece under ``src``, as ``dst`` on the 1-D ``mesh`` (the
+    DTensor plan, the tensor-parallel backward). Differentiable.
+
+    ``full`` is the global length along ``src``'s shard dim when the caller knows it (a
+    DTensor's shape, a weight's size); otherwise a gather exchanges the lengths first.
+    """
+    steps = _steps(src, dst, x.dim(), mesh)
+    for kind, a, b, group, n, index in steps:
+        if kind == "gather":
+            if full is None:
+                full = full_length(x, a, mesh)
+            sizes = _sizes(full, n)
+            shard, x = x, _Gather.apply(x, a, sizes, index, group)
+            if tag_gather:
+                # Let a column-parallel consumer route its (partial) gradient straight back to
+                # the shard with one reduce-scatter instead of all-reduce + slice.
+                _remember_gather(x, shard, a, sizes, group)
+        elif kind == "allreduce":
+            x = _Reduce.apply(x, a, group)
+        elif kind == "chunk":
+            x = _Chunk.apply(x, a, index, group)
+        elif kind == "reduce_scatter":
+            x = _ReduceScatter.apply(x, a, b, group)
+        elif kind == "all_to_all":
+            if full is None:
+                full = full_length(x, a, mesh)
+            x = _AllToAll.apply(x, b, a, _sizes(full, n), group)
+        elif kind == "to_partial":
+            x = _ToPartial.apply(x, a, index)
+        else:  # pragma: no cover
+            raise AssertionError(kind)
+    return x
+
+
+def gather_ids(x: torch.Tensor, src: Placement, mesh: Mesh, full: int | None = None
+               ) -> torch.Tensor:
+    """Token ids (no gradient) laid out as ``src`` made replicated."""
+    if type(src) is not Shard or mesh.size(0) == 1:
+        return x
+    dim = _norm_dim(src.dim, x.dim())
+    if full is None:
+        full = full_length(x, dim, mesh)
+    return get_platform().all_gather_along(x, dim, mesh.get_group(0),
+                                           sizes=_sizes(full, mesh.size(0)))
 
 
 class _LastInputMemo:
@@ -290,8 +322,6 @@ class _LastInputMemo:
         return None
 
     def put(self, key: Any, x: Any, layout: Any, out: torch.Tensor) -> None:
-        import weakref
-
         try:
             ref = weakref.ref(x)
         except TypeError:
@@ -305,33 +335,30 @@ class _LastInputMemo:
 _MEMO = _LastInputMemo()
 
 
-def to_replicated_input(x: torch.Tensor, src: Any, group: Group = None, *,
-                        memo_key: Any = None, memo_of: Any = None) -> torch.Tensor:
+def to_replicated_input(x: torch.Tensor, src: Placement, mesh: Mesh, *,
+                        full: int | None = None) -> torch.Tensor:
     """Prepare the input of a column-parallel matmul: replicate ``x`` (laid out as ``src``)
     knowing that the gradient coming back is *partial* (each rank saw only its columns).
 
     ``Replicate`` -> Megatron's f (all-reduce in backward); ``Shard(i)`` -> all-gather forward,
-    reduce-scatter backward. ``memo_of`` (the caller's original input object) enables sharing
-    the conversion between sibling projections.
+    reduce-scatter backward (uneven pieces included; ``full`` as in
+    :func:`redistribute_boundary`); ``Partial`` -> all-reduce, then f.
     """
-    if memo_of is not None:
-        hit = _MEMO.get(memo_key, memo_of, src)
-        if hit is not None:
-            return hit
-    s = _shard_dim(src, x.dim())
-    origin = _gathered_origin(x)
-    if s is not None:
-        out = gather_from_sequence_region(x, s, group)
-    elif src.is_replicate() and origin is not None and origin[2] == group:
-        shard, dim, _ = origin
-        out = _RegatheredView.apply(shard, x.detach(), dim, group)
-    elif src.is_replicate():
-        out = copy_to_region(x, group)
-    elif src.is_partial("sum"):
+    group = mesh.get_group(0)
+    if mesh.size(0) == 1:
+        return x
+    if type(src) is Shard:
+        dim = _norm_dim(src.dim, x.dim())
+        if full is None:
+            full = full_length(x, dim, mesh)
+        return _GatherPartialGrad.apply(x, dim, _sizes(full, mesh.size(0)), group)
+    if src.is_replicate():
+        origin = _gathered_origin(x)
+        if origin is not None and origin[3] == group:
+            shard, dim, sizes, _ = origin
+            return _RegatheredView.apply(shard, x.detach(), dim, sizes, group)
+        return _Copy.apply(x, group)
+    if src.is_partial():
         # reduce now; the replicated value then feeds a column-parallel matmul (partial grads)
-        out = copy_to_region(reduce_from_region(x, group), group)
-    else:
-        raise NotImplementedError(f"column-parallel input laid out as {src!r} is not supported")
-    if memo_of is not None and out is not x:
-        _MEMO.put(memo_key, memo_of, src, out)
-    return out
+        return _Copy.apply(_Reduce.apply(x, src.reduce_op, group), group)
+    raise NotImplementedError(f"column-parallel input laid out as {src!r} is not supported")

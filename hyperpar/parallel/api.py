@@ -15,7 +15,12 @@ from torch import nn
 
 from hyperpar.platform import get_platform
 
-from .style import ParallelStyle, UnsupportedModuleError
+from .style import (
+    AlreadyParallelizedError,
+    ParallelStyle,
+    UnsupportedModuleError,
+    replicate_params,
+)
 
 __all__ = ["distribute_module", "parallelize_module"]
 
@@ -25,30 +30,10 @@ class PlanKeyError(ValueError):
 
 
 def _resolve_mesh(device_mesh: Any, tp_mesh_dim: str | int | None) -> Any:
-    from hyperpar.dtensor.mesh import current_mesh
+    from hyperpar.dtensor.mesh import _require_mesh
 
-    mesh = device_mesh if device_mesh is not None else current_mesh()
-    if mesh is None:
-        raise ValueError("parallelize_module: no device_mesh given and no mesh is current "
-                         "(pass device_mesh=init_device_mesh(...) or use `with mesh:`)")
-    if tp_mesh_dim is not None:
-        if isinstance(tp_mesh_dim, int):
-            if mesh.ndim == 1 and tp_mesh_dim == 0:
-                return mesh
-            names = mesh.mesh_dim_names
-            if not names:
-                raise ValueError("tp_mesh_dim as an index needs a mesh with mesh_dim_names")
-            tp_mesh_dim = names[tp_mesh_dim]
-        return mesh if mesh.ndim == 1 and mesh.mesh_dim_names in (None, (tp_mesh_dim,)) \
-            else mesh[tp_mesh_dim]
-    if mesh.ndim == 1:
-        return mesh
-    if mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names:
-        return mesh["tp"]
-    raise ValueError(
-        f"parallelize_module got a {mesh.ndim}-D mesh {mesh!r} without a 'tp' dimension; pass "
-        f"the tensor-parallel sub-mesh (mesh['<name>']) or tp_mesh_dim='<name>'"
-    )
+    # a 1-D mesh whole, else dim tp_mesh_dim (name or index), else the dim named "tp"
+    return _require_mesh(device_mesh, "parallelize_module").get_mesh(tp_mesh_dim, default="tp")
 
 
 def _candidates(module: nn.Module) -> list[str]:
@@ -57,17 +42,8 @@ def _candidates(module: nn.Module) -> list[str]:
     return sorted(set(names) | generic)
 
 
-def _apply_style(style: Any, module: nn.Module, mesh: Any, fqn: str, src_data_rank: int | None
-                 ) -> None:
-    if isinstance(style, Mapping):
-        _parallelize(module, mesh, dict(style), src_data_rank, fqn)
-        return
-    if not isinstance(style, ParallelStyle):
-        raise TypeError(
-            f"plan entry for {fqn or 'the root module'!r} must be a hyperpar ParallelStyle or a "
-            f"nested plan dict, got {type(style).__module__}.{type(style).__name__} (import the "
-            f"styles from hyperpar, not torch.distributed.tensor.parallel)"
-        )
+def _apply_style(style: ParallelStyle, module: nn.Module, mesh: Any, fqn: str,
+                 src_data_rank: int | None) -> None:
     style.src_data_rank = src_data_rank
     try:
         style._apply(module, mesh)
@@ -76,6 +52,7 @@ def _apply_style(style: Any, module: nn.Module, mesh: Any, fqn: str, src_data_ra
             f"cannot apply {type(style).__name__} to {fqn or '<root>'!r} "
             f"({type(module).__module__}.{type(module).__name__}): {err}"
         ) from None
+    style._mark_applied(module)
 
 
 def _match(module: nn.Module, atoms: list[str]) -> list[tuple[str, nn.Module]]:
@@ -108,20 +85,32 @@ def parallelize_module(module: nn.Module, device_mesh: Any = None,
         warnings.warn("parallelize_module: no parallelize_plan given; the module is unchanged",
                       stacklevel=2)
         return module
-    return _parallelize(module, mesh, parallelize_plan, src_data_rank, "")
+    # Resolve and check the whole plan first: a bad entry must leave the model untouched.
+    entries = _resolve_plan(module, parallelize_plan, "")
+    pending: dict[int, dict[str, str]] = {}
+    for fqn, sub, style in entries:
+        style._check_applicable(sub, fqn, pending.get(id(sub)))
+        pending.setdefault(id(sub), {}).update({c: repr(style) for c in style._claimed()})
+    for fqn, sub, style in entries:
+        _apply_style(style, sub, mesh, fqn, src_data_rank)
+    return module
 
 
-def _parallelize(module: nn.Module, mesh: Any, parallelize_plan: Any,
-                 src_data_rank: int | None, _prefix: str) -> nn.Module:
-    if isinstance(parallelize_plan, ParallelStyle):
-        _apply_style(parallelize_plan, module, mesh, _prefix, src_data_rank)
-        return module
-    if not isinstance(parallelize_plan, Mapping):
+def _resolve_plan(module: nn.Module, plan: Any, _prefix: str
+                  ) -> list[tuple[str, nn.Module, ParallelStyle]]:
+    """``(path, module, style)`` for every entry of ``plan`` (nested dicts expanded), in
+    application order; raises on a bad entry without changing anything."""
+    if isinstance(plan, ParallelStyle):
+        return [(_prefix, module, plan)]
+    if not isinstance(plan, Mapping):
+        what = "parallelize_plan" if not _prefix else f"plan entry for {_prefix!r}"
         raise TypeError(
-            f"parallelize_plan must be a ParallelStyle or a dict {{fqn: style}}, got "
-            f"{type(parallelize_plan).__name__}"
+            f"{what} must be a hyperpar ParallelStyle or a dict {{fqn: style}}, got "
+            f"{type(plan).__module__}.{type(plan).__name__} (import the styles from hyperpar, "
+            f"not torch.distributed.tensor.parallel)"
         )
-    for key, style in parallelize_plan.items():
+    entries = []
+    for key, style in plan.items():
         if not isinstance(key, str) or not key:
             raise PlanKeyError(f"plan keys must be non-empty module paths, got {key!r}")
         matches = _match(module, key.split("."))
@@ -134,9 +123,8 @@ def _parallelize(module: nn.Module, mesh: Any, parallelize_plan: Any,
                 f"closest: {hint}"
             )
         for fqn, sub in matches:
-            full = f"{_prefix}.{fqn}" if _prefix else fqn
-            _apply_style(style, sub, mesh, full, src_data_rank)
-    return module
+            entries += _resolve_plan(sub, style, f"{_prefix}.{fqn}" if _prefix else fqn)
+    return entries
 
 
 def distribute_module(module: nn.Module, device_mesh: Any = None,
@@ -152,25 +140,17 @@ def distribute_module(module: nn.Module, device_mesh: Any = None,
     replacement. The forward then runs with per-op DTensor dispatch -- use the styles for the
     fast path.
     """
-    from hyperpar.dtensor import DTensor, Replicate, distribute_tensor
     from hyperpar.dtensor.mesh import _require_mesh
 
     mesh = _require_mesh(device_mesh, "distribute_module")
     platform = get_platform()
-    if getattr(module, "_hyperpar_distributed", False):
-        raise RuntimeError(f"distribute_module: {type(module).__name__} is already distributed")
+    _check_not_parallelized(module)
     module._hyperpar_distributed = True  # type: ignore[assignment]
 
-    def replicate_all(name: str, sub: nn.Module, mesh_: Any) -> None:
-        for pname, param in list(sub._parameters.items()):
-            if param is not None and not isinstance(param, DTensor):
-                dt = distribute_tensor(param.detach(), mesh_, [Replicate()] * mesh_.ndim)
-                platform.set_parameter(sub, pname, dt)
-
     for name, sub in module.named_modules():
-        (partition_fn or replicate_all)(name, sub, mesh)
         if partition_fn is not None:
-            replicate_all(name, sub, mesh)
+            partition_fn(name, sub, mesh)
+        replicate_params(sub, mesh, recurse=False)
     if input_fn is not None:
         platform.register_forward_pre_hook(module, lambda mod, args: input_fn(mod, args, mesh))
     if output_fn is not None:
@@ -178,3 +158,24 @@ def distribute_module(module: nn.Module, device_mesh: Any = None,
             module, lambda mod, args, out: output_fn(mod, out, mesh)
         )
     return module
+
+
+def _check_not_parallelized(module: nn.Module) -> None:
+    from hyperpar.dtensor import DTensor
+
+    for fqn, sub in module.named_modules():
+        where = f"{fqn!r}" if fqn else "the root module"
+        styles = getattr(sub, "_hyperpar_parallel", None)
+        if getattr(sub, "_hyperpar_distributed", False) or styles:
+            how = "distribute_module" if not styles else ", ".join(sorted(set(styles.values())))
+            raise AlreadyParallelizedError(
+                f"distribute_module: {where} ({type(sub).__name__}) is already parallelized "
+                f"({how} was applied to it); applying distribute_module again would hook it "
+                f"twice. Rebuild the model and distribute the fresh one"
+            )
+        done = [n for n, p in sub.named_parameters(recurse=False) if isinstance(p, DTensor)]
+        if done:
+            raise AlreadyParallelizedError(
+                f"distribute_module: parameters {done[:3]} of {where} ({type(sub).__name__}) are "
+                f"DTensors already; distribute_module takes a module with plain parameters"
+            )

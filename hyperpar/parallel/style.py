@@ -23,19 +23,18 @@ from hyperpar.platform import get_platform
 
 from ._comm import (
     _MEMO,
-    all_gather_along,
     copy_to_region,
-    redistribute_local,
+    full_length,
+    gather_ids,
+    redistribute_boundary,
     to_replicated_input,
 )
 
 __all__ = [
     "ColwiseParallel",
     "ParallelStyle",
-    "PrepareModuleInput",
-    "PrepareModuleInputOutput",
-    "PrepareModuleOutput",
     "RowwiseParallel",
+    "AlreadyParallelizedError",
     "SequenceParallel",
     "UnsupportedModuleError",
 ]
@@ -43,6 +42,15 @@ __all__ = [
 
 class UnsupportedModuleError(TypeError):
     """A style was applied to a module type it cannot shard."""
+
+
+class AlreadyParallelizedError(RuntimeError):
+    """A style (or ``distribute_module``) was applied to a module that is already parallelized
+    in the same respect; applying it again would run its boundary hooks twice."""
+
+
+# module attribute: {claim ("parameters" / "inputs" / "outputs" / a style name): style repr}
+_APPLIED = "_hyperpar_parallel"
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -82,42 +90,65 @@ def _one_d(device_mesh: Any, style: Any) -> Any:
     return device_mesh
 
 
-def _local_and_layout(x: Any, default: Placement) -> tuple[torch.Tensor, Placement]:
-    """``(local tensor, its placement)`` of a module input: a DTensor carries its placement;
-    a plain tensor is taken to be laid out as ``default``."""
+def _local_and_layout(x: Any, default: Placement
+                      ) -> tuple[torch.Tensor, Placement, int | None]:
+    """``(local tensor, its placement, global length along its shard dim)`` of a module input:
+    a DTensor carries its placement and shape; a plain tensor is taken to be laid out as
+    ``default`` and its global length is unknown (``None``)."""
     if isinstance(x, _dtensor_cls()):
         if len(x.placements) != 1:
             raise ValueError(f"expected a DTensor on a 1-D mesh, got placements {x.placements}")
-        return x.to_local(), x.placements[0]
+        p = x.placements[0]
+        return x.to_local(), p, (x.shape[p.dim] if type(p) is Shard else None)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"expected a tensor input, got {type(x).__name__}")
-    return x, default
+    return x, default, None
 
 
-def _wrap(y: torch.Tensor, mesh: Any, placement: Placement, use_local_output: bool) -> Any:
+def _global_shape(local: torch.Tensor, placement: Placement, full: int | None,
+                  mesh: Any) -> tuple[int, ...]:
+    """The global shape of ``local`` laid out as ``placement`` (``full``: the global length
+    along its shard dim, exchanged between ranks when not known)."""
+    shape = list(local.shape)
+    if type(placement) is Shard:
+        d = placement.dim % local.dim()
+        shape[d] = full if full is not None else full_length(local, d, mesh)
+    return tuple(shape)
+
+
+def _wrap(y: torch.Tensor, mesh: Any, placement: Placement, use_local_output: bool,
+          shape: tuple[int, ...] | None = None) -> Any:
     if use_local_output:
         return y
-    return _dtensor_cls().from_local(y, mesh, (placement,), run_check=False)
+    if shape is None:
+        shape = _global_shape(y, placement, None, mesh)
+    return _dtensor_cls().from_local(y, mesh, (placement,), run_check=False, shape=shape)
 
 
-def _distribute_param(module: nn.Module, name: str, mesh: Any, placement: Placement,
+def _distribute_param(module: nn.Module, name: str, mesh: Any,
+                      placement: Placement | tuple[Placement, ...],
                       src_data_rank: int | None) -> None:
     from hyperpar.dtensor import distribute_tensor
 
     param = module._parameters.get(name)
     if param is None or isinstance(param, _dtensor_cls()):
         return
-    dt = distribute_tensor(param.detach(), mesh, (placement,), src_data_rank=src_data_rank)
+    placements = placement if isinstance(placement, tuple) else (placement,)
+    dt = distribute_tensor(param.detach(), mesh, placements, src_data_rank=src_data_rank)
     get_platform().set_parameter(module, name, dt)
 
 
-def _replicate_params(module: nn.Module, mesh: Any, src_data_rank: int | None
-                      ) -> list[tuple[nn.Module, str]]:
+def replicate_params(module: nn.Module, mesh: Any, src_data_rank: int | None = 0, *,
+                     recurse: bool = True) -> list[tuple[nn.Module, str]]:
+    """Make every parameter of ``module`` (and its submodules unless ``recurse=False``) that is
+    not a DTensor yet a replicated DTensor on ``mesh`` (any number of dims); return the
+    ``(owner, name)`` of every parameter."""
     owners = []
-    for sub in module.modules():
+    everywhere = (Replicate(),) * mesh.ndim
+    for sub in module.modules() if recurse else (module,):
         for name in list(sub._parameters):
             if sub._parameters[name] is not None:
-                _distribute_param(sub, name, mesh, Replicate(), src_data_rank)
+                _distribute_param(sub, name, mesh, everywhere, src_data_rank)
                 owners.append((sub, name))
     return owners
 
@@ -183,14 +214,57 @@ class ParallelStyle(abc.ABC):
     full parameters are scattered (``None``: every rank keeps its own chunk)."""
 
     src_data_rank: int | None = 0
+    #: What this style takes over on a module. Two styles claiming one thing on the same module
+    #: would both run (outputs doubled, parameters re-sharded): that is an error. ``None``:
+    #: the style's class name (a custom style may be applied once per module).
+    _claims: tuple[str, ...] | None = None
 
     @abc.abstractmethod
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         """Shard ``module`` in place over ``device_mesh`` and return it."""
 
     def apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        """Public spelling of :meth:`_apply`."""
-        return self._apply(module, device_mesh)
+        """Public spelling of :meth:`_apply` (refuses an already-parallelized module)."""
+        self._check_applicable(module, "")
+        self._apply(module, device_mesh)
+        self._mark_applied(module)
+        return module
+
+    def _claimed(self) -> tuple[str, ...]:
+        return self._claims if self._claims is not None else (type(self).__name__,)
+
+    def _check_applicable(self, module: nn.Module, fqn: str,
+                          pending: dict[str, str] | None = None) -> None:
+        """Raise :class:`AlreadyParallelizedError` if ``module`` (at path ``fqn``) already has
+        a style claiming what this one claims, or -- for a style that shards parameters --
+        parameters that are already DTensors. ``pending``: claims made earlier in the same
+        plan, not yet applied. Changes nothing."""
+        where = f"{fqn!r}" if fqn else "the root module"
+        done = {**getattr(module, _APPLIED, {}), **(pending or {})}
+        for claim in self._claimed():
+            if claim in done:
+                raise AlreadyParallelizedError(
+                    f"{where} ({type(module).__name__}) is already parallelized: {done[claim]} "
+                    f"was applied to it, and {self!r} would take over its {claim} again (its "
+                    f"hooks would run twice: outputs doubled, parameters re-sharded). Apply a "
+                    f"plan once per module; to change it, rebuild the model and parallelize the "
+                    f"fresh one"
+                )
+        if "parameters" in self._claimed():
+            dtensor = _dtensor_cls()
+            done_params = [n for n, p in module.named_parameters() if isinstance(p, dtensor)]
+            if done_params:
+                raise AlreadyParallelizedError(
+                    f"{where} ({type(module).__name__}) is already parallelized: its parameters "
+                    f"{done_params[:3]} are DTensors already (distribute_module, a parallel "
+                    f"style or distribute_tensor made them); {self!r} cannot shard them again. "
+                    f"Apply it to the plain module, before any other sharding"
+                )
+
+    def _mark_applied(self, module: nn.Module) -> None:
+        record = dict(getattr(module, _APPLIED, {}))
+        record.update({claim: repr(self) for claim in self._claimed()})
+        module.__dict__[_APPLIED] = record
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if k != "src_data_rank")
@@ -207,6 +281,7 @@ class ColwiseParallel(ParallelStyle):
     converted to ``output_layouts`` (default ``Shard(-1)``); a local tensor unless
     ``use_local_output=False``.
     """
+    _claims = ("parameters",)
 
     def __init__(self, *, input_layouts: Any = None, output_layouts: Any = None,
                  use_local_output: bool = True) -> None:
@@ -225,22 +300,25 @@ class ColwiseParallel(ParallelStyle):
         if platform.is_linear(module):
             for name in ("weight", "bias"):
                 _distribute_param(module, name, mesh, Shard(0), self.src_data_rank)
+            out_full = module.weight.shape[0]  # the DTensor's global shape
 
             def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
                 x = args[0]
                 hit = _MEMO.get(group, x, src_default)
                 if hit is None:
-                    local, src = _local_and_layout(x, src_default)
-                    hit = to_replicated_input(local, src, group)
+                    local, src, full = _local_and_layout(x, src_default)
+                    hit = to_replicated_input(local, src, mesh, full=full)
                     if hit is not x:
                         _MEMO.put(group, x, src_default, hit)
                 return (hit, *args[1:]), kwargs
 
         elif platform.is_embedding(module):
             _distribute_param(module, "weight", mesh, Shard(1), self.src_data_rank)
+            out_full = module.weight.shape[1]
 
             def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-                return (_replicated_ids(args[0], src_default, group), *args[1:]), kwargs
+                local, src, full = _local_and_layout(args[0], src_default)
+                return (gather_ids(local, src, mesh, full), *args[1:]), kwargs
 
         else:
             raise UnsupportedModuleError(
@@ -249,21 +327,13 @@ class ColwiseParallel(ParallelStyle):
             )
 
         def after(mod: nn.Module, y: torch.Tensor, saved: dict) -> Any:
-            y = redistribute_local(y, _LAST, dst, group)
-            return _wrap(y, mesh, dst, use_local)
+            shape = None if use_local else (*y.shape[:-1], out_full)
+            y = redistribute_boundary(y, _LAST, dst, mesh, full=out_full)
+            return _wrap(y, mesh, dst, use_local, shape)
 
         names = ("weight", "bias") if platform.is_linear(module) else ("weight",)
         _LocalForward([(module, n, _identity) for n in names], before, after).install(module)
         return module
-
-
-def _replicated_ids(x: Any, src: Placement, group: Any) -> torch.Tensor:
-    """Token ids (no gradient) made replicated."""
-    if isinstance(x, _dtensor_cls()):
-        return x.full_tensor()
-    if isinstance(src, Shard):
-        return all_gather_along(x, src.dim, group)
-    return x
 
 
 class RowwiseParallel(ParallelStyle):
@@ -275,6 +345,7 @@ class RowwiseParallel(ParallelStyle):
     ``Replicate()``) or reduce-scattered to ``Shard(d)`` (sequence parallelism); a local
     tensor unless ``use_local_output=False``.
     """
+    _claims = ("parameters",)
 
     def __init__(self, *, input_layouts: Any = None, output_layouts: Any = None,
                  use_local_output: bool = True) -> None:
@@ -298,8 +369,8 @@ class RowwiseParallel(ParallelStyle):
             params = [(module, "weight", _identity), (module, "bias", _hide)]
 
             def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-                local, src = _local_and_layout(args[0], src_default)
-                local = redistribute_local(local, src, _LAST, group)
+                local, src, full = _local_and_layout(args[0], src_default)
+                local = redistribute_boundary(local, src, _LAST, mesh, full=full)
                 return (local, *args[1:]), kwargs
 
             def finish(mod: nn.Module, y: torch.Tensor, saved: dict) -> torch.Tensor:
@@ -320,8 +391,8 @@ class RowwiseParallel(ParallelStyle):
             start, length = chunk_bounds(vocab, n, rank)
 
             def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-                ids = _replicated_ids(args[0], src_default, group)
-                local_ids = ids - start
+                local, src, full = _local_and_layout(args[0], src_default)
+                local_ids = gather_ids(local, src, mesh, full) - start
                 outside = (local_ids < 0) | (local_ids >= length)
                 state["outside"] = outside
                 return (local_ids.masked_fill(outside, 0), *args[1:]), kwargs
@@ -339,8 +410,9 @@ class RowwiseParallel(ParallelStyle):
             outside = state.pop("outside", None)
             if outside is not None:
                 y = y.masked_fill(outside.unsqueeze(-1), 0.0)
-            y = redistribute_local(y, _PARTIAL, dst, group)
-            return _wrap(finish(mod, y, saved), mesh, dst, use_local)
+            shape = None if use_local else tuple(y.shape)
+            y = redistribute_boundary(y, _PARTIAL, dst, mesh)
+            return _wrap(finish(mod, y, saved), mesh, dst, use_local, shape)
 
         _LocalForward(params, before, after).install(module)
         return module
@@ -351,6 +423,7 @@ class SequenceParallel(ParallelStyle):
     the sequence: parameters are replicated (their gradients are all-reduced), the input is
     taken as / made ``Shard(sequence_dim)``; the output is a ``Shard(sequence_dim)`` DTensor
     unless ``use_local_output=True``."""
+    _claims = ("parameters",)
 
     def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False) -> None:
         self.sequence_sharding = (Shard(sequence_dim),)
@@ -361,168 +434,29 @@ class SequenceParallel(ParallelStyle):
         group = mesh.get_group(0)
         seq = self.sequence_sharding[0]
         use_local = self.use_local_output
-        owners = _replicate_params(module, mesh, self.src_data_rank)
+        owners = replicate_params(module, mesh, self.src_data_rank)
         grad_sum = lambda local: copy_to_region(local, group)  # partial grads from the slice
+
+        state: dict[str, Any] = {}
 
         def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if not args or not isinstance(args[0], torch.Tensor):
                 return args, kwargs
-            local, src = _local_and_layout(args[0], seq)
-            local = redistribute_local(local, src, seq, group)
+            local, src, full = _local_and_layout(args[0], seq)
+            if not use_local:  # the output DTensor needs the global sequence length
+                d = seq.dim % local.dim()
+                # A plain sequence-sharded input is taken to be split evenly, as torch does:
+                # exchanging lengths here would cost a collective per norm (see the docs).
+                even = local.shape[d] * mesh.size(0) if src == seq else local.shape[d]
+                state["full"] = full if full is not None else even
+            local = redistribute_boundary(local, src, seq, mesh, full=full)
             return (local, *args[1:]), kwargs
 
         def after(mod: nn.Module, y: Any, saved: dict) -> Any:
-            if not isinstance(y, torch.Tensor):
+            full = state.pop("full", None)
+            if not isinstance(y, torch.Tensor) or use_local:
                 return y
-            return _wrap(y, mesh, seq, use_local)
+            return _wrap(y, mesh, seq, use_local, _global_shape(y, seq, full, mesh))
 
         _LocalForward([(o, n, grad_sum) for o, n in owners], before, after).install(module)
-        return module
-
-
-# ---------------------------------------------------------------------------------- prepare
-def _convert(x: Any, layout: Placement | None, desired: Placement | None, mesh: Any,
-             use_local: bool, what: str) -> Any:
-    if layout is None:
-        return x
-    if desired is None:
-        raise ValueError(f"{what}: a desired layout is required where a layout is given")
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{what}: expected a tensor for layout {layout!r}, got {type(x).__name__}")
-    local, src = _local_and_layout(x, layout)
-    y = redistribute_local(local, src, desired, mesh.get_group(0))
-    return _wrap(y, mesh, desired, use_local)
-
-
-def _layouts(value: Any) -> tuple[Placement | None, ...] | None:
-    if value is None:
-        return None
-    if isinstance(value, tuple | list):
-        return tuple(as_placement(v) for v in value)
-    return (as_placement(value),)
-
-
-def _kw_layouts(value: Any) -> dict[str, Placement | None]:
-    return {k: as_placement(v) for k, v in (value or {}).items()}
-
-
-class PrepareModuleInput(ParallelStyle):
-    """Convert a module's inputs (positional: ``input_layouts`` -> ``desired_input_layouts``,
-    one entry per argument, ``None`` passes through; keyword: the ``*_kwarg_layouts`` dicts)
-    before its forward. Inputs come out as DTensors unless ``use_local_output=True``."""
-
-    def __init__(self, *, input_layouts: Any = None, desired_input_layouts: Any = None,
-                 input_kwarg_layouts: dict[str, Any] | None = None,
-                 desired_input_kwarg_layouts: dict[str, Any] | None = None,
-                 use_local_output: bool = False) -> None:
-        self.input_layouts = _layouts(input_layouts)
-        self.desired_input_layouts = _layouts(desired_input_layouts)
-        self.input_kwarg_layouts = _kw_layouts(input_kwarg_layouts)
-        self.desired_input_kwarg_layouts = _kw_layouts(desired_input_kwarg_layouts)
-        self.use_local_output = use_local_output
-        if (self.input_layouts is None) != (self.desired_input_layouts is None) or (
-            self.input_layouts is not None
-            and len(self.input_layouts) != len(self.desired_input_layouts)
-        ):
-            raise ValueError(
-                f"input_layouts {self.input_layouts} and desired_input_layouts "
-                f"{self.desired_input_layouts} must have the same length"
-            )
-        if set(self.input_kwarg_layouts) != set(self.desired_input_kwarg_layouts):
-            raise ValueError(
-                f"input_kwarg_layouts keys {sorted(self.input_kwarg_layouts)} and "
-                f"desired_input_kwarg_layouts keys {sorted(self.desired_input_kwarg_layouts)} "
-                f"must match"
-            )
-
-    def _prepare(self, args: tuple, kwargs: dict, mesh: Any) -> tuple[tuple, dict]:
-        if self.input_layouts is not None:
-            if len(args) < len(self.input_layouts):
-                raise ValueError(
-                    f"PrepareModuleInput: {len(self.input_layouts)} input layouts given but the "
-                    f"module got {len(args)} positional inputs"
-                )
-            args = tuple(
-                _convert(a, lay, want, mesh, self.use_local_output, f"input {i}")
-                for i, (a, lay, want) in enumerate(
-                    zip(args, self.input_layouts, self.desired_input_layouts, strict=False))
-            ) + tuple(args[len(self.input_layouts):])
-        if self.input_kwarg_layouts:
-            kwargs = dict(kwargs)
-            for key, lay in self.input_kwarg_layouts.items():
-                if key in kwargs:
-                    kwargs[key] = _convert(kwargs[key], lay, self.desired_input_kwarg_layouts[key],
-                                           mesh, self.use_local_output, f"input {key!r}")
-        return args, kwargs
-
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        mesh = _one_d(device_mesh, self)
-        get_platform().register_forward_pre_hook(
-            module, lambda mod, args, kwargs: self._prepare(args, kwargs, mesh), with_kwargs=True
-        )
-        return module
-
-
-class PrepareModuleOutput(ParallelStyle):
-    """Convert a module's outputs (a tensor or a tuple; ``None`` entries pass through) from
-    ``output_layouts`` to ``desired_output_layouts`` after its forward; local tensors unless
-    ``use_local_output=False``."""
-
-    def __init__(self, *, output_layouts: Any, desired_output_layouts: Any,
-                 use_local_output: bool = True) -> None:
-        self.output_layouts = _layouts(output_layouts)
-        self.desired_output_layouts = _layouts(desired_output_layouts)
-        self.use_local_output = use_local_output
-        if len(self.output_layouts) != len(self.desired_output_layouts):
-            raise ValueError(
-                f"output_layouts {self.output_layouts} and desired_output_layouts "
-                f"{self.desired_output_layouts} must have the same length"
-            )
-
-    def _prepare(self, outputs: Any, mesh: Any) -> Any:
-        single = not isinstance(outputs, tuple)
-        items = (outputs,) if single else outputs
-        if len(items) != len(self.output_layouts):
-            raise ValueError(
-                f"PrepareModuleOutput: {len(self.output_layouts)} output layouts given but the "
-                f"module returned {len(items)} outputs"
-            )
-        out = tuple(
-            _convert(o, lay, want, mesh, self.use_local_output, f"output {i}")
-            for i, (o, lay, want) in enumerate(
-                zip(items, self.output_layouts, self.desired_output_layouts, strict=True))
-        )
-        return out[0] if single else out
-
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        mesh = _one_d(device_mesh, self)
-        get_platform().register_forward_hook(
-            module, lambda mod, args, outputs: self._prepare(outputs, mesh)
-        )
-        return module
-
-
-class PrepareModuleInputOutput(ParallelStyle):
-    """:class:`PrepareModuleInput` and :class:`PrepareModuleOutput` on one module
-    (``use_local_input`` is the former's ``use_local_output``)."""
-
-    def __init__(self, *, input_layouts: Any = None, desired_input_layouts: Any = None,
-                 input_kwarg_layouts: dict[str, Any] | None = None,
-                 desired_input_kwarg_layouts: dict[str, Any] | None = None,
-                 use_local_input: bool = False, output_layouts: Any,
-                 desired_output_layouts: Any, use_local_output: bool = True) -> None:
-        self.prepare_module_input = PrepareModuleInput(
-            input_layouts=input_layouts, desired_input_layouts=desired_input_layouts,
-            input_kwarg_layouts=input_kwarg_layouts,
-            desired_input_kwarg_layouts=desired_input_kwarg_layouts,
-            use_local_output=use_local_input,
-        )
-        self.prepare_module_output = PrepareModuleOutput(
-            output_layouts=output_layouts, desired_output_layouts=desired_output_layouts,
-            use_local_output=use_local_output,
-        )
-
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        self.prepare_module_input._apply(module, device_mesh)
-        self.prepare_module_output._apply(module, device_mesh)
         return module

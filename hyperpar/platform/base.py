@@ -32,6 +32,8 @@ from typing import Any, ClassVar, Literal, Protocol
 import torch
 from torch import nn
 
+from .dim_collectives import DimCollectives
+
 #: Reduction names accepted by every reducing collective.
 REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "max", "min", "product")
 
@@ -76,7 +78,7 @@ class P2POp:
     tag: int = 0
 
 
-class Platform(abc.ABC):
+class Platform(DimCollectives, abc.ABC):
     """Abstract hardware platform. Subclasses must implement every abstract member.
 
     Class attributes every backend sets:

@@ -130,3 +130,35 @@ def test_each_transition_uses_one_collective_and_plans_are_cached(run_on_ranks):
     assert kinds == {"S->R": ["gather"], "P->R": ["allreduce"], "P->S": ["reduce_scatter"],
                      "R->S": ["chunk"], "S->S": ["all_to_all"], "R->P": ["to_partial"]}
     assert cached
+
+
+def _dim_collectives_with_uneven_pieces():
+    """The platform's collectives along a dim (the ones redistribution and the TP boundaries
+    use) on torch.chunk pieces of every length, every dim, against one process."""
+    from hyperpar.dtensor.placement import chunk_bounds
+    from hyperpar.platform import get_platform
+
+    platform = get_platform()
+    n, rank = platform.world_size(), platform.rank()
+    checked = 0
+    for size in range(0, 2 * n + 2):
+        for dim in range(3):
+            shape = [3, 2, 4]
+            shape[dim] = size
+            full = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
+            sizes = [chunk_bounds(size, n, k)[1] for k in range(n)]
+            mine = full.narrow(dim, *chunk_bounds(size, n, rank))
+            assert torch.equal(platform.all_gather_along(mine, dim, sizes=sizes), full)
+            summed = platform.reduce_scatter_along(full * (rank + 1), dim)
+            assert torch.equal(summed, mine * sum(range(1, n + 1)))
+            other = (dim + 1) % 3
+            moved = platform.all_to_all_along(mine, other, dim, concat_sizes=sizes)
+            assert torch.equal(moved, full.narrow(other, *chunk_bounds(full.shape[other], n,
+                                                                        rank)))
+            checked += 1
+    return checked
+
+
+def test_dim_collectives_gather_scatter_and_exchange_uneven_pieces(run_on_ranks):
+    for world_size in (2, 4):
+        assert run_on_ranks(world_size, _dim_collectives_with_uneven_pieces)[0] > 0
