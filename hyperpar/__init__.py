@@ -70,6 +70,7 @@ _EXPORTS: dict[str, str] = {
     "InspectedModel": "hyperpar.inspect",
     "HookFunction": "hyperpar.inspect",
     "ShapeMismatchError": "hyperpar.inspect",
+    "FlexModel": "hyperpar.inspect",
     # testing
     "run_distributed": "hyperpar.testing",
     "WorkerPool": "hyperpar.testing",
