@@ -31,7 +31,8 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike, *, strict: bool 
     files lazily and reads, per model tensor, only its own box (``safe_open(...).get_slice``):
     a Shard(0)-on-N parameter costs each rank 1/N of the bytes. Values are cast to the model's
     dtype. ``key_map(model_key) -> file_key`` renames; ``strict`` as in :func:`load` (missing
-    and unexpected keys raise on every rank). Collective.
+    and unexpected keys raise on every rank). A tied parameter (``lm_head.weight`` that *is*
+    ``embed.weight``) is not missing when the file holds it under one of its names. Collective.
     """
     files = _weight_map(os.fspath(path))
     state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
@@ -45,9 +46,10 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike, *, strict: bool 
             if shape != list(value.shape):
                 problems.append(f"{key!r} has global shape {list(value.shape)} in the model "
                                 f"but {shape} in {files[name]}")
+    found = {k for k, n in names.items() if n in files}
+    tied_found = {k for group in _tied(model) if found & set(group) for k in group}
     gathered = get_platform().all_gather_object(
-        (sorted(n for n in names.values() if n in files),
-         sorted(k for k, n in names.items() if n not in files), problems))
+        (sorted(names[k] for k in found), sorted(set(state) - found - tied_found), problems))
     used = {n for g in gathered for n in g[0]}
     missing = sorted({k for g in gathered for k in g[1]})
     unexpected = sorted(set(files) - used)
@@ -70,6 +72,14 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike, *, strict: bool 
         error = exc
     agree_or_raise(error)
     return LoadResult(missing, unexpected)
+
+
+def _tied(model: nn.Module) -> list[list[str]]:
+    """Names that share one parameter (weight tying), in groups of two or more."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return [g for g in groups.values() if len(g) > 1]
 
 
 def _weight_map(path: str) -> dict[str, str]:

@@ -162,6 +162,8 @@ class _HFModel(nn.Module):
                           (self.norm, "norm.weight")):
             mod.weight = nn.Parameter(distribute_tensor(torch.zeros(HF[name]), mesh,
                                                         _placements(HF_LAYOUT[name])))
+        self.head = nn.Module()
+        self.head.weight = self.embed.weight  # tied: the file holds it as embed.weight only
 
 
 def _load_hf(path: str) -> tuple[dict[str, bool], int, int]:
