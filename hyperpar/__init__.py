@@ -18,6 +18,7 @@ _EXPORTS: dict[str, str] = {
     "get_platform": "hyperpar.platform",
     "set_backend": "hyperpar.platform",
     "BackendError": "hyperpar.platform",
+    "DeviceCapacityError": "hyperpar.platform",
     "P2POp": "hyperpar.platform",
     # dtensor
     "DeviceMesh": "hyperpar.dtensor",

@@ -1,6 +1,13 @@
 """The platform layer: the Platform contract, TorchPlatform and the backend registry."""
 
-from .base import REDUCE_OPS, Availability, P2POp, Platform, abstract_members
+from .base import (
+    REDUCE_OPS,
+    Availability,
+    DeviceCapacityError,
+    P2POp,
+    Platform,
+    abstract_members,
+)
 from .hookspecs import ENTRY_POINT_GROUP, hookimpl
 from .registry import (
     BackendError,
@@ -20,6 +27,7 @@ __all__ = [
     "Availability",
     "BackendError",
     "BackendInfo",
+    "DeviceCapacityError",
     "P2POp",
     "Platform",
     "abstract_members",

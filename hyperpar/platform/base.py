@@ -10,6 +10,11 @@ with :func:`hyperpar.platform.get_platform`. The contract has four facets and no
 4. collectives & groups -- process groups and the collectives a parallel runtime needs, plus
                            autograd-aware versions of the four bulk collectives.
 
+Only what a backend must decide is abstract: the device, process groups and seven collectives.
+Everything else (hooks, module detection, blocking and single point-to-point calls, object
+collectives, the differentiable collectives, memory counters) is a concrete, documented default
+built on those members, which a backend may override; the conformance kit checks both kinds.
+
 Conventions used by every collective below:
 
 * ``group=None`` means the default (world) group. A group is an opaque handle returned by
@@ -25,6 +30,9 @@ Conventions used by every collective below:
 from __future__ import annotations
 
 import abc
+import os
+import pickle
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol
@@ -32,6 +40,7 @@ from typing import Any, ClassVar, Literal, Protocol
 import torch
 from torch import nn
 
+from . import autograd
 from .dim_collectives import DimCollectives
 
 #: Reduction names accepted by every reducing collective.
@@ -51,6 +60,14 @@ class RemovableHandle(Protocol):
     """Handle returned by hook registration; ``remove()`` unregisters the hook."""
 
     def remove(self) -> None: ...
+
+
+class BackendError(RuntimeError):
+    """A backend cannot be found, loaded, validated or used."""
+
+
+class DeviceCapacityError(BackendError):
+    """More ranks were asked for on this host than the backend's devices can hold."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +96,8 @@ class P2POp:
 
 
 class Platform(DimCollectives, abc.ABC):
-    """Abstract hardware platform. Subclasses must implement every abstract member.
+    """Abstract hardware platform. Subclasses must implement every abstract member and may
+    override any concrete one.
 
     Class attributes every backend sets:
 
@@ -88,6 +106,10 @@ class Platform(DimCollectives, abc.ABC):
     * ``dist_backend`` -- the collective library name (``"gloo"``, ``"nccl"``, ``"hccl"``).
     * ``priority`` -- auto-detection order; the highest available backend wins (cpu is 0).
     * ``visible_devices_env`` -- environment variable restricting visible devices, or ``None``.
+    * ``ranks_share_device`` -- whether several ranks of one host may use the same device
+      (host tensors: yes; NCCL and HCCL need one device per rank: no, the default).
+    * ``linear_types`` / ``embedding_types`` / ``norm_types`` -- module classes recognised by
+      the module-detection facet; extend them for fused device-specific layers.
     """
 
     name: ClassVar[str]
@@ -95,6 +117,15 @@ class Platform(DimCollectives, abc.ABC):
     dist_backend: ClassVar[str]
     priority: ClassVar[int] = 0
     visible_devices_env: ClassVar[str | None] = None
+    ranks_share_device: ClassVar[bool] = False
+    linear_types: ClassVar[tuple[type, ...]] = (nn.Linear,)
+    embedding_types: ClassVar[tuple[type, ...]] = (nn.Embedding,)
+    norm_types: ClassVar[tuple[type, ...]] = tuple(
+        t for t in (
+            nn.LayerNorm, getattr(nn, "RMSNorm", None), nn.GroupNorm,
+            nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm,
+        ) if t is not None
+    )
 
     # ------------------------------------------------------------------ identity & device
     @classmethod
@@ -114,9 +145,10 @@ class Platform(DimCollectives, abc.ABC):
     def set_device(self, index: int) -> None:
         """Make device ``index`` current for this process (no-op where meaningless)."""
 
-    @abc.abstractmethod
     def current_device(self) -> int:
-        """Index of this process's current device."""
+        """Index of this process's current device (default: the index of :meth:`device`)."""
+        index = self.device().index
+        return 0 if index is None else int(index)
 
     @abc.abstractmethod
     def synchronize(self) -> None:
@@ -134,55 +166,85 @@ class Platform(DimCollectives, abc.ABC):
     def set_rng_state(self, state: torch.Tensor) -> None:
         """Restore a state returned by :meth:`get_rng_state`."""
 
-    @abc.abstractmethod
     def memory_stats(self) -> dict[str, int]:
-        """Memory counters in bytes; at least ``allocated`` and ``max_allocated`` (0 if unknown)."""
+        """Memory counters in bytes; at least ``allocated`` and ``max_allocated`` (0 if unknown,
+        which is the default)."""
+        return {"allocated": 0, "max_allocated": 0}
+
+    def max_local_ranks(self) -> int | None:
+        """Most ranks this host can run: ``None`` (no limit) when ranks share a device, else
+        :meth:`device_count` -- one device per rank."""
+        return None if self.ranks_share_device else self.device_count()
+
+    def check_world_fits(self, local_ranks: int) -> None:
+        """Raise :class:`DeviceCapacityError` (before any process group exists) when
+        ``local_ranks`` ranks on this host need more devices than are visible."""
+        limit = self.max_local_ranks()
+        if limit is None or local_ranks <= limit:
+            return
+        env = self.visible_devices_env
+        shown = f" ({env}={os.environ[env]!r})" if env and env in os.environ else ""
+        devices = f"{limit} {self.device_type} device{'' if limit == 1 else 's'}"
+        fix = f"run with -n {limit}, make" if limit else "make"
+        raise DeviceCapacityError(
+            f"{local_ranks} ranks but {devices} visible{shown}: {self.dist_backend.upper()} "
+            f"needs one device per rank; {fix} more devices visible, or use the cpu backend"
+        )
 
     # ------------------------------------------------------------------ module detection
-    @abc.abstractmethod
     def is_module_class(self, obj: object) -> bool:
         """True if ``obj`` is a class whose instances are modules (for deferred construction)."""
+        return isinstance(obj, type) and issubclass(obj, nn.Module)
 
-    @abc.abstractmethod
     def is_linear(self, module: nn.Module) -> bool:
         """True for an affine layer ``y = x W^T + b`` with ``weight`` of shape (out, in)."""
+        return isinstance(module, self.linear_types)
 
-    @abc.abstractmethod
     def is_embedding(self, module: nn.Module) -> bool:
         """True for a lookup table with ``weight`` of shape (num_embeddings, embedding_dim)."""
+        return isinstance(module, self.embedding_types)
 
-    @abc.abstractmethod
     def is_norm(self, module: nn.Module) -> bool:
         """True for a normalisation layer (LayerNorm, RMSNorm, BatchNorm, GroupNorm...)."""
+        # User-defined RMSNorm classes are common (Llama); recognise them by name too.
+        return isinstance(module, self.norm_types) or bool(
+            _NORM_NAME.search(type(module).__name__)
+        )
 
-    @abc.abstractmethod
     def set_parameter(self, module: nn.Module, name: str, value: torch.Tensor) -> nn.Parameter:
         """Replace parameter ``name`` (a direct attribute of ``module``) by ``value``.
 
         ``value`` is wrapped in ``nn.Parameter`` keeping the old ``requires_grad``; the new
         parameter is registered and returned.
         """
+        if "." in name:
+            raise ValueError(f"set_parameter takes a direct attribute name, got {name!r}")
+        old = module._parameters.get(name)
+        requires_grad = old.requires_grad if old is not None else value.requires_grad
+        param = value if isinstance(value, nn.Parameter) else nn.Parameter(value, requires_grad)
+        module.register_parameter(name, param)
+        return param
 
     # ------------------------------------------------------------------ hooks
-    @abc.abstractmethod
     def register_forward_pre_hook(
         self, module: nn.Module, hook: Callable[..., Any], *, with_kwargs: bool = False,
         prepend: bool = False,
     ) -> RemovableHandle:
         """``hook(module, args[, kwargs])`` before forward; may return replacement inputs."""
+        return module.register_forward_pre_hook(hook, with_kwargs=with_kwargs, prepend=prepend)
 
-    @abc.abstractmethod
     def register_forward_hook(
         self, module: nn.Module, hook: Callable[..., Any], *, with_kwargs: bool = False,
         prepend: bool = False,
     ) -> RemovableHandle:
         """``hook(module, args, [kwargs,] output)`` after forward; may return a new output."""
+        return module.register_forward_hook(hook, with_kwargs=with_kwargs, prepend=prepend)
 
-    @abc.abstractmethod
     def register_full_backward_hook(
         self, module: nn.Module, hook: Callable[..., Any], *, prepend: bool = False
     ) -> RemovableHandle:
         """``hook(module, grad_input, grad_output)`` in backward; may return new grad_input."""
+        return module.register_full_backward_hook(hook, prepend=prepend)
 
     # ------------------------------------------------------------------ process groups
     @abc.abstractmethod
@@ -194,7 +256,9 @@ class Platform(DimCollectives, abc.ABC):
 
         Missing arguments come from the torchrun environment (``RANK``, ``WORLD_SIZE``,
         ``MASTER_ADDR``, ``MASTER_PORT``). ``timeout_s`` bounds every later collective
-        (default: ``HYPERPAR_TIMEOUT`` seconds, else 300). Idempotent.
+        (default: ``HYPERPAR_TIMEOUT`` seconds, else 300). Idempotent. Calls
+        :meth:`check_world_fits` with the ranks on this host (``LOCAL_WORLD_SIZE``, else the
+        world size) first, so too many ranks fail clearly on every rank.
         """
 
     @abc.abstractmethod
@@ -264,44 +328,68 @@ class Platform(DimCollectives, abc.ABC):
         """In place: every rank's ``tensor`` becomes global rank ``src``'s ``tensor``."""
 
     @abc.abstractmethod
-    def send(self, tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> None:
-        """Blocking send of ``tensor`` to global rank ``dst``."""
-
-    @abc.abstractmethod
-    def recv(self, tensor: torch.Tensor, src: int, group: Group = None, tag: int = 0) -> None:
-        """Blocking receive from global rank ``src`` into ``tensor`` (shape/dtype must match)."""
-
-    @abc.abstractmethod
-    def isend(self, tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> Work:
-        """Non-blocking :meth:`send`."""
-
-    @abc.abstractmethod
-    def irecv(self, tensor: torch.Tensor, src: int, group: Group = None, tag: int = 0) -> Work:
-        """Non-blocking :meth:`recv`."""
-
-    @abc.abstractmethod
     def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Work]:
         """Start every send/recv in ``ops`` together (deadlock-free regardless of order on the
-        two sides) and return their handles."""
+        two sides) and return their handles. The point-to-point primitive: the default
+        :meth:`isend`, :meth:`irecv`, :meth:`send` and :meth:`recv` call it, so implement it
+        without them (or override them too)."""
 
     @abc.abstractmethod
     def barrier(self, group: Group = None) -> None:
         """Block until every rank of ``group`` has reached the barrier."""
 
-    @abc.abstractmethod
+    def isend(self, tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> Work:
+        """Non-blocking send of ``tensor`` to global rank ``dst``."""
+        return self.batch_isend_irecv([P2POp("send", tensor, dst, group, tag)])[0]
+
+    def irecv(self, tensor: torch.Tensor, src: int, group: Group = None, tag: int = 0) -> Work:
+        """Non-blocking receive from global rank ``src`` into ``tensor``."""
+        return self.batch_isend_irecv([P2POp("recv", tensor, src, group, tag)])[0]
+
+    def send(self, tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> None:
+        """Blocking send of ``tensor`` to global rank ``dst``."""
+        self.isend(tensor, dst, group, tag).wait()
+
+    def recv(self, tensor: torch.Tensor, src: int, group: Group = None, tag: int = 0) -> None:
+        """Blocking receive from global rank ``src`` into ``tensor`` (shape/dtype must match)."""
+        self.irecv(tensor, src, group, tag).wait()
+
     def all_gather_object(self, obj: Any, group: Group = None) -> list[Any]:
-        """Picklable ``obj`` from every rank of ``group``, in group-rank order (slow path)."""
+        """Picklable ``obj`` from every rank of ``group``, in group-rank order (slow path).
 
-    @abc.abstractmethod
+        Default: pickled bytes padded to the longest and all-gathered as a ``uint8`` tensor."""
+        n, dev = self.world_size(group), self.device()
+        data = _to_bytes(obj, dev)
+        sizes = torch.empty(n, dtype=torch.int64, device=dev)
+        self.all_gather_into_tensor(
+            sizes, torch.tensor([data.numel()], dtype=torch.int64, device=dev), group)
+        longest = int(sizes.max())
+        padded = torch.zeros(longest, dtype=torch.uint8, device=dev)
+        padded[: data.numel()] = data
+        rows = torch.empty(n * longest, dtype=torch.uint8, device=dev)
+        self.all_gather_into_tensor(rows, padded, group)
+        rows = rows.view(n, longest)
+        return [_from_bytes(rows[i, : int(sizes[i])]) for i in range(n)]
+
     def broadcast_object(self, obj: Any, src: int, group: Group = None) -> Any:
-        """Picklable ``obj`` of global rank ``src``, returned on every rank (slow path)."""
+        """Picklable ``obj`` of global rank ``src``, returned on every rank (slow path).
 
-    @abc.abstractmethod
+        Default: the pickled length, then the bytes, broadcast as tensors."""
+        dev = self.device()
+        mine = self.rank() == src
+        data = _to_bytes(obj, dev) if mine else None
+        size = torch.tensor([data.numel() if mine else 0], dtype=torch.int64, device=dev)
+        self.broadcast(size, src, group)
+        buf = data if mine else torch.empty(int(size), dtype=torch.uint8, device=dev)
+        self.broadcast(buf, src, group)
+        return obj if mine else _from_bytes(buf)
+
     def collective_fallbacks(self) -> dict[str, str]:
-        """Collectives emulated on this backend, name -> how (shown by ``hyperpar info``)."""
+        """Collectives emulated on this backend, name -> how (shown by ``hyperpar info``);
+        default: none."""
+        return {}
 
     # ------------------------------------------------------------------ autograd collectives
-    @abc.abstractmethod
     def all_reduce_autograd(self, tensor: torch.Tensor, op: str = "sum",
                             group: Group = None) -> torch.Tensor:
         """Out of place, differentiable all-reduce (``sum`` or ``avg``).
@@ -309,25 +397,26 @@ class Platform(DimCollectives, abc.ABC):
         Backward is the adjoint: the gradient w.r.t. each rank's input is the all-reduce (same
         op) of every rank's output gradient.
         """
+        return autograd.all_reduce(self, tensor, op, group)
 
-    @abc.abstractmethod
     def all_gather_autograd(self, tensor: torch.Tensor, dim: int = 0,
                             group: Group = None) -> torch.Tensor:
         """Differentiable all-gather along ``dim`` (equal shapes). Backward: reduce-scatter
         (sum) of the output gradient along ``dim``."""
+        return autograd.all_gather(self, tensor, dim, group)
 
-    @abc.abstractmethod
     def reduce_scatter_autograd(self, tensor: torch.Tensor, dim: int = 0, op: str = "sum",
                                 group: Group = None) -> torch.Tensor:
         """Differentiable reduce-scatter along ``dim`` (size divisible by the group size).
         Backward: all-gather of the output gradient along ``dim`` (divided by n for ``avg``)."""
+        return autograd.reduce_scatter(self, tensor, dim, op, group)
 
-    @abc.abstractmethod
     def all_to_all_autograd(self, tensor: torch.Tensor, split_dim: int, concat_dim: int,
                             group: Group = None) -> torch.Tensor:
         """Differentiable all-to-all: split ``tensor`` into n equal chunks along ``split_dim``,
         send chunk ``j`` to rank ``j``, concatenate received chunks along ``concat_dim``.
         Backward: the all-to-all with the two dims swapped."""
+        return autograd.all_to_all(self, tensor, split_dim, concat_dim, group)
 
     # ------------------------------------------------------------------ conveniences
     def describe(self) -> str:
@@ -336,6 +425,17 @@ class Platform(DimCollectives, abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.describe()}>"
+
+
+_NORM_NAME = re.compile(r"(RMS|Layer|Group|Batch|Instance)Norm", re.IGNORECASE)
+
+
+def _to_bytes(obj: Any, device: torch.device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+
+
+def _from_bytes(data: torch.Tensor) -> Any:
+    return pickle.loads(bytes(data.cpu().tolist()))
 
 
 def abstract_members() -> list[str]:

@@ -35,6 +35,7 @@ class InfoReport:
     rule: str = ""
     selection_error: str = ""
     device_count: int | None = None
+    max_local_ranks: int | None = None
     fallbacks: dict[str, str] = field(default_factory=dict)
 
     def to_text(self) -> str:
@@ -57,6 +58,9 @@ class InfoReport:
         if self.selected:
             lines.append(f"selected: {self.selected}  (by {self.rule})")
             lines.append(f"device count: {self.device_count}")
+            lines.append("ranks per host: " + (
+                "any (ranks share the device)" if self.max_local_ranks is None
+                else f"up to {self.max_local_ranks} (one per device)"))
             if self.fallbacks:
                 lines.append("collective fallbacks in use:")
                 lines += [f"  {op}: {how}" for op, how in sorted(self.fallbacks.items())]
@@ -98,6 +102,7 @@ def collect_info() -> InfoReport:
     report.rule = registry.selection_rule()
     try:
         report.device_count = platform.device_count()
+        report.max_local_ranks = platform.max_local_ranks()
     except Exception as exc:  # a device that fails to count is worth reporting, not crashing
         report.selection_error = f"device_count() raised {exc!r}"
     report.fallbacks = platform.collective_fallbacks()

@@ -16,13 +16,9 @@ from dataclasses import dataclass, field
 import pluggy
 
 from . import hookspecs
-from .base import Availability, Platform
+from .base import Availability, BackendError, Platform
 
 ENV_VAR = "HYPERPAR_BACKEND"
-
-
-class BackendError(RuntimeError):
-    """A backend cannot be found, loaded, validated or used."""
 
 
 @dataclass

@@ -3,7 +3,8 @@
 A device backend (cpu, cuda, npu, ...) subclasses :class:`TorchPlatform` and sets only what
 differs: ``name``, ``device_type``, ``dist_backend``, ``priority``, ``visible_devices_env``,
 :meth:`device_module` and :meth:`is_available`. Everything else -- process groups, collectives
-and their fallbacks, autograd collectives, hooks, module detection -- lives here.
+and their fallbacks -- lives here or in the :class:`Platform` defaults (hooks, module detection,
+the differentiable collectives).
 
 This module (and the backends) are the only places in hyperpar that call ``torch.distributed``.
 """
@@ -11,7 +12,6 @@ This module (and the backends) are the only places in hyperpar that call ``torch
 from __future__ import annotations
 
 import os
-import re
 import resource
 import warnings
 from collections.abc import Callable, Sequence
@@ -21,10 +21,9 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from . import health
-from .base import REDUCE_OPS, Availability, Group, P2POp, Platform, RemovableHandle, Work
+from .base import REDUCE_OPS, Availability, Group, P2POp, Platform, Work
 
 _TORCH_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -39,9 +38,6 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = (
     getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 )
-
-_NORM_NAME = re.compile(r"(RMS|Layer|Group|Batch|Instance)Norm", re.IGNORECASE)
-
 
 def default_timeout_s() -> float:
     """Collective timeout in seconds: ``HYPERPAR_TIMEOUT`` if set, else 300."""
@@ -90,19 +86,12 @@ class TorchPlatform(Platform):
 
     * ``native_reduce_ops`` -- reduce ops the collective library supports natively; others are
       emulated (``avg`` as ``sum`` then divide) and reported by :meth:`collective_fallbacks`.
-    * ``linear_types`` / ``embedding_types`` / ``norm_types`` -- module classes recognised by the
-      detection facet, extendable by a backend with fused device-specific layers.
+
+    Hooks, module detection and the differentiable collectives are the :class:`Platform`
+    defaults; point-to-point and object collectives are overridden with torch's own calls.
     """
 
     native_reduce_ops: ClassVar[tuple[str, ...]] = REDUCE_OPS
-    linear_types: ClassVar[tuple[type, ...]] = (nn.Linear,)
-    embedding_types: ClassVar[tuple[type, ...]] = (nn.Embedding,)
-    norm_types: ClassVar[tuple[type, ...]] = tuple(
-        t for t in (
-            nn.LayerNorm, getattr(nn, "RMSNorm", None), nn.GroupNorm,
-            nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm,
-        ) if t is not None
-    )
 
     def __init__(self) -> None:
         self._groups: dict[tuple[int, ...], Group] = {}
@@ -145,41 +134,6 @@ class TorchPlatform(Platform):
             "max_allocated": int(mod.max_memory_allocated()),
         }
 
-    # ------------------------------------------------------------------ module detection
-    def is_module_class(self, obj: object) -> bool:
-        return isinstance(obj, type) and issubclass(obj, nn.Module)
-
-    def is_linear(self, module: nn.Module) -> bool:
-        return isinstance(module, self.linear_types)
-
-    def is_embedding(self, module: nn.Module) -> bool:
-        return isinstance(module, self.embedding_types)
-
-    def is_norm(self, module: nn.Module) -> bool:
-        # User-defined RMSNorm classes are common (Llama); recognise them by name too.
-        return isinstance(module, self.norm_types) or bool(
-            _NORM_NAME.search(type(module).__name__)
-        )
-
-    def set_parameter(self, module: nn.Module, name: str, value: torch.Tensor) -> nn.Parameter:
-        if "." in name:
-            raise ValueError(f"set_parameter takes a direct attribute name, got {name!r}")
-        old = module._parameters.get(name)
-        requires_grad = old.requires_grad if old is not None else value.requires_grad
-        param = value if isinstance(value, nn.Parameter) else nn.Parameter(value, requires_grad)
-        module.register_parameter(name, param)
-        return param
-
-    # ------------------------------------------------------------------ hooks
-    def register_forward_pre_hook(self, module, hook, *, with_kwargs=False, prepend=False):
-        return module.register_forward_pre_hook(hook, with_kwargs=with_kwargs, prepend=prepend)
-
-    def register_forward_hook(self, module, hook, *, with_kwargs=False, prepend=False):
-        return module.register_forward_hook(hook, with_kwargs=with_kwargs, prepend=prepend)
-
-    def register_full_backward_hook(self, module, hook, *, prepend=False) -> RemovableHandle:
-        return module.register_full_backward_hook(hook, prepend=prepend)
-
     # ------------------------------------------------------------------ process groups
     def init_process_group(self, *, rank=None, world_size=None, init_method=None,
                            timeout_s=None) -> None:
@@ -195,6 +149,8 @@ class TorchPlatform(Platform):
             init_method = "env://"
         rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+        # Refuse on every rank before the library would abort (NCCL: "Duplicate GPU detected").
+        self.check_world_fits(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
         if self.device_type != "cpu" and self.device_count() > 0:
             local = int(os.environ.get("LOCAL_RANK", rank))
             self.set_device(local % self.device_count())
@@ -362,60 +318,6 @@ class TorchPlatform(Platform):
         found.update(self._runtime_fallbacks)
         return found
 
-    # ------------------------------------------------------------------ autograd collectives
-    def all_reduce_autograd(self, tensor, op="sum", group=None) -> torch.Tensor:
-        if op not in ("sum", "avg"):
-            raise ValueError(f"all_reduce_autograd supports 'sum' and 'avg', got {op!r}")
-        return _AllReduce.apply(tensor, self, op, group)
-
-    def all_gather_autograd(self, tensor, dim=0, group=None) -> torch.Tensor:
-        return _AllGather.apply(tensor, self, dim, group)
-
-    def reduce_scatter_autograd(self, tensor, dim=0, op="sum", group=None) -> torch.Tensor:
-        if op not in ("sum", "avg"):
-            raise ValueError(f"reduce_scatter_autograd supports 'sum' and 'avg', got {op!r}")
-        return _ReduceScatter.apply(tensor, self, dim, op, group)
-
-    def all_to_all_autograd(self, tensor, split_dim, concat_dim, group=None) -> torch.Tensor:
-        return _AllToAll.apply(tensor, self, split_dim, concat_dim, group)
-
-    # ------------------------------------------------------------------ tensor-level helpers
-    def _gather_along(self, tensor: torch.Tensor, dim: int, group: Group = None) -> torch.Tensor:
-        """All-gather equal-shaped ``tensor`` from every rank, concatenated along ``dim``."""
-        n = self.world_size(group)
-        flat = torch.empty(n * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-        self.all_gather_into_tensor(flat, tensor.contiguous().reshape(-1), group)
-        return torch.cat(flat.view(n, *tensor.shape).unbind(0), dim=dim)
-
-    def _scatter_reduce_along(self, tensor: torch.Tensor, dim: int, op: str = "sum",
-                             group: Group = None) -> torch.Tensor:
-        """Reduce ``tensor`` across ranks and keep this rank's ``1/n`` chunk along ``dim``."""
-        n = self.world_size(group)
-        if tensor.shape[dim] % n:
-            raise ValueError(
-                f"reduce-scatter along dim {dim}: size {tensor.shape[dim]} is not divisible by "
-                f"the group size {n}"
-            )
-        stacked = torch.stack(tensor.chunk(n, dim)).contiguous()
-        out = torch.empty(stacked.shape[1:], dtype=tensor.dtype, device=tensor.device)
-        self.reduce_scatter_tensor(out.view(-1), stacked.view(-1), op, group)
-        return out
-
-    def _exchange_along(self, tensor: torch.Tensor, split_dim: int, concat_dim: int,
-                       group: Group = None) -> torch.Tensor:
-        """All-to-all: chunk ``j`` along ``split_dim`` goes to rank ``j``; received chunks are
-        concatenated along ``concat_dim``."""
-        n = self.world_size(group)
-        if tensor.shape[split_dim] % n:
-            raise ValueError(
-                f"all-to-all along dim {split_dim}: size {tensor.shape[split_dim]} is not "
-                f"divisible by the group size {n}"
-            )
-        stacked = torch.stack(tensor.chunk(n, split_dim)).contiguous()
-        out = torch.empty_like(stacked)
-        self.all_to_all_single(out.view(n, -1), stacked.view(n, -1), group=group)
-        return torch.cat(out.unbind(0), dim=concat_dim)
-
 
 # Count collectives and, when one fails, name the rank that did not reach it (health.py).
 health.instrument(TorchPlatform)
@@ -427,6 +329,7 @@ class HostDevicePlatform(TorchPlatform):
     ``priority`` (and ``native_reduce_ops`` for their collective library)."""
 
     device_type = "cpu"
+    ranks_share_device = True
 
     def device_count(self) -> int:
         return 1
@@ -456,59 +359,6 @@ class HostDevicePlatform(TorchPlatform):
         # Peak resident set size of the process (Linux reports KiB): the closest host analogue.
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return {"allocated": 0, "max_allocated": int(peak)}
-
-
-class _AllReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, platform, op, group):
-        ctx.platform, ctx.op, ctx.group = platform, op, group
-        out = x.detach().clone()
-        platform.all_reduce(out, op, group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        ctx.platform.all_reduce(grad, ctx.op, ctx.group)
-        return grad, None, None, None
-
-
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, platform, dim, group):
-        ctx.platform, ctx.dim, ctx.group = platform, dim, group
-        return platform._gather_along(x.detach(), dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.platform._scatter_reduce_along(grad, ctx.dim, "sum", ctx.group), None, None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, platform, dim, op, group):
-        ctx.platform, ctx.dim, ctx.op, ctx.group = platform, dim, op, group
-        return platform._scatter_reduce_along(x.detach(), dim, op, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        full = ctx.platform._gather_along(grad, ctx.dim, ctx.group)
-        if ctx.op == "avg":
-            full = full / ctx.platform.world_size(ctx.group)
-        return full, None, None, None, None
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, platform, split_dim, concat_dim, group):
-        ctx.platform, ctx.dims, ctx.group = platform, (split_dim, concat_dim), group
-        return platform._exchange_along(x.detach(), split_dim, concat_dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        split_dim, concat_dim = ctx.dims
-        out = ctx.platform._exchange_along(grad, concat_dim, split_dim, ctx.group)
-        return out, None, None, None, None
 
 
 def deprecated_alias_warnings() -> None:

@@ -12,7 +12,10 @@ Fixtures:
 * ``hyperpar_backend`` -- the backend name in force.
 * ``run_on_ranks`` -- ``run_on_ranks(world_size, fn, *args, timeout_s=..., **kwargs)`` runs a
   module-level function on real processes (pooled per world size for the whole session) and
-  returns the per-rank results.
+  returns the per-rank results. On a backend with one device per rank (cuda, npu), a world
+  larger than the visible devices skips the test with the reason instead of failing.
+* ``hyperpar_max_ranks`` -- the most ranks the backend can host here (``None``: no limit), with
+  the reason in ``.reason``.
 
 Run the backend conformance kit with ``pytest --pyargs hyperpar.testing.conformance
 --hyperpar-backend=NAME``.
@@ -49,6 +52,29 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "hyperpar_ranks(n): test needs n real processes")
 
 
+class RankLimit(int):
+    """The most ranks the selected backend can run on this host, with the reason why."""
+
+    reason: str
+
+
+def max_ranks() -> RankLimit | None:
+    """The selected backend's :meth:`~hyperpar.platform.Platform.max_local_ranks` (``None``: no
+    limit), with a reason fit for a skip message."""
+    from hyperpar.platform import get_platform
+
+    platform = get_platform()
+    limit = platform.max_local_ranks()
+    if limit is None:
+        return None
+    env = platform.visible_devices_env
+    shown = f" ({env}={os.environ[env]})" if env and env in os.environ else ""
+    out = RankLimit(limit)
+    out.reason = (f"backend {platform.name} runs one rank per device and {limit} "
+                  f"{platform.device_type} device(s) are visible{shown}")
+    return out
+
+
 def _worker_setup() -> Callable[[], None] | None:
     if os.environ.get("HYPERPAR_EMULATE"):
         from .emulation import emulation_for
@@ -65,6 +91,12 @@ def hyperpar_backend() -> str:
     return get_platform().name
 
 
+@pytest.fixture
+def hyperpar_max_ranks() -> RankLimit | None:
+    """The most ranks the backend can host here (``None``: no limit); ``.reason`` says why."""
+    return max_ranks()
+
+
 @pytest.fixture(scope="session")
 def _hyperpar_pools() -> Iterator[dict[int, WorkerPool]]:
     pools: dict[int, WorkerPool] = {}
@@ -79,6 +111,9 @@ def run_on_ranks(_hyperpar_pools: dict[int, WorkerPool]) -> Callable[..., list[A
 
     def run(world_size: int, fn: Callable[..., Any], *args: Any,
             timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
+        limit = max_ranks()
+        if limit is not None and world_size > limit:
+            pytest.skip(f"needs {world_size} ranks; {limit.reason}")
         pool = _hyperpar_pools.get(world_size)
         if pool is None:
             pool = _hyperpar_pools[world_size] = WorkerPool(

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
-from hyperpar.platform import backends, get_platform
+from hyperpar.platform import DeviceCapacityError, backends, get_platform
 
 
 def test_selected_backend_reports_itself_available():
@@ -75,3 +76,19 @@ def test_visible_devices_variable_is_a_name_or_none():
 def test_collective_fallbacks_are_described():
     fallbacks = get_platform().collective_fallbacks()
     assert all(isinstance(k, str) and isinstance(v, str) and v for k, v in fallbacks.items())
+
+
+def test_rank_capacity_matches_the_devices_and_refusal_is_clear():
+    p = get_platform()
+    assert isinstance(p.ranks_share_device, bool)
+    limit = p.max_local_ranks()
+    p.check_world_fits(1)  # world size 1 always fits
+    if p.ranks_share_device:
+        assert limit is None
+        return
+    assert limit == p.device_count()
+    with pytest.raises(DeviceCapacityError) as err:
+        p.check_world_fits(limit + 1)
+    message = str(err.value)
+    assert f"{limit + 1} ranks but {limit} {p.device_type} device" in message
+    assert "one device per rank" in message and "cpu backend" in message
