@@ -40,7 +40,11 @@ class RootContext:
 
     # ------------------------------------------------------------------ prefetch
     def record(self, group: ParamGroup) -> None:
-        if not self.order_done and group not in self.order:
+        if self.order_done:
+            return
+        if group in self.order:  # forward order wrapped around (next microbatch / step)
+            self.order_done = True
+        else:
             self.order.append(group)
 
     def _neighbour(self, group: ParamGroup, step: int) -> list[ParamGroup]:
@@ -92,8 +96,7 @@ class RootContext:
         """Reduce-scatter the gradients accumulated under no-sync now (every group, in the
         same order on every rank)."""
         for group in self.groups:
-            if any(p.unsharded is not None and p.unsharded.grad is not None
-                   for p in group.params) or group.params:
+            if group.params:
                 group.reduce_grads()
         self.drain()
 
@@ -117,20 +120,9 @@ class Hooks:
         self.module = module
         self.group = group
 
-    def _ctx(self) -> RootContext:
-        group = self.group
-        ctx = getattr(group, "ctx", None)
-        if ctx is None:
-            from .api import FSDPModule
-
-            groups = [m._fsdp_group for m in reversed(list(self.module.modules()))
-                      if isinstance(m, FSDPModule)]
-            ctx = RootContext(group, groups)
-        return ctx
-
     def pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        ctx = self._ctx()
         group = self.group
+        ctx = group.ctx
         if group is ctx.root and ctx.reductions and _graph_task_id() == -1:
             ctx.drain()  # a backward that raised left reductions behind
         ctx.record(group)
@@ -141,8 +133,8 @@ class Hooks:
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
-        ctx = self.group.ctx
         group = self.group
+        ctx = group.ctx
         if group is ctx.root:
             ctx.order_done = True
         elif group.reshard_after_forward:

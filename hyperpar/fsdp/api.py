@@ -99,10 +99,7 @@ class FSDPModule(nn.Module):
         self._ctx_required().sync_gradients()
 
     def _ctx_required(self) -> RootContext:
-        ctx = getattr(self._fsdp_group, "ctx", None)
-        if ctx is None:
-            ctx = self._fsdp_hooks._ctx()
-        return ctx
+        return self._fsdp_group.ctx
 
 
 def _require_fsdp(m: nn.Module) -> FSDPModule:
@@ -215,8 +212,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
                                                            with_kwargs=True))
     group._hooks.append(platform.register_forward_hook(module, hooks.post_forward,
                                                        with_kwargs=True))
-    # a fresh fully_shard invalidates contexts built for submodules
-    for m in module.modules():
-        if isinstance(m, FSDPModule) and hasattr(m._fsdp_group, "ctx"):
-            del m._fsdp_group.ctx
+    # the outermost fully_shard module is the root: its context (forward order, prefetch,
+    # end-of-backward callback) covers every fully_shard module below it, replacing theirs --
+    # so a pipeline stage whose layers run without the root's forward still shares one
+    RootContext(group, [m._fsdp_group for m in reversed(list(module.modules()))
+                        if isinstance(m, FSDPModule)])
     return module
