@@ -373,7 +373,8 @@ def current_mesh() -> DeviceMesh | None:
 def _require_mesh(mesh: DeviceMesh | None, what: str) -> DeviceMesh:
     mesh = mesh if mesh is not None else current_mesh()
     if mesh is None:
-        raise ValueError(f"{what}: no device_mesh given and no mesh is current (use `with mesh:`)")
+        raise ValueError(f"{what}: no device_mesh given and no mesh is current (pass "
+                         f"device_mesh=init_device_mesh(...) or use `with mesh:`)")
     return mesh
 
 

@@ -54,20 +54,16 @@ def _graph_task_id() -> int:
 
 
 def resolve_group(mesh: Any = None, dim: str | int | None = "dp", group: Any = None) -> Any:
-    """The process group of mesh dimension ``dim`` (a 1-D mesh needs no name), or ``group``
-    as given, or the world group when neither is given."""
+    """The process group of mesh dimension ``dim`` (resolved by ``mesh.get_mesh(dim,
+    default="dp")``: an unnamed 1-D mesh needs no name), or ``group`` as given, or the world
+    group when neither is given."""
     if group is not None:
         if mesh is not None:
             raise ValueError("data_parallel: pass either mesh= (with dim=) or group=, not both")
         return group
     if mesh is None:
         return None
-    names = getattr(mesh, "mesh_dim_names", None) or ()
-    if mesh.ndim == 1 and (dim is None or dim not in names):
-        return mesh.get_group(0)
-    if dim is None:
-        raise ValueError(f"data_parallel: the {mesh.ndim}-D mesh {mesh!r} needs dim= (a name)")
-    return mesh.get_group(dim)
+    return mesh.get_mesh(dim, default="dp").get_group()
 
 
 @dataclass

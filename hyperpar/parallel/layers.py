@@ -20,23 +20,22 @@ from typing import Any
 
 from torch import nn
 
+from hyperpar.dtensor.mesh import DeviceMesh, current_mesh, init_device_mesh
 from hyperpar.dtensor.placement import Replicate, Shard
+from hyperpar.platform import get_platform
 
 from .style import ColwiseParallel, RowwiseParallel
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]
 
 
-def _mesh(device_mesh: Any) -> Any:
-    from hyperpar.dtensor.mesh import current_mesh, init_device_mesh
-    from hyperpar.platform import get_platform
-
-    if device_mesh is not None:
-        return device_mesh
-    mesh = current_mesh()
-    if mesh is not None:
-        return mesh
-    return init_device_mesh((get_platform().world_size(),), mesh_dim_names=("tp",))
+def _mesh(device_mesh: DeviceMesh | None) -> DeviceMesh:
+    """The tensor-parallel 1-D mesh: ``device_mesh`` (or the current mesh, else the whole world)
+    resolved like ``parallelize_module`` does: a 1-D mesh whole, an n-D mesh's ``"tp"`` dim."""
+    mesh = device_mesh if device_mesh is not None else current_mesh()
+    if mesh is None:
+        return init_device_mesh((get_platform().world_size(),), mesh_dim_names=("tp",))
+    return mesh.get_mesh(default="tp")
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -49,8 +48,8 @@ class ColumnParallelLinear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  gather_output: bool = False, sequence_parallel: bool = False,
-                 sequence_dim: int = 1, device_mesh: Any = None, src_data_rank: int | None = 0,
-                 device: Any = None, dtype: Any = None) -> None:
+                 sequence_dim: int = 1, device_mesh: DeviceMesh | None = None,
+                 src_data_rank: int | None = 0, device: Any = None, dtype: Any = None) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         style = ColwiseParallel(
@@ -68,8 +67,8 @@ class RowParallelLinear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  input_is_parallel: bool = True, sequence_parallel: bool = False,
-                 sequence_dim: int = 1, device_mesh: Any = None, src_data_rank: int | None = 0,
-                 device: Any = None, dtype: Any = None) -> None:
+                 sequence_dim: int = 1, device_mesh: DeviceMesh | None = None,
+                 src_data_rank: int | None = 0, device: Any = None, dtype: Any = None) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         style = RowwiseParallel(
@@ -85,7 +84,8 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *,
                  sequence_parallel: bool = False, sequence_dim: int = 1,
-                 device_mesh: Any = None, src_data_rank: int | None = 0, **kwargs: Any) -> None:
+                 device_mesh: DeviceMesh | None = None, src_data_rank: int | None = 0,
+                 **kwargs: Any) -> None:
         if kwargs.get("padding_idx") is not None or kwargs.get("max_norm") is not None:
             raise NotImplementedError("VocabParallelEmbedding: padding_idx/max_norm not supported")
         super().__init__(num_embeddings, embedding_dim, **kwargs)

@@ -4,31 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hyperpar.platform import get_platform
+from hyperpar.platform.base import Group
 
 from .partition import partition_layers
 from .spec import LayerSpec, TiedLayerSpec
 
-
-def _pipeline_group_from_mesh(mesh: Any, dim: str | int) -> Any:
-    """The process group of mesh dimension ``dim`` (duck-typed DeviceMesh)."""
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-    if isinstance(dim, str) and dim not in names:
-        ndim = getattr(mesh, "ndim", None)
-        if ndim == 1 or (ndim is None and len(names) <= 1):
-            dim = 0
-        else:
-            raise ValueError(
-                f"PipelineModule: mesh has dimensions {names or '(unnamed)'} and none is named "
-                f"{dim!r}; name the pipeline dimension 'pp' or pass mesh_dim=<name or index>"
-            )
-    return mesh.get_group(dim)
+if TYPE_CHECKING:
+    from hyperpar.dtensor.mesh import DeviceMesh
 
 
 class PipelineModule(nn.Module):
@@ -38,8 +27,9 @@ class PipelineModule(nn.Module):
     owns them), plain modules, or callables (e.g. ``lambda x: x.flatten(1)``). Layer ``i`` is
     called as ``layer(x)`` with whatever layer ``i - 1`` returned (a tensor or a tuple).
 
-    The pipeline group is ``group`` (a platform group handle; default: the world) or the ``"pp"``
-    dimension of ``mesh`` (any object with ``get_group(dim)``, e.g. a hyperpar ``DeviceMesh``).
+    The pipeline group is ``group`` (a platform group handle; default: the world) or dimension
+    ``mesh_dim`` of the :class:`~hyperpar.dtensor.DeviceMesh` ``mesh`` (default: the one named
+    ``"pp"``; a 1-D mesh is used whole), resolved by ``mesh.get_mesh(mesh_dim, default="pp")``.
     ``num_stages`` defaults to the group size; a smaller divisor of the world size splits the
     world into ``world // num_stages`` independent pipelines of consecutive stages
     (pipeline ``d`` is global ranks ``d, d + dp, d + 2*dp, ...``), as DeepSpeed does.
@@ -57,7 +47,8 @@ class PipelineModule(nn.Module):
     """
 
     def __init__(self, layers: Sequence[Any], num_stages: int | None = None, *,
-                 group: Any = None, mesh: Any = None, mesh_dim: str | int = "pp",
+                 group: Group = None, mesh: DeviceMesh | None = None,
+                 mesh_dim: str | int | None = None,
                  loss_fn: Callable[..., torch.Tensor] | None = None,
                  partition_method: str | Sequence[int] = "parameters",
                  activation_checkpoint_interval: int = 0, seed_layers: bool = False,
@@ -81,7 +72,10 @@ class PipelineModule(nn.Module):
                     f"expected a LayerSpec, TiedLayerSpec, nn.Module or callable"
                 )
         if mesh is not None:
-            group = _pipeline_group_from_mesh(mesh, mesh_dim)
+            if not hasattr(mesh, "get_mesh"):
+                raise TypeError(f"PipelineModule: mesh= must be a hyperpar DeviceMesh "
+                                f"(hyperpar.init_device_mesh), got {type(mesh).__name__}")
+            group = mesh.get_mesh(mesh_dim, default="pp").get_group()
 
         # ---------------------------------------------------------------- the pipeline group
         distributed = platform.is_initialized()

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from hyperpar.platform import get_platform
+from hyperpar.platform.base import Group
 
 from .schedules import Comm
 
@@ -82,7 +83,7 @@ def meta_of(tensors: Sequence[torch.Tensor], single: bool) -> Meta:
 class P2P:
     """Batched sends/receives between pipeline ranks (``stage_ranks[i]`` is pipeline rank i)."""
 
-    def __init__(self, group: Any, stage_ranks: Sequence[int], dynamic_shapes: bool = False):
+    def __init__(self, group: Group, stage_ranks: Sequence[int], dynamic_shapes: bool = False):
         self.group = group
         self.stage_ranks = list(stage_ranks)
         self.dynamic_shapes = dynamic_shapes

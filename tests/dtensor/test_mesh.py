@@ -223,6 +223,48 @@ def test_get_mesh_resolves_names_indices_and_defaults_and_lists_names(run_on_ran
         assert "is 2-D: say which dimension" in r["no_default"]
 
 
+# ---------------------------------------------------------------- the resolver at its call sites
+def _call_sites():
+    from torch import nn
+
+    from hyperpar.dtensor import init_device_mesh
+    from hyperpar.parallel import ColumnParallelLinear, data_parallel
+    from hyperpar.pipeline import PipelineModule
+
+    platform = get_platform()
+    mesh = init_device_mesh((2, 2), mesh_dim_names=("dp", "tp"))
+    tp_only = init_device_mesh((4,), mesh_dim_names=("tp",))
+    out = {}
+    # a dimension named explicitly that a named 1-D mesh lacks used to fall back to the mesh
+    for key, call in {
+        "pipeline": lambda: PipelineModule([nn.Linear(2, 2)] * 4, mesh=tp_only, mesh_dim="pp"),
+        "data_parallel": lambda: data_parallel(nn.Linear(2, 2), tp_only, "dp"),
+    }.items():
+        try:
+            call()
+            out[key] = None
+        except ValueError as exc:
+            out[key] = str(exc)
+    # no mesh_dim: a 1-D mesh is used whole, an n-D mesh by its conventional name
+    out["pipeline_default_1d"] = PipelineModule([nn.Linear(2, 2)] * 4, mesh=tp_only).stage_ranks
+    out["pipeline_index"] = PipelineModule([nn.Linear(2, 2)] * 2, mesh=mesh,
+                                           mesh_dim=1).stage_ranks
+    # an n-D mesh given to a tensor-parallel layer: its "tp" dimension
+    layer = ColumnParallelLinear(4, 8, device_mesh=mesh)
+    out["layer_mesh"] = platform.group_ranks(layer.weight.device_mesh.get_group())
+    return out
+
+
+def test_pipeline_data_parallel_and_layers_resolve_mesh_dims_one_way(run_on_ranks):
+    for rank, r in enumerate(run_on_ranks(4, _call_sites)):
+        for key in ("pipeline", "data_parallel"):
+            assert r[key] is not None, f"{key} silently used the 'tp' mesh for another dim"
+            assert "no dimension named" in r[key] and "('tp',)" in r[key]
+        assert r["pipeline_default_1d"] == [0, 1, 2, 3]
+        assert r["pipeline_index"] == [2 * (rank // 2), 2 * (rank // 2) + 1]
+        assert r["layer_mesh"] == [2 * (rank // 2), 2 * (rank // 2) + 1]
+
+
 # ---------------------------------------------------------------- a torch TP script, unchanged
 TORCH_STYLE_TP = '''
 import copy
