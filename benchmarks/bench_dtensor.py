@@ -5,7 +5,11 @@
 2. per-op dispatch overhead: time per call of small ops (no communication) on plain tensors,
    hyperpar DTensors and torch DTensors; overhead = time - plain time; ratio of overheads.
 
-    python benchmarks/bench_dtensor.py [--size 1024] [--repeats 7]
+    python benchmarks/bench_dtensor.py [--size 1024] [--repeats 7] [--json F]
+
+With ``--json F`` it writes the rows of the ``hyperpar bench`` contract (see hyperpar/bench.py):
+one per transition (time per call) and one per op (dispatch *overhead* per call, i.e. time minus
+the plain-tensor time, in ms), reference ``torch.distributed.tensor``.
 
 This file may import torch.distributed.tensor (it is outside the library). Both ranks share the
 machine's cores; compare ratios, not absolute numbers, across machines.
@@ -14,6 +18,7 @@ machine's cores; compare ratios, not absolute numbers, across machines.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -180,11 +185,32 @@ def _print(res: dict) -> None:
               f"{ot * 1e6:>8.1f}{oh / ot:>9.2f}")
 
 
+def _rows(res: dict) -> list[dict]:
+    """The results as rows of the ``hyperpar bench`` JSON contract."""
+    ref = "torch.distributed.tensor"
+    size = res["size"]
+    rows = []
+    for name, th, tt in res["redistribute"]:
+        rows.append({"benchmark": "dtensor", "case": f"redistribute {name} {size}x{size}, 2 ranks",
+                     "hyperpar_ms": th * 1e3, "reference": ref,
+                     "reference_ms": None if tt is None else tt * 1e3,
+                     "ratio": None if tt is None else th / tt})
+    for key, what in (("per_op", "no grad"), ("per_op_grad", "grad")):
+        for name, tp, th, tt in res[key]:
+            oh, ot = th - tp, tt - tp
+            rows.append({"benchmark": "dtensor", "case": f"dispatch overhead {name}, {what}",
+                         "hyperpar_ms": oh * 1e3, "reference": ref, "reference_ms": ot * 1e3,
+                         "ratio": oh / ot})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=int, default=1024, help="global matrix side")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--op-iters", type=int, default=2000)
+    parser.add_argument("--json", dest="json_path", default=None,
+                        help="also write the rows of the hyperpar bench contract here")
     args = parser.parse_args()
     import warnings
 
@@ -194,6 +220,9 @@ def main() -> None:
     results = run_distributed(_bench, 2, args.size, args.repeats, args.op_iters,
                               timeout_s=900)
     _print(results[0])
+    if args.json_path:
+        with open(args.json_path, "w") as fh:
+            json.dump(_rows(results[0]), fh, indent=2)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ gathers them: per row it all-reduces the max, then (in one fused all-reduce) the
 exponentials and the target logit. Backward is local (softmax minus one-hot on the local
 slice). :func:`loss_parallel` is the context manager of ``torch.distributed.tensor.parallel``:
 inside it, ``F.cross_entropy`` (and ``nn.CrossEntropyLoss``) on a DTensor sharded on the class
-dimension runs this kernel.
+dimension runs this kernel -- a scoped override of the DTensor op table
+(:data:`LOSS_PARALLEL_RULES`, an :class:`~hyperpar.dtensor._ops.OpOverlay`), not a mode.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
+from hyperpar.dtensor._ops import OpEntry, OpOverlay, register_op
+from hyperpar.dtensor._ops.dispatch import call_entry
 from hyperpar.platform import get_platform
 
 from ._comm import Group
@@ -124,22 +126,32 @@ def _sharded_class_dim(logits: Any) -> tuple[int, Group, int] | None:
     return mesh_dim, group, start
 
 
-class _LossParallelMode(TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func is F.cross_entropy:
-            names = ("input", "target", "weight", "size_average", "ignore_index", "reduce",
-                     "reduction", "label_smoothing")
-            bound = dict(zip(names, args, strict=False))
-            bound.update(kwargs)
-            found = _sharded_class_dim(bound.get("input"))
-            if found is not None:
-                return _cross_entropy_on_dtensor(found, **bound)
-        elif func in (torch.Tensor.flatten, torch.flatten) and args:
-            out = _flatten_outside_shard(*args, **kwargs)
-            if out is not None:
-                return out
-        return func(*args, **kwargs)
+#: The rules ``loss_parallel`` swaps into the DTensor op table while it is entered.
+LOSS_PARALLEL_RULES = OpOverlay("loss_parallel")
+_CE_ARGS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction",
+            "label_smoothing")
+
+
+@register_op(F.cross_entropy, overlay=LOSS_PARALLEL_RULES)
+def vocab_parallel_cross_entropy_rule(func: Any, args: tuple, kwargs: dict,
+                                      under: OpEntry | None) -> Any:
+    """``cross_entropy`` on logits sharded on the class dim: the vocab-parallel kernel, the
+    logits are never gathered (other layouts: the rule underneath)."""
+    bound = dict(zip(_CE_ARGS, args, strict=False))
+    bound.update(kwargs)
+    found = _sharded_class_dim(bound.get("input"))
+    if found is None:
+        return call_entry(under, func, args, kwargs)
+    return _cross_entropy_on_dtensor(found, **bound)
+
+
+@register_op(torch.flatten, torch.Tensor.flatten, overlay=LOSS_PARALLEL_RULES)
+def flatten_outside_shard_rule(func: Any, args: tuple, kwargs: dict,
+                               under: OpEntry | None) -> Any:
+    """``logits.flatten(0, 1)`` keeps a 1-D mesh's shard outside the flattened range (local
+    flatten, shard dim renumbered); anything else: the rule underneath."""
+    out = _flatten_outside_shard(*args, **kwargs) if args else None
+    return out if out is not None else call_entry(under, func, args, kwargs)
 
 
 def _flatten_outside_shard(x: Any, start_dim: int = 0, end_dim: int = -1) -> Any:
@@ -194,5 +206,5 @@ def loss_parallel() -> Iterator[None]:
     as a plain (replicated) tensor, so ``backward()`` may run inside or outside the context;
     ``weight`` and ``label_smoothing`` are not supported yet. Other inputs pass through.
     """
-    with _LossParallelMode():
+    with LOSS_PARALLEL_RULES.active():
         yield

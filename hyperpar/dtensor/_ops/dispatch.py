@@ -15,9 +15,11 @@ from typing import Any
 
 import torch
 
+from hyperpar.platform import get_platform
+
 from ..api import DTensor, DTensorSpec, _wrap
 from ..placement import REPLICATE, Replicate, Shard
-from ..redistribute import ReduceGrad, redistribute_autograd
+from ..redistribute import redistribute_autograd
 from .registry import (
     OP_TABLE,
     P_SUM,
@@ -102,6 +104,35 @@ def reduce_dims(target: Placements, outs: Placements) -> tuple[int, ...]:
                  if type(t) is Replicate and (type(o) is Shard or o == P_SUM))
 
 
+class GradReducer:
+    """Backward pre-hook that sums a gradient over mesh dims (one all-reduce per dim)."""
+
+    __slots__ = ("mesh", "dims")
+
+    def __init__(self, mesh: Any, dims: tuple[int, ...]) -> None:
+        self.mesh = mesh
+        self.dims = dims
+
+    def __call__(self, grads: tuple) -> tuple | None:
+        g = grads[0]
+        if g is None:
+            return None
+        g = g.clone(memory_format=torch.contiguous_format)  # the incoming grad may be shared
+        platform = get_platform()
+        for m in self.dims:
+            platform.all_reduce(g, "sum", self.mesh.get_group(m))
+        return (g, *grads[1:])
+
+
+def reduce_grad(x: torch.Tensor, reducer: GradReducer) -> torch.Tensor:
+    """Identity whose backward sums the gradient over ``reducer``'s mesh dims: a replicated
+    input of an op whose output is sharded or partial there gets one term of its gradient per
+    rank. (A pre-hook on a view node costs half of an ``autograd.Function``.)"""
+    y = x.view_as(x)
+    y.grad_fn.register_prehook(reducer)
+    return y
+
+
 def localize(dt: DTensor, target: Placements | None, outs: Placements | None,
              reduce_grad: bool) -> torch.Tensor:
     """``dt``'s local tensor redistributed to ``target``; with ``reduce_grad`` its gradient is
@@ -115,7 +146,7 @@ def localize(dt: DTensor, target: Placements | None, outs: Placements | None,
     if reduce_grad and outs is not None and x.requires_grad and torch.is_grad_enabled():
         dims = tuple(m for m in reduce_dims(target, outs) if spec.mesh.shape[m] > 1)
         if dims:
-            x = ReduceGrad.apply(x, spec.mesh, dims)
+            x = reduce_grad(x, GradReducer(spec.mesh, dims))
     return x
 
 
@@ -166,6 +197,7 @@ class Prepared:
     """A rule's decision turned into what execution needs (cached per op signature)."""
 
     __slots__ = ("steps", "out_specs", "multi", "local", "no_redistribute", "pair")
+    steps: list[tuple[Placements | None, GradReducer | None]]
 
     def __init__(self, call: OpCall, sh: Sharding) -> None:
         multi = isinstance(sh.outputs, list)
@@ -178,7 +210,7 @@ class Prepared:
             eff = spec.placements if tgt is None else tgt
             dims = tuple(m for m in reduce_dims(eff, first_out) if mesh.shape[m] > 1) \
                 if sh.reduce_grad else ()
-            steps.append((tgt, dims))
+            steps.append((tgt, GradReducer(mesh, dims) if dims else None))
         self.steps = steps
         self.no_redistribute = all(t is None for t, _ in steps)
         shapes = sh.shapes if sh.shapes is not None else infer_shapes(call.func, call.args,
@@ -200,13 +232,13 @@ def run_prepared(prep: Prepared, func: Any, args: Sequence, kwargs: dict,
     """Execute a cached decision: redistribute, run locally, wrap."""
     table: dict[int, torch.Tensor] = {}
     grad = torch.is_grad_enabled()
-    for dt, (tgt, dims) in zip(dts, prep.steps, strict=False):
+    for dt, (tgt, reducer) in zip(dts, prep.steps, strict=False):
         x = dt._local
         if tgt is not None:
             spec = dt._spec
             x = redistribute_autograd(x, spec.mesh, spec.placements, tgt, tuple(spec.shape))
-        if dims and grad and x.requires_grad:
-            x = ReduceGrad.apply(x, dt._spec.mesh, dims)
+        if reducer is not None and grad and x.requires_grad:
+            x = reduce_grad(x, reducer)
         table[id(dt)] = x
     largs, lkwargs = swap_locals(args, kwargs, table)
     out = (prep.local or func)(*largs, **lkwargs)
@@ -286,11 +318,11 @@ def run_rule(rule: Callable[[OpCall], Sharding], func: Any, args: Sequence,
             if (la.requires_grad or lb.requires_grad) and torch.is_grad_enabled():
                 prep = PLAN_CACHE.get((func, a._spec, b._spec, True))
                 if prep is not None and prep.pair is not None:
-                    da, db = prep.pair
-                    if da and la.requires_grad:
-                        la = ReduceGrad.apply(la, a._spec.mesh, da)
-                    if db and lb.requires_grad:
-                        lb = ReduceGrad.apply(lb, b._spec.mesh, db)
+                    ra, rb = prep.pair
+                    if ra is not None and la.requires_grad:
+                        la = reduce_grad(la, ra)
+                    if rb is not None and lb.requires_grad:
+                        lb = reduce_grad(lb, rb)
                     return _wrap((prep.local or func)(la, lb), prep.out_specs)
             else:
                 prep = PLAN_CACHE.get((func, a._spec, b._spec, False))

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from ..api import DTensor, DTensorSpec, _wrap
 from ..placement import REPLICATE, Partial, Placement, Shard
-from ..redistribute import ReduceGrad, redistribute_autograd
-from .dispatch import PLAN_CACHE, reduce_dims, swap_locals
+from ..redistribute import redistribute_autograd
+from .dispatch import PLAN_CACHE, GradReducer, reduce_dims, reduce_grad, swap_locals
 from .registry import (
     P_SUM,
     OpCall,
@@ -192,7 +192,7 @@ def run_pointwise(func: Any, args: Sequence, kwargs: dict, kind: str, inplace: b
                     if plan is not None:
                         (ta, da), (tb, db) = plan[0]
                         if ta is None and tb is None and not (
-                                (da or db) and torch.is_grad_enabled()):
+                                (da is not None or db is not None) and torch.is_grad_enabled()):
                             out = func(a0._local, a1._local)
                             return a0 if inplace else _wrap(out, plan[1])
                 if not isinstance(a1, torch.Tensor):
@@ -233,18 +233,18 @@ def _pointwise_slow(func: Any, args: Sequence, kwargs: dict, kind: str, inplace:
         for k, (t, m) in enumerate(zip(targets, metas, strict=True)):
             tgt = None if t == m[0] or (inplace and k == 0) else t
             dims = tuple(d for d in reduce_dims(t, outs) if mesh.shape[d] > 1)
-            steps.append((tgt, dims))
+            steps.append((tgt, GradReducer(mesh, dims) if dims else None))
         plan = PLAN_CACHE.put(key, (steps, spec))
     steps, spec = plan
     table = {}
     grad = torch.is_grad_enabled()
-    for d, (tgt, dims) in zip(dts, steps, strict=False):
+    for d, (tgt, reducer) in zip(dts, steps, strict=False):
         x = d._local
         if tgt is not None:
             dspec = d._spec
             x = redistribute_autograd(x, dspec.mesh, dspec.placements, tgt, tuple(dspec.shape))
-        if dims and grad and x.requires_grad:
-            x = ReduceGrad.apply(x, d._spec.mesh, dims)
+        if reducer is not None and grad and x.requires_grad:
+            x = reduce_grad(x, reducer)
         table[id(d)] = x
     largs, lkwargs = swap_locals(args, kwargs, table)
     out = func(*largs, **lkwargs)

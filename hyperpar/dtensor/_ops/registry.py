@@ -84,7 +84,7 @@ class OpEntry:
         self.rule = rule
         self.raw = raw
         self.name = getattr(rule, "__name__", repr(rule))
-        self.family = getattr(rule, "__module__", "?").rsplit(".", 1)[-1]
+        self.family = (getattr(rule, "__module__", None) or "?").rsplit(".", 1)[-1]
         self.doc = (rule.__doc__ or "").strip().split("\n")[0]
 
     def __repr__(self) -> str:
