@@ -95,6 +95,29 @@ def test_rank_dying_mid_save_leaves_the_previous_checkpoint_intact(run_on_ranks,
     print(f"crash mid-save: the save failed after {time_to_fail:.1f} s")
 
 
+def _save_with_rank1_disk_full(path: str, seed: int) -> str:
+    import safetensors.torch as st
+
+    if get_platform().rank() == 1:
+        def disk_full(tensors, filename, metadata=None):
+            raise OSError(28, "No space left on device", filename)
+
+        st.save_file = disk_full
+    try:
+        save(_Model(seed), path, file_format="safetensors")
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
+def test_a_rank_failing_to_write_fails_the_save_on_every_rank(run_on_ranks, tmp_path):
+    run_on_ranks(2, _save, str(tmp_path), 0)
+    for error in run_on_ranks(2, _save_with_rank1_disk_full, str(tmp_path), 1):
+        assert "rank 1 could not write" in error and "No space left" in error, error
+    for state in run_on_ranks(2, _load_full, str(tmp_path)):
+        torch.testing.assert_close(state, _values(0), rtol=0, atol=0)
+
+
 def test_next_save_removes_files_a_crashed_save_left(run_on_ranks, tmp_path):
     (tmp_path / "shard-00001-of-00002-0123abc.safetensors").write_bytes(b"half a file")
     (tmp_path / "notes.txt").write_text("not ours")
