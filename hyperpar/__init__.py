@@ -30,6 +30,7 @@ _EXPORTS: dict[str, str] = {
     "Placement": "hyperpar.dtensor",
     "distribute_tensor": "hyperpar.dtensor",
     "current_mesh": "hyperpar.dtensor",
+    "MeshDimError": "hyperpar.dtensor",
     "ShardingError": "hyperpar.dtensor",
     # parallel
     "ColwiseParallel": "hyperpar.parallel",

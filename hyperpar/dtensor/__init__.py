@@ -16,7 +16,7 @@ from ._ops import (
 )
 from .api import DTensor, DTensorSpec, distribute_tensor
 from .factories import empty, full, ones, rand, randn, zeros
-from .mesh import DeviceMesh, current_mesh, init_device_mesh
+from .mesh import DeviceMesh, MeshDimError, current_mesh, init_device_mesh
 from .placement import Partial, Placement, Replicate, Shard
 from .random import manual_seed
 
@@ -24,6 +24,7 @@ __all__ = [
     "DTensor",
     "DTensorSpec",
     "DeviceMesh",
+    "MeshDimError",
     "MixedTensorError",
     "OpCall",
     "Partial",

@@ -11,6 +11,7 @@ from typing import Any, overload
 import torch
 
 from hyperpar.platform import Platform, backends, get_platform
+from hyperpar.platform.base import Group
 
 __all__ = ["DeviceMesh", "MeshDimError", "current_mesh", "init_device_mesh"]
 
@@ -105,7 +106,7 @@ class DeviceMesh:
 
     def __init__(self, device_type: str | None, mesh: torch.Tensor | Sequence[Any], *,
                  mesh_dim_names: Sequence[str] | str | None = None,
-                 _groups: list[Any] | None = None, _root: DeviceMesh | None = None,
+                 _groups: list[Group] | None = None, _root: DeviceMesh | None = None,
                  _root_dims: tuple[int, ...] | None = None) -> None:
         platform = get_platform()
         if _groups is None:  # a root mesh: check what the user named, join the world
@@ -165,7 +166,7 @@ class DeviceMesh:
     def shape(self) -> tuple[int, ...]:
         return self._shape
 
-    def size(self, mesh_dim: int | str | None = None) -> int:
+    def size(self, mesh_dim: MeshDim | None = None) -> int:
         """Number of ranks in the mesh, or along ``mesh_dim`` (index or name)."""
         if mesh_dim is None:
             return math.prod(self._shape)
@@ -204,7 +205,7 @@ class DeviceMesh:
         """This rank's coordinate in the mesh, or ``None`` if it is not part of it."""
         return None if self._coordinate is None else list(self._coordinate)
 
-    def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
+    def get_local_rank(self, mesh_dim: MeshDim | None = None) -> int:
         """This rank's index along ``mesh_dim`` (may be omitted on a 1-D mesh)."""
         if mesh_dim is None:
             if self.ndim != 1:
@@ -214,7 +215,7 @@ class DeviceMesh:
             raise RuntimeError(f"rank {self._rank} is not part of {self!r}")
         return self._coordinate[self._dim(mesh_dim)]
 
-    def get_group(self, mesh_dim: int | str | None = None) -> Any:
+    def get_group(self, mesh_dim: MeshDim | None = None) -> Group:
         """The process group of ``mesh_dim`` containing this rank (may be omitted on 1-D)."""
         if mesh_dim is None:
             if self.ndim != 1:
@@ -224,7 +225,8 @@ class DeviceMesh:
             mesh_dim = 0
         return self._groups[self._dim(mesh_dim)]
 
-    def get_all_groups(self) -> list[Any]:
+    def get_all_groups(self) -> list[Group]:
+        """The process group of every mesh dimension that contains this rank, in order."""
         return list(self._groups)
 
     def _dim_ranks(self, dim: int) -> tuple[int, ...]:
@@ -234,7 +236,7 @@ class DeviceMesh:
         index[dim] = slice(None)
         return tuple(int(r) for r in self.mesh[tuple(index)].reshape(-1).tolist())
 
-    def group_ranks(self, mesh_dim: int | str) -> tuple[int, ...]:
+    def group_ranks(self, mesh_dim: MeshDim) -> tuple[int, ...]:
         """Global ranks of the group of ``mesh_dim`` that contains this rank."""
         return self._group_ranks[self._dim(mesh_dim)]
 
