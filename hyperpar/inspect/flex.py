@@ -37,11 +37,21 @@ class _FlexInspected(InspectedModel):
     state, never the :class:`FlexModel` (so dropping the FlexModel frees it and its hooks)."""
 
     def __init__(self, model: nn.Module, mesh: Any, save_ctx: Namespace,
-                 modules: nn.ModuleDict) -> None:
+                 modules: nn.ModuleDict, direct: dict[str, list[torch.Tensor]] | None) -> None:
         super().__init__(model, mesh=mesh, tp_dim="tp", dp_dim="dp" if mesh is not None else None)
         self._concat = False  # one list entry per hooked call, as FlexModel
         self._save_ctx = save_ctx
         self._trainable = [modules]  # a list: not registered as a submodule
+        self._direct = direct
+
+    def _store(self, key: str, host: torch.Tensor) -> None:
+        # Without pipeline stages rank 0 holds every capture it keeps: straight into
+        # output_ptr, so gradient captures are there right after backward, as in FlexModel.
+        platform = get_platform()
+        if self._direct is not None and (not platform.is_initialized() or platform.rank() == 0):
+            self._direct.setdefault(key, []).append(host)
+        else:
+            super()._store(key, host)
 
     def _call_edit(self, hook: HookFunction, name: str, full: torch.Tensor) -> Any:
         module = self._modules_by_name[name]
@@ -108,8 +118,9 @@ class FlexModel(nn.Module):
             mesh = init_device_mesh((pipeline_parallel_size, data_parallel_size,
                                      tensor_parallel_size), mesh_dim_names=("pp", "dp", "tp"))
         # Not a submodule (object.__setattr__): parameters and state_dict stay the model's.
+        direct = output_ptr if pipeline_parallel_size == 1 else None
         object.__setattr__(self, "_inspected", _FlexInspected(module, mesh, self.save_ctx,
-                                                              self.trainable_modules))
+                                                              self.trainable_modules, direct))
         self._groups: dict[HookFunction, set[str]] = {}
 
     # -------------------------------------------------------------- registration
@@ -131,7 +142,8 @@ class FlexModel(nn.Module):
 
     def register_full_backward_pre_hook(self, hook_function: HookFunction) -> None:
         """Capture (and edit) the full gradient w.r.t. the module's output (captured under
-        ``"<module_name>.grad"``)."""
+        ``"<module_name>.grad"``, on rank 0 right after backward; with pipeline stages, at the
+        end of the next forward)."""
         self._register(hook_function, "backward")
 
     def _unsupported(self, what: str) -> None:

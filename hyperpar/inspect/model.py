@@ -251,7 +251,7 @@ class InspectedModel(nn.Module):
                 host = full.detach().cpu()
                 if host.data_ptr() == full.data_ptr():  # already on the host: keep a copy
                     host = host.clone()
-                self._pending.setdefault(key, []).append(host)
+                self._store(key, host)
             if edit is None:
                 return None
             new = self._call_edit(hook, name, full)
@@ -263,6 +263,10 @@ class InspectedModel(nn.Module):
                     f"returned shape {tuple(new.shape)} for an input of shape "
                     f"{tuple(full.shape)}; edits must keep the shape")
             return layout.reshard(new)
+
+    def _store(self, key: str, host: torch.Tensor) -> None:
+        """Keep a capture until the next :meth:`flush`."""
+        self._pending.setdefault(key, []).append(host)
 
     def _call_edit(self, hook: HookFunction, name: str, full: torch.Tensor) -> Any:
         """Run the hook's editing function (FlexModel overrides the calling convention)."""

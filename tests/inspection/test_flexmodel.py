@@ -260,6 +260,32 @@ def test_editing_function_groups_parameters_and_restore(run_on_ranks):
     assert r0["n_params"] == len(list(MyModel().parameters())), "trainable modules excluded"
 
 
+def _backward_tp() -> dict:
+    from hyperpar.inspect import FlexModel, HookFunction
+
+    output_dict: dict = {}
+    flex = FlexModel(MyModel.from_pretrained("tp"), output_dict, tensor_parallel_size=2)
+    flex.register_full_backward_pre_hook(HookFunction("my_model.layers.0.mlp.up",
+                                                      (B, S, 2 * H)))
+    flex(_inputs()).pow(2).sum().backward()
+    return output_dict
+
+
+def test_backward_pre_hook_captures_the_full_output_gradient_after_backward(run_on_ranks):
+    got = run_on_ranks(2, _backward_tp)
+    model = MyModel()
+    seen = {}
+
+    def watch(m, a, out) -> None:
+        out.register_hook(lambda g: seen.setdefault("g", g.clone()))
+
+    model.my_model.layers[0].mlp.up.register_forward_hook(watch)
+    model(_inputs()).pow(2).sum().backward()
+    assert list(got[0]) == ["my_model.layers.0.mlp.up.grad"] and got[1] == {}
+    torch.testing.assert_close(got[0]["my_model.layers.0.mlp.up.grad"][0], seen["g"],
+                               rtol=1e-5, atol=1e-6)
+
+
 def _dropped() -> tuple[int, int, int]:
     from hyperpar.inspect import FlexModel, HookFunction
 
