@@ -98,15 +98,18 @@ def test_rank_dying_mid_save_leaves_the_previous_checkpoint_intact(run_on_ranks,
 def _save_with_rank1_disk_full(path: str, seed: int) -> str:
     import safetensors.torch as st
 
-    if get_platform().rank() == 1:
-        def disk_full(tensors, filename, metadata=None):
-            raise OSError(28, "No space left on device", filename)
+    def disk_full(tensors, filename, metadata=None):
+        raise OSError(28, "No space left on device", filename)
 
+    real = st.save_file
+    if get_platform().rank() == 1:
         st.save_file = disk_full
     try:
         save(_Model(seed), path, file_format="safetensors")
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
+    finally:
+        st.save_file = real  # the worker process serves later tests
     return "saved"
 
 

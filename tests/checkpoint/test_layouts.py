@@ -178,8 +178,11 @@ def _load_hf(path: str) -> tuple[dict[str, bool], int, int]:
         return out
 
     hf.read_region = spy
-    model = _HFModel()
-    load_safetensors(model, path)
+    try:
+        model = _HFModel()
+        load_safetensors(model, path)
+    finally:
+        hf.read_region = real  # the worker process serves later tests
     from hyperpar.dtensor import distribute_tensor
 
     ok = {}
