@@ -45,8 +45,15 @@ def _norm_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
 
+@functools.lru_cache(maxsize=1024)
 def _sizes(full: int, n: int) -> tuple[int, ...]:
     return tuple(chunk_bounds(full, n, k)[1] for k in range(n))
+
+
+@functools.lru_cache(maxsize=64)
+def _mesh_info(mesh: Mesh) -> tuple[Group, int, int]:
+    """``(group, size, this rank's index)`` of a 1-D mesh, resolved once."""
+    return mesh.get_group(0), mesh.size(0), mesh.get_local_rank(0)
 
 
 def full_length(local: torch.Tensor, dim: int, mesh: Mesh) -> int:
@@ -246,7 +253,7 @@ def _steps(src: Placement, dst: Placement, ndim: int, mesh: Mesh) -> tuple[tuple
     (``(kind, arg1, arg2, group, mesh size, this rank's index)`` per step); cached, so a
     model's boundaries resolve once. 1-D plans do not depend on the tensor's shape."""
     s, d = _resolve(src, ndim), _resolve(dst, ndim)
-    group, n, index = mesh.get_group(0), mesh.size(0), mesh.get_local_rank(0)
+    group, n, index = _mesh_info(mesh)
     return tuple((kind, a, b, group, n, index)
                  for kind, _, _, a, b in plan_redistribute(mesh, (s,), (d,), ()))
 
@@ -344,14 +351,14 @@ def to_replicated_input(x: torch.Tensor, src: Placement, mesh: Mesh, *,
     reduce-scatter backward (uneven pieces included; ``full`` as in
     :func:`redistribute_boundary`); ``Partial`` -> all-reduce, then f.
     """
-    group = mesh.get_group(0)
-    if mesh.size(0) == 1:
+    group, n, _ = _mesh_info(mesh)
+    if n == 1:
         return x
     if type(src) is Shard:
         dim = _norm_dim(src.dim, x.dim())
         if full is None:
             full = full_length(x, dim, mesh)
-        return _GatherPartialGrad.apply(x, dim, _sizes(full, mesh.size(0)), group)
+        return _GatherPartialGrad.apply(x, dim, _sizes(full, n), group)
     if src.is_replicate():
         origin = _gathered_origin(x)
         if origin is not None and origin[3] == group:
