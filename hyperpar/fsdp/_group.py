@@ -121,6 +121,14 @@ class ParamGroup:
             p.rebind_sharded()
         self.state = SHARDED
 
+    def refresh_dtype(self) -> None:
+        """After ``module._apply`` changed the shards' dtype or device."""
+        if self.params:
+            self.dtype = self.params[0].unsharded_dtype
+            self.reduce_dtype = self.mp.reduce_dtype or self.dtype
+            if not self.offload:
+                self.device = self.params[0].device
+
     # ------------------------------------------------------------------ backward
     def begin_backward(self) -> None:
         if self.used_in_backward:

@@ -54,6 +54,7 @@ class ShardedParam:
                 "so give it shape (1,) or keep it out of the sharded module")
         self.requires_grad = param.requires_grad
         self.orig_dtype = local.dtype
+        self.param_dtype = param_dtype
         self.unsharded_dtype = param_dtype or local.dtype
         self.device = device
         self.offload = offload
@@ -83,6 +84,25 @@ class ShardedParam:
     # ------------------------------------------------------------------ sharded side
     def shard_local(self) -> torch.Tensor:
         return self.sharded.to_local()
+
+    def apply_to_local(self, fn: Any) -> None:
+        """``module._apply(fn)`` for this shard: a new DTensor parameter around
+        ``fn(local)`` with the same layout (the unsharded buffer is rebuilt to match)."""
+        local = self.sharded.to_local()
+        new = fn(local)
+        if new is local:
+            return
+        dt = DTensor(new.detach(), self.sharded._spec, requires_grad=False)
+        param = nn.Parameter(dt, requires_grad=self.requires_grad)
+        param._hp_fsdp = True
+        self.sharded = param
+        self.orig_dtype = new.dtype
+        if self.param_dtype is None:
+            self.unsharded_dtype = new.dtype
+        if not self.offload and new.device.type != "meta":
+            self.device = new.device
+        self.unsharded = None  # rebuilt on the next unshard, in the new dtype/device
+        self._hooked = False
 
     def rebind_sharded(self) -> None:
         """Make the module attribute the sharded DTensor parameter again."""

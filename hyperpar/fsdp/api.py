@@ -98,6 +98,23 @@ class FSDPModule(nn.Module):
         now -- e.g. once after a pipeline schedule has run every microbatch's backward."""
         self._ctx_required().sync_gradients()
 
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+        # to_empty()/to()/float() must reach each shard's local tensor (assigning a DTensor's
+        # .data would leave it behind): apply fn to the shards here, and hide them from
+        # nn.Module._apply, which handles everything else
+        group = self._fsdp_group
+        group.reshard()
+        for sp in group.params:
+            sp.apply_to_local(fn)
+            sp.module._parameters[sp.name] = None
+        try:
+            out = super()._apply(fn, recurse)
+        finally:
+            for sp in group.params:
+                sp.rebind_sharded()
+        group.refresh_dtype()
+        return out
+
     def _ctx_required(self) -> RootContext:
         return self._fsdp_group.ctx
 
