@@ -175,3 +175,23 @@ def test_non_strict_load_reports_unexpected_keys_like_torch(run_on_ranks, tmp_pa
     for missing, unexpected, state in run_on_ranks(2, _load_lenient, str(tmp_path)):
         assert (missing, unexpected) == ([], ["buf"])
         torch.testing.assert_close(state["w"], _values(0)["w"], rtol=0, atol=0)
+
+
+def test_format_version_1_checkpoints_still_load(run_on_ranks, tmp_path):
+    """Folders written before per-save names and digests (files overwritten in place)."""
+    import json
+
+    run_on_ranks(2, _save, str(tmp_path), 0)
+    index = read_index(tmp_path)
+    for old, new in ((f, f.replace(f"-{index['save_id']}", "")) for f in index["files"]):
+        os.rename(tmp_path / old, tmp_path / new)
+    for entry in index["tensors"].values():
+        for chunk in entry["chunks"]:
+            chunk["file"] = chunk["file"].replace(f"-{index['save_id']}", "")
+            del chunk["digest"]
+    for key in ("files", "save_id", "digest"):
+        del index[key]
+    index["version"] = 1
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    for state in run_on_ranks(2, _load_full, str(tmp_path)):
+        torch.testing.assert_close(state, _values(0), rtol=0, atol=0)
