@@ -137,7 +137,10 @@ class Hooks:
         ctx = group.ctx
         if group is ctx.root:
             ctx.order_done = True
-        elif group.reshard_after_forward:
+        # the root keeps its parameters for backward; without autograd there is no backward
+        # to free them, so it reshards too (an optimizer step may come before the next forward)
+        if group.reshard_after_forward and (group is not ctx.root
+                                            or not torch.is_grad_enabled()):
             group.reshard()
         if torch.is_grad_enabled():
             for t in tree_flatten(output)[0]:

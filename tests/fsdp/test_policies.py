@@ -203,3 +203,49 @@ def _errors() -> None:
     tied[1].weight = tied[0].weight
     with pytest.raises(NotImplementedError, match="tied weights"):
         fully_shard(tied)
+
+
+def _offload_and_eval() -> tuple[dict[str, torch.Tensor], set, int]:
+    from hyperpar import CPUOffloadPolicy
+    from hyperpar.platform import get_platform
+
+    pf = get_platform()
+    model = shard_blocks(llama.build(ARGS, seed=0), offload_policy=CPUOffloadPolicy())
+    tokens, _ = llama.batch(ARGS, batch_size=BATCH, seed=0)
+    with torch.no_grad():
+        model(tokens)  # an eval forward leaves nothing gathered, the root included
+    alive = sum(p.unsharded.untyped_storage().size() for m in model.modules()
+                if hasattr(m, "_fsdp_group") for p in m._fsdp_group.params
+                if p.unsharded is not None)
+    train(model, rank_rows(pf.rank(), pf.world_size()))
+    host = torch.empty(0).cpu().device
+    devices = {p.to_local().device == host for p in model.parameters()}
+    from ._common import full_state
+
+    return full_state(model), devices, alive
+
+
+def test_cpu_offload_trains_like_one_process_with_shards_on_the_host(run_on_ranks):
+    from ._common import reference_state
+
+    ref = reference_state()
+    for state, on_host, alive in run_on_ranks(2, _offload_and_eval):
+        assert on_host == {True}
+        assert alive == 0
+        assert_close_to_reference(state, ref, what="CPUOffloadPolicy fsdp2")
+
+
+def _mesh_mismatch() -> None:
+    from hyperpar import fully_shard, init_device_mesh, parallelize_module
+    from hyperpar.parallel import ColwiseParallel
+
+    tp_mesh = init_device_mesh((2,), mesh_dim_names=("tp",))
+    dp_mesh = init_device_mesh((2,), mesh_dim_names=("dp",))
+    model = nn.Sequential(nn.Linear(4, 4))
+    parallelize_module(model, tp_mesh, {"0": ColwiseParallel()})
+    with pytest.raises(ValueError, match="not a slice of the same named mesh"):
+        fully_shard(model, mesh=dp_mesh)
+
+
+def test_tp_and_dp_meshes_must_come_from_one_mesh(run_on_ranks):
+    run_on_ranks(2, _mesh_mismatch)
