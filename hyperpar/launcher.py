@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 QUIET_ENV = "HYPERPAR_QUIET"
 TIMEOUT_ENV = "HYPERPAR_TIMEOUT"
+FINISHED_MESSAGE = "finished its script, then exited abnormally during interpreter teardown"
 
 
 class LaunchError(RuntimeError):
@@ -227,6 +228,16 @@ def _run_torchrun(opts: LaunchOptions, args: list[str], backend: str, rule: str,
     try:
         run(parse_args(args))
     except ChildFailedError as exc:
+        crashed_after_finishing = finished_ranks(exc)
+        if crashed_after_finishing:
+            crashed = [r for r in crashed_after_finishing
+                       if exc.failures[r].exitcode != -15] or crashed_after_finishing
+            ranks = ", ".join(map(str, crashed))
+            print(f"hyperpar run: every rank finished {opts.script}; rank(s) {ranks} then "
+                  "exited abnormally during interpreter teardown (after the script returned): "
+                  "reported as success", file=out)
+            out.flush()
+            return 0
         failures = collect_failures(exc)
         print(format_failures(opts.script, failures), file=out)
         out.flush()
@@ -236,6 +247,19 @@ def _run_torchrun(opts: LaunchOptions, args: list[str], backend: str, rule: str,
         print(f"hyperpar run: error: torchrun failed: {type(exc).__name__}: {exc}", file=out)
         return 1
     return 0
+
+
+def finished_ranks(exc) -> list[int]:
+    """The failed ranks when every one of them had finished its script (a crash at exit:
+    the run succeeded); empty when any failure happened while a script was still running."""
+    done = []
+    for rank, failure in exc.failures.items():
+        message = failure.message
+        extra = message.get("extraInfo", {}) if isinstance(message, dict) else {}
+        if not extra.get("hyperpar_finished"):
+            return []
+        done.append(rank)
+    return sorted(done)
 
 
 def collect_failures(exc) -> list[WorkerFailure]:
@@ -408,7 +432,7 @@ def worker_main(argv: list[str] | None = None) -> None:
     if not argv:
         raise SystemExit("usage: python -m hyperpar.launcher script.py [args] | -m module [args]"
                          "  (worker entry point of `hyperpar run`; use `hyperpar run`)")
-    get_error_handler().initialize()  # faulthandler into the error file for native crashes
+    get_error_handler().initialize()  # faulthandler: native crashes print the Python stack
     try:
         _run_target(argv)
     except Exception as exc:
@@ -417,6 +441,36 @@ def worker_main(argv: list[str] | None = None) -> None:
         sys.stderr.write("".join(prefix + line + "\n" for line in text.rstrip().splitlines()))
         sys.stderr.flush()
         sys.exit(1)
+    _finish()
+
+
+def _finish() -> None:
+    """After the script returned: say so in the error file (a crash during interpreter
+    teardown is then reported as such, not as a failed run) and leave the process group,
+    whose library threads and pending work otherwise meet torch's static destructors at exit
+    (``terminate called without an active exception``)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        now = time.time()
+        with open(path, "w") as fp:
+            json.dump({"message": {
+                "message": FINISHED_MESSAGE,
+                "extraInfo": {"py_callstack": "", "timestamp": str(int(now)),
+                              "hyperpar_time": repr(now), "hyperpar_finished": True},
+            }}, fp)
+    import gc
+
+    import torch.distributed as dist
+
+    # Autograd graphs kept by the script's globals hold process groups; free them first.
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        try:
+            from hyperpar.platform import get_platform
+
+            get_platform().destroy_process_group()
+        except Exception:  # never turn a finished run into a failure here
+            pass
 
 
 if __name__ == "__main__":

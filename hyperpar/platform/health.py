@@ -8,6 +8,8 @@ for their peers, and name the rank(s) that never arrived::
 
     CollectiveError: rank 1 did not reach all_reduce #12 (rank 0 waited 5.0 s in it)
 
+(``#12``: the 12th collective of any kind this process issued on that group.)
+
 A rank that never publishes did not reach the collective (it is stuck elsewhere, or dead). The
 error carries ``culprits``; ``hyperpar run`` and :func:`hyperpar.testing.run_distributed` blame
 those ranks instead of the rank that reported the timeout.

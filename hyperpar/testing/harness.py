@@ -81,6 +81,11 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str | None,
         from hyperpar.platform import get_platform
 
         platform = get_platform()
+        # Join only once every rank is past its (slow, load-dependent) imports: the join's
+        # own timeout is the collective timeout, which tests keep to a few seconds.
+        outbox.put((rank, None, True, "imported"))
+        if inbox.get() != "join":
+            return
         platform.init_process_group(timeout_s=collective_timeout_s)
     except BaseException as exc:
         outbox.put((rank, None, False, _failure_report(exc)))
@@ -147,7 +152,10 @@ class WorkerPool:
         ]
         for p in self._procs:
             p.start()
-        self._collect(None, self.start_timeout_s, what="start-up")
+        self._collect(None, self.start_timeout_s, what="start-up")  # every rank imported
+        for box in self._inboxes:
+            box.put("join")
+        self._collect(None, self.start_timeout_s, what="start-up")  # every rank joined
 
     def close(self) -> None:
         """Stop every worker (politely, then by force)."""
