@@ -229,6 +229,13 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
                                                            with_kwargs=True))
     group._hooks.append(platform.register_forward_hook(module, hooks.post_forward,
                                                        with_kwargs=True))
+    # state_dict()/load_state_dict() must see the sharded DTensors, also between a forward
+    # and its backward (when the root holds gathered tensors): reshard first (backward
+    # re-gathers what it needs)
+    group._hooks.append(module.register_state_dict_pre_hook(
+        lambda *_args, **_kw: group.reshard()))
+    group._hooks.append(module.register_load_state_dict_pre_hook(
+        lambda *_args, **_kw: group.reshard()))
     # the outermost fully_shard module is the root: its context (forward order, prefetch,
     # end-of-backward callback) covers every fully_shard module below it, replacing theirs --
     # so a pipeline stage whose layers run without the root's forward still shares one

@@ -249,3 +249,21 @@ def _mesh_mismatch() -> None:
 
 def test_tp_and_dp_meshes_must_come_from_one_mesh(run_on_ranks):
     run_on_ranks(2, _mesh_mismatch)
+
+
+def _state_dict_after_forward() -> tuple[set, set]:
+    from hyperpar import fully_shard
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fully_shard(model[0])
+    fully_shard(model)
+    out = model(torch.ones(2, 4)).sum()  # the root now holds its gathered tensors
+    kinds = {type(v).__name__ for v in model.state_dict().values()}
+    out.backward()  # backward re-gathers what state_dict() resharded
+    return kinds, {type(p.grad).__name__ for p in model.parameters()}
+
+
+def test_state_dict_between_forward_and_backward_holds_shards(run_on_ranks):
+    for kinds, grads in run_on_ranks(2, _state_dict_after_forward):
+        assert kinds == {"DTensor"}
+        assert grads == {"DTensor"}
