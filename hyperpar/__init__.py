@@ -46,6 +46,8 @@ _EXPORTS: dict[str, str] = {
     "ColumnParallelLinear": "hyperpar.parallel",
     "RowParallelLinear": "hyperpar.parallel",
     "VocabParallelEmbedding": "hyperpar.parallel",
+    "ParallelLinear": "hyperpar.parallel",
+    "TensorParallelConfig": "hyperpar.parallel",
     "PlanKeyError": "hyperpar.parallel",
     "UnsupportedModuleError": "hyperpar.parallel",
     "AlreadyParallelizedError": "hyperpar.parallel",
@@ -68,6 +70,7 @@ _EXPORTS: dict[str, str] = {
     "ScheduleInterleaved1F1B": "hyperpar.pipeline",
     "ScheduleZeroBubble": "hyperpar.pipeline",
     "get_schedule_class": "hyperpar.pipeline",
+    "PipelineEngine": "hyperpar.pipeline",
     # inspect
     "InspectedModel": "hyperpar.inspect",
     "HookFunction": "hyperpar.inspect",

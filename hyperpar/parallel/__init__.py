@@ -7,7 +7,19 @@ communicating only at module boundaries (see :mod:`hyperpar.parallel.style`).
 
 from .api import PlanKeyError, distribute_module, parallelize_module
 from .data_parallel import DataParallelModule, data_parallel
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .easydel import (
+    TensorParallelConfig,
+    get_matmul_output_sharding,
+    get_output_partition_spec,
+    get_sharding,
+    matmul_output_placements,
+)
+from .layers import (
+    ColumnParallelLinear,
+    ParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from .loss import loss_parallel, vocab_parallel_cross_entropy
 from .prepare import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
 from .style import (
@@ -24,6 +36,7 @@ __all__ = [
     "ColumnParallelLinear",
     "ColwiseParallel",
     "DataParallelModule",
+    "ParallelLinear",
     "ParallelStyle",
     "PlanKeyError",
     "PrepareModuleInput",
@@ -32,11 +45,16 @@ __all__ = [
     "RowParallelLinear",
     "RowwiseParallel",
     "SequenceParallel",
+    "TensorParallelConfig",
     "UnsupportedModuleError",
     "VocabParallelEmbedding",
     "data_parallel",
     "distribute_module",
+    "get_matmul_output_sharding",
+    "get_output_partition_spec",
+    "get_sharding",
     "loss_parallel",
+    "matmul_output_placements",
     "parallelize_module",
     "vocab_parallel_cross_entropy",
 ]

@@ -105,7 +105,8 @@ class PipelineSchedule:
     """Base executor; subclasses set :attr:`plan_fn`.
 
     ``PipelineSchedule(module, n_microbatches, *, loss_fn=None, batch_dim=0,
-    dynamic_shapes=False)``. ``step(*args, target=None, losses=None, **kwargs)`` splits
+    dynamic_shapes=None)`` (``None``: the module's ``dynamic_shape``).
+    ``step(*args, target=None, losses=None, **kwargs)`` splits
     ``args``/``kwargs`` (used on the rank holding stage 0) and ``target`` (used on the rank
     holding the last stage) into microbatches along ``batch_dim``, runs forward and backward,
     and returns the loss of the whole batch on the last stage's rank (``None`` elsewhere).
@@ -121,7 +122,8 @@ class PipelineSchedule:
     split_backward: ClassVar[bool] = False
 
     def __init__(self, module: PipelineModule, n_microbatches: int, *,
-                 loss_fn: Any = None, batch_dim: int = 0, dynamic_shapes: bool = False) -> None:
+                 loss_fn: Any = None, batch_dim: int = 0,
+                 dynamic_shapes: bool | None = None) -> None:
         if not isinstance(module, PipelineModule):
             raise TypeError(f"{type(self).__name__} drives a PipelineModule, got "
                             f"{type(module).__name__}")
@@ -139,6 +141,10 @@ class PipelineSchedule:
             raise ValueError(f"{type(self).__name__}: no loss function; pass loss_fn= to the "
                              f"schedule or to PipelineModule")
         self.batch_dim = batch_dim
+        if dynamic_shapes is None:   # PipelineModule(dynamic_shape=...) decides
+            dynamic_shapes = bool(getattr(module, "dynamic_shape", False))
+        #: multiplies every loss before backward (the engine's fp16 loss scale); 1.0 = off
+        self.grad_scale = 1.0
         self.n_stages = module.total_stages
         self.n_ranks = module.num_stages
         plan_fn = type(self).plan_fn
@@ -171,13 +177,18 @@ class PipelineSchedule:
         ``losses`` (a list) receives the unweighted per-microbatch losses; with
         ``return_outputs=True`` the last stage returns ``(loss, outputs)``, the model outputs
         merged back along ``batch_dim`` (detached)."""
-        return self._execute(self.program, self._train_p2p, True, args, kwargs, target, losses,
-                             return_outputs)
+        return self._execute(self.program, self._train_p2p, True,
+                             *self._split(args, kwargs, target), losses, return_outputs)
 
     def eval_step(self, *args: Any, target: Any = None, losses: list[Any] | None = None,
                   return_outputs: bool = False, **kwargs: Any) -> Any:
         """Forward only, without gradients: the batch loss on the last stage (``None`` without a
         ``target``), or ``(loss, outputs)`` with ``return_outputs=True``; ``None`` elsewhere."""
+        with torch.no_grad():
+            return self._execute(self._forward_program(), self._eval_p2p, False,
+                                 *self._split(args, kwargs, target), losses, return_outputs)
+
+    def _forward_program(self) -> list[Step]:
         if self._eval_program is None:
             plans = [forward_only_plan(self.n_stages, self.n_microbatches, r, self.n_ranks)
                      for r in range(self.n_ranks)]
@@ -185,28 +196,56 @@ class PipelineSchedule:
                         forward_only=True)
             self._eval_program = lower(plans[self.module.stage_id], self.n_stages,
                                        self.n_ranks)
-        with torch.no_grad():
-            return self._execute(self._eval_program, self._eval_p2p, False, args, kwargs,
-                                 target, losses, return_outputs)
+        return self._eval_program
 
-    def _execute(self, program: list[Step], p2p: P2P, train: bool, args: tuple,
-                 kwargs: dict, target: Any, losses: list[Any] | None,
-                 return_outputs: bool) -> Any:
+    def run_microbatches(self, inputs: Sequence[Any] | None, targets: Sequence[Any] | None, *,
+                         train: bool = True, losses: list[Any] | None = None,
+                         return_outputs: bool = False) -> Any:
+        """Like :meth:`step` (``train=True``) or :meth:`eval_step`, on microbatches already
+        split: ``inputs[i]`` is microbatch ``i``'s input to layer 0 (a tensor or a tuple, needed
+        on the rank holding stage 0), ``targets[i]`` its target (on the last stage's rank, or
+        ``None``). Every microbatch loss weighs ``1 / n_microbatches`` (DeepSpeed's mean)."""
+        m = self.n_microbatches
+        for what, seq in (("inputs", inputs), ("targets", targets)):
+            if seq is not None and len(seq) != m:
+                raise ValueError(f"run_microbatches: {len(seq)} {what} for a schedule of {m} "
+                                 f"microbatches")
+        mb_args = [(x,) for x in inputs] if inputs is not None else None
+        mb_kwargs = [{} for _ in range(m)] if inputs is not None else None
+        split = (mb_args, mb_kwargs, list(targets) if targets is not None else None, [1.0 / m] * m)
+        if not train:
+            with torch.no_grad():
+                return self._execute(self._forward_program(), self._eval_p2p, False, *split,
+                                     losses, return_outputs)
+        return self._execute(self.program, self._train_p2p, True, *split, losses, return_outputs)
+
+    def _split(self, args: tuple, kwargs: dict, target: Any) -> tuple:
+        """Per-microbatch args, kwargs, targets and loss weights (share of the batch)."""
         mod, m, last = self.module, self.n_microbatches, self.n_stages - 1
-        t_step = time.perf_counter()
-        timings = StepTimings()
-        self._args = self._kwargs = self._targets = None
+        mb_args = mb_kwargs = mb_targets = None
         if 0 in mod.local_stages:
             if not args:
                 raise ValueError("step(): the rank holding stage 0 needs the model inputs")
-            self._args = split_microbatches(args, m, self.batch_dim)
-            self._kwargs = split_microbatches(kwargs, m, self.batch_dim)
-        self._weights = [1.0 / m] * m
+            mb_args = split_microbatches(args, m, self.batch_dim)
+            mb_kwargs = split_microbatches(kwargs, m, self.batch_dim)
+        weights = [1.0 / m] * m
         if last in mod.local_stages and target is not None:
-            self._targets = split_microbatches(target, m, self.batch_dim)
+            mb_targets = split_microbatches(target, m, self.batch_dim)
             if isinstance(target, torch.Tensor):
                 total = target.shape[self.batch_dim]
-                self._weights = [t.shape[self.batch_dim] / total for t in self._targets]
+                weights = [t.shape[self.batch_dim] / total for t in mb_targets]
+        return mb_args, mb_kwargs, mb_targets, weights
+
+    def _execute(self, program: list[Step], p2p: P2P, train: bool, mb_args: list | None,
+                 mb_kwargs: list | None, mb_targets: list | None, weights: list[float],
+                 losses: list[Any] | None, return_outputs: bool) -> Any:
+        mod, m, last = self.module, self.n_microbatches, self.n_stages - 1
+        t_step = time.perf_counter()
+        timings = StepTimings()
+        if 0 in mod.local_stages and mb_args is None:
+            raise ValueError("step(): the rank holding stage 0 needs the model inputs")
+        self._args, self._kwargs, self._targets = mb_args, mb_kwargs, mb_targets
+        self._weights = weights
         self._inputs: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._outputs: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._units: dict[tuple[int, int], list[_Unit]] = {}
@@ -324,7 +363,7 @@ class PipelineSchedule:
                 return
             loss = self.loss_fn(out, target) if target is not None else self.loss_fn(out)
             self._losses[mb] = loss.detach()
-            scaled = loss * self._weights[mb]
+            scaled = loss * (self._weights[mb] * self.grad_scale)
             self._outputs[(stage, mb)] = [scaled]
             if self.split_backward:
                 self._units[(stage, mb)][-1].outs = [scaled]

@@ -14,7 +14,7 @@ from hyperpar.platform import get_platform
 from hyperpar.platform.base import Group
 
 from .partition import partition_layers
-from .spec import LayerSpec, TiedLayerSpec
+from .spec import LayerSpec, TiedLayerSpec, get_dotted
 
 if TYPE_CHECKING:
     from hyperpar.dtensor.mesh import DeviceMesh
@@ -23,16 +23,25 @@ if TYPE_CHECKING:
 class PipelineModule(nn.Module):
     """A sequence of layers split into ``num_stages`` pipeline stages over a process group.
 
+    The positional arguments are DeepSpeed's, in DeepSpeed's order (``layers, num_stages,
+    topology, loss_fn, seed_layers, seed_fn, base_seed, partition_method,
+    activation_checkpoint_interval, activation_checkpoint_func, checkpointable_layers,
+    dynamic_shape``), with DeepSpeed's meaning.
+
     ``layers`` may hold :class:`LayerSpec` / :class:`TiedLayerSpec` (built only on the rank that
     owns them), plain modules, or callables (e.g. ``lambda x: x.flatten(1)``). Layer ``i`` is
     called as ``layer(x)`` with whatever layer ``i - 1`` returned (a tensor or a tuple).
 
-    The pipeline group is ``group`` (a platform group handle; default: the world) or dimension
+    The pipeline group is ``group`` (a platform group handle; default: the world), dimension
     ``mesh_dim`` of the :class:`~hyperpar.dtensor.DeviceMesh` ``mesh`` (default: the one named
-    ``"pp"``; a 1-D mesh is used whole), resolved by ``mesh.get_mesh(mesh_dim, default="pp")``.
+    ``"pp"``; a 1-D mesh is used whole), resolved by ``mesh.get_mesh(mesh_dim, default="pp")``,
+    or the ``"pipe"`` axis of a DeepSpeed-style ``topology`` (see
+    :mod:`hyperpar.pipeline.topology`; it becomes a mesh with the same rank layout).
     ``num_stages`` defaults to the group size; a smaller divisor of the world size splits the
     world into ``world // num_stages`` independent pipelines of consecutive stages
-    (pipeline ``d`` is global ranks ``d, d + dp, d + 2*dp, ...``), as DeepSpeed does.
+    (pipeline ``d`` is global ranks ``d, d + dp, d + 2*dp, ...``), as DeepSpeed does. The
+    replicas of this rank's stage form :attr:`dp_group` (:attr:`dp_size` ranks), which
+    :class:`~hyperpar.pipeline.PipelineEngine` averages gradients and losses over.
 
     ``virtual_stages=v`` cuts the layers into ``num_stages * v`` stages placed round-robin
     (stage ``s`` on pipeline rank ``s % num_stages``), for interleaved schedules.
@@ -41,48 +50,64 @@ class PipelineModule(nn.Module):
     explicit list of boundaries (see :func:`~hyperpar.pipeline.partition_layers`).
 
     ``activation_checkpoint_interval=k`` recomputes each run of ``k`` layers in backward
-    instead of storing its activations (0: off). ``seed_layers=True`` seeds the random generator
-    with ``base_seed + layer_index`` before building each layer, so a layer's initial weights do
+    instead of storing its activations (0: off), with ``activation_checkpoint_func(fn, *inputs)``
+    (default: non-reentrant ``torch.utils.checkpoint``). As in DeepSpeed, a run is checkpointed
+    only if every layer's class name is in ``checkpointable_layers`` or, when that is ``None``,
+    if it holds parameters. ``seed_layers=True`` calls ``seed_fn(base_seed + i)`` (default: the
+    platform's ``manual_seed``) before building layer ``i``, so a layer's initial weights do
     not depend on the partition (a tied layer uses the index of its first position).
+    ``dynamic_shape=True`` makes schedules resend activation shapes every step.
     """
 
-    def __init__(self, layers: Sequence[Any], num_stages: int | None = None, *,
-                 group: Group = None, mesh: DeviceMesh | None = None,
-                 mesh_dim: str | int | None = None,
-                 loss_fn: Callable[..., torch.Tensor] | None = None,
-                 partition_method: str | Sequence[int] = "parameters",
-                 activation_checkpoint_interval: int = 0, seed_layers: bool = False,
-                 base_seed: int = 1234, virtual_stages: int = 1) -> None:
+    def __init__(self, layers: Sequence[Any], num_stages: int | None = None,
+                 topology: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None,
+                 seed_layers: bool = False, seed_fn: Callable[[int], Any] | None = None,
+                 base_seed: int = 1234, partition_method: str | Sequence[int] = "parameters",
+                 activation_checkpoint_interval: int = 0,
+                 activation_checkpoint_func: Callable[..., Any] | None = None,
+                 checkpointable_layers: Sequence[str] | None = None,
+                 dynamic_shape: bool = False, *, group: Group = None,
+                 mesh: DeviceMesh | None = None, mesh_dim: str | int | None = None,
+                 virtual_stages: int = 1) -> None:
         super().__init__()
-        platform = get_platform()
-        layers = list(layers)
-        if not layers:
-            raise ValueError("PipelineModule: the layer list is empty")
-        if mesh is not None and group is not None:
-            raise ValueError("PipelineModule: pass either mesh= or group=, not both")
-        if virtual_stages < 1:
-            raise ValueError(f"PipelineModule: virtual_stages must be >= 1, got {virtual_stages}")
-        if activation_checkpoint_interval < 0:
-            raise ValueError("PipelineModule: activation_checkpoint_interval must be >= 0, got "
-                             f"{activation_checkpoint_interval}")
-        for i, layer in enumerate(layers):
-            if not (isinstance(layer, LayerSpec | nn.Module) or callable(layer)):
-                raise TypeError(
-                    f"PipelineModule: layer {i} is {layer!r} of type {type(layer).__name__}; "
-                    f"expected a LayerSpec, TiedLayerSpec, nn.Module or callable"
-                )
-        if mesh is not None:
-            if not hasattr(mesh, "get_mesh"):
-                raise TypeError(f"PipelineModule: mesh= must be a hyperpar DeviceMesh "
-                                f"(hyperpar.init_device_mesh), got {type(mesh).__name__}")
-            group = mesh.get_mesh(mesh_dim, default="pp").get_group()
+        layers = list(layers.children()) if isinstance(layers, nn.Sequential) else list(layers)
+        _check_arguments(layers, num_stages, topology, group, mesh, virtual_stages,
+                         activation_checkpoint_interval, checkpointable_layers)
+        if topology is not None:
+            from .topology import topology_to_mesh
 
-        # ---------------------------------------------------------------- the pipeline group
+            mesh, mesh_dim = topology_to_mesh(topology), "pp"
+            num_stages = topology.get_dim("pipe")
+        self.mesh = mesh
+        self.loss_fn = loss_fn
+        self.activation_checkpoint_interval = activation_checkpoint_interval
+        self.activation_checkpoint_func = activation_checkpoint_func
+        self.checkpointable_layers = (list(checkpointable_layers)
+                                      if checkpointable_layers is not None else None)
+        self.dynamic_shape = dynamic_shape
+        self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn, base_seed
+        self._setup_stages(num_stages, group, mesh, mesh_dim, virtual_stages)
+        self.parts = partition_layers(layers, self.total_stages, partition_method)
+        self._n_layers = len(layers)
+        self._build_local_layers(layers)
+        self._setup_tied(layers, get_platform(), get_platform().is_initialized())
+
+    # ------------------------------------------------------------------ construction steps
+    def _setup_stages(self, num_stages: int | None, group: Group, mesh: DeviceMesh | None,
+                      mesh_dim: str | int | None, virtual_stages: int) -> None:
+        """Pipeline group, stage ranks, this rank's stages and the data-parallel group."""
+        platform = get_platform()
+        self.dp_group: Group = None
+        has_dp = False
+        if mesh is not None:
+            group = mesh.get_mesh(mesh_dim, default="pp").get_group()
+            names = mesh.mesh_dim_names or ()
+            if mesh.ndim > 1 and "dp" in names and mesh_dim not in ("dp", names.index("dp")):
+                self.dp_group, has_dp = mesh.get_mesh("dp").get_group(), True
         distributed = platform.is_initialized()
         group_size = platform.world_size(group) if distributed else 1
         group_ranks = platform.group_ranks(group) if distributed else [0]
-        if num_stages is None:
-            num_stages = group_size
+        num_stages = group_size if num_stages is None else num_stages
         if not isinstance(num_stages, int) or num_stages < 1:
             raise ValueError(f"PipelineModule: num_stages must be a positive int, got "
                              f"{num_stages!r}")
@@ -91,83 +116,96 @@ class PipelineModule(nn.Module):
                 f"PipelineModule: num_stages={num_stages} does not divide the group size "
                 f"{group_size}; use a divisor of {group_size} (e.g. {group_size})"
             )
-        self._tied_groups: dict[str, Any] = {}
-        self._tied_src: dict[str, int] = {}
+        me = platform.rank() if distributed else 0
         if num_stages == 1:
-            self.group = None
-            self.stage_ranks = [platform.rank() if distributed else 0]
+            self.group, self.stage_ranks = None, [me]
+            if group_size > 1 and mesh is None:   # every rank holds the whole model: replicas
+                self.dp_group, has_dp = group, True
         elif num_stages == group_size:
-            self.group = group
-            self.stage_ranks = group_ranks
+            self.group, self.stage_ranks = group, group_ranks
         else:
-            if group is not None and group_size != platform.world_size():
-                raise ValueError(
-                    f"PipelineModule: num_stages={num_stages} is smaller than the group "
-                    f"({group_size} ranks); splitting into several pipelines is supported only "
-                    f"for the world group. Pass a group of exactly {num_stages} ranks instead."
-                )
-            dp = group_size // num_stages
-            me = platform.rank()
-            self.group, self.stage_ranks = None, []
-            for d in range(dp):  # collective: every rank creates every pipeline's group
-                ranks = [group_ranks[s * dp + d] for s in range(num_stages)]
-                handle = platform.new_group(ranks)
-                if me in ranks:
-                    self.group, self.stage_ranks = handle, ranks
+            self._split_world(num_stages, group, group_size, group_ranks, me)
+            has_dp = True
         self.num_stages = num_stages
         self.virtual_stages = virtual_stages
         self.total_stages = num_stages * virtual_stages
-        me = platform.rank() if distributed else 0
         if me not in self.stage_ranks:
             raise ValueError(f"PipelineModule: rank {me} is not in the pipeline group (global "
                              f"ranks {self.stage_ranks}); build the module on its members only")
         self.stage_id = self.stage_ranks.index(me)
         self.local_stages = [self.stage_id + k * num_stages for k in range(virtual_stages)]
-        self.loss_fn = loss_fn
-        self.activation_checkpoint_interval = activation_checkpoint_interval
-        self.seed_layers = seed_layers
-        self.base_seed = base_seed
-        self.parts = partition_layers(layers, self.total_stages, partition_method)
-        self._n_layers = len(layers)
+        self.dp_size = platform.world_size(self.dp_group) if has_dp else 1
 
-        # ---------------------------------------------------------------- build local layers
+    def _split_world(self, num_stages: int, group: Group, group_size: int,
+                     group_ranks: list[int], me: int) -> None:
+        """``group_size // num_stages`` pipelines of consecutive stages, DeepSpeed's layout;
+        the ranks holding the same stage are a data-parallel group."""
+        platform = get_platform()
+        if group is not None and group_size != platform.world_size():
+            raise ValueError(
+                f"PipelineModule: num_stages={num_stages} is smaller than the group "
+                f"({group_size} ranks); splitting into several pipelines is supported only "
+                f"for the world group. Pass a group of exactly {num_stages} ranks instead."
+            )
+        dp = group_size // num_stages
+        self.group, self.stage_ranks = None, []
+        for d in range(dp):  # collective: every rank creates every pipeline's group
+            ranks = [group_ranks[s * dp + d] for s in range(num_stages)]
+            handle = platform.new_group(ranks)
+            if me in ranks:
+                self.group, self.stage_ranks = handle, ranks
+        for s in range(num_stages):  # and every stage's data-parallel group
+            ranks = [group_ranks[s * dp + d] for d in range(dp)]
+            handle = platform.new_group(ranks)
+            if me in ranks:
+                self.dp_group = handle
+
+    def _seed(self, index: int) -> None:
+        if self.seed_fn is not None:
+            self.seed_fn(self.base_seed + index)
+        else:
+            get_platform().manual_seed(self.base_seed + index)
+
+    def _build_local_layers(self, layers: list[Any]) -> None:
+        """Build the layers of this rank's stages; tied modules once per key."""
         self.tied_modules = nn.ModuleDict()
-        self._tied_attrs: dict[str, tuple[str, ...]] = {}
+        self._tied_attrs: dict[str, list[str]] = {}
+        self._tied_groups: dict[str, Any] = {}
+        self._tied_src: dict[str, int] = {}
         first_index: dict[str, int] = {}
         for i, layer in enumerate(layers):
             if isinstance(layer, TiedLayerSpec):
                 first_index.setdefault(layer.key, i)
         self._funcs: dict[int, Callable[..., Any]] = {}
         self._layer_modules: dict[int, list[nn.Module]] = {}
-        device = platform.device()
+        device = get_platform().device()
         for stage in self.local_stages:
-            for i in range(self.parts[stage], self.parts[stage + 1]):
+            for i in self.stage_layers(stage):
                 layer = layers[i]
                 if isinstance(layer, TiedLayerSpec):
                     if layer.key not in self.tied_modules:
-                        if seed_layers:
-                            platform.manual_seed(base_seed + first_index[layer.key])
+                        if self.seed_layers:
+                            self._seed(first_index[layer.key])
                         self.tied_modules[layer.key] = layer.build().to(device)
-                        self._tied_attrs[layer.key] = layer.tied_weight_attr
+                        self._tied_attrs[layer.key] = list(layer.tied_weight_attr)
                     module = self.tied_modules[layer.key]
                     self._funcs[i] = (partial(layer.forward_fn, module)
                                       if layer.forward_fn is not None else module)
                     self._layer_modules[i] = [module]
-                elif isinstance(layer, LayerSpec):
-                    if seed_layers:
-                        platform.manual_seed(base_seed + i)
-                    module = layer.build().to(device)
-                    self.add_module(str(i), module)
-                    self._funcs[i] = module
-                    self._layer_modules[i] = [module]
-                elif isinstance(layer, nn.Module):
+                    continue
+                if isinstance(layer, LayerSpec):
+                    if self.seed_layers:
+                        self._seed(i)
+                    layer = layer.build()
+                if isinstance(layer, nn.Module):
                     self.add_module(str(i), layer.to(device))
-                    self._funcs[i] = layer
                     self._layer_modules[i] = [layer]
                 else:
-                    self._funcs[i] = layer
                     self._layer_modules[i] = []
-        self._setup_tied(layers, platform, distributed)
+                self._funcs[i] = layer
+        for key, attrs in self._tied_attrs.items():   # fail now, not at the first backward
+            for attr in attrs:
+                get_dotted(self.tied_modules[key], attr)
 
     # ------------------------------------------------------------------ tied weights
     def stage_owner(self, stage: int) -> int:
@@ -204,13 +242,13 @@ class PipelineModule(nn.Module):
         platform = get_platform()
         for key, handle in self._tied_groups.items():
             for attr in self._tied_attrs[key]:
-                param = getattr(self.tied_modules[key], attr)
+                param = get_dotted(self.tied_modules[key], attr)
                 with torch.no_grad():
                     platform.broadcast(param.data, src=self._tied_src[key], group=handle)
 
     def tied_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """``(key.attr, parameter)`` for the tied weights held by this rank."""
-        return [(f"{key}.{attr}", getattr(self.tied_modules[key], attr))
+        return [(f"{key}.{attr}", get_dotted(self.tied_modules[key], attr))
                 for key in self.tied_modules for attr in self._tied_attrs[key]]
 
     def allreduce_tied_gradients(self) -> None:
@@ -219,7 +257,7 @@ class PipelineModule(nn.Module):
         platform = get_platform()
         for key, handle in self._tied_groups.items():
             for attr in self._tied_attrs[key]:
-                param = getattr(self.tied_modules[key], attr)
+                param = get_dotted(self.tied_modules[key], attr)
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
                 platform.all_reduce(param.grad, "sum", group=handle)
@@ -230,7 +268,7 @@ class PipelineModule(nn.Module):
         stash = []
         for key in self._tied_groups:
             for attr in self._tied_attrs[key]:
-                param = getattr(self.tied_modules[key], attr)
+                param = get_dotted(self.tied_modules[key], attr)
                 stash.append((param, param.grad))
                 param.grad = None
         return stash
@@ -262,16 +300,34 @@ class PipelineModule(nn.Module):
                         seen.setdefault(id(p), p)
         return list(seen.values())
 
+    def is_checkpointable(self, unit: Sequence[int]) -> bool:
+        """DeepSpeed's rule: every layer's class name in ``checkpointable_layers``, or (when
+        that is ``None``) some layer is a module with parameters."""
+        funcs = [self._funcs[i] for i in unit]
+        if self.checkpointable_layers is not None:
+            return all(type(f).__name__ in self.checkpointable_layers for f in funcs)
+        return any(isinstance(f, nn.Module) and next(f.parameters(), None) is not None
+                   for f in funcs)
+
     def run_unit(self, unit: Sequence[int], x: Any, **kwargs: Any) -> Any:
-        """Run the layers of ``unit`` on ``x`` (checkpointed when the interval is set)."""
+        """Run the layers of ``unit`` on ``x`` (checkpointed when the interval is set and the
+        unit is checkpointable)."""
         def run(inp: Any, **kw: Any) -> Any:
             for j, i in enumerate(unit):
                 inp = self._funcs[i](inp, **kw) if (kw and j == 0) else self._funcs[i](inp)
             return inp
 
-        if self.activation_checkpoint_interval and torch.is_grad_enabled():
+        if not (self.activation_checkpoint_interval and torch.is_grad_enabled()
+                and self.is_checkpointable(unit)):
+            return run(x, **kwargs)
+        if self.activation_checkpoint_func is None:
             return checkpoint(run, x, use_reentrant=False, **kwargs)
-        return run(x, **kwargs)
+
+        def run_unpacked(*inputs: Any) -> Any:   # DeepSpeed's calling convention
+            return run(inputs[0] if len(inputs) == 1 else inputs, **kwargs)
+
+        return self.activation_checkpoint_func(run_unpacked,
+                                               *(x if isinstance(x, tuple) else (x,)))
 
     def forward_stage(self, stage: int, x: Any, **kwargs: Any) -> Any:
         """Run every layer of ``stage`` (which must be local) on ``x``."""
@@ -294,6 +350,53 @@ class PipelineModule(nn.Module):
             x = self.forward_stage(stage, x, **(kwargs if stage == 0 else {}))
         return x
 
+    def num_pipeline_stages(self) -> int:
+        """The number of pipeline stages (DeepSpeed's name)."""
+        return self.num_stages
+
+    def partitions(self) -> list[int]:
+        """The stage boundaries (DeepSpeed's name for :attr:`parts`)."""
+        return list(self.parts)
+
     def extra_repr(self) -> str:
         return (f"stages={self.total_stages} (pipeline rank {self.stage_id} of "
                 f"{self.num_stages}, local stages {self.local_stages}), parts={self.parts}")
+
+
+def _check_arguments(layers: list[Any], num_stages: int | None, topology: Any, group: Group,
+                     mesh: Any, virtual_stages: int, interval: int,
+                     checkpointable_layers: Sequence[str] | None) -> None:
+    """Everything checkable before any collective, raised the same way on every rank."""
+    if not layers:
+        raise ValueError("PipelineModule: the layer list is empty")
+    given = [name for name, v in (("topology", topology), ("mesh", mesh), ("group", group))
+             if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"PipelineModule: pass only one of topology=, mesh=, group=; got "
+                         f"{' and '.join(given)}")
+    if topology is not None and num_stages is not None and hasattr(topology, "get_dim") \
+            and topology.get_dim("pipe") != num_stages:
+        raise ValueError(f"PipelineModule: num_stages={num_stages} but the topology's 'pipe' "
+                         f"axis has {topology.get_dim('pipe')}; give one of them")
+    if mesh is not None and not hasattr(mesh, "get_mesh"):
+        raise TypeError(f"PipelineModule: mesh= must be a hyperpar DeviceMesh "
+                        f"(hyperpar.init_device_mesh), got {type(mesh).__name__}")
+    if virtual_stages < 1:
+        raise ValueError(f"PipelineModule: virtual_stages must be >= 1, got {virtual_stages}")
+    if interval < 0:
+        raise ValueError(f"PipelineModule: activation_checkpoint_interval must be >= 0, got "
+                         f"{interval}")
+    if checkpointable_layers is not None and (
+            isinstance(checkpointable_layers, str)
+            or not all(isinstance(n, str) for n in checkpointable_layers)):
+        raise TypeError(f"PipelineModule: checkpointable_layers must be a list of class names, "
+                        f"e.g. ['TransformerLayer'], got {checkpointable_layers!r}")
+    for i, layer in enumerate(layers):
+        if isinstance(layer, PipelineModule):
+            raise NotImplementedError(f"PipelineModule: layer {i} is itself a PipelineModule; "
+                                      f"nesting is not supported (flatten its layer list)")
+        if not (isinstance(layer, LayerSpec | nn.Module) or callable(layer)):
+            raise TypeError(
+                f"PipelineModule: layer {i} is {layer!r} of type {type(layer).__name__}; "
+                f"expected a LayerSpec, TiedLayerSpec, nn.Module or callable"
+            )

@@ -28,40 +28,42 @@ def partition_uniform(n_items: int, n_parts: int) -> list[int]:
 
 
 def partition_balanced(weights: Sequence[int], n_parts: int) -> list[int]:
-    """Boundaries minimising the heaviest part's total weight (non-negative integer weights),
-    each part non-empty. Among optimal splits, earlier parts are filled first."""
+    """Boundaries of ``n_parts`` non-empty contiguous parts whose total weights are as even as
+    possible, by DeepSpeed's rule (so a layer list splits as it does under DeepSpeed): minimise
+    the spread ``max(part) - min(part)``; among equal spreads the later cut wins.
+
+    Dynamic programme over (layers so far, parts so far), O(n^2 * n_parts)."""
     n = len(weights)
     _check_counts(n, n_parts)
     w = [int(x) for x in weights]
     if any(x < 0 for x in w):
         raise ValueError(f"partition weights must be non-negative, got {list(weights)}")
-
-    def cut(limit: int) -> list[int] | None:
-        parts, total = [0], 0
-        for i, x in enumerate(w):
-            remaining_parts = n_parts - len(parts)          # parts still to open after this one
-            must_cut = n - i == remaining_parts            # one layer left per remaining part
-            if (total + x > limit or must_cut) and i > parts[-1]:
-                if len(parts) == n_parts:
-                    return None
-                parts.append(i)
-                total = 0
-            total += x
-            if total > limit:
-                return None
-        parts.append(n)
-        return parts if len(parts) == n_parts + 1 else None
-
-    lo, hi = max(w, default=0), sum(w)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if cut(mid) is None:
-            lo = mid + 1
-        else:
-            hi = mid
-    parts = cut(lo)
-    assert parts is not None
-    return parts
+    prefix = [0]
+    for x in w:
+        prefix.append(prefix[-1] + x)
+    # best[j][i] = (spread, heaviest, lightest, cut) for the first i layers in j parts
+    best: list[list[tuple[int, int, int, int] | None]] = [[None] * (n + 1)
+                                                          for _ in range(n_parts + 1)]
+    best[0][0] = (0, 0, -1, 0)   # lightest -1: no part yet
+    for j in range(1, n_parts + 1):
+        for i in range(j, n - (n_parts - j) + 1):
+            choice = None
+            for k in range(j - 1, i):
+                prev = best[j - 1][k]
+                if prev is None:
+                    continue
+                part = prefix[i] - prefix[k]
+                hi = max(prev[1], part)
+                lo = part if prev[2] < 0 else min(prev[2], part)
+                if choice is None or hi - lo <= choice[0]:
+                    choice = (hi - lo, hi, lo, k)
+            best[j][i] = choice
+    parts = [n]
+    for j in range(n_parts, 0, -1):
+        entry = best[j][parts[-1]]
+        assert entry is not None
+        parts.append(entry[3])
+    return parts[::-1]
 
 
 def _check_counts(n_items: int, n_parts: int) -> None:
@@ -98,7 +100,8 @@ def partition_layers(layers: Sequence[Any], n_parts: int,
     """Boundaries for ``layers`` by ``method``:
 
     * ``"uniform"`` -- equal layer counts;
-    * ``"parameters"`` -- balanced trainable parameter counts (tied layers count once);
+    * ``"parameters"`` -- balanced trainable parameter counts; a tied layer counts at every
+      position, as in DeepSpeed, so a list splits the same way as there;
     * ``"type:REGEX"`` -- balanced count of layers whose class name matches ``REGEX``
       (``re.search``, case-insensitive);
     * a list of ``n_parts + 1`` boundaries, used as given after validation.
@@ -111,16 +114,8 @@ def partition_layers(layers: Sequence[Any], n_parts: int,
         return partition_uniform(n, n_parts)
     if key == "parameters":
         _check_counts(n, n_parts)
-        seen: set[str] = set()
-        weights = []
-        for layer in layers:
-            tied_key = getattr(layer, "key", None)
-            if tied_key is not None and tied_key in seen:
-                weights.append(0)
-                continue
-            if tied_key is not None:
-                seen.add(tied_key)
-            weights.append(layer_parameter_count(layer))
+        counts: dict[int, int] = {}   # a spec object listed twice is counted once, not built twice
+        weights = [counts.setdefault(id(layer), layer_parameter_count(layer)) for layer in layers]
         return partition_balanced(weights, n_parts)
     if key.startswith("type:"):
         pattern = method[len("type:"):]

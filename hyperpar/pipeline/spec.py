@@ -23,17 +23,23 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+class LayerSpecTypeError(TypeError, RuntimeError):
+    """``typename`` is not a module class. A ``TypeError`` (the Python convention) that is also a
+    ``RuntimeError``, which is what DeepSpeed raises: ported ``except RuntimeError`` catches it."""
+
+
 class LayerSpec:
     """``LayerSpec(typename, *module_args, **module_kwargs)``: build ``typename(*args, **kwargs)``
     later, with :meth:`build`.
 
     ``typename`` must be a module class (checked through the Platform); anything else raises
-    ``TypeError`` at creation, not deep inside a pipeline build.
+    :class:`LayerSpecTypeError` (both a ``TypeError`` and a ``RuntimeError``, as DeepSpeed
+    documents) at creation, not deep inside a pipeline build.
     """
 
     def __init__(self, typename: type, *module_args: Any, **module_kwargs: Any) -> None:
         if not get_platform().is_module_class(typename):
-            raise TypeError(
+            raise LayerSpecTypeError(
                 f"{type(self).__name__}: typename must be a module class (a subclass of "
                 f"torch.nn.Module), got {_short(typename)} of type {type(typename).__name__}. "
                 f"Pass the class itself, e.g. LayerSpec(nn.Linear, 16, 16), not an instance; "
@@ -43,8 +49,8 @@ class LayerSpec:
         self.module_args = tuple(module_args)
         self.module_kwargs = dict(module_kwargs)
 
-    def build(self) -> nn.Module:
-        """Construct the module."""
+    def build(self, log: bool = False) -> nn.Module:
+        """Construct the module (``log`` is accepted for DeepSpeed compatibility and ignored)."""
         return self.typename(*self.module_args, **self.module_kwargs)
 
     def count_parameters(self) -> int:
@@ -74,7 +80,9 @@ class TiedLayerSpec(LayerSpec):
     output head that reuses an embedding matrix: ``forward_fn=lambda emb, h: h @ emb.weight.T``.
     ``tied_weight_attr`` names the parameters kept identical across the stages that hold a copy:
     broadcast from the first owning stage at build time, gradients all-reduced (summed) among the
-    owning stages after each backward.
+    owning stages after each backward. As in DeepSpeed it is a string or a list of strings
+    (default ``["weight"]``; stored as a list), and a dotted name such as ``"linear.weight"``
+    reaches into a submodule.
     """
 
     def __init__(self, key: str, typename: type, *module_args: Any,
@@ -86,9 +94,11 @@ class TiedLayerSpec(LayerSpec):
             raise TypeError(f"TiedLayerSpec: key must be a non-empty string, got {key!r}")
         self.key = key
         self.forward_fn = forward_fn
-        if isinstance(tied_weight_attr, str):
-            tied_weight_attr = (tied_weight_attr,)
-        self.tied_weight_attr = tuple(tied_weight_attr)
+        attrs = [tied_weight_attr] if isinstance(tied_weight_attr, str) else list(tied_weight_attr)
+        if not attrs or not all(isinstance(a, str) and a for a in attrs):
+            raise TypeError(f"TiedLayerSpec {key!r}: tied_weight_attr must be a name or a list of "
+                            f"names like 'weight' or 'linear.weight', got {tied_weight_attr!r}")
+        self.tied_weight_attr = attrs
 
     def __repr__(self) -> str:
         args = self._arg_text()
@@ -96,3 +106,17 @@ class TiedLayerSpec(LayerSpec):
             if self.forward_fn is not None else ""
         return (f"TiedLayerSpec(key={self.key!r}, {self.typename.__name__}"
                 f"{', ' + args if args else ''}{extra}, tied_weight_attr={self.tied_weight_attr})")
+
+
+def get_dotted(module: nn.Module, name: str) -> Any:
+    """``module.a.b`` for ``name="a.b"``; an unknown part names what the module has."""
+    obj: Any = module
+    for i, part in enumerate(name.split(".")):
+        if not hasattr(obj, part):
+            where = ".".join(name.split(".")[:i]) or type(module).__name__
+            have = [n for n, _ in obj.named_parameters(recurse=False)] + \
+                [n for n, _ in obj.named_children()] if isinstance(obj, nn.Module) else []
+            raise AttributeError(f"tied_weight_attr {name!r}: {where} has no attribute {part!r}"
+                                 f" (it has {have})")
+        obj = getattr(obj, part)
+    return obj

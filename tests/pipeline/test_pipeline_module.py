@@ -37,7 +37,7 @@ def test_layer_spec_rejects_an_instance_with_a_hint():
 def test_tied_layer_spec_repr_names_key_and_forward_fn():
     spec = TiedLayerSpec("emb", nn.Embedding, 5, 2, forward_fn=lambda m, x: x)
     assert "key='emb'" in repr(spec) and "Embedding, 5, 2" in repr(spec)
-    assert spec.tied_weight_attr == ("weight",)
+    assert spec.tied_weight_attr == ["weight"]   # DeepSpeed's default, a list
 
 
 def test_uniform_partition_spreads_the_remainder_first():
@@ -50,11 +50,23 @@ def test_balanced_partition_minimises_the_heaviest_stage():
     assert parts[1] == 1 and parts[2] - parts[1] <= 5
 
 
-def test_parameter_partition_counts_specs_without_building_and_tied_once():
+def test_parameter_partition_counts_specs_without_building_and_tied_at_every_position():
     layers = [LayerSpec(nn.Linear, 100, 100), LayerSpec(nn.Linear, 10, 10),
               LayerSpec(nn.Linear, 10, 10), LayerSpec(nn.Linear, 100, 100)]
     assert partition_layers(layers, 2, "parameters") == [0, 2, 4]
     assert partition_layers(tied_layers(), 2, "parameters")[-1] == 10
+    big = [TiedLayerSpec("e", nn.Embedding, 100, 10), LayerSpec(nn.Linear, 10, 10),
+           LayerSpec(nn.Linear, 10, 10), TiedLayerSpec("e", nn.Embedding, 100, 10)]
+    # counted once, the head would weigh 0 and the split be [0, 1, 4]
+    assert partition_layers(big, 2, "parameters") == [0, 2, 4]
+
+
+def test_balanced_partition_follows_deepspeeds_rule():
+    # expected values from DeepSpeed's partition_balanced (smallest max - min, later cut on
+    # ties); minimising only the heaviest part would give [0, 2, 4, 5] for the first
+    assert partition_balanced([5, 1, 1, 5, 1], 3) == [0, 1, 3, 5]
+    assert partition_balanced([3, 1, 1, 3], 2) == [0, 2, 4]
+    assert partition_balanced([1, 2, 3, 4, 5, 6], 3) == [0, 3, 5, 6]
 
 
 def test_type_partition_balances_matching_layers():
