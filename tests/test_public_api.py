@@ -34,3 +34,20 @@ def test_unknown_attribute_is_an_attribute_error():
         assert "no_such_thing" in str(exc)
     else:
         raise AssertionError("expected AttributeError")
+
+
+def test_seed_project_names_are_exported():
+    """DeepSpeed's and EasyDeL's names (the seeds) resolve where their docs put them."""
+    import hyperpar.parallel as parallel
+    import hyperpar.pipeline as pipeline
+
+    for name in ("PipelineEngine", "initialize", "RepeatingLoader", "ProcessTopology",
+                 "PipeDataParallelTopology", "PipeModelDataParallelTopology",
+                 "LayerSpecTypeError"):
+        assert name in pipeline.__all__ and getattr(pipeline, name).__doc__, name
+    for name in ("ParallelLinear", "TensorParallelConfig", "get_sharding",
+                 "get_matmul_output_sharding", "get_output_partition_spec",
+                 "matmul_output_placements"):
+        assert name in parallel.__all__ and getattr(parallel, name).__doc__, name
+    for name in ("ParallelLinear", "TensorParallelConfig", "PipelineEngine"):
+        assert name in hyperpar.__all__ and getattr(hyperpar, name) is not None

@@ -93,14 +93,16 @@ def reference(steps: int = STEPS, dp: int = 1) -> dict:
             "emb": emb.weight.detach().clone()}
 
 
-def train_pipeline(num_stages: int = 2, dp: int = 1, config_extra: dict | None = None) -> dict:
+def train_pipeline(num_stages: int | None = 2, dp: int = 1, config_extra: dict | None = None,
+                   topology=None) -> dict:
     """The seed's tied list as a ``num_stages``-stage pipeline, trained by train_batch."""
     from hyperpar.pipeline import PipelineModule, initialize
     from hyperpar.platform import get_platform
 
     _, tied_layers, vocab = seed_example()
-    model = PipelineModule(layers=tied_layers, num_stages=num_stages, loss_fn=lm_loss,
-                           partition_method="parameters", seed_layers=True, base_seed=SEED)
+    model = PipelineModule(layers=tied_layers, num_stages=num_stages, topology=topology,
+                           loss_fn=lm_loss, partition_method="parameters", seed_layers=True,
+                           base_seed=SEED)
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
               "gradient_clipping": CLIP,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS}}}
@@ -136,15 +138,21 @@ def check_two_stages() -> dict:
     return {"losses": [float(x) for x in out["losses"]], "last": out["last"]}
 
 
-def check_data_parallel() -> dict:
-    """4 ranks: two 2-stage pipelines, each fed its own half of every batch."""
-    out = train_pipeline(num_stages=2, dp=2)
+def check_data_parallel(use_topology: bool) -> dict:
+    """4 ranks: two 2-stage pipelines, each fed its own half of every batch; built from
+    ``num_stages=2`` or from DeepSpeed's ``PipeDataParallelTopology(num_pp=2, num_dp=2)``."""
+    from hyperpar.pipeline import PipeDataParallelTopology
+
+    if use_topology:
+        out = train_pipeline(None, dp=2, topology=PipeDataParallelTopology(num_pp=2, num_dp=2))
+    else:
+        out = train_pipeline(num_stages=2, dp=2)
     ref = reference(dp=2)
     assert_close_to_reference(out["losses"], ref["losses"], rtol=RTOL, atol=ATOL,
                               what="dp2 x pp2 losses")
     assert_close_to_reference(out["emb"], ref["emb"], rtol=RTOL, atol=ATOL,
                               what="dp2 x pp2 embedding")
-    return {"losses": [float(x) for x in out["losses"]]}
+    return {"losses": [float(x) for x in out["losses"]], "last": out["last"]}
 
 
 def check_fp16_overflow_is_skipped() -> dict:

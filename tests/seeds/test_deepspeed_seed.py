@@ -88,9 +88,12 @@ def test_deepspeed_example_trains_as_two_stages_like_one_process(run_on_ranks):
     assert results[0]["losses"] == results[1]["losses"]
 
 
-def test_data_parallel_replicas_average_the_loss_and_gradients(run_on_ranks):
-    results = run_on_ranks(4, check_data_parallel, timeout_s=300)
+@pytest.mark.parametrize("use_topology", [False, True], ids=["num_stages", "topology"])
+def test_data_parallel_replicas_average_the_loss_and_gradients(run_on_ranks, use_topology):
+    results = run_on_ranks(4, check_data_parallel, use_topology, timeout_s=300)
     assert all(r["losses"] == results[0]["losses"] for r in results)
+    # DeepSpeed's layout: stage = rank // dp, so ranks 2 and 3 hold the last stage
+    assert [r["last"] for r in results] == [False, False, True, True]
 
 
 def test_fp16_overflow_skips_the_step_and_lowers_the_scale(run_on_ranks):
