@@ -20,6 +20,8 @@ _EXPORTS: dict[str, str] = {
     "BackendError": "hyperpar.platform",
     "DeviceCapacityError": "hyperpar.platform",
     "P2POp": "hyperpar.platform",
+    "CollectiveError": "hyperpar.platform.health",
+    "CollectiveMismatchError": "hyperpar.platform.health",
     # dtensor
     "DeviceMesh": "hyperpar.dtensor",
     "init_device_mesh": "hyperpar.dtensor",
