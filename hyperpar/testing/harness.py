@@ -28,6 +28,9 @@ from typing import Any
 from hyperpar.platform.health import diagnosis_grace_s
 
 DEFAULT_TIMEOUT_S = 120.0
+_ABORT_HINT = (" (SIGABRT: a native abort, e.g. the collective library finding that ranks sent "
+               "different sizes; its stack is on the rank's stderr. Rerun with "
+               "HYPERPAR_DEBUG_COLLECTIVES=1 to name the mismatching call and ranks)")
 
 
 class DistributedError(RuntimeError):
@@ -229,7 +232,8 @@ class WorkerPool:
                     self._kill()
                     r, code = dead[0]
                     raise DistributedError(
-                        f"{what}: rank {r} died (exit code {code}) without reporting a result",
+                        f"{what}: rank {r} died (exit code {code}) without reporting a result"
+                        f"{_ABORT_HINT if code == -6 else ''}",
                         rank=r,
                     ) from None
                 if time.monotonic() > deadline:
@@ -272,8 +276,9 @@ class WorkerPool:
         if crashed:
             r, code = crashed[0]
             return DistributedError(
-                f"{what}: rank {r} died (exit code {code}) without reporting a result; rank "
-                f"{rank} then failed:\n{tb}", rank=r, remote_traceback=tb)
+                f"{what}: rank {r} died (exit code {code}) without reporting a result"
+                f"{_ABORT_HINT if code == -6 else ''}; rank {rank} then failed:\n{tb}",
+                rank=r, remote_traceback=tb)
         return DistributedError(f"{what}: rank {rank} of {self.world_size} raised:\n{tb}",
                                 rank=rank, remote_traceback=tb)
 

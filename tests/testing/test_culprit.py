@@ -104,3 +104,11 @@ def test_call_signature_leaves_out_what_may_differ_per_rank():
                           (torch.empty(5), torch.empty(3, dtype=torch.bfloat16), [2, 3], [1, 2]),
                           {"async_op": True})
     assert text == "all_to_all_single(output=float32, input=bfloat16)"
+
+
+def test_without_debug_mode_a_mismatch_abort_points_to_debug_mode():
+    """gloo aborts the process on mismatched sizes (no Python exception to catch): the report
+    names the aborted rank and says how to find the call."""
+    with pytest.raises(DistributedError) as err:
+        run_distributed(_rank_one_gathers_a_different_shape, 2, timeout_s=TIMEOUT_S)
+    assert "HYPERPAR_DEBUG_COLLECTIVES=1" in str(err.value), str(err.value)
