@@ -114,8 +114,12 @@ def partition_layers(layers: Sequence[Any], n_parts: int,
         return partition_uniform(n, n_parts)
     if key == "parameters":
         _check_counts(n, n_parts)
-        counts: dict[int, int] = {}   # a spec object listed twice is counted once, not built twice
-        weights = [counts.setdefault(id(layer), layer_parameter_count(layer)) for layer in layers]
+        counts: dict[int, int] = {}   # the same object listed twice is counted (built) once
+        weights = []
+        for layer in layers:
+            if id(layer) not in counts:
+                counts[id(layer)] = layer_parameter_count(layer)
+            weights.append(counts[id(layer)])
         return partition_balanced(weights, n_parts)
     if key.startswith("type:"):
         pattern = method[len("type:"):]

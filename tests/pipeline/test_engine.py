@@ -159,3 +159,10 @@ def test_a_sequential_is_taken_as_its_layers():
     module = PipelineModule(seq, 1)
     x = torch.randn(4, 3)
     torch.testing.assert_close(module(x), seq(x))
+
+
+def test_engine_over_fully_shard_on_a_pp_dp_mesh_matches_one_process(run_on_ranks):
+    from engine_fsdp_case import run
+
+    results = run_on_ranks(4, run, timeout_s=300)
+    assert all(r == results[0] for r in results)   # the loss on every stage and replica

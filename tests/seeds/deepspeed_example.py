@@ -94,7 +94,7 @@ def reference(steps: int = STEPS, dp: int = 1) -> dict:
 
 
 def train_pipeline(num_stages: int | None = 2, dp: int = 1, config_extra: dict | None = None,
-                   topology=None) -> dict:
+                   topology=None, virtual_stages: int = 1) -> dict:
     """The seed's tied list as a ``num_stages``-stage pipeline, trained by train_batch."""
     from hyperpar.pipeline import PipelineModule, initialize
     from hyperpar.platform import get_platform
@@ -102,7 +102,7 @@ def train_pipeline(num_stages: int | None = 2, dp: int = 1, config_extra: dict |
     _, tied_layers, vocab = seed_example()
     model = PipelineModule(layers=tied_layers, num_stages=num_stages, topology=topology,
                            loss_fn=lm_loss, partition_method="parameters", seed_layers=True,
-                           base_seed=SEED)
+                           base_seed=SEED, virtual_stages=virtual_stages)
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
               "gradient_clipping": CLIP,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS}}}
@@ -120,10 +120,12 @@ def train_pipeline(num_stages: int | None = 2, dp: int = 1, config_extra: dict |
             "emb": emb, "last": engine.is_last_stage(), "scale": engine.loss_scale}
 
 
-def check_two_stages() -> dict:
-    out = train_pipeline()
+def check_two_stages(virtual_stages: int = 1) -> dict:
+    """2 ranks; with ``virtual_stages=2`` four one-layer stages driven by interleaved 1F1B."""
+    out = train_pipeline(virtual_stages=virtual_stages)
     ref = reference()
-    assert out["parts"] == [0, 2, 4], out["parts"]   # DeepSpeed's split of this list
+    expected_parts = [0, 2, 4] if virtual_stages == 1 else [0, 1, 2, 3, 4]
+    assert out["parts"] == expected_parts, out["parts"]   # DeepSpeed's split of this list
     assert_close_to_reference(out["losses"], ref["losses"], rtol=RTOL, atol=ATOL,
                               what="train_batch losses")
     assert_close_to_reference(out["eval_loss"], ref["eval_loss"], rtol=RTOL, atol=ATOL,

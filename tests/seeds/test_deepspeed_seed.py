@@ -81,8 +81,9 @@ def test_pipeline_module_takes_deepspeed_arguments_positionally():
     assert calls == [1] and out.shape == (2, 3, 40)
 
 
-def test_deepspeed_example_trains_as_two_stages_like_one_process(run_on_ranks):
-    results = run_on_ranks(2, check_two_stages, timeout_s=240)
+@pytest.mark.parametrize("virtual_stages", [1, 2], ids=["1f1b", "interleaved"])
+def test_deepspeed_example_trains_as_two_stages_like_one_process(run_on_ranks, virtual_stages):
+    results = run_on_ranks(2, check_two_stages, virtual_stages, timeout_s=240)
     assert [r["last"] for r in results] == [False, True]
     # the loss is returned on every stage, the same value
     assert results[0]["losses"] == results[1]["losses"]
