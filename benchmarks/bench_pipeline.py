@@ -1,6 +1,7 @@
 """Pipeline schedules: step time, measured bubble vs theory, and 1F1B vs torch's Schedule1F1B.
 
     python benchmarks/bench_pipeline.py [--ranks 2] [--microbatches 8] [--dim 512] [--steps 6]
+                                        [--json rows.json]
 
 Spawns ``--ranks`` processes (one thread each) and runs, on the same stack of MLP blocks split
 into one stage per rank and the same microbatches:
@@ -15,11 +16,17 @@ bubble of the schedule itself: the ranks' measured action durations replayed wit
 communication (separates the schedule from transport and machine noise). Theory:
 ``(p-1)/(m+p-1)`` for GPipe/1F1B, ``(p-1)/(v*m+p-1)`` interleaved, ``(p-1)/(3m+p-1)`` for
 zero-bubble with equal forward, input-gradient and weight-gradient costs.
+
+``--json PATH`` writes one row per hyperpar schedule (``hyperpar bench``'s contract): its step
+time against torch's ``Schedule1F1B`` on the same blocks, the measured and theoretical bubble
+in the case text. A pipeline needs 2 ranks or more: with ``--ranks 1`` (a one-GPU host) the
+script says so and writes no rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -123,10 +130,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--json", dest="json_path", default=None,
+                        help="write hyperpar bench rows (JSON list) to this file")
     args = parser.parse_args()
     from hyperpar.testing import run_distributed
 
     p, m = args.ranks, args.microbatches
+    if p < 2:
+        print(f"pipeline benchmark: skipped: a pipeline needs 2 or more ranks (--ranks {p})")
+        if args.json_path:
+            with open(args.json_path, "w") as fp:
+                json.dump([], fp)
+        return
     results = run_distributed(worker, p, args.dim, args.blocks_per_rank, args.batch, m,
                               args.steps, args.warmup, timeout_s=600)
     print(f"pipeline benchmark: {p} ranks x 1 thread, {p * args.blocks_per_rank} MLP blocks "
@@ -136,7 +151,8 @@ def main() -> None:
               f"{'bubble/theory':>14} {'plan/theory':>12}")
     print(header)
     print("-" * len(header))
-    rows = {}
+    rows: dict[str, float] = {}
+    detail: dict[str, str] = {}
     for name in results[0]:
         v = results[0][name]["v"]
         # per step: slowest rank's wall time; bubble from the ranks' compute time
@@ -154,6 +170,7 @@ def main() -> None:
                       else bubble_fraction_theory(p, m, v))
             print(f"{name:<20} {med * 1e3:>9.1f} {bubble:>8.3f} {plan:>8.3f} {theory:>8.3f} "
                   f"{bubble / theory:>14.2f} {plan / theory:>12.2f}")
+            detail[name] = f"bubble {bubble:.3f}, plan {plan:.3f}, theory {theory:.3f}"
         else:
             print(f"{name:<20} {med * 1e3:>9.1f} {'-':>8} {'-':>8} {'-':>8} {'-':>14} "
                   f"{'-':>12}")
@@ -161,6 +178,16 @@ def main() -> None:
     ratio = rows["1f1b"] / rows["torch Schedule1F1B"]
     print(f"\nhyperpar 1F1B / torch Schedule1F1B step time: {ratio:.2f}x "
           f"({'faster' if ratio < 1 else 'slower'} than torch)")
+    if args.json_path:
+        ref = "torch Schedule1F1B"
+        out = [{"benchmark": "pipeline",
+                "case": f"{name} step, {p} ranks, {m} microbatches, {p * args.blocks_per_rank} "
+                        f"MLP blocks dim {args.dim} ({detail[name]})",
+                "hyperpar_ms": rows[name] * 1e3, "reference": ref,
+                "reference_ms": rows[ref] * 1e3, "ratio": rows[name] / rows[ref]}
+               for name in rows if name != ref]
+        with open(args.json_path, "w") as fp:
+            json.dump(out, fp, indent=2)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,10 @@ it is missing and both times are present. A script that does not accept ``--json
 exits with status 2 naming the option) is run again without it, and its output is shown as raw
 text in the report.
 
+A script that declares a ``--ranks N`` option is given the number of ranks the host allows when
+the backend runs one rank per device (``min(devices, 2)``; ``HYPERPAR_BENCH_RANKS`` overrides):
+on a one-GPU host every benchmark runs at world size 1. On cpu the scripts keep their defaults.
+
 The runner writes ``DIR/results.md`` (machine, then a Markdown table of every row, then raw
 outputs), ``DIR/results.json`` (the machine and the rows) and ``DIR/ratios.png`` (a bar chart of
 the ratios; skipped with a message when matplotlib is not installed). ``--update-doc FILE``
@@ -37,11 +41,16 @@ import platform as _host
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+#: Ranks a benchmark runs at when the host limits them (one rank per device): at most this many,
+#: the scripts' common default. ``HYPERPAR_BENCH_RANKS`` overrides it.
+DEFAULT_RANKS = 2
+RANKS_ENV = "HYPERPAR_BENCH_RANKS"
 ROW_KEYS = ("benchmark", "case", "hyperpar_ms", "reference", "reference_ms", "ratio")
 DOC_BEGIN = "<!-- bench:begin -->"
 DOC_END = "<!-- bench:end -->"
@@ -87,6 +96,35 @@ def select(found: dict[str, Path], names: list[str]) -> dict[str, Path]:
 
 
 # --------------------------------------------------------------------------- running
+def host_ranks() -> tuple[int | None, str]:
+    """``(N, why)``: the ``--ranks N`` to give scripts that accept it, or ``None`` to keep their
+    defaults. ``HYPERPAR_BENCH_RANKS`` wins; else, on a backend that runs one rank per device
+    (cuda, npu), ``min(devices visible, DEFAULT_RANKS)`` -- from the platform's capacity check,
+    so a one-GPU host runs every benchmark at world size 1 instead of failing to start."""
+    forced = os.environ.get(RANKS_ENV, "").strip()
+    if forced:
+        if not forced.isdigit() or int(forced) < 1:
+            raise ValueError(f"{RANKS_ENV}={forced!r}: expected a positive number of ranks")
+        return int(forced), f"{RANKS_ENV}={forced}"
+    from hyperpar.platform import get_platform
+
+    platform = get_platform()
+    limit = platform.max_local_ranks()
+    if limit is None:
+        return None, f"backend {platform.name}: ranks share the device (script defaults)"
+    n = max(1, min(limit, DEFAULT_RANKS))
+    return n, (f"backend {platform.name} runs one rank per device and {limit} "
+               f"{platform.device_type} device(s) are visible")
+
+
+def accepts_ranks(script: Path) -> bool:
+    """Whether a benchmark script takes ``--ranks N`` (its argparse declares the option)."""
+    try:
+        return '"--ranks"' in script.read_text()
+    except OSError:
+        return False
+
+
 def normalise_row(row: dict[str, Any], name: str) -> dict[str, Any]:
     """A contract row with every key present and ``ratio`` filled in when computable."""
     if not isinstance(row, dict):
@@ -112,20 +150,21 @@ def _run(cmd: list[str], env: dict[str, str], cwd: Path, timeout_s: float) -> tu
 
 
 def run_one(name: str, script: Path, *, timeout_s: float = 600.0,
-            env: dict[str, str] | None = None) -> BenchRun:
-    """Run one benchmark script by the contract above."""
+            env: dict[str, str] | None = None, args: list[str] | None = None) -> BenchRun:
+    """Run one benchmark script by the contract above (``args``: extra script arguments)."""
+    extra = list(args or [])
     env = dict(os.environ if env is None else env)
     cwd = script.resolve().parent.parent
     with tempfile.TemporaryDirectory(prefix="hyperpar-bench-") as tmp:
         path = Path(tmp) / "rows.json"
         start = time.perf_counter()
-        code, output = _run([sys.executable, str(script), "--json", str(path)], env, cwd,
-                            timeout_s)
+        code, output = _run([sys.executable, str(script), *extra, "--json", str(path)], env,
+                            cwd, timeout_s)
         run = BenchRun(name, str(script), code, 0.0, output=output)
         if code == 2 and "--json" in output and not path.exists():
             # argparse rejected --json: an older script, shown as raw text.
             run.json_supported = False
-            run.returncode, run.output = _run([sys.executable, str(script)], env, cwd,
+            run.returncode, run.output = _run([sys.executable, str(script), *extra], env, cwd,
                                               timeout_s)
         elif path.exists():
             try:
@@ -209,6 +248,9 @@ def render_markdown(runs: list[BenchRun], mach: dict[str, Any], png: str | None)
         "`ratio` = hyperpar time / reference time: 1.00 is parity, below 1 hyperpar is faster.",
         "",
     ]
+    if mach.get("ranks") is not None:
+        out[-2:-2] = [f"Multi-rank benchmarks ran at {mach['ranks']} rank(s): "
+                      f"{mach['ranks_reason']}.", ""]
     out.append(results_table(rows) if rows else "_No benchmark produced JSON rows._")
     if png:
         out += ["", f"![ratios]({png})"]
@@ -224,10 +266,19 @@ def render_markdown(runs: list[BenchRun], mach: dict[str, Any], png: str | None)
     return "\n".join(out).rstrip() + "\n"
 
 
+def _wrap_label(text: str, width: int = 48) -> str:
+    return "\n".join(textwrap.wrap(text, width, break_long_words=False,
+                                    break_on_hyphens=False)) or text
+
+
 def plot_ratios(rows: list[dict[str, Any]], path: Path, title: str = "") -> str | None:
-    """Bar chart of the ratios into ``path``; returns a message instead when impossible."""
-    data = [(f"{r['benchmark']}: {r['case']}" + (f"\nvs {r['reference']}" if r["reference"]
-                                                     else ""), r["ratio"])
+    """Bar chart of the ratios into ``path``; returns a message instead when impossible.
+
+    Long case names are wrapped (not squeezing the bars), the x axis leaves room for the largest
+    bar's value, and the figure is saved with a tight bounding box so the title, the axis label
+    and every label stay inside the image."""
+    data = [(_wrap_label(f"{r['benchmark']}: {r['case']}")
+             + (f"\nvs {r['reference']}" if r["reference"] else ""), r["ratio"])
             for r in rows if r["ratio"] is not None and math.isfinite(r["ratio"])]
     if not data:
         return "no ratios to plot"
@@ -239,18 +290,20 @@ def plot_ratios(rows: list[dict[str, Any]], path: Path, title: str = "") -> str 
     except ImportError:
         return "matplotlib is not installed (pip install 'hyperpar[bench]'); skipped the PNG"
     labels, ratios = zip(*data, strict=True)
-    fig, ax = plt.subplots(figsize=(8, 0.55 * len(data) + 1.4))
+    lines = sum(label.count("\n") + 1 for label in labels)
+    fig, ax = plt.subplots(figsize=(10, max(2.5, 0.22 * lines + 0.3 * len(data) + 1.2)))
     colors = ["tab:green" if x <= 1.0 else "tab:orange" for x in ratios]
     bars = ax.barh(range(len(data)), ratios, color=colors)
     ax.bar_label(bars, fmt="%.2f", fontsize=8, padding=2)
-    ax.set_yticks(range(len(data)), labels, fontsize=8)
+    ax.set_yticks(range(len(data)), labels, fontsize=7)
     ax.invert_yaxis()
     ax.axvline(1.0, color="black", linewidth=1)
-    ax.set_xlabel("hyperpar time / reference time (lower is better, 1 = parity)")
+    ax.set_xlim(0, max(1.0, *ratios) * 1.15)  # room for the largest bar's value
+    ax.set_xlabel("hyperpar time / reference time\n(lower is better, 1 = parity)")
     if title:
-        ax.set_title(title, fontsize=9)
+        ax.set_title(_wrap_label(title, 70), fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight", pad_inches=0.15)
     plt.close(fig)
     return None
 
@@ -305,13 +358,22 @@ def main(names: list[str] | None = None, out_dir: str = "bench-results",
         return 2
 
     mach = machine()
+    try:
+        ranks, why = host_ranks()
+    except ValueError as exc:
+        print(f"hyperpar bench: error: {exc}", file=sys.stderr)
+        return 2
+    mach["ranks"] = ranks
+    mach["ranks_reason"] = why
     env = dict(os.environ)
     if not mach["backend"].startswith("none"):
         env["HYPERPAR_BACKEND"] = mach["backend"]
     runs: list[BenchRun] = []
     for name, path in picked.items():
-        print(f"hyperpar bench: {name} ({path}) on {mach['backend']} ...", flush=True)
-        run = run_one(name, path, timeout_s=timeout_s, env=env)
+        args = ["--ranks", str(ranks)] if ranks is not None and accepts_ranks(path) else []
+        shown = f" with {' '.join(args)}" if args else ""
+        print(f"hyperpar bench: {name} ({path}) on {mach['backend']}{shown} ...", flush=True)
+        run = run_one(name, path, timeout_s=timeout_s, env=env, args=args)
         runs.append(run)
         if run.output.strip():
             print(run.output.rstrip())
