@@ -166,3 +166,19 @@ def test_engine_over_fully_shard_on_a_pp_dp_mesh_matches_one_process(run_on_rank
 
     results = run_on_ranks(4, run, timeout_s=300)
     assert all(r == results[0] for r in results)   # the loss on every stage and replica
+
+
+def test_training_data_and_lr_scheduler_as_in_deepspeed_initialize():
+    from torch.utils.data import TensorDataset
+
+    x, y = data()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    engine, _, loader, lr_scheduler = initialize(
+        model=model, optimizer=opt, training_data=TensorDataset(x, y), lr_scheduler=sched,
+        config={"train_batch_size": 4, "gradient_accumulation_steps": 2})
+    assert lr_scheduler is sched and len(loader) == 4   # 8 samples, micro batches of 2
+    for _ in range(3):                                  # the loader repeats when exhausted
+        assert torch.isfinite(engine.train_batch())
+    assert engine.get_lr() == [0.1 * 0.5 ** 3]
