@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.parameter import UninitializedParameter
 
 from hyperpar.dtensor.mesh import DeviceMesh, current_mesh, init_device_mesh
 from hyperpar.dtensor.placement import Replicate, Shard
@@ -65,6 +67,13 @@ class ParallelLinear(nn.Linear):
 
     _direction: str | None = None
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> ParallelLinear:
+        # EasyDeL's older form ``ParallelLinear(features=768, ...)`` infers in_features from the
+        # first input, like nn.LazyLinear
+        if cls is ParallelLinear and "features" in kwargs and not args:
+            return super().__new__(_LazyParallelLinear)
+        return super().__new__(cls)
+
     def __init__(self, in_features: int, out_features: int, use_bias: bool = True,
                  dtype: torch.dtype | None = None, param_dtype: torch.dtype = torch.float32, *,
                  kernel_init: Callable[[torch.Tensor], Any] | None = None,
@@ -100,6 +109,53 @@ class ParallelLinear(nn.Linear):
         dtype = self.compute_dtype or torch.promote_types(x.dtype, self.weight.dtype)
         bias = self.bias.to(dtype) if self.bias is not None else None
         return F.linear(x.to(dtype), self.weight.to(dtype), bias)
+
+
+class _LazyParallelLinear(LazyModuleMixin, ParallelLinear):
+    """``ParallelLinear(features=out, use_bias=True, dtype=None, param_dtype=torch.float32,
+    kernel_init=None, bias_init=None, gather_output=..., axis_name=...)``: EasyDeL's module
+    docstring form. A plain Linear (the base class is never sharded) whose ``in_features`` come
+    from the first input; ``gather_output`` and ``axis_name`` are recorded, with no effect."""
+
+    cls_to_become = ParallelLinear
+
+    def __init__(self, *, features: int, use_bias: bool = True,
+                 dtype: torch.dtype | None = None, param_dtype: torch.dtype = torch.float32,
+                 kernel_init: Callable[[torch.Tensor], Any] | None = None,
+                 bias_init: Callable[[torch.Tensor], Any] | None = None,
+                 parallel_config: TensorParallelConfig | None = None,
+                 gather_output: bool | None = None, axis_name: str | None = None,
+                 device: Any = None) -> None:
+        if parallel_config is not None:
+            raise NotImplementedError("ParallelLinear(features=...) infers in_features lazily and "
+                                      "is never sharded; give in_features and out_features to a "
+                                      "Column/RowParallelLinear with a parallel_config instead")
+        super().__init__(0, 0, False, dtype, param_dtype, device=device)
+        self.out_features, self.use_bias = features, use_bias
+        self.gather_output, self.axis_name = gather_output, axis_name
+        self._inits = (kernel_init, bias_init)
+        self.weight = UninitializedParameter(device=device, dtype=param_dtype)
+        if use_bias:
+            self.bias = UninitializedParameter(device=device, dtype=param_dtype)
+
+    def reset_parameters(self) -> None:
+        if not self.has_uninitialized_params() and self.in_features != 0:
+            super().reset_parameters()
+
+    def initialize_parameters(self, x: torch.Tensor) -> None:
+        if not self.has_uninitialized_params():
+            return
+        with torch.no_grad():
+            self.in_features = x.shape[-1]
+            self.weight.materialize((self.out_features, self.in_features))
+            if self.bias is not None:
+                self.bias.materialize((self.out_features,))
+            self.reset_parameters()
+            kernel_init, bias_init = self._inits
+            if kernel_init is not None:
+                kernel_init(self.weight)
+            if bias_init is not None and self.bias is not None:
+                bias_init(self.bias)
 
 
 class ColumnParallelLinear(ParallelLinear):

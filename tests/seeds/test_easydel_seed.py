@@ -104,3 +104,26 @@ def test_column_row_pair_matches_two_linears(run_on_ranks, scatter):
 def test_config_json_round_trip_re_resolves_the_mesh(run_on_ranks):
     results = run_on_ranks(2, config_round_trip)
     assert json.loads(results[0]["json"])["mesh"] == {"shape": [2], "dim_names": ["tp"]}
+
+
+def test_the_seed_module_docstring_example_runs():
+    """easydel.layers.linear's example with the import changed and jnp.bfloat16 -> torch's;
+    in_features come from the first input (EasyDeL's older Flax form)."""
+    from hyperpar.parallel import ParallelLinear  # was: from easydel.layers import ...
+
+    input_tensor = torch.randn(2, 5, 32)
+    # Create a parallel linear layer
+    layer = ParallelLinear(
+        features=768,
+        use_bias=True,
+        gather_output=False,
+        axis_name="model",
+        dtype=torch.bfloat16
+    )
+    output = layer(input_tensor)
+    assert type(layer) is ParallelLinear and layer.in_features == 32
+    assert output.shape == (2, 5, 768) and output.dtype == torch.bfloat16
+    assert layer.weight.dtype == torch.float32   # param_dtype's default
+    expected = torch.nn.functional.linear(input_tensor.bfloat16(), layer.weight.bfloat16(),
+                                          layer.bias.bfloat16())
+    assert torch.equal(output, expected)
