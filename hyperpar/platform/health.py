@@ -273,6 +273,9 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def tracked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # Inside a compiled graph: no store, no clock (see platform/traced.py).
+            return fn(self, *args, **kwargs)
         group = kwargs.get("group", args[group_at] if len(args) > group_at else None)
         seq = COUNTER.enter(group)
         signature = ""

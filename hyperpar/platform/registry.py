@@ -193,6 +193,11 @@ def _check_usable(name: str, found: dict[str, BackendInfo]) -> BackendInfo:
 
 def get_platform() -> Platform:
     """The selected backend's :class:`Platform` instance (resolved lazily, then cached)."""
+    platform = _state.platform
+    if platform is not None:
+        # Hot path without the lock: reading one reference is atomic, and torch.compile cannot
+        # trace a lock (a graph break at every collective of a compiled region).
+        return platform
     with _lock:
         if _state.platform is None:
             name, rule = _resolve()

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from . import health
+from . import health, traced
 from .base import REDUCE_OPS, Availability, Group, P2POp, Platform, Work
 
 _TORCH_OPS = {
@@ -86,12 +86,18 @@ class TorchPlatform(Platform):
 
     * ``native_reduce_ops`` -- reduce ops the collective library supports natively; others are
       emulated (``avg`` as ``sum`` then divide) and reported by :meth:`collective_fallbacks`.
+    * ``traceable_collectives`` -- inside ``torch.compile`` the bulk collectives (all-reduce,
+      all-gather, reduce-scatter, all-to-all, broadcast) run as torch's functional collectives
+      (:mod:`hyperpar.platform.traced`), so a compiled region has no graph break at them. A
+      backend whose collective library has no functional-collective support sets ``False``:
+      each collective is then a graph break (correct, slower).
 
     Hooks, module detection and the differentiable collectives are the :class:`Platform`
     defaults; point-to-point and object collectives are overridden with torch's own calls.
     """
 
     native_reduce_ops: ClassVar[tuple[str, ...]] = REDUCE_OPS
+    traceable_collectives: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self._groups: dict[tuple[int, ...], Group] = {}
@@ -199,7 +205,14 @@ class TorchPlatform(Platform):
         _check_op(op)
         return op in self.native_reduce_ops
 
+    def _tracing(self) -> bool:
+        """True inside a compiled region on a backend with traceable collectives."""
+        return self.traceable_collectives and traced.compiling()
+
     def all_reduce(self, tensor, op="sum", group=None, async_op=False) -> Work | None:
+        if self._tracing():
+            traced.all_reduce(tensor, op, group, self._native(op))
+            return _DoneWork() if async_op else None
         if self._native(op):
             return dist.all_reduce(tensor, _TORCH_OPS[op], group=group, async_op=async_op)
         if op != "avg":
@@ -212,6 +225,14 @@ class TorchPlatform(Platform):
         return None
 
     def all_gather_into_tensor(self, output, input, group=None, async_op=False):
+        if self._tracing():
+            traced.all_gather_into_tensor(output, input, group)
+            return _DoneWork() if async_op else None
+        # Eager collectives are not autograd ops: hand the library detached tensors. gloo copies
+        # into chunk views of ``output`` on its worker thread; with an input that requires grad
+        # (a parameter) that copy could raise at wait() ("A view was created in no_grad mode
+        # and is being modified inplace"), depending on thread timing.
+        pass
         if "all_gather_into_tensor" not in self._runtime_fallbacks:
             try:
                 return _all_gather_single(output, input, group=group, async_op=async_op)
@@ -226,6 +247,10 @@ class TorchPlatform(Platform):
         return _DoneWork() if async_op else None
 
     def reduce_scatter_tensor(self, output, input, op="sum", group=None, async_op=False):
+        if self._tracing():
+            traced.reduce_scatter_tensor(output, input, op, group, self._native(op))
+            return _DoneWork() if async_op else None
+        pass
         n = self.world_size(group)
         native = self._native(op)
         if not native and op != "avg":
@@ -257,14 +282,20 @@ class TorchPlatform(Platform):
 
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,
                           group=None, async_op=False):
+        if self._tracing():
+            traced.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group)
+            return _DoneWork() if async_op else None
         return dist.all_to_all_single(
-            output, input,
+            output.detach(), input.detach(),  # see all_gather_into_tensor
             list(output_split_sizes) if output_split_sizes is not None else None,
             list(input_split_sizes) if input_split_sizes is not None else None,
             group=group, async_op=async_op,
         )
 
     def broadcast(self, tensor, src, group=None, async_op=False):
+        if self._tracing():
+            traced.broadcast(tensor, src, group)
+            return _DoneWork() if async_op else None
         return dist.broadcast(tensor, src, group=group, async_op=async_op)
 
     def send(self, tensor, dst, group=None, tag=0) -> None:
