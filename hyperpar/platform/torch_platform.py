@@ -232,7 +232,7 @@ class TorchPlatform(Platform):
         # into chunk views of ``output`` on its worker thread; with an input that requires grad
         # (a parameter) that copy could raise at wait() ("A view was created in no_grad mode
         # and is being modified inplace"), depending on thread timing.
-        pass
+        output, input = output.detach(), input.detach()
         if "all_gather_into_tensor" not in self._runtime_fallbacks:
             try:
                 return _all_gather_single(output, input, group=group, async_op=async_op)
@@ -250,7 +250,7 @@ class TorchPlatform(Platform):
         if self._tracing():
             traced.reduce_scatter_tensor(output, input, op, group, self._native(op))
             return _DoneWork() if async_op else None
-        pass
+        output, input = output.detach(), input.detach()  # see all_gather_into_tensor
         n = self.world_size(group)
         native = self._native(op)
         if not native and op != "avg":
