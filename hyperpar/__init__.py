@@ -53,6 +53,7 @@ _EXPORTS: dict[str, str] = {
     "PlanKeyError": "hyperpar.parallel",
     "UnsupportedModuleError": "hyperpar.parallel",
     "AlreadyParallelizedError": "hyperpar.parallel",
+    "TiedParameterError": "hyperpar.parallel",
     "data_parallel": "hyperpar.parallel",
     "DataParallelModule": "hyperpar.parallel",
     # fsdp

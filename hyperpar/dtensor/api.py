@@ -210,20 +210,30 @@ class DTensor(torch.Tensor):
     def from_local(local_tensor: torch.Tensor, device_mesh: DeviceMesh | None = None,
                    placements: Sequence[Placement] | None = None, *, run_check: bool = False,
                    shape: Sequence[int] | None = None,
-                   stride: Sequence[int] | None = None) -> DTensor:
+                   stride: Sequence[int] | None = None,
+                   grad_placements: Sequence[Placement] | None = None) -> DTensor:
         """Wrap this rank's ``local_tensor`` as a DTensor (differentiable, no communication
         unless ``run_check``).
 
         The global ``shape`` defaults to the local shape times the mesh size along every
         sharded dim (even shards); pass ``shape`` for uneven shards, or ``run_check=True`` to
-        compute it from every rank's local shape (and to make replicas equal: they are
-        broadcast from the first rank of each mesh dim)."""
+        check that every rank's local shape agrees (as torch does; uneven shards need
+        ``shape``) and to make replicas equal: they are broadcast from the first rank of each
+        mesh dim. ``grad_placements``: the layout the gradient flowing back into
+        ``local_tensor`` takes (default: these placements, Partial read as Replicate)."""
+        if isinstance(local_tensor, DTensor):
+            raise TypeError(
+                "DTensor.from_local takes this rank's plain torch.Tensor, got a DTensor; use "
+                "dtensor.redistribute(mesh, placements) to change its layout, or pass "
+                "dtensor.to_local()"
+            )
         mesh = _require_mesh(device_mesh, "DTensor.from_local")
         placements = normalize_placements(
             placements if placements is not None else (REPLICATE,) * mesh.ndim, mesh.ndim,
             local_tensor.ndim, "from_local placements")
         if shape is None:
             if run_check:
+                _check_same_local_shape(local_tensor, mesh, placements)
                 shape = _global_shape_from_ranks(local_tensor, mesh, placements)
             else:
                 size = list(local_tensor.shape)
@@ -242,6 +252,13 @@ class DTensor(torch.Tensor):
                 )
             if any(type(p) is Replicate for p in placements):
                 local_tensor = _BroadcastReplicas.apply(local_tensor, mesh, placements)
+        if grad_placements is not None:
+            gp = normalize_placements(grad_placements, mesh.ndim, len(spec.shape),
+                                      "grad_placements")
+            want = grad_placements_of(placements)
+            if gp != want and local_tensor.requires_grad and torch.is_grad_enabled():
+                # backward: the gradient (laid out as `want`) is redistributed to `gp`
+                local_tensor = _ToLocal.apply(local_tensor, spec, want, gp)
         return _wrap(local_tensor, spec)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
@@ -265,8 +282,16 @@ class DTensor(torch.Tensor):
 
     def redistribute(self, device_mesh: DeviceMesh | None = None,
                      placements: Sequence[Placement] | None = None, *,
-                     async_op: bool = False) -> DTensor:
-        """The same logical tensor laid out as ``placements`` (differentiable)."""
+                     async_op: bool = False, forward_dtype: torch.dtype | None = None,
+                     backward_dtype: torch.dtype | None = None) -> DTensor:
+        """The same logical tensor laid out as ``placements`` (differentiable).
+
+        ``forward_dtype``: run the collective (and return the result) in this dtype;
+        ``backward_dtype``: run the backward collective in this dtype (the gradient comes back
+        in this DTensor's dtype). Both default to this DTensor's dtype (torch semantics)."""
+        if forward_dtype is not None or backward_dtype is not None:
+            return self._redistribute_cast(device_mesh, placements, forward_dtype,
+                                           backward_dtype)
         spec = self._spec
         if device_mesh is not None and device_mesh != spec.mesh:
             raise ValueError(
@@ -280,6 +305,28 @@ class DTensor(torch.Tensor):
             return self
         local = self._redistributed_local(dst)
         return _wrap(local, DTensorSpec(spec.mesh, dst, spec.shape))
+
+    def _redistribute_cast(self, device_mesh: DeviceMesh | None, placements: Any,
+                           forward_dtype: torch.dtype | None,
+                           backward_dtype: torch.dtype | None) -> DTensor:
+        spec = self._spec
+        if device_mesh is not None and device_mesh != spec.mesh:
+            raise ValueError(
+                f"redistribute across meshes is not supported: {spec.mesh!r} -> {device_mesh!r}"
+            )
+        if placements is None:
+            raise ValueError("redistribute: placements= is required")
+        dst = normalize_placements(placements, spec.mesh.ndim, len(spec.shape),
+                                   "redistribute placements")
+        local = self._local
+        fwd, bwd = forward_dtype or local.dtype, backward_dtype or local.dtype
+        if local.requires_grad and torch.is_grad_enabled():
+            out = _CastRedistribute.apply(local, spec.mesh, spec.placements, dst,
+                                          tuple(spec.shape), fwd, bwd)
+        else:
+            out = redistribute_local(local.to(fwd), spec.mesh, spec.placements, dst,
+                                     tuple(spec.shape))
+        return _wrap(out, DTensorSpec(spec.mesh, dst, spec.shape))
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """The whole logical tensor on every rank (differentiable)."""
@@ -308,6 +355,47 @@ class _ToLocal(torch.autograd.Function):
         spec, gp, want = ctx.args
         return (redistribute_local(grad, spec.mesh, gp, want, tuple(spec.shape)), None, None,
                 None)
+
+
+class _CastRedistribute(torch.autograd.Function):
+    """Redistribution whose forward collective runs in ``fwd`` and backward in ``bwd``."""
+
+    @staticmethod
+    def forward(ctx, x, mesh, src, dst, shape, fwd, bwd):  # type: ignore[override]
+        ctx.args = (mesh, src, dst, shape, bwd, x.dtype)
+        return redistribute_local(x.detach().to(fwd), mesh, src, dst, shape)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        mesh, src, dst, shape, bwd, in_dtype = ctx.args
+        g = redistribute_local(grad.to(bwd), mesh, grad_placements_of(dst),
+                               grad_placements_of(src), shape)
+        return g.to(in_dtype), None, None, None, None, None, None
+
+
+def _check_same_local_shape(local: torch.Tensor, mesh: DeviceMesh,
+                            placements: tuple[Placement, ...]) -> None:
+    """``from_local(run_check=True)`` without ``shape``: every rank must hold the same local
+    shape (torch's rule); raised on every rank, before any other collective."""
+    platform = get_platform()
+    found = ""
+    for m in range(mesh.ndim):
+        if mesh.shape[m] > 1:
+            shapes = platform.all_gather_object(tuple(local.shape), mesh.get_group(m))
+            if len(set(shapes)) > 1 and not found:
+                found = ", ".join(f"rank {r}: {s}"
+                                  for r, s in zip(mesh.group_ranks(m), shapes, strict=True))
+    # every rank of the mesh learns whether any group disagreed (max over each dim in turn)
+    flag = torch.tensor([1.0 if found else 0.0], device=local.device)
+    for m in range(mesh.ndim):
+        if mesh.shape[m] > 1:
+            platform.all_reduce(flag, "max", mesh.get_group(m))
+    if flag.item():
+        raise ValueError(
+            f"DTensor.from_local(run_check=True): the local shapes disagree across ranks "
+            f"({found or 'in another group of the mesh'}) for placements {placements}; for "
+            f"uneven shards pass the global shape= (and stride=) explicitly"
+        )
 
 
 class _BroadcastReplicas(torch.autograd.Function):

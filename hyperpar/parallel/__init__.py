@@ -5,7 +5,8 @@ Styles shard parameters as DTensors but run Linear/Embedding forwards on local s
 communicating only at module boundaries (see :mod:`hyperpar.parallel.style`).
 """
 
-from .api import PlanKeyError, distribute_module, parallelize_module
+from ._ties import TiedParameterError
+from .api import PlanKeyError, distribute_module, from_torch_style, parallelize_module
 from .data_parallel import DataParallelModule, data_parallel
 from .easydel import (
     TensorParallelConfig,
@@ -45,11 +46,13 @@ __all__ = [
     "RowParallelLinear",
     "RowwiseParallel",
     "SequenceParallel",
+    "TiedParameterError",
     "TensorParallelConfig",
     "UnsupportedModuleError",
     "VocabParallelEmbedding",
     "data_parallel",
     "distribute_module",
+    "from_torch_style",
     "get_matmul_output_sharding",
     "get_output_partition_spec",
     "get_sharding",

@@ -15,6 +15,7 @@ from torch import nn
 
 from hyperpar.platform import get_platform
 
+from ._ties import check_ties, find_ties, retie
 from .style import (
     AlreadyParallelizedError,
     ParallelStyle,
@@ -81,6 +82,9 @@ def parallelize_module(module: nn.Module, device_mesh: Any = None,
     own copy). Returns ``module``.
     """
     mesh = _resolve_mesh(device_mesh, tp_mesh_dim)
+    converted = from_torch_style(parallelize_plan)
+    if converted is not None:
+        parallelize_plan = converted
     if parallelize_plan is None:
         warnings.warn("parallelize_module: no parallelize_plan given; the module is unchanged",
                       stacklevel=2)
@@ -91,8 +95,11 @@ def parallelize_module(module: nn.Module, device_mesh: Any = None,
     for fqn, sub, style in entries:
         style._check_applicable(sub, fqn, pending.get(id(sub)))
         pending.setdefault(id(sub), {}).update({c: repr(style) for c in style._claimed()})
+    ties = find_ties(module)
+    check_ties(ties, entries)
     for fqn, sub, style in entries:
         _apply_style(style, sub, mesh, fqn, src_data_rank)
+    retie(ties)  # a parameter shared before stays one parameter (torch splits it)
     return module
 
 
@@ -102,6 +109,9 @@ def _resolve_plan(module: nn.Module, plan: Any, _prefix: str
     application order; raises on a bad entry without changing anything."""
     if isinstance(plan, ParallelStyle):
         return [(_prefix, module, plan)]
+    converted = from_torch_style(plan, _prefix)
+    if converted is not None:
+        return [(_prefix, module, converted)]
     if not isinstance(plan, Mapping):
         what = "parallelize_plan" if not _prefix else f"plan entry for {_prefix!r}"
         raise TypeError(
@@ -111,8 +121,11 @@ def _resolve_plan(module: nn.Module, plan: Any, _prefix: str
         )
     entries = []
     for key, style in plan.items():
-        if not isinstance(key, str) or not key:
-            raise PlanKeyError(f"plan keys must be non-empty module paths, got {key!r}")
+        if not isinstance(key, str):
+            raise PlanKeyError(f"plan keys must be module paths (str), got {key!r}")
+        if key == "":  # torch: the module the plan is applied to
+            entries += _resolve_plan(module, style, _prefix)
+            continue
         matches = _match(module, key.split("."))
         if not matches:
             close = difflib.get_close_matches(key, _candidates(module), n=3, cutoff=0.4)
@@ -125,6 +138,59 @@ def _resolve_plan(module: nn.Module, plan: Any, _prefix: str
         for fqn, sub in matches:
             entries += _resolve_plan(sub, style, f"{_prefix}.{fqn}" if _prefix else fqn)
     return entries
+
+
+_TORCH_STYLES = ("ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput",
+                 "PrepareModuleOutput", "PrepareModuleInputOutput")
+
+
+def from_torch_style(style: Any, where: str = "") -> ParallelStyle | None:
+    """The hyperpar style equal to a ``torch.distributed.tensor.parallel`` style object (same
+    class name, same settings), so a plan that kept one torch import still runs; ``None`` if
+    ``style`` is not from torch. A torch style hyperpar has no twin of (a custom subclass)
+    raises, naming what to use."""
+    cls = type(style)
+    if not cls.__module__.startswith("torch.distributed"):
+        return None
+    from . import prepare
+    from . import style as styles
+
+    name = cls.__name__
+    if name not in _TORCH_STYLES or cls.__module__ != "torch.distributed.tensor.parallel.style":
+        at = f" (plan entry {where!r})" if where else ""
+        raise TypeError(
+            f"{cls.__module__}.{name}{at} is a torch style hyperpar cannot run: subclass "
+            f"hyperpar.ParallelStyle instead (override _apply(module, device_mesh)); hyperpar's "
+            f"own styles are hyperpar.{', hyperpar.'.join(_TORCH_STYLES)}"
+        )
+    if name in ("ColwiseParallel", "RowwiseParallel"):
+        out: ParallelStyle = getattr(styles, name)(
+            input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
+            use_local_output=style.use_local_output)
+    elif name == "SequenceParallel":
+        out = styles.SequenceParallel(sequence_dim=style.sequence_sharding[0].dim,
+                                      use_local_output=style.use_local_output)
+    elif name == "PrepareModuleInputOutput":
+        pin, pout = style.prepare_module_input, style.prepare_module_output
+        out = prepare.PrepareModuleInputOutput(
+            input_layouts=pin.input_layouts, desired_input_layouts=pin.desired_input_layouts,
+            input_kwarg_layouts=pin.input_kwarg_layouts or None,
+            desired_input_kwarg_layouts=pin.desired_input_kwarg_layouts or None,
+            use_local_input=pin.use_local_output, output_layouts=pout.output_layouts,
+            desired_output_layouts=pout.desired_output_layouts,
+            use_local_output=pout.use_local_output)
+    elif name == "PrepareModuleInput":
+        out = prepare.PrepareModuleInput(
+            input_layouts=style.input_layouts, desired_input_layouts=style.desired_input_layouts,
+            input_kwarg_layouts=style.input_kwarg_layouts or None,
+            desired_input_kwarg_layouts=style.desired_input_kwarg_layouts or None,
+            use_local_output=style.use_local_output)
+    else:
+        out = prepare.PrepareModuleOutput(
+            output_layouts=style.output_layouts,
+            desired_output_layouts=style.desired_output_layouts,
+            use_local_output=style.use_local_output)
+    return out
 
 
 def distribute_module(module: nn.Module, device_mesh: Any = None,

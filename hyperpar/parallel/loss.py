@@ -26,8 +26,14 @@ from ._comm import Group
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-row loss ``(1-eps) w[t] (lse - x_t) + eps/C sum_c w_c (lse - x_c)`` (``w``: class
+    weights, 1 when not given; ``eps``: label smoothing) on a class-sharded ``[rows, C_local]``
+    slice; ignored rows give 0. One all-reduce of the row max, one fused all-reduce of the
+    sums; backward is local."""
+
     @staticmethod
-    def forward(ctx, logits, target, vocab_start, ignore_index, group):
+    def forward(ctx, logits, target, vocab_start, ignore_index, group, weight, smoothing,
+                classes):
         platform = get_platform()
         logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
         rows, local_vocab = logits.shape
@@ -38,53 +44,85 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         outside = (local_target < 0) | (local_target >= local_vocab)
         local_target = local_target.masked_fill(outside, 0)
         exp = shifted.exp()
-        stats = torch.empty((2, rows), dtype=logits.dtype, device=logits.device)
+        local_w = None if weight is None else weight[vocab_start:vocab_start + local_vocab]
+        stats = torch.zeros((3 if smoothing else 2, rows), dtype=logits.dtype,
+                            device=logits.device)
         if local_vocab:
             stats[0] = shifted.gather(1, local_target.unsqueeze(1)).squeeze(1)
             stats[0].masked_fill_(outside, 0.0)
             torch.sum(exp, dim=-1, out=stats[1])
-        else:
-            stats.zero_()
+            if smoothing:
+                stats[2] = (shifted if local_w is None else shifted * local_w).sum(dim=-1)
         platform.all_reduce(stats, "sum", group)
         target_logit, sum_exp = stats[0], stats[1]
         ignored = target == ignore_index
-        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
+        lse = sum_exp.log()
+        w_t = (torch.ones_like(lse) if weight is None
+               else weight.to(lse.dtype)[target.masked_fill(ignored, 0)])
+        w_t = w_t.masked_fill(ignored, 0.0)
+        loss = (1.0 - smoothing) * w_t * (lse - target_logit)
+        w_sum = float(classes) if weight is None else float(weight.sum())
+        if smoothing:
+            loss = loss + (smoothing / classes) * (lse * w_sum - stats[2])
+        loss = loss.masked_fill(ignored, 0.0)
         exp.div_(sum_exp.unsqueeze(-1))  # softmax, kept for backward
-        ctx.save_for_backward(exp, local_target, outside, ignored)
+        ctx.save_for_backward(exp, local_target, outside, ignored, w_t)
+        ctx.args = (local_w, smoothing, classes, w_sum)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local_target, outside, ignored = ctx.saved_tensors
-        grad = softmax.clone()
+        softmax, local_target, outside, ignored, w_t = ctx.saved_tensors
+        local_w, smoothing, classes, w_sum = ctx.args
+        # d loss_i / d x_c = p_c ((1-eps) w_t + eps W / C) - (1-eps) w_t [c == t] - eps w_c / C
+        scale_p = (1.0 - smoothing) * w_t + (smoothing * w_sum / classes)
+        grad = softmax * scale_p.unsqueeze(-1)
         if grad.shape[1]:
             rows = torch.arange(grad.shape[0], device=grad.device)
-            grad[rows, local_target] -= (~outside).to(grad.dtype)
+            grad[rows, local_target] -= (1.0 - smoothing) * w_t * (~outside).to(grad.dtype)
+            if smoothing:
+                w = 1.0 if local_w is None else local_w.to(grad.dtype).unsqueeze(0)
+                grad -= (smoothing / classes) * w
         scale = grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1)
-        return grad.mul_(scale), None, None, None, None
+        return grad.mul_(scale), None, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
     local_logits: torch.Tensor, target: torch.Tensor, *, vocab_start: int | None = None,
     group: Group = None, ignore_index: int = -100, reduction: str = "mean",
+    weight: torch.Tensor | None = None, label_smoothing: float = 0.0,
+    num_classes: int | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of logits whose class dimension (dim 1, as in ``F.cross_entropy``) is
     split over the ranks of ``group``; ``local_logits`` is this rank's slice.
 
     ``local_logits``: ``[N, V_local]`` or ``[N, V_local, d1, ...]``; ``target``: the full
     class indices ``[N]`` / ``[N, d1, ...]`` (replicated). ``vocab_start`` is the first class
-    held here (default ``rank * V_local``, i.e. an even split). Returns the same value on every
-    rank; the gradient w.r.t. ``local_logits`` is this rank's slice of the full gradient.
+    held here (default ``rank * V_local``, i.e. an even split); ``num_classes`` the full class
+    count (default ``V_local`` times the group size). ``weight`` (the full ``[C]`` class
+    weights, replicated), ``label_smoothing``, ``ignore_index`` and ``reduction`` mean what
+    they mean in ``F.cross_entropy``. Returns the same value on every rank; the gradient
+    w.r.t. ``local_logits`` is this rank's slice of the full gradient.
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if local_logits.dim() < 2:
         raise ValueError(
             f"vocab-parallel cross-entropy needs logits with a class dim 1, got shape "
             f"{tuple(local_logits.shape)}"
         )
+    platform = get_platform()
     if vocab_start is None:
-        vocab_start = get_platform().rank(group) * local_logits.shape[1]
+        vocab_start = platform.rank(group) * local_logits.shape[1]
+    if num_classes is None:
+        num_classes = local_logits.shape[1] * platform.world_size(group)
+    if weight is not None and tuple(weight.shape) != (num_classes,):
+        raise ValueError(
+            f"weight must hold one value per class ({num_classes}), got shape "
+            f"{tuple(weight.shape)}"
+        )
     flat_logits = local_logits.movedim(1, -1).reshape(-1, local_logits.shape[1])
     flat_target = target.reshape(-1)
     if flat_target.shape[0] != flat_logits.shape[0]:
@@ -93,14 +131,20 @@ def vocab_parallel_cross_entropy(
             f"{tuple(local_logits.shape)} (class dim 1)"
         )
     losses = _VocabParallelCrossEntropy.apply(flat_logits, flat_target, vocab_start,
-                                              ignore_index, group)
+                                              ignore_index, group, weight,
+                                              float(label_smoothing), int(num_classes))
     if reduction == "none":
         return losses.view(target.shape).to(local_logits.dtype)
     total = losses.sum()
     if reduction == "sum":
         return total.to(local_logits.dtype)
-    count = (flat_target != ignore_index).sum()
-    return (total / count).to(local_logits.dtype)
+    kept = flat_target != ignore_index
+    if weight is None:
+        denom = kept.sum()
+    else:
+        denom = weight.to(total.dtype)[flat_target.masked_fill(~kept, 0)].masked_fill(
+            ~kept, 0.0).sum()
+    return (total / denom).to(local_logits.dtype)
 
 
 def _sharded_class_dim(logits: Any) -> tuple[int, Group, int] | None:
@@ -180,20 +224,18 @@ def _cross_entropy_on_dtensor(found: tuple[int, Group, int], input: Any, target:
                               reduction: str = "mean", label_smoothing: float = 0.0) -> Any:
     from hyperpar.dtensor import DTensor
 
-    if weight is not None or label_smoothing:
-        raise NotImplementedError(
-            "loss_parallel: class weights and label_smoothing are not supported yet "
-            f"(got weight={'set' if weight is not None else None}, "
-            f"label_smoothing={label_smoothing})"
-        )
     if size_average is not None or reduce is not None:
         raise NotImplementedError("loss_parallel: use reduction=, not size_average/reduce")
     _, group, start = found
     local = input.to_local()
     if isinstance(target, DTensor):
         target = target.full_tensor()
+    if isinstance(weight, DTensor):
+        weight = weight.full_tensor()
     return vocab_parallel_cross_entropy(local, target, vocab_start=start, group=group,
-                                        ignore_index=ignore_index, reduction=reduction)
+                                        ignore_index=ignore_index, reduction=reduction,
+                                        weight=weight, label_smoothing=label_smoothing,
+                                        num_classes=input.shape[1])
 
 
 @contextlib.contextmanager
@@ -202,9 +244,11 @@ def loss_parallel() -> Iterator[None]:
     on the class dimension (dim 1; for ``[N, C]`` logits ``Shard(-1)`` too) computes the loss
     without gathering the logits (:func:`vocab_parallel_cross_entropy`).
 
-    Differences from ``torch.distributed.tensor.parallel.loss_parallel``: the loss comes back
-    as a plain (replicated) tensor, so ``backward()`` may run inside or outside the context;
-    ``weight`` and ``label_smoothing`` are not supported yet. Other inputs pass through.
+    Class ``weight``, ``label_smoothing``, ``ignore_index`` and every ``reduction`` are
+    supported, forward and backward. Difference from
+    ``torch.distributed.tensor.parallel.loss_parallel``: the loss comes back as a plain
+    (replicated) tensor, so ``backward()`` may run inside or outside the context. Other inputs
+    pass through.
     """
     with LOSS_PARALLEL_RULES.active():
         yield

@@ -78,10 +78,11 @@ class PrepareModuleInput(ParallelStyle):
 
     def _prepare(self, args: tuple, kwargs: dict, mesh: Any) -> tuple[tuple, dict]:
         if self.input_layouts is not None:
-            if len(args) < len(self.input_layouts):
+            if len(args) != len(self.input_layouts):  # torch's rule: one layout per input
                 raise ValueError(
                     f"PrepareModuleInput: {len(self.input_layouts)} input layouts given but the "
-                    f"module got {len(args)} positional inputs"
+                    f"module got {len(args)} positional inputs; give one layout per positional "
+                    f"input (None leaves an input as it is)"
                 )
             args = tuple(
                 _convert(a, lay, want, mesh, self.use_local_output, f"input {i}")

@@ -11,7 +11,6 @@ output. Communication happens only there, through :mod:`hyperpar.parallel._comm`
 
 from __future__ import annotations
 
-import abc
 from collections.abc import Callable
 from typing import Any
 
@@ -209,7 +208,7 @@ def _hide(x: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------- styles
-class ParallelStyle(abc.ABC):
+class ParallelStyle:
     """How to shard one module over a 1-D device mesh. ``src_data_rank`` is the rank whose
     full parameters are scattered (``None``: every rank keeps its own chunk)."""
 
@@ -219,9 +218,21 @@ class ParallelStyle(abc.ABC):
     #: the style's class name (a custom style may be applied once per module).
     _claims: tuple[str, ...] | None = None
 
-    @abc.abstractmethod
+    def __new__(cls, *args: Any, **kwargs: Any) -> ParallelStyle:
+        if cls._apply is ParallelStyle._apply and cls.apply is ParallelStyle.apply:
+            raise TypeError(
+                f"Can't instantiate {cls.__name__}: a ParallelStyle subclass overrides "
+                f"_apply(self, module, device_mesh) (torch's spelling) or apply(self, module, "
+                f"device_mesh) (HyperParallel's), shards module in place and returns it"
+            )
+        return super().__new__(cls)
+
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        """Shard ``module`` in place over ``device_mesh`` and return it."""
+        """Shard ``module`` in place over ``device_mesh`` and return it. A subclass overrides
+        this (torch) or :meth:`apply` (HyperParallel); either is what a plan runs."""
+        if type(self).apply is not ParallelStyle.apply:
+            return type(self).apply(self, module, device_mesh)
+        raise NotImplementedError(f"{type(self).__name__} overrides neither _apply nor apply")
 
     def apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         """Public spelling of :meth:`_apply` (refuses an already-parallelized module)."""

@@ -13,26 +13,30 @@ def _from_local_facts():
     local = torch.full((3 - rank, 2), float(rank))  # rank 0: 3 rows, rank 1: 2 rows
     even = DTensor.from_local(torch.ones(2, 4), mesh, [Shard(1)])
     uneven = DTensor.from_local(local, mesh, [Shard(0)], shape=(5, 2))
-    checked = DTensor.from_local(local, mesh, [Shard(0)], run_check=True)
+    try:  # torch's rule: run_check without shape= needs equal local shapes on every rank
+        DTensor.from_local(local, mesh, [Shard(0)], run_check=True)
+        checked = "no error"
+    except ValueError as err:
+        checked = str(err)
     partial = DTensor.from_local(torch.full((2,), float(rank + 1)), mesh, [Partial()])
     replica = DTensor.from_local(torch.full((2,), float(rank)), mesh, [Replicate()],
                                  run_check=True)
     return {
         "even": (tuple(even.shape), even.placements, even.to_local().shape),
-        "uneven": uneven.full_tensor(), "checked_shape": tuple(checked.shape),
+        "uneven": uneven.full_tensor(), "checked": checked,
         "partial": partial.full_tensor(), "replica": replica.to_local(),
         "meta": (even.dtype, even.ndim, even.size(1), even.numel(), len(even),
                  even.device_mesh == mesh, even.device == torch.ones(1).device),
     }
 
 
-def test_from_local_infers_even_global_shape_and_run_check_measures_uneven_shards(run_on_ranks):
+def test_from_local_infers_even_global_shape_and_run_check_refuses_uneven_shards(run_on_ranks):
     from hyperpar.dtensor import Shard
 
     for f in run_on_ranks(2, _from_local_facts):
         assert f["even"] == ((2, 8), (Shard(1),), torch.Size([2, 4]))
         assert_close_to_reference(f["uneven"], torch.tensor([[0.0] * 2] * 3 + [[1.0] * 2] * 2))
-        assert f["checked_shape"] == (5, 2)
+        assert "local shapes disagree" in f["checked"] and "shape=" in f["checked"]
         assert_close_to_reference(f["partial"], torch.tensor([3.0, 3.0]))
         assert_close_to_reference(f["replica"], torch.tensor([0.0, 0.0]))  # rank 0's copy
         assert f["meta"] == (torch.float32, 2, 8, 16, 2, True, True)

@@ -28,7 +28,12 @@ def test_signature_matches_torch(name):
 
 def test_parallel_style_has_apply_and_src_data_rank():
     assert hp_tp.ParallelStyle.src_data_rank == 0
-    assert getattr(hp_tp.ParallelStyle._apply, "__isabstractmethod__", False)
+    # a subclass overrides _apply (torch's spelling) or apply (HyperParallel's); neither: error
+    with pytest.raises(TypeError, match="overrides _apply"):
+        type("NoApply", (hp_tp.ParallelStyle,), {})()
+    for method in ("_apply", "apply"):
+        style = type("Custom", (hp_tp.ParallelStyle,), {method: lambda self, m, mesh: m})()
+        assert style._apply("module", None) == "module"
 
 
 def test_distribute_module_signature_matches_torch():
