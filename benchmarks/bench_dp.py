@@ -1,7 +1,7 @@
 """Data parallelism: step time of hyperpar's data_parallel vs torch DDP vs a naive loop.
 
     python benchmarks/bench_dp.py [--ranks 2] [--dim 256] [--blocks 8] [--batch 64]
-                                  [--steps 8] [--json PATH]
+                                  [--steps 8] [--rounds 3] [--json PATH]
 
 Spawns ``--ranks`` processes (one thread each). Every variant trains the same stack of MLP
 blocks on the same per-rank batch (forward, backward, gradient averaging, SGD step):
@@ -13,7 +13,9 @@ blocks on the same per-rank batch (forward, backward, gradient averaging, SGD st
 * ``torch DDP`` -- ``torch.nn.parallel.DistributedDataParallel`` (outside the library, so this
   benchmark may use it), 25 MB buckets.
 
-Times are the median over steps of the slowest rank's step.
+The variants run in interleaved rounds (each round: ``--steps`` steps of every variant), so a
+slow spell of a shared machine hits them alike. Times are the median over all steps of the
+slowest rank's step.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def _model(dim: int, blocks: int, device: torch.device | None = None) -> nn.Modu
     return model if device is None else model.to(device)
 
 
-def worker(dim: int, blocks: int, batch: int, steps: int, warmup: int) -> dict[str, list[float]]:
+def worker(dim: int, blocks: int, batch: int, steps: int, warmup: int,
+           rounds: int) -> dict[str, list[float]]:
     from hyperpar.parallel.data_parallel import data_parallel
     from hyperpar.platform import get_platform
 
@@ -44,10 +47,10 @@ def worker(dim: int, blocks: int, batch: int, steps: int, warmup: int) -> dict[s
     x = torch.randn(batch, dim, generator=g).to(device)
     y = torch.randn(batch, dim, generator=g).to(device)
 
-    def timed(model: nn.Module, after_backward=None) -> list[float]:
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    def timed(model: nn.Module, opt: torch.optim.Optimizer, after_backward=None,
+              warm: int = 0) -> list[float]:
         times = []
-        for i in range(warmup + steps):
+        for i in range(warm + steps):
             platform.barrier()
             t0 = time.perf_counter()
             nn.functional.mse_loss(model(x), y).backward()
@@ -56,7 +59,7 @@ def worker(dim: int, blocks: int, batch: int, steps: int, warmup: int) -> dict[s
             opt.step()
             opt.zero_grad(set_to_none=True)
             platform.synchronize()
-            if i >= warmup:
+            if i >= warm:
                 times.append(time.perf_counter() - t0)
         return times
 
@@ -64,14 +67,20 @@ def worker(dim: int, blocks: int, batch: int, steps: int, warmup: int) -> dict[s
         for p in model.parameters():
             platform.all_reduce(p.grad, op="avg")
 
-    out = {
-        "hyperpar 25MB": timed(data_parallel(_model(dim, blocks, device))),
-        "hyperpar 1MB": timed(data_parallel(_model(dim, blocks, device), bucket_cap_mb=1)),
-        "naive": timed(_model(dim, blocks, device), naive),
-    }
     from torch.nn.parallel import DistributedDataParallel
 
-    out["torch DDP"] = timed(DistributedDataParallel(_model(dim, blocks, device)))
+    models = {
+        "hyperpar 25MB": (data_parallel(_model(dim, blocks, device)), None),
+        "hyperpar 1MB": (data_parallel(_model(dim, blocks, device), bucket_cap_mb=1), None),
+        "naive": (_model(dim, blocks, device), naive),
+        "torch DDP": (DistributedDataParallel(_model(dim, blocks, device)), None),
+    }
+    opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, (m, _) in models.items()}
+    out: dict[str, list[float]] = {k: [] for k in models}
+    # interleaved rounds: a slow spell of a shared machine hits every variant alike
+    for r in range(rounds):
+        for k, (model, after) in models.items():
+            out[k] += timed(model, opts[k], after, warm=warmup if r == 0 else 1)
     return out
 
 
@@ -83,16 +92,19 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="interleaved rounds of --steps steps per variant")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     from hyperpar.testing import run_distributed
 
     results = run_distributed(worker, args.ranks, args.dim, args.blocks, args.batch, args.steps,
-                              args.warmup, timeout_s=600)
+                              args.warmup, args.rounds, timeout_s=600)
     n_params = sum(p.numel() for p in _model(args.dim, args.blocks).parameters())
     case = (f"{args.blocks} MLP blocks dim {args.dim} ({n_params / 1e6:.1f}M params), batch "
             f"{args.batch}/rank, {args.ranks} ranks")
-    print(f"data-parallel benchmark: {case}; median of {args.steps} steps (slowest rank)")
+    print(f"data-parallel benchmark: {case}; median of {args.rounds} interleaved rounds x "
+          f"{args.steps} steps (slowest rank)")
     med = {}
     for name in results[0]:
         per_step = [max(ts) for ts in zip(*[r[name] for r in results], strict=True)]

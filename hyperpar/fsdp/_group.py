@@ -2,9 +2,11 @@
 
 One all-gather brings every rank's shards of the group's parameters (each rank's flat shard is
 the concatenation of its padded per-parameter pieces); one reduce-scatter (plus, under HSDP,
-one all-reduce across replicas) returns each rank its piece of the averaged gradients. Both run
-asynchronously through the Platform, so a prefetched gather overlaps the previous block's
-compute and a reduce-scatter overlaps the next block's backward.
+one all-reduce across replicas) returns each rank its piece of the averaged gradients; the
+reduction uses the gradient buckets of :mod:`hyperpar.parallel._bucket`, shared with the
+replicated data_parallel. Both collectives run asynchronously through the Platform, so a
+prefetched gather overlaps the previous block's compute and a reduce-scatter overlaps the next
+block's backward.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 import torch
 
+from hyperpar.parallel._bucket import Bucket, averaging, pack
 from hyperpar.platform import get_platform
 
 from ._param import ShardedParam, _free
@@ -54,6 +57,7 @@ class ParamGroup:
         self._work: Any = None
         self._gathered: torch.Tensor | None = None
         self.requires_gradient_sync = True
+        self._averaging: tuple[str, float | None] | None = None  # (op, pre-scale)
         # per-backward bookkeeping
         self.pending: set[int] = set()
         self.used_in_backward = False
@@ -159,29 +163,30 @@ class ParamGroup:
         """Launch the reduce-scatter of the unsharded gradients (async; ctx waits on it)."""
         if not any(p.requires_grad for p in self.params):
             return
-        n = self.shard_size
-        inp = torch.zeros(n, self.flat_numel, dtype=self.reduce_dtype, device=self.device)
+        if self._averaging is None:
+            # HSDP: pre-scale by the whole dp world, then sum the replicas' pieces
+            replicas = (self.platform.world_size(self.replicate_group)
+                        if self.replicate_group is not None else 1)
+            self._averaging = averaging(self.shard_group, self.shard_size * replicas)
+        op, scale = self._averaging
+        bucket = Bucket(self.shard_size, self.flat_numel, self.reduce_dtype, self.device,
+                        self.shard_group)
         for p in self.params:
-            g = p.padded_grad(n, self.reduce_dtype)
-            if g is not None:
-                inp[:, p.offset:p.offset + p.padded_numel].copy_(g)
+            grad = p.unsharded.grad if p.requires_grad and p.unsharded is not None else None
+            pack(bucket.block(p.offset, p.padded_numel), grad, scale)
+            if grad is not None:
                 p.unsharded.grad = None
-        out = torch.empty(self.flat_numel, dtype=self.reduce_dtype, device=self.device)
-        if n == 1:
-            out.copy_(inp.view(-1))
-            work = None
-        else:
-            work = self.platform.reduce_scatter_tensor(out, inp.view(-1), op="avg",
-                                                       group=self.shard_group, async_op=True)
-        self.ctx.add_reduction(self, work, out)
+        out = bucket.reduce_scatter(op)
+        self.ctx.add_reduction(self, bucket, out)
 
     @torch.no_grad()
-    def finish_reduction(self, work: Any, out: torch.Tensor) -> None:
-        if work is not None:
-            work.wait()
+    def finish_reduction(self, bucket: Bucket, out: torch.Tensor) -> None:
+        bucket.wait()
+        bucket.buffer = None
         if self.replicate_group is not None and self.platform.world_size(
                 self.replicate_group) > 1:
-            self.platform.all_reduce(out, op="avg", group=self.replicate_group)
+            # the pieces were pre-scaled by 1/(whole dp world): the replicas' sum is the mean
+            self.platform.all_reduce(out, op="sum", group=self.replicate_group)
         for p in self.params:
             if p.requires_grad:
                 p.accumulate_shard_grad(out)

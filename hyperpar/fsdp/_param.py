@@ -127,15 +127,6 @@ class ShardedParam:
         if self.unsharded is not None:
             _free(self._padded)
 
-    def padded_grad(self, shard_size: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """The unsharded gradient as ``[n, c*row]`` (zero rows padded), cast to ``dtype``."""
-        grad = None if self.unsharded is None else self.unsharded.grad
-        if grad is None:
-            return None
-        out = torch.zeros(shard_size * self.padded_numel, dtype=dtype, device=grad.device)
-        out[:grad.numel()].copy_(grad.reshape(-1))
-        return out.view(shard_size, self.padded_numel)
-
     def accumulate_shard_grad(self, flat: torch.Tensor) -> None:
         """Add (or set) this rank's reduced gradient piece to the sharded parameter."""
         piece = flat[self.offset:self.offset + self.shard_rows * self.row_numel]

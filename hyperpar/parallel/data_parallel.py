@@ -8,12 +8,14 @@ change) and returns it:
 * at wrap time every parameter and buffer is broadcast from the first rank of the dp group, so
   replicas start equal;
 * during backward, each parameter's gradient is copied into a flat bucket as soon as it has been
-  accumulated (``register_post_accumulate_grad_hook``); a full bucket is all-reduced
-  asynchronously (``op="avg"``) while backward goes on. Buckets are launched strictly in bucket
+  accumulated (``register_post_accumulate_grad_hook``; times ``1/n`` where the library has no
+  native average) and ``.grad`` becomes a view of the bucket; a full bucket is all-reduced
+  asynchronously, in place, while backward goes on (the first bucket is at most 1 MB, so one
+  starts early). Buckets are launched strictly in bucket
   order on every rank, so ranks whose autograd graphs run in a different order still pair their
   collectives correctly;
-* at the end of backward (an autograd-engine callback) the remaining buckets are launched,
-  every handle is waited on and the averaged values are copied back into ``.grad``. A parameter
+* at the end of backward (an autograd-engine callback) the remaining buckets are launched and
+  every handle is waited on. A parameter
   that received no gradient on this rank contributes zeros (and gets the average).
 
 DTensor parameters (tensor-parallel shards) are reduced through their *local* tensor over the dp
@@ -35,6 +37,8 @@ import torch
 from torch import nn
 
 from hyperpar.platform import get_platform
+
+from ._bucket import Bucket, averaging, pack
 
 __all__ = ["DataParallelModule", "data_parallel", "finish_gradient_sync", "no_sync"]
 
@@ -66,32 +70,39 @@ def resolve_group(mesh: Any = None, dim: str | int | None = "dp", group: Any = N
     return mesh.get_mesh(dim, default="dp").get_group()
 
 
+#: DDP's rule: the first bucket (the last layers' gradients, ready first) is small, so its
+#: all-reduce starts early in backward and overlaps the rest of it.
+FIRST_BUCKET_BYTES = 1024 * 1024
+
+
 @dataclass
 class _Bucket:
     index: int
     params: list[torch.Tensor]  # local leaf tensors
     offsets: list[int]
-    numel: int
-    dtype: torch.dtype
-    device: torch.device
+    flat: Bucket
     pending: set[int] = field(default_factory=set)  # ids of params not ready yet
-    buffer: torch.Tensor | None = None
-    work: Any = None
-    launched: bool = False
+    packed: set[int] = field(default_factory=set)  # ids of params whose .grad is a view of it
 
 
 class _Reducer:
-    """Owns the buckets and the per-backward state of one data-parallel module."""
+    """Owns the buckets and the per-backward state of one data-parallel module.
+
+    A gradient is packed into its bucket (times ``1/n`` where the library sums) as soon as it
+    is accumulated, and ``.grad`` becomes a view of the bucket: the all-reduce works in place,
+    nothing is copied back. Each backward gets fresh buffers, so a ``.grad`` the caller kept
+    from the previous step is not overwritten."""
 
     def __init__(self, params: list[torch.Tensor], group: Any, bucket_cap_bytes: int) -> None:
         self.group = group
         self.platform = get_platform()
         self.size = self.platform.world_size(group)
+        self.op, self.scale = averaging(group)
         self.sync_enabled = True
         self._in_backward = False
         self._next = 0  # next bucket to launch, in order
         self.buckets: list[_Bucket] = []
-        self._where: dict[int, _Bucket] = {}
+        self._where: dict[int, tuple[_Bucket, int]] = {}
         self._handles: list[Any] = []
         self.leaf_ids: tuple[int, ...] = ()
         #: buckets launched before the end of the last backward (overlapped with it)
@@ -103,7 +114,9 @@ class _Reducer:
             key = (p.dtype, p.device)
             current.setdefault(key, []).append(p)
             sizes[key] = sizes.get(key, 0) + p.numel() * p.element_size()
-            if sizes[key] >= bucket_cap_bytes:
+            cap = min(bucket_cap_bytes, FIRST_BUCKET_BYTES) if not self.buckets else (
+                bucket_cap_bytes)
+            if sizes[key] >= cap:
                 self._add_bucket(current.pop(key))
                 sizes[key] = 0
         for group_params in current.values():
@@ -117,10 +130,11 @@ class _Reducer:
         for p in params:
             offsets.append(n)
             n += p.numel()
-        bucket = _Bucket(len(self.buckets), params, offsets, n, params[0].dtype, params[0].device)
+        flat = Bucket(1, n, params[0].dtype, params[0].device, self.group)
+        bucket = _Bucket(len(self.buckets), params, offsets, flat)
         self.buckets.append(bucket)
-        for p in params:
-            self._where[id(p)] = bucket
+        for p, off in zip(params, offsets, strict=True):
+            self._where[id(p)] = (bucket, off)
 
     # -------------------------------------------------------------- backward machinery
     def sync_now(self) -> None:
@@ -136,20 +150,29 @@ class _Reducer:
         self._next = 0
         for b in self.buckets:
             b.pending = {id(p) for p in b.params}
-            b.work = None
-            b.launched = False
+            b.packed = set()
+            b.flat.reset()
         queue_callback = getattr(torch.autograd.Variable._execution_engine, "queue_callback",
                                  None)
         if callback and queue_callback is not None:
             queue_callback(self.finish)
+
+    def _pack(self, bucket: _Bucket, p: torch.Tensor, offset: int) -> None:
+        """Copy ``p.grad`` (scaled) into its bucket and make ``p.grad`` that view."""
+        block = bucket.flat.block(offset, p.numel())
+        pack(block, p.grad, self.scale)
+        p.grad = block.view(p.shape)
+        bucket.packed.add(id(p))
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if not self.sync_enabled or self.size == 1:
             return
         if not self._in_backward:
             self._start_backward()
-        bucket = self._where[id(param)]
-        bucket.pending.discard(id(param))
+        bucket, offset = self._where[id(param)]
+        if id(param) in bucket.pending:
+            self._pack(bucket, param, offset)
+            bucket.pending.discard(id(param))
         while self._next < len(self.buckets) and not self.buckets[self._next].pending:
             self._launch(self.buckets[self._next])
             self._next += 1
@@ -169,22 +192,22 @@ class _Reducer:
 
     def _abandon(self) -> None:
         for bucket in self.buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
-            bucket.buffer = bucket.work = None
+            if bucket.flat.buffer is not None and not bucket.flat.launched and self.scale:
+                bucket.flat.buffer.mul_(1.0 / self.scale)  # packed grads: local values again
+            bucket.flat.reset()
+            bucket.packed = set()
         self._in_backward = False
 
     def _launch(self, bucket: _Bucket) -> None:
-        flat = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+        # parameters that got no gradient in this backward: their current .grad (accumulated
+        # earlier) or zeros
         for p, off in zip(bucket.params, bucket.offsets, strict=True):
-            if p.grad is not None:
-                flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
-        bucket.buffer = flat
-        bucket.work = self.platform.all_reduce(flat, op="avg", group=self.group, async_op=True)
-        bucket.launched = True
+            if id(p) not in bucket.packed:
+                self._pack(bucket, p, off)
+        bucket.flat.all_reduce(self.op)
 
     def finish(self) -> None:
-        """Launch what is left, wait for every bucket, write the averages into ``.grad``."""
+        """Launch what is left and wait for every bucket (``.grad`` already views them)."""
         if not self._in_backward:
             return
         self._in_backward = False
@@ -193,17 +216,8 @@ class _Reducer:
             self._launch(bucket)
         self._next = len(self.buckets)
         for bucket in self.buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
-            flat = bucket.buffer
-            for p, off in zip(bucket.params, bucket.offsets, strict=True):
-                avg = flat[off:off + p.numel()].view(p.shape)
-                if p.grad is None:
-                    p.grad = avg.clone()
-                else:
-                    p.grad.copy_(avg)
-            bucket.buffer = None
-            bucket.work = None
+            bucket.flat.wait()
+            bucket.flat.buffer = None  # next backward packs into a fresh buffer
 
     def remove(self) -> None:
         for h in self._handles:

@@ -66,9 +66,16 @@ class CollectiveMismatchError(CollectiveError):
     """Ranks issued different collectives, or the same one with different shapes/dtypes."""
 
 
+_debug: bool | None = None  # read once per process group (reset() forgets it): hot path
+
+
 def debug_enabled() -> bool:
-    """True when ``HYPERPAR_DEBUG_COLLECTIVES`` asks for the cross-rank check."""
-    return os.environ.get(DEBUG_ENV, "").strip().lower() in _TRUE
+    """True when ``HYPERPAR_DEBUG_COLLECTIVES`` asks for the cross-rank check (read at the
+    first collective of a process group)."""
+    global _debug
+    if _debug is None:
+        _debug = os.environ.get(DEBUG_ENV, "").strip().lower() in _TRUE
+    return _debug
 
 
 # --------------------------------------------------------------------------- counting
@@ -92,8 +99,10 @@ COUNTER = _Counter()
 
 
 def reset() -> None:
-    """Forget the counts (a new process group starts at #1 on every rank)."""
+    """Forget the counts (a new process group starts at #1 on every rank) and the debug flag."""
+    global _debug
     COUNTER.reset()
+    _debug = None
 
 
 # --------------------------------------------------------------------------- store helpers
