@@ -147,12 +147,18 @@ class TorchPlatform(Platform):
             return
         if init_method is None:
             missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
-            if missing:
+            launched = any(v in os.environ for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+            if missing and not launched and rank is None and world_size in (None, 1):
+                # `python script.py` with no launcher: a world of one process, as torch's
+                # init_device_mesh does for a lone process
+                init_method, rank, world_size = f"tcp://127.0.0.1:{_free_port()}", 0, 1
+            elif missing:
                 raise RuntimeError(
                     f"cannot join the process group: {', '.join(missing)} not set. Launch with "
                     "`hyperpar run -n N script.py` (or torchrun), or pass init_method="
                 )
-            init_method = "env://"
+            else:
+                init_method = "env://"
         rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
         # Refuse on every rank before the library would abort (NCCL: "Duplicate GPU detected").
@@ -415,3 +421,11 @@ def accelerator_availability(platform_cls: type[TorchPlatform], module: ModuleTy
     except Exception as exc:  # a broken driver must not crash selection
         return Availability(False, f"{platform_cls.device_type} probe raised {exc!r}")
     return Availability(True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
