@@ -49,7 +49,9 @@ def plan_redistribute(mesh: DeviceMesh, src: tuple[Placement, ...], dst: tuple[P
     key = (mesh, src, dst, shape)
     plan = _PLAN_CACHE.get(key)
     if plan is None:
-        plan = _PLAN_CACHE[key] = _plan(mesh, src, dst)
+        plan = _plan(mesh, src, dst)
+        if not torch.compiler.is_compiling():  # a traced call must not store traced objects
+            _PLAN_CACHE[key] = plan
     return plan
 
 

@@ -63,6 +63,8 @@ def full_length(local: torch.Tensor, dim: int, mesh: Mesh) -> int:
     n = mesh.size(0)
     if n == 1:
         return local.shape[dim]
+    if torch.compiler.is_compiling():
+        return _even_full_length_checked(local, dim, n, mesh)
     lengths = get_platform().all_gather_sizes(local.shape[dim], mesh.get_group(0))
     full = sum(lengths)
     if tuple(lengths) != _sizes(full, n):
@@ -73,6 +75,21 @@ def full_length(local: torch.Tensor, dim: int, mesh: Mesh) -> int:
             f"torch.chunk (earlier ranks hold the longer pieces) or pass a DTensor"
         )
     return full
+
+
+def _even_full_length_checked(local: torch.Tensor, dim: int, n: int, mesh: Mesh) -> int:
+    """:func:`full_length` inside ``torch.compile``: an int read out of a collective would be
+    a graph break, so the pieces are taken to be even (as torch does) and the graph checks it
+    -- the lengths are still exchanged, and every rank raises if they differ."""
+    mine = local.shape[dim]
+    lengths = get_platform().all_gather_along(
+        torch.full((1,), mine, dtype=torch.int64, device=local.device), 0, mesh.get_group(0))
+    torch._assert_async(
+        torch.all(lengths == mine),
+        f"tensor-parallel boundary under torch.compile: the local pieces laid out as "
+        f"Shard({dim}) differ in length across the {n} ranks; a compiled region needs even "
+        f"pieces: keep that dim divisible by the mesh size or pass a DTensor")
+    return mine * n
 
 
 def _piece(x: torch.Tensor, dim: int, sizes: tuple[int, ...], index: int) -> torch.Tensor:
@@ -236,6 +253,8 @@ def _remember_gather(out: torch.Tensor, shard: torch.Tensor, dim: int,
 
 
 def _gathered_origin(x: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, ...], Group] | None:
+    if torch.compiler.is_compiling():  # ids and weak refs of traced tensors mean nothing
+        return None
     entry = _GATHERED_FROM.get(id(x))
     if entry is None or entry[0]() is not x:
         return None
@@ -278,7 +297,7 @@ def redistribute_boundary(x: torch.Tensor, src: Placement, dst: Placement, mesh:
                 full = full_length(x, a, mesh)
             sizes = _sizes(full, n)
             shard, x = x, _Gather.apply(x, a, sizes, index, group)
-            if tag_gather:
+            if tag_gather and not torch.compiler.is_compiling():
                 # Let a column-parallel consumer route its (partial) gradient straight back to
                 # the shard with one reduce-scatter instead of all-reduce + slice.
                 _remember_gather(x, shard, a, sizes, group)
@@ -320,6 +339,10 @@ class _LastInputMemo:
         self._entries: dict[Any, tuple[Any, Any, torch.Tensor]] = {}
 
     def get(self, key: Any, x: Any, layout: Any) -> torch.Tensor | None:
+        if torch.compiler.is_compiling():
+            # A graph cannot hold weak refs to its tensors: compiled, each sibling converts
+            # its input itself (one gradient all-reduce per projection instead of one).
+            return None
         entry = self._entries.get(key)
         if entry is None:
             return None
@@ -329,6 +352,8 @@ class _LastInputMemo:
         return None
 
     def put(self, key: Any, x: Any, layout: Any, out: torch.Tensor) -> None:
+        if torch.compiler.is_compiling():
+            return
         try:
             ref = weakref.ref(x)
         except TypeError:
