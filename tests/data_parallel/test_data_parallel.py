@@ -255,3 +255,44 @@ def _tp_after_dp_is_caught() -> str:
 def test_parameters_replaced_after_wrapping_are_reported_at_forward(run_on_ranks):
     msg = run_on_ranks(2, _tp_after_dp_is_caught)[0]
     assert "replaced after data_parallel()" in msg and "parallelize_module" in msg
+
+
+def _grads_across_steps(world_batch: int) -> tuple[list, list, list]:
+    """Step 0's averaged grads, step 1 without zero_grad (grads accumulate), then step 2 after
+    zero_grad(set_to_none=True); and the .grad tensors of step 1, kept by reference."""
+    platform = get_platform()
+    rank, world = platform.rank(), platform.world_size()
+    model = data_parallel(_model(), bucket_cap_mb=0.0002)  # several buckets
+    per = world_batch // world
+    rows = slice(rank * per, (rank + 1) * per)
+
+    def backward(step: int) -> list[torch.Tensor]:
+        x, y = _batch(step)
+        nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    first = backward(0)
+    accumulated = backward(1)  # onto step 0's averages
+    kept = [p.grad for p in model.parameters()]  # references, not copies
+    model.zero_grad(set_to_none=True)
+    third = backward(2)
+    return first, accumulated, third, [g.clone() for g in kept]
+
+
+def _reference_grads(step: int) -> list[torch.Tensor]:
+    model = _model()
+    x, y = _batch(step)
+    nn.functional.mse_loss(model(x), y).backward()
+    return [p.grad for p in model.parameters()]
+
+
+def test_kept_grads_stay_and_accumulation_without_zero_grad_sums_the_averages(run_on_ranks):
+    ref = [_reference_grads(s) for s in range(3)]
+    for first, accumulated, third, kept in run_on_ranks(2, _grads_across_steps, BATCH):
+        for i, r in enumerate(ref[0]):
+            torch.testing.assert_close(first[i], r)
+            torch.testing.assert_close(accumulated[i], r + ref[1][i])
+            torch.testing.assert_close(third[i], ref[2][i])
+            # a .grad kept past zero_grad(set_to_none=True) is not overwritten by the next
+            # backward (each backward packs into fresh buckets)
+            torch.testing.assert_close(kept[i], accumulated[i], rtol=0, atol=0)
