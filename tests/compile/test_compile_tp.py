@@ -178,6 +178,30 @@ def test_sequence_parallel_block_compiles_fullgraph_and_matches_eager(run_on_ran
     assert run_on_ranks(2, _sequence_parallel_matches_eager) == [0, 0]
 
 
+def _uneven_plain_shard_when_compiled() -> str:
+    """A plain input declared Shard(1) in uneven torch.chunk pieces (5 -> 3 + 2): eager
+    gathers it; compiled, the global length cannot be read out of a collective, so the graph
+    checks that the pieces are even and raises on every rank."""
+    rank = get_platform().rank()
+    model = nn.Sequential(nn.Linear(16, 16))
+    parallelize_module(model, _mesh(), {"0": PrepareModuleInput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)})
+    local = torch.randn(2, 3 if rank == 0 else 2, 16)
+    assert model(local).shape == (2, 5, 16)  # eager: uneven pieces are fine
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    try:
+        compiled(local)
+    except RuntimeError as err:
+        return str(err)
+    raise AssertionError("the compiled model accepted uneven pieces it cannot lay out")
+
+
+def test_uneven_plain_shard_raises_on_every_rank_when_compiled(run_on_ranks):
+    for message in run_on_ranks(2, _uneven_plain_shard_when_compiled):
+        assert "tensor-parallel boundary under torch.compile" in message, message
+        assert "Shard(1) differ in length across the 2 ranks" in message, message
+
+
 def _collectives_in_graph() -> list[str]:
     torch.manual_seed(0)
     model = MLP()
