@@ -56,11 +56,13 @@ def _bench(size: int, repeats: int, op_iters: int) -> dict:
     platform = get_platform()
     torch.set_num_threads(1)
     device_type = platform.device_type
-    hmesh = hdt.init_device_mesh((2,))
-    tmesh = torch_mesh(device_type, (2,))
+    dev = platform.device()
+    ranks = platform.world_size()
+    hmesh = hdt.init_device_mesh((ranks,))
+    tmesh = torch_mesh(device_type, (ranks,))
     barrier = platform.barrier
     torch.manual_seed(0)
-    full = torch.randn(size, size)
+    full = torch.randn(size, size).to(dev)
 
     def H(p):  # noqa: N802
         return {"S0": hdt.Shard(0), "S1": hdt.Shard(1), "R": hdt.Replicate(),
@@ -101,8 +103,8 @@ def _bench(size: int, repeats: int, op_iters: int) -> dict:
 
     # ---- per-op overhead on small tensors (no communication in any of these)
     n = 16
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    bias = torch.randn(n)
+    a, b = torch.randn(n, n).to(dev), torch.randn(n, n).to(dev)
+    bias = torch.randn(n).to(dev)
     ha = hdt.distribute_tensor(a, hmesh, [hdt.Shard(0)])
     hr = hdt.distribute_tensor(a, hmesh, [hdt.Replicate()])
     hw = hdt.distribute_tensor(b, hmesh, [hdt.Shard(1)])
@@ -151,13 +153,14 @@ def _bench(size: int, repeats: int, op_iters: int) -> dict:
             per_op_grad.append((name, *_interleaved([plain, hyper, torchd], op_iters,
                                                     3 * repeats, stat=min)))
     barrier()
-    return {"redistribute": redis, "per_op": per_op, "per_op_grad": per_op_grad, "size": size}
+    return {"redistribute": redis, "per_op": per_op, "per_op_grad": per_op_grad, "size": size,
+            "ranks": ranks, "device": str(dev)}
 
 
 def _print(res: dict) -> None:
     size = res["size"]
     print(f"\nredistribute, {size}x{size} float32 ({size * size * 4 / 2**20:.0f} MiB global), "
-          "2 ranks (gloo), median per call")
+          f"{res['ranks']} rank(s) ({res['device']}), median per call")
     print(f"{'transition':<12}{'hyperpar ms':>14}{'torch ms':>12}{'ratio h/t':>12}")
     for name, th, tt in res["redistribute"]:
         if tt is None:
@@ -191,7 +194,8 @@ def _rows(res: dict) -> list[dict]:
     size = res["size"]
     rows = []
     for name, th, tt in res["redistribute"]:
-        rows.append({"benchmark": "dtensor", "case": f"redistribute {name} {size}x{size}, 2 ranks",
+        rows.append({"benchmark": "dtensor", "case": (f"redistribute {name} {size}x{size}, "
+                                                       f"{res['ranks']} ranks"),
                      "hyperpar_ms": th * 1e3, "reference": ref,
                      "reference_ms": None if tt is None else tt * 1e3,
                      "ratio": None if tt is None else th / tt})
@@ -207,6 +211,8 @@ def _rows(res: dict) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=int, default=1024, help="global matrix side")
+    parser.add_argument("--ranks", type=int, default=2,
+                        help="processes (hyperpar bench passes 1 on a one-GPU host)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--op-iters", type=int, default=2000)
     parser.add_argument("--json", dest="json_path", default=None,
@@ -217,7 +223,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     from hyperpar.testing import run_distributed
 
-    results = run_distributed(_bench, 2, args.size, args.repeats, args.op_iters,
+    results = run_distributed(_bench, args.ranks, args.size, args.repeats, args.op_iters,
                               timeout_s=900)
     _print(results[0])
     if args.json_path:

@@ -142,16 +142,18 @@ def _measure(size_names: list[str], rounds: int) -> list[dict]:
     from hyperpar.platform import get_platform
 
     n = get_platform().world_size()
+    device = get_platform().device()  # models and batch on the backend's device (cuda: NCCL)
     mesh = init_device_mesh((n,), mesh_dim_names=("tp",))
     torch_mesh = torch_init_device_mesh(get_platform().device_type, (n,), mesh_dim_names=("tp",))
     rows = []
     for size in size_names:
         args, batch, seq = SIZES[size]
         tokens, labels = llama.batch(args, batch_size=batch, seq_len=seq)
-        ours = parallelize_module(llama.build(args), mesh, plans.tp_plan())
-        native = torch_parallelize(llama.build(args), torch_mesh,
+        tokens, labels = tokens.to(device), labels.to(device)
+        ours = parallelize_module(llama.build(args).to(device), mesh, plans.tp_plan())
+        native = torch_parallelize(llama.build(args).to(device), torch_mesh,
                                    plans.tp_plan(plans.torch_styles()))
-        megatron = MegatronLlama(llama.build(args))
+        megatron = MegatronLlama(llama.build(args).to(device))
         variants = {"hyperpar": ours, "torch": native, "megatron": megatron}
         losses = {k: _step(m, tokens, labels).item() for k, m in variants.items()}
         spread = max(losses.values()) - min(losses.values())
@@ -160,7 +162,8 @@ def _measure(size_names: list[str], rounds: int) -> list[dict]:
             _step(m, tokens, labels)
         one = time.perf_counter()
         _step(ours, tokens, labels)
-        iters_t = torch.tensor([max(1, min(20, int(0.3 / max(time.perf_counter() - one, 1e-4))))])
+        iters_t = torch.tensor([max(1, min(20, int(0.3 / max(time.perf_counter() - one, 1e-4))))],
+                               device=device)
         dist.all_reduce(iters_t, op=dist.ReduceOp.MIN)  # every rank must run the same steps
         iters = int(iters_t.item())
         times: dict[str, list[float]] = {k: [] for k in variants}
@@ -173,6 +176,7 @@ def _measure(size_names: list[str], rounds: int) -> list[dict]:
                 start, cpu_start = time.perf_counter(), time.process_time()
                 for _ in range(iters):
                     _step(m, tokens, labels)
+                get_platform().synchronize()  # an accelerator runs the steps asynchronously
                 times[name].append((time.perf_counter() - start) / iters * 1e3)
                 cpu[name].append((time.process_time() - cpu_start) / iters * 1e3)
         med = {k: statistics.median(v) for k, v in times.items()}
