@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 #: Reductions a :class:`Partial` placement may stand for.
-PARTIAL_OPS: tuple[str, ...] = ("sum", "avg", "max", "min")
+PARTIAL_OPS: tuple[str, ...] = ("sum", "avg", "max", "min", "product")
 
 
 class Placement:

@@ -105,6 +105,11 @@ def _plan(mesh: DeviceMesh, src: tuple[Placement, ...], dst: tuple[Placement, ..
         if type(t) is Shard:
             steps.append(("chunk", m, tuple(cur), t.dim, None))
         elif type(t) is Partial:
+            if t.reduce_op == "product":  # no exact split of a value into n factors
+                raise ValueError(
+                    f"cannot redistribute to {t!r}: a replicated value has no exact split into "
+                    f"a product of per-rank terms (torch refuses it too); use Partial('sum')"
+                )
             steps.append(("to_partial", m, tuple(cur), t.reduce_op, None))
         cur[m] = t
     return tuple(steps)

@@ -578,9 +578,10 @@ def case_partial_reduce_ops(api: Any, n: int) -> Any:
     rank = torch.distributed.get_rank()
     local = inputs(3, 4, seed=20 + rank).abs() + 0.5
     out = {}
-    for op in ("sum", "avg", "max", "min"):
+    for op in ("sum", "avg", "max", "min", "product"):
         x = api.DTensor.from_local(local, mesh, [api.Partial(op)])
         out[op] = x.full_tensor()
+        out[f"{op}->S(0)"] = x.redistribute(mesh, [api.Shard(0)]).to_local()
     return out
 
 
@@ -714,6 +715,13 @@ def case_error_plan_value_not_a_style(api: Any, n: int) -> Any:
 def case_error_redistribute_without_placements(api: Any, n: int) -> Any:
     mesh = tp_mesh(api, n)
     return api.distribute_tensor(torch.ones(2, 2), mesh, [api.Replicate()]).redistribute(mesh)
+
+
+@case
+def case_error_replicate_to_partial_product(api: Any, n: int) -> Any:
+    mesh = tp_mesh(api, n)
+    x = api.distribute_tensor(torch.ones(2, 2), mesh, [api.Replicate()])
+    return x.redistribute(mesh, [api.Partial("product")]).to_local()
 
 
 @case
