@@ -44,13 +44,15 @@ def test_results_come_back_in_rank_order():
 
 
 def test_a_rank_that_raises_fails_the_call_with_its_rank_and_message():
-    start = time.monotonic()
+    # No timing assertion: had the call waited for rank 0's collective instead of failing at
+    # once, it would end in the call's own timeout ("timed out after ...") and not in rank 1's
+    # error, which the message checks below would catch.
     with pytest.raises(DistributedError) as err:
         run_distributed(_rank_one_raises, 2, timeout_s=60)
     assert err.value.rank == 1
     assert "rank 1 of 2 raised" in str(err.value)
     assert "rank one cannot continue: bad shard" in str(err.value)
-    assert time.monotonic() - start < 30, "must not wait for the collective timeout"
+    assert "timed out" not in str(err.value)
 
 
 def test_a_collective_that_never_completes_blames_the_rank_that_did_not_reach_it():
@@ -88,10 +90,8 @@ def test_a_tensor_that_requires_grad_comes_back_by_value():
 
 
 def test_an_unpicklable_result_fails_at_once_with_the_rank():
-    start = time.monotonic()
     with pytest.raises(DistributedError, match=r"rank [01] of 2 raised(.|\n)*cannot pickle"):
         run_distributed(_returns_a_lock, 2, timeout_s=60)
-    assert time.monotonic() - start < 30
 
 
 def test_an_unpicklable_function_is_refused_before_any_rank_starts():
