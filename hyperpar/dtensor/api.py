@@ -293,22 +293,15 @@ class DTensor(torch.Tensor):
             return self._redistribute_cast(device_mesh, placements, forward_dtype,
                                            backward_dtype)
         spec = self._spec
-        if device_mesh is not None and device_mesh != spec.mesh:
-            raise ValueError(
-                f"redistribute across meshes is not supported: {spec.mesh!r} -> {device_mesh!r}"
-            )
-        if placements is None:
-            raise ValueError("redistribute: placements= is required")
-        dst = normalize_placements(placements, spec.mesh.ndim, len(spec.shape),
-                                   "redistribute placements")
+        dst = self._redistribute_target(device_mesh, placements)
         if dst == spec.placements:
             return self
         local = self._redistributed_local(dst)
         return _wrap(local, DTensorSpec(spec.mesh, dst, spec.shape))
 
-    def _redistribute_cast(self, device_mesh: DeviceMesh | None, placements: Any,
-                           forward_dtype: torch.dtype | None,
-                           backward_dtype: torch.dtype | None) -> DTensor:
+    def _redistribute_target(self, device_mesh: DeviceMesh | None,
+                             placements: Any) -> tuple[Placement, ...]:
+        """The checked, normalised target placements of a redistribute on this DTensor's mesh."""
         spec = self._spec
         if device_mesh is not None and device_mesh != spec.mesh:
             raise ValueError(
@@ -318,6 +311,13 @@ class DTensor(torch.Tensor):
             raise ValueError("redistribute: placements= is required")
         dst = normalize_placements(placements, spec.mesh.ndim, len(spec.shape),
                                    "redistribute placements")
+        return dst
+
+    def _redistribute_cast(self, device_mesh: DeviceMesh | None, placements: Any,
+                           forward_dtype: torch.dtype | None,
+                           backward_dtype: torch.dtype | None) -> DTensor:
+        spec = self._spec
+        dst = self._redistribute_target(device_mesh, placements)
         local = self._local
         fwd, bwd = forward_dtype or local.dtype, backward_dtype or local.dtype
         if local.requires_grad and torch.is_grad_enabled():
