@@ -12,42 +12,19 @@ pipelines are {0, 2} and {1, 3}. With ("pp", "dp", "tp") on 8 ranks, stage 0 = r
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from hyperpar.testing.parity import assert_close_to_reference
-
-N_BLOCKS, DIM, BATCH, STEPS, SEED = 4, 16, 8, 2, 1234
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(DIM, 2 * DIM)
-        self.down = nn.Linear(2 * DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.tanh(self.up(x)))
-
-
-def _loss(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return nn.functional.mse_loss(y, target)
-
-
-def _reference() -> nn.Module:
-    blocks = []
-    for i in range(N_BLOCKS):  # what PipelineModule(seed_layers=True) builds for layer i
-        torch.manual_seed(SEED + i)
-        blocks.append(Block())
-    return nn.Sequential(*blocks)
-
-
-def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
-    return torch.randn(BATCH, DIM, generator=g), torch.randn(BATCH, DIM, generator=g)
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+from tests._pipeline_mlp import (
+    BATCH,
+    N_BLOCKS,
+    SEED,
+    STEPS,
+    Block,
+    _data,
+    _full,
+    _loss,
+    _reference,
+)
 
 
 def _train(dims: tuple[str, ...]) -> int:
