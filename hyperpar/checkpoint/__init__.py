@@ -9,10 +9,12 @@
 """
 
 from ._format import INDEX_FILE, CheckpointError, CorruptCheckpointError, LoadResult, read_index
+from ._lock import ConcurrentSaveError
 from .gather import full_state_dict
 from .hf import load_safetensors
 from .loader import load, verify
 from .writer import save
 
-__all__ = ["INDEX_FILE", "CheckpointError", "CorruptCheckpointError", "LoadResult",
+__all__ = ["INDEX_FILE", "CheckpointError", "ConcurrentSaveError", "CorruptCheckpointError",
+           "LoadResult",
            "full_state_dict", "load", "load_safetensors", "read_index", "save", "verify"]

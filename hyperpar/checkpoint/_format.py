@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 from typing import Any, NamedTuple
 
 import torch
@@ -78,11 +79,15 @@ def digest(t: torch.Tensor) -> str:
 
 
 def read_index(path: str | os.PathLike) -> dict[str, Any]:
-    """The parsed ``index.json`` of checkpoint folder ``path``."""
+    """The parsed ``index.json`` of checkpoint folder ``path``, its schema checked (a malformed
+    index raises :class:`CheckpointError` naming the field)."""
     file = os.path.join(os.fspath(path), INDEX_FILE)
     if not os.path.exists(file):
         raise FileNotFoundError(f"{file} does not exist: {os.fspath(path)!r} is not a hyperpar "
                                 "checkpoint folder (written by hyperpar.checkpoint.save)")
+    if not stat.S_ISREG(os.stat(file).st_mode):  # a FIFO would block open() forever
+        raise CheckpointError(f"{file} is not a regular file (a FIFO, device or folder); "
+                              "refusing to open it")
     try:
         with open(file) as f:
             index = json.load(f)
@@ -92,9 +97,13 @@ def read_index(path: str | os.PathLike) -> dict[str, Any]:
         got = index.get("format") if isinstance(index, dict) else type(index).__name__
         raise CheckpointError(f"{file} is not a hyperpar checkpoint index (format={got!r}, "
                               f"expected {FORMAT!r})")
-    if index.get("version", 1) > VERSION:
+    version = index.get("version", 1)
+    if isinstance(version, int) and version > VERSION:
         raise CheckpointError(f"{file} has format version {index['version']}; this hyperpar "
                               f"reads versions up to {VERSION}: upgrade hyperpar")
+    from ._validate import check_index  # imports this module
+
+    check_index(os.fspath(path), index)  # every field's type and range: the index is untrusted
     return index
 
 

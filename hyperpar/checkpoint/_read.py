@@ -10,6 +10,7 @@ import torch
 
 from ._boxes import overlap
 from ._format import CorruptCheckpointError, digest, dtype_of
+from ._validate import confined_file
 
 
 class Reader:
@@ -25,10 +26,8 @@ class Reader:
         handle = self._open.get(file)
         if handle is not None:
             return handle
-        full = os.path.join(self.path, file)
-        if not os.path.exists(full):
-            raise CorruptCheckpointError(f"{full} is missing: index.json lists it; the "
-                                         "checkpoint folder is incomplete")
+        # Checked again here (load checks every file up front): ``verify`` and direct callers.
+        full = confined_file(self.path, file, what=f"index.json of {self.path}")
         want = self.files.get(file, {}).get("bytes")
         size = os.path.getsize(full)
         if want is not None and size != want:
@@ -48,7 +47,8 @@ class Reader:
         self._open[file] = handle
         return handle
 
-    def read(self, chunk: dict[str, Any], region: tuple[slice, ...], *, key: str) -> torch.Tensor:
+    def read(self, chunk: dict[str, Any], region: tuple[slice, ...], *, key: str,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
         """``region`` of ``chunk`` (of saved tensor ``key``). With a digest, the whole chunk is
         read and checked first (at most one saved shard of one tensor in memory)."""
         file, name = chunk["file"], chunk["key"]
@@ -56,13 +56,19 @@ class Reader:
         full = os.path.join(self.path, file)
         try:
             if "digest" not in chunk or not self.verify:  # version 1: nothing to check
+                # (safetensors headers were checked against the index before any read)
                 if self.file_format == "safetensors":
                     return handle.get_slice(name)[region] if region else handle.get_tensor(name)
-                return handle[name][region]
+                part = handle[name]
+                self._check_stored(part, chunk, key, dtype, full)
+                return part[region]
             whole = handle.get_tensor(name) if self.file_format == "safetensors" else handle[name]
+        except CorruptCheckpointError:
+            raise
         except Exception as exc:
             raise CorruptCheckpointError(f"{full}: cannot read {name!r} of {key!r} "
                                          f"({type(exc).__name__}: {exc})") from exc
+        self._check_stored(whole, chunk, key, dtype, full)
         if list(whole.shape) != list(chunk["shape"]) or digest(whole) != chunk["digest"]:
             raise CorruptCheckpointError(
                 f"{full}: the bytes of {key!r} (chunk at offset {chunk['offset']}) do not match "
@@ -71,10 +77,26 @@ class Reader:
         return whole[region]
 
 
+    @staticmethod
+    def _check_stored(t: Any, chunk: dict[str, Any], key: str, dtype: torch.dtype | None,
+                      full: str) -> None:
+        """The stored tensor has the dtype and shape the index promises (a torch-format file
+        has no header to check up front)."""
+        if not isinstance(t, torch.Tensor):
+            raise CorruptCheckpointError(f"{full}: {chunk['key']!r} is a "
+                                         f"{type(t).__name__}, not a tensor")
+        if (dtype is not None and t.dtype != dtype) or list(t.shape) != list(chunk["shape"]):
+            raise CorruptCheckpointError(
+                f"{full}: {key!r} (chunk at offset {chunk['offset']}) is stored as {t.dtype} "
+                f"{list(t.shape)} but index.json says {dtype} {chunk['shape']}: the index or "
+                "the file was edited; restore the checkpoint or save again")
+
+
 def assemble(entry: dict[str, Any], key: str, offset: list[int], shape: list[int],
              reader: Reader) -> torch.Tensor:
     """The box (``offset``, ``shape``) of saved tensor ``key``, from every chunk that overlaps."""
-    out = torch.empty(shape, dtype=dtype_of(entry["dtype"]))
+    dtype = dtype_of(entry["dtype"])
+    out = torch.empty(shape, dtype=dtype)
     covered = 0
     for chunk in entry["chunks"]:
         ov = overlap(offset, shape, chunk["offset"], chunk["shape"])
@@ -84,7 +106,7 @@ def assemble(entry: dict[str, Any], key: str, offset: list[int], shape: list[int
         src = tuple(slice(low - c, h - c) for low, h, c in zip(lo, hi, chunk["offset"],
                                                                 strict=True))
         dst = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, offset, strict=True))
-        out[dst] = reader.read(chunk, src, key=key)
+        out[dst] = reader.read(chunk, src, key=key, dtype=dtype)
         covered += math.prod(h - low for low, h in zip(lo, hi, strict=True))
     want = math.prod(shape)
     if covered != want:

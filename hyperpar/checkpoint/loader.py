@@ -1,6 +1,8 @@
 """``load``: each rank reads the parts of the saved chunks that overlap what it holds now.
 
-Steps: check the model against the index on every rank together (keys, shapes), read and
+Steps: check the index and every file it names (paths confined to the folder, regular files,
+schema, sizes, safetensors headers against the index; see :mod:`._validate`), then the model
+against the index on every rank together (keys, shapes), read and
 verify the boxes, then agree that every rank succeeded, so a problem seen by one rank is raised
 on all of them instead of leaving the others waiting.
 """
@@ -18,7 +20,8 @@ from hyperpar.platform import get_platform
 from ._boxes import copy_box, local_box
 from ._format import CheckpointError, CorruptCheckpointError, LoadResult, read_index
 from ._read import Reader, assemble
-from .optim import load_optimizer, optimizer_keys
+from ._validate import check_files
+from .optim import check_optimizer, load_optimizer, optimizer_keys
 
 __all__ = ["load", "verify"]
 
@@ -41,14 +44,20 @@ def load(model: nn.Module, path: str | os.PathLike, *,
     unexpected_keys)``. Collective. After a raise the model may be partly loaded.
     """
     path = os.fspath(path)
-    index = read_index(path)
-    if optimizer is not None and index.get("optimizer") is None:
-        raise CheckpointError(f"load(optimizer=...): {path} holds no optimizer state (save it "
-                              "with save(model, path, optimizer=optimizer))")
+    # A checkpoint is untrusted: every rank checks the index and the files it names before
+    # reading tensor data, and all ranks share the outcome (no rank reads, none waits).
+    error: Exception | None = None
+    try:
+        index = read_index(path)
+        check_files(path, index)
+        if optimizer is not None:
+            check_optimizer(optimizer, index, path)
+    except (CheckpointError, OSError) as exc:
+        error = exc
+    agree_or_raise(error)
     state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     result = _check_keys(state, index, path, strict)
     reader = Reader(path, index, verify=verify)
-    error = None
     try:
         with torch.no_grad():
             _copy_in(state, index["tensors"], reader)
@@ -103,18 +112,24 @@ def _copy_in(state: dict[str, torch.Tensor], saved: dict[str, Any], reader: Read
         copy_box(value, assemble(entry, key, list(offset), list(shape), reader))
 
 
-def agree_or_raise(error: CheckpointError | None) -> None:
-    """Raise on every rank if any rank failed (the first failure, naming its rank)."""
+#: Error types a rank may re-raise for a peer's failure (anything else: CheckpointError).
+_SHARED_ERRORS: dict[str, type[Exception]] = {
+    cls.__name__: cls for cls in (CheckpointError, CorruptCheckpointError, FileNotFoundError)}
+
+
+def agree_or_raise(error: Exception | None) -> None:
+    """Raise on every rank if any rank failed: the failing rank its own error, the others the
+    first failure's type and message, naming its rank. Collective."""
     platform = get_platform()
-    errors = platform.all_gather_object(None if error is None else str(error))
+    errors = platform.all_gather_object(
+        None if error is None else (type(error).__name__, str(error)))
     bad = [(r, e) for r, e in enumerate(errors) if e is not None]
     if not bad:
         return
-    r, message = bad[0]
-    cls = type(error) if error is not None else CorruptCheckpointError
-    if r == platform.rank() and error is not None:
+    if error is not None:
         raise error
-    raise cls(f"rank {r}: {message}")
+    r, (name, message) = bad[0]
+    raise _SHARED_ERRORS.get(name, CheckpointError)(f"rank {r}: {message}")
 
 
 def verify(path: str | os.PathLike) -> int:
@@ -122,6 +137,7 @@ def verify(path: str | os.PathLike) -> int:
     digests); return the number of chunks checked. Not collective: run it on one process."""
     path = os.fspath(path)
     index = read_index(path)
+    check_files(path, index)
     reader = Reader(path, index)
     n = 0
     for key, entry in index["tensors"].items():

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ._boxes import is_dtensor
+from ._format import CheckpointError
 from ._read import Reader, assemble
 
 OPTIM_PREFIX = "optimizer."
@@ -58,17 +59,55 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
                 scalars[key] = v
     groups = [{k: v for k, v in g.items() if k != "params" and _json_safe(v)}
               for g in osd["param_groups"]]
-    return tensors, {"param_groups": groups, "scalars": scalars}
+    state_keys = sorted({k for st in osd["state"].values() for k in st})
+    return tensors, {"param_groups": groups, "scalars": scalars, "class": class_name(optimizer),
+                     "state_keys": state_keys, "tensor_keys": sorted(tensors)}
 
 
-def merge_extras(extras: list[dict[str, Any]], tensor_keys: list[str]) -> dict[str, Any]:
-    """The index's ``"optimizer"`` section from every rank's non-tensor state."""
+def class_name(optimizer: torch.optim.Optimizer) -> str:
+    cls = type(optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def merge_extras(extras: list[dict[str, Any]]) -> dict[str, Any]:
+    """The index's ``"optimizer"`` section from every rank's non-tensor state: rank 0's
+    hyperparameters, every rank's scalars and tensor keys (pipeline stages differ), the class
+    and the state keys it keeps per parameter (checked on load)."""
     scalars: dict[str, Any] = {}
     for e in extras:
         for key, value in e["scalars"].items():
             scalars.setdefault(key, value)
-    return {"param_groups": extras[0]["param_groups"], "scalars": scalars,
-            "tensors": sorted(tensor_keys)}
+    return {"class": extras[0]["class"], "param_groups": extras[0]["param_groups"],
+            "state_keys": sorted({k for e in extras for k in e["state_keys"]}),
+            "scalars": scalars, "tensors": sorted({k for e in extras for k in e["tensor_keys"]})}
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, index: dict[str, Any], path: str) -> None:
+    """Refuse state saved by another optimizer type, with another number of parameter groups,
+    or keeping other per-parameter state than ``optimizer`` already keeps."""
+    extra = index.get("optimizer")
+    if extra is None:
+        raise CheckpointError(f"load(optimizer=...): {path} holds no optimizer state (save it "
+                              "with save(model, path, optimizer=optimizer))")
+    mine = class_name(optimizer)
+    saved = extra.get("class")  # absent in checkpoints written before it was recorded
+    if saved is not None and saved != mine:
+        raise CheckpointError(
+            f"load(optimizer=...): {path} holds the state of a {saved} but the optimizer given "
+            f"is a {mine}; build the optimizer type that saved it, or load without optimizer= "
+            "and start its state afresh")
+    groups = len(optimizer.param_groups)
+    if len(extra["param_groups"]) != groups:
+        raise CheckpointError(
+            f"load(optimizer=...): {path} holds {len(extra['param_groups'])} parameter group(s) "
+            f"but the optimizer has {groups}; build it with the same groups as when saved")
+    have = sorted({k for st in optimizer.state_dict()["state"].values() for k in st})
+    want = extra.get("state_keys")
+    if have and want is not None and have != want:
+        raise CheckpointError(
+            f"load(optimizer=...): {path} keeps the per-parameter state {want} but the "
+            f"optimizer keeps {have} (other options, e.g. momentum or amsgrad?); build it as "
+            "when saved")
 
 
 def optimizer_keys(index: dict[str, Any]) -> set[str]:
@@ -108,8 +147,33 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, index: di
                 entry_state[key[len(prefix):]] = value
         if entry_state:
             state[i] = entry_state
-    groups = optimizer.state_dict()["param_groups"]
-    if len(extra["param_groups"]) == len(groups):
-        groups = [{**g, **saved_g} for g, saved_g in zip(groups, extra["param_groups"],
-                                                          strict=True)]
+    groups = optimizer.state_dict()["param_groups"]  # as many as saved (check_optimizer)
+    groups = [_saved_hyperparameters(g, saved_g, path)
+              for g, saved_g in zip(groups, extra["param_groups"], strict=True)]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _saved_hyperparameters(group: dict[str, Any], saved: dict[str, Any], path: str
+                           ) -> dict[str, Any]:
+    """``group`` with the saved hyperparameters (never ``params``); a saved value of another
+    type than the optimizer's own is refused, not passed on."""
+    out = dict(group)
+    for k, v in saved.items():
+        if k == "params":
+            continue
+        if k not in group:  # e.g. "initial_lr" of an LR scheduler not built yet
+            out[k] = v
+            continue
+        mine = group[k]
+        number = (int, float)
+        same = (isinstance(v, bool) == isinstance(mine, bool)
+                and (isinstance(v, number) and isinstance(mine, number)
+                     or v is None or mine is None or type(v) is type(mine)
+                     or isinstance(v, list) and isinstance(mine, tuple)))
+        if not same:
+            raise CheckpointError(
+                f"load(optimizer=...): {path} sets hyperparameter {k!r} to {v!r} but the "
+                f"optimizer's is {mine!r} ({type(mine).__name__}); the index was edited or "
+                "another optimizer saved it")
+        out[k] = tuple(v) if isinstance(mine, tuple) else v
+    return out

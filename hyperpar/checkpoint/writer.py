@@ -28,13 +28,15 @@ from ._format import (
     shard_name,
     write_index,
 )
+from ._lock import ConcurrentSaveError, acquire, release
 from .optim import merge_extras, optimizer_state
 
 __all__ = ["save"]
 
 
 def save(model: nn.Module | dict[str, Any], path: str | os.PathLike, *,
-         optimizer: torch.optim.Optimizer | None = None, file_format: str = "auto") -> str:
+         optimizer: torch.optim.Optimizer | None = None, file_format: str = "auto",
+         force: bool = False) -> str:
     """Write ``model``'s state dict (or a state dict) as a sharded checkpoint folder ``path``.
 
     Collective. Each rank writes one new file with the boxes it is the first to hold; once
@@ -48,19 +50,54 @@ def save(model: nn.Module | dict[str, Any], path: str | os.PathLike, *,
     its hyperparameters and non-tensor state go into the index. ``file_format``:
     ``"safetensors"``, ``"torch"`` (``torch.save``) or ``"auto"`` (safetensors when installed).
     Returns the index path.
+
+    One save at a time per folder: rank 0 holds the lock file ``.hyperpar-save.lock`` for the
+    whole save, and a second job saving into the same folder raises
+    :class:`~hyperpar.checkpoint.ConcurrentSaveError` (on every rank, before writing anything).
+    A lock left by a crashed job is taken over when its pid is dead on this host;
+    ``force=True`` takes it over regardless (only once that job is known to be gone).
     """
     file_format = _resolve_format(file_format)
     if optimizer is not None and not isinstance(model, nn.Module):
         raise TypeError("save(optimizer=...) needs the model itself, not a state dict")
-    state, extras, optim_keys = _state_to_save(model, optimizer)
+    state, extras = _state_to_save(model, optimizer)
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     platform = get_platform()
-    rank, world = platform.rank(), platform.world_size()
+    rank = platform.rank()
 
-    # 1. Who writes which box; rank 0's fresh save id travels with the same collective.
-    mine, metas, proposals = owned(pieces(state), (_new_save_id(), extras))
-    save_id = proposals[0][0]
+    # 0. Rank 0 takes the folder's save lock (one save at a time); every rank learns the
+    #    outcome and rank 0's fresh save id before anything is written.
+    lock, taken = None, None
+    if rank == 0:
+        save_id = _new_save_id()
+        try:
+            lock = acquire(path, save_id, force=force)
+            taken = ("ok", save_id)
+        except (CheckpointError, OSError) as exc:
+            taken = (type(exc).__name__, str(exc))
+    status, detail = platform.broadcast_object(taken, 0)
+    if status != "ok":
+        cls = ConcurrentSaveError if status == ConcurrentSaveError.__name__ else CheckpointError
+        where = "" if rank == 0 else "rank 0: "
+        if cls is CheckpointError:
+            detail = f"save: cannot create the lock file in {path}: {status}: {detail}"
+        raise cls(where + detail)
+    save_id = detail
+    try:
+        return _save_locked(state, extras, optimizer is not None, path, file_format, save_id)
+    finally:
+        if lock is not None:
+            release(lock, save_id)
+
+
+def _save_locked(state: dict[str, Any], extras: dict[str, Any], with_optimizer: bool,
+                 path: str, file_format: str, save_id: str) -> str:
+    """Steps 1-4 of :func:`save`, under the folder's lock."""
+    platform = get_platform()
+    rank, world = platform.rank(), platform.world_size()
+    # 1. Who writes which box (and every rank's optimizer extras), in one collective.
+    mine, metas, proposals = owned(pieces(state), extras)
     # 2. Write this rank's file under a new name (errors are shared, not raised alone).
     written = _write_shard(path, shard_name(rank, world, save_id, file_format), mine,
                            file_format)
@@ -75,8 +112,8 @@ def save(model: nn.Module | dict[str, Any], path: str | os.PathLike, *,
     if rank == 0:
         try:
             index = _build_index(metas, files, file_format, world, save_id)
-            if optimizer is not None:
-                index["optimizer"] = merge_extras([p[1] for p in proposals], optim_keys)
+            if with_optimizer:
+                index["optimizer"] = merge_extras(proposals)
             write_index(path, index, save_id)
             _remove_stale(path, {f["file"] for f in files})
         except Exception as exc:  # shared below so no rank waits for a commit that failed
@@ -108,15 +145,15 @@ def _has_safetensors() -> bool:
 
 
 def _state_to_save(model: nn.Module | dict[str, Any], optimizer: torch.optim.Optimizer | None
-                   ) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
-    """The tensors to save (model, then optimizer state), the optimizer's non-tensor state,
-    and the keys of its tensor state."""
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The tensors to save (model, then optimizer state) and the optimizer's non-tensor state
+    (hyperparameters, scalars, class, state keys)."""
     state = model.state_dict() if isinstance(model, nn.Module) else dict(model)
     if optimizer is None:
-        return state, {}, []
+        return state, {}
     assert isinstance(model, nn.Module)
     opt_tensors, extras = optimizer_state(model, optimizer)
-    return {**state, **opt_tensors}, extras, list(opt_tensors)
+    return {**state, **opt_tensors}, extras
 
 
 def _new_save_id() -> str:
