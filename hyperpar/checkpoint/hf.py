@@ -15,6 +15,7 @@ from hyperpar.platform import get_platform
 
 from ._boxes import copy_box, local_box
 from ._format import CheckpointError, CorruptCheckpointError, LoadResult
+from ._validate import confined_file, regular_file
 from .loader import agree_or_raise, show_keys
 
 __all__ = ["load_safetensors"]
@@ -34,18 +35,25 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike, *, strict: bool 
     and unexpected keys raise on every rank). A tied parameter (``lm_head.weight`` that *is*
     ``embed.weight``) is not missing when the file holds it under one of its names. Collective.
     """
-    files = _weight_map(os.fspath(path))
     state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     names = {k: (key_map(k) if key_map else k) for k in state}
     opened = _Files()
     problems = []
-    for key, value in state.items():
-        name = names[key]
-        if name in files:
-            shape = opened.shape(files[name], name)
-            if shape != list(value.shape):
-                problems.append(f"{key!r} has global shape {list(value.shape)} in the model "
-                                f"but {shape} in {files[name]}")
+    # The files are untrusted: every rank checks the paths and headers before reading tensor
+    # data, and all ranks share the outcome (none reads, none waits, when one fails).
+    error: Exception | None = None
+    try:
+        files = _weight_map(os.fspath(path))
+        for key, value in state.items():
+            name = names[key]
+            if name in files:
+                shape = opened.shape(files[name], name)
+                if shape != list(value.shape):
+                    problems.append(f"{key!r} has global shape {list(value.shape)} in the "
+                                    f"model but {shape} in {files[name]}")
+    except (CheckpointError, OSError) as exc:
+        error = exc
+    agree_or_raise(error)
     found = {k for k, n in names.items() if n in files}
     tied_found = {k for group in _tied(model) if found & set(group) for k in group}
     gathered = get_platform().all_gather_object(
@@ -83,20 +91,32 @@ def _tied(model: nn.Module) -> list[list[str]]:
 
 
 def _weight_map(path: str) -> dict[str, str]:
-    """tensor name -> the file holding it."""
+    """tensor name -> the file holding it; every file confined to ``path``'s folder and
+    regular."""
     if os.path.isdir(path):
         index = os.path.join(path, HF_INDEX)
-        if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            return {k: os.path.join(path, v) for k, v in weight_map.items()}
+        if os.path.lexists(index):
+            regular_file(index, what="load_safetensors")
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f).get("weight_map")
+            except (ValueError, AttributeError) as exc:
+                raise CheckpointError(f"{index} is not a JSON object ({exc}); it is not a "
+                                      "Hugging Face safetensors index") from exc
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+                raise CheckpointError(f"{index} is malformed: \"weight_map\" must be an "
+                                      "object of tensor name -> file name")
+            full = {v: confined_file(path, v, what=index) for v in set(weight_map.values())}
+            return {k: full[v] for k, v in weight_map.items()}
         single = os.path.join(path, "model.safetensors")
-        if not os.path.exists(single):
+        if not os.path.lexists(single):
             raise FileNotFoundError(f"load_safetensors: {path} holds neither {HF_INDEX} nor "
                                     "model.safetensors")
-        path = single
+        path = confined_file(path, "model.safetensors", what="load_safetensors")
     if not os.path.exists(path):
         raise FileNotFoundError(f"load_safetensors: {path} does not exist")
+    regular_file(path, what="load_safetensors")
     return dict.fromkeys(_Files().keys(path), path)
 
 
@@ -105,6 +125,7 @@ class _Files:
 
     def __init__(self) -> None:
         self._open: dict[str, Any] = {}
+        self._keys: dict[str, set[str]] = {}
 
     def handle(self, file: str) -> Any:
         if file not in self._open:
@@ -121,7 +142,13 @@ class _Files:
         return list(self.handle(file).keys())
 
     def shape(self, file: str, name: str) -> list[int]:
-        return list(self.handle(file).get_slice(name).get_shape())
+        handle = self.handle(file)
+        if file not in self._keys:
+            self._keys[file] = set(handle.keys())
+        if name not in self._keys[file]:
+            raise CorruptCheckpointError(f"{file} holds no tensor {name!r}, but the index "
+                                         "names this file for it")
+        return list(handle.get_slice(name).get_shape())
 
 
 def read_region(files: _Files, file: str, name: str, value: torch.Tensor) -> torch.Tensor:
