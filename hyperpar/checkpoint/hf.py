@@ -51,7 +51,7 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike, *, strict: bool 
                 if shape != list(value.shape):
                     problems.append(f"{key!r} has global shape {list(value.shape)} in the "
                                     f"model but {shape} in {files[name]}")
-    except (CheckpointError, OSError) as exc:
+    except Exception as exc:  # shared below: no rank waits for one that failed alone
         error = exc
     agree_or_raise(error)
     found = {k for k, n in names.items() if n in files}
@@ -76,7 +76,7 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike, *, strict: bool 
             for key, value in state.items():
                 if names[key] in files:
                     copy_box(value, read_region(opened, files[names[key]], names[key], value))
-    except CheckpointError as exc:
+    except Exception as exc:  # shared below, so no rank waits for one that failed
         error = exc
     agree_or_raise(error)
     return LoadResult(missing, unexpected)

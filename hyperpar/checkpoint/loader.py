@@ -52,8 +52,8 @@ def load(model: nn.Module, path: str | os.PathLike, *,
         check_files(path, index)
         if optimizer is not None:
             check_optimizer(optimizer, index, path)
-    except (CheckpointError, OSError) as exc:
-        error = exc
+    except Exception as exc:  # shared below: a rank that failed alone must not leave the
+        error = exc           # others waiting in the next collective
     agree_or_raise(error)
     state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     result = _check_keys(state, index, path, strict)
@@ -63,7 +63,7 @@ def load(model: nn.Module, path: str | os.PathLike, *,
             _copy_in(state, index["tensors"], reader)
         if optimizer is not None:
             load_optimizer(model, optimizer, index, reader, path)
-    except CheckpointError as exc:
+    except Exception as exc:  # shared below, so no rank waits for one that failed
         error = exc
     agree_or_raise(error)
     return result
@@ -129,7 +129,9 @@ def agree_or_raise(error: Exception | None) -> None:
     if error is not None:
         raise error
     r, (name, message) = bad[0]
-    raise _SHARED_ERRORS.get(name, CheckpointError)(f"rank {r}: {message}")
+    cls = _SHARED_ERRORS.get(name)
+    raise (cls or CheckpointError)(f"rank {r}: {message}" if cls else
+                                   f"rank {r}: {name}: {message}")
 
 
 def verify(path: str | os.PathLike) -> int:

@@ -383,7 +383,8 @@ def _load_full(path: str) -> dict[str, torch.Tensor]:
 
 
 def _save_error(path: str, seed: int, force: bool = False) -> str:
-    return _error(save, _Model(seed), path, file_format="safetensors", force=force)
+    kwargs = {"force": True} if force else {}
+    return _error(save, _Model(seed), path, file_format="safetensors", **kwargs)
 
 
 def test_lock_left_by_a_dead_process_on_this_host_is_taken_over(run_on_ranks, tmp_path):
