@@ -188,14 +188,19 @@ def _check_optimizer(file: str, optimizer: Any) -> None:
 
 
 # ------------------------------------------------------------------ files and headers
-def check_files(path: str, index: dict[str, Any]) -> None:
+def check_files(path: str, index: dict[str, Any], *, part: tuple[int, int] = (0, 1)) -> None:
     """Every file the index names: inside ``path``, a regular file of the recorded size, and
-    (safetensors) a header that agrees with each chunk's dtype, shape and byte length."""
+    (safetensors) a header that agrees with each chunk's dtype, shape and byte length.
+
+    ``part=(rank, world)`` checks only every ``world``-th file from the ``rank``-th (the ranks
+    share the files, then agree on the outcome: each header is read once per load, not once
+    per rank)."""
     by_file: dict[str, list[tuple[str, dict[str, Any], dict[str, Any]]]] = {}
     for key, entry in index["tensors"].items():
         for chunk in entry["chunks"]:
             by_file.setdefault(chunk["file"], []).append((key, entry, chunk))
-    for name in set(index.get("files", {})) | set(by_file):
+    rank, world = part
+    for name in sorted(set(index.get("files", {})) | set(by_file))[rank::world]:
         full = confined_file(path, name, what=f"{INDEX_FILE} of {path}")
         want = index.get("files", {}).get(name, {}).get("bytes")
         size = os.path.getsize(full)

@@ -44,12 +44,14 @@ def load(model: nn.Module, path: str | os.PathLike, *,
     unexpected_keys)``. Collective. After a raise the model may be partly loaded.
     """
     path = os.fspath(path)
-    # A checkpoint is untrusted: every rank checks the index and the files it names before
-    # reading tensor data, and all ranks share the outcome (no rank reads, none waits).
+    # A checkpoint is untrusted: every rank checks the index, the ranks share the checks of
+    # the files it names, all before reading tensor data; all ranks share the outcome (no rank
+    # reads on, none waits).
     error: Exception | None = None
     try:
         index = read_index(path)
-        check_files(path, index)
+        platform = get_platform()
+        check_files(path, index, part=(platform.rank(), platform.world_size()))
         if optimizer is not None:
             check_optimizer(optimizer, index, path)
     except Exception as exc:  # shared below: a rank that failed alone must not leave the
