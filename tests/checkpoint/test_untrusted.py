@@ -270,6 +270,33 @@ def test_a_problem_only_one_rank_sees_is_raised_on_every_rank(run_on_ranks, tmp_
         errors[0])
 
 
+def _load_with_rank1_failing_to_copy(path: str) -> str:
+    """Rank 1 fails while copying a tensor in (an error that is not a checkpoint error)."""
+    import hyperpar.checkpoint.loader as loader
+
+    real = loader.copy_box
+
+    def broken(value, box):
+        raise RuntimeError("simulated failure while copying on rank 1")
+
+    if get_platform().rank() == 1:
+        loader.copy_box = broken
+    try:
+        return _load_error(path)
+    finally:
+        loader.copy_box = real  # the worker process serves later tests
+
+
+def test_any_failure_while_reading_on_one_rank_is_raised_on_every_rank(run_on_ranks,
+                                                                       tmp_path):
+    run_on_ranks(2, _save, str(tmp_path), 0)
+    errors = run_on_ranks(2, _load_with_rank1_failing_to_copy, str(tmp_path),
+                          timeout_s=LIMIT_S)
+    assert errors[1].startswith("RuntimeError: simulated failure"), errors[1]
+    assert errors[0].startswith("CheckpointError: rank 1: RuntimeError: simulated failure"), (
+        errors[0])
+
+
 # ------------------------------------------------------------------ optimizer state
 def _mlp() -> nn.Module:
     torch.manual_seed(0)
