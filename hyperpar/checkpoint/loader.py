@@ -42,6 +42,12 @@ def load(model: nn.Module, path: str | os.PathLike, *,
     differs always raises. With ``optimizer`` (built over the model's current parameters), its
     state is restored and resharded the same way. Returns ``LoadResult(missing_keys,
     unexpected_keys)``. Collective. After a raise the model may be partly loaded.
+
+    The checkpoint is treated as untrusted: before any tensor data is read, the index's schema,
+    every file it names (inside ``path``, a regular file, its recorded size, its safetensors
+    header against the index's dtypes and shapes) and, with ``optimizer``, the saved optimizer
+    type are checked; a problem raises :class:`CheckpointError` on every rank (docs:
+    "Trust model").
     """
     path = os.fspath(path)
     # A checkpoint is untrusted: every rank checks the index, the ranks share the checks of
