@@ -11,6 +11,7 @@ comparisons). Importing this package fills the table.
 from . import (  # noqa: F401  (dispatch installs __torch_function__)  # noqa: F401
     dispatch,
     factory,
+    init,
     matmul,
     nn,
     pointwise,  # noqa: F401,I001  (first: the families below override some entries)

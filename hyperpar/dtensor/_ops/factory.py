@@ -153,6 +153,14 @@ def random_init_rule(func, args, kwargs):
     spec = x._spec
     if any(type(p) is Partial for p in spec.placements):
         raise ShardingError(f"{op_name(func)} on a Partial DTensor; redistribute it first")
+    if kwargs.get("generator") is not None:
+        # an explicit torch generator: draw the whole tensor from it as one process would
+        # and keep this rank's piece (bitwise equal to one process with that generator)
+        from .init import init_materialised
+
+        plain = {torch.Tensor.uniform_: torch.Tensor.uniform_,
+                 torch.Tensor.normal_: torch.Tensor.normal_}.get(func, func)
+        return init_materialised(plain, (x, *params), kwargs)
     shape, offset = spec.local_shape_and_offset()
     local = x._local
     if kind == "uniform":
