@@ -3,6 +3,7 @@ random initialisers (offset-based random numbers, equal to the unsharded tensor'
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -108,7 +109,8 @@ def _copy_(func, args, kwargs):
 def _zero_(func, args, kwargs):
     """``zero_``/``nn.init.zeros_``: zero the local piece (any layout)."""
     x = _init_args(args, kwargs)[0]
-    x._local.zero_()
+    with torch.no_grad() if func is not torch.Tensor.zero_ else contextlib.nullcontext():
+        x._local.zero_()
     return x
 
 
@@ -123,11 +125,14 @@ def _fill_(func, args, kwargs):
     if isinstance(value, DTensor):
         value = replicated_local(value)
     spec = x._spec
-    x._local.fill_(value)
-    coord = spec.mesh._coordinate
-    for m, p in enumerate(spec.placements):
-        if p == P_SUM and coord[m] != 0:
-            x._local.zero_()
+    # torch.nn.init functions fill without recording autograd (torch dispatches constant_
+    # to us before entering its own no_grad)
+    with torch.no_grad() if func is not torch.Tensor.fill_ else contextlib.nullcontext():
+        x._local.fill_(value)
+        coord = spec.mesh._coordinate
+        for m, p in enumerate(spec.placements):
+            if p == P_SUM and coord[m] != 0:
+                x._local.zero_()
     return x
 
 
@@ -140,14 +145,14 @@ def _init_args(args: Sequence, kwargs: dict) -> tuple[Any, tuple, dict]:
 
 
 _RANDOM_INIT = {torch.Tensor.uniform_: "uniform", torch.nn.init.uniform_: "uniform",
-                torch.Tensor.normal_: "normal", torch.nn.init.normal_: "normal",
-                torch.nn.init.trunc_normal_: "trunc_normal"}
+                torch.Tensor.normal_: "normal", torch.nn.init.normal_: "normal"}
 
 
 @register_op(list(_RANDOM_INIT), raw=True)
 def random_init_rule(func, args, kwargs):
-    """``uniform_``/``normal_``/``trunc_normal_``: each rank fills its piece with the
-    offset-based random numbers of the whole tensor (no communication; not on Partial)."""
+    """``uniform_``/``normal_``: each rank fills its piece with the offset-based random
+    numbers of the whole tensor (no communication; not on Partial). ``trunc_normal_`` and the
+    other ``torch.nn.init`` functions: :mod:`.init`."""
     kind = _RANDOM_INIT[func]
     x, params, kwargs = _init_args(args, kwargs)
     spec = x._spec
@@ -174,10 +179,6 @@ def random_init_rule(func, args, kwargs):
         std = params[1] if len(params) > 1 else kwargs.get("std", 1.0)
         vals = mean + std * _random.normal_block(tuple(spec.shape), shape, offset,
                                                  torch.float64, local.device)
-        if kind == "trunc_normal":
-            a = params[2] if len(params) > 2 else kwargs.get("a", -2.0)
-            b = params[3] if len(params) > 3 else kwargs.get("b", 2.0)
-            vals = vals.clamp(a, b)
     with torch.no_grad():
         local.copy_(vals.to(local.dtype))
     return x

@@ -16,7 +16,8 @@ Two routes, both without communication:
 torch routes only ``uniform_``, ``normal_``, ``constant_`` and ``kaiming_uniform_`` through
 ``__torch_function__``; ``kaiming_normal_``/``xavier_*``/``trunc_normal_``/``zeros_``/``ones_``
 run their Python body on the DTensor (which only needs the DTensor's own ops). The
-materialised four would fail that way, so :func:`install` wraps them in ``torch.nn.init``
+materialised four and ``trunc_normal_`` (which calls ``new_tensor``) would fail that way, so
+:func:`install` wraps them in ``torch.nn.init``
 (a DTensor argument takes the rule here; anything else calls torch's function unchanged).
 """
 
@@ -30,6 +31,7 @@ import torch
 
 from ..api import DTensor
 from ..placement import Partial
+from ..random import uniform_block
 from .registry import ShardingError, register_op
 
 _INIT = torch.nn.init
@@ -86,6 +88,34 @@ def init_materialised(func: Any, args: tuple, kwargs: dict) -> DTensor:
     return x
 
 
+def init_trunc_normal(func: Any, args: tuple, kwargs: dict) -> DTensor:
+    """``trunc_normal_``: inverse-CDF sampling from offset-based uniforms -- a uniform draw
+    between the normal CDF at ``a`` and at ``b``, mapped back through the inverse CDF (the
+    standard method, and torch's)."""
+    x, rest, kwargs = _split(func, args, kwargs)
+    _check(func, x)
+    names = ("mean", "std", "a", "b", "generator")
+    opts = {"mean": 0.0, "std": 1.0, "a": -2.0, "b": 2.0, "generator": None}
+    opts.update(dict(zip(names, rest, strict=False)))
+    opts.update(kwargs)
+    if opts["generator"] is not None:
+        return init_materialised(func, (x,), opts)
+    mean, std, a, b = (float(opts[k]) for k in ("mean", "std", "a", "b"))
+
+    def cdf(v: float) -> float:
+        return (1.0 + math.erf(v / math.sqrt(2.0))) / 2.0
+
+    lo, hi = cdf((a - mean) / std), cdf((b - mean) / std)
+    spec = x._spec
+    shape, offset = spec.local_shape_and_offset()
+    u = uniform_block(tuple(spec.shape), shape, offset, torch.float64, x._local.device)
+    vals = torch.special.erfinv((2 * lo - 1) + (2 * hi - 2 * lo) * u)
+    vals = (vals * (std * math.sqrt(2.0)) + mean).clamp(a, b)
+    with torch.no_grad():
+        x._local.copy_(vals.to(x._local.dtype))
+    return x
+
+
 def _dtensor_route(func: Any, route: Any) -> Any:
     """Wrap an initialiser that torch does not dispatch: DTensors take ``route``."""
     if getattr(func, "_hp_dtensor_init", False):
@@ -109,6 +139,7 @@ def install() -> None:
         func = getattr(_INIT, name, None)
         if func is not None:
             setattr(_INIT, name, _dtensor_route(func, init_materialised))
+    _INIT.trunc_normal_ = _dtensor_route(_INIT.trunc_normal_, init_trunc_normal)
 
 
 install()
