@@ -24,8 +24,15 @@ WORLDS = (2, 4)
 STRICT = 1e-5
 AFTER_STEPS = 1e-4
 
-#: case -> (hyperpar's result, why); asserted.
-KNOWN_DIFFERENCES: dict[str, tuple[Any, str]] = {}
+#: case -> ({result key: hyperpar's value there}, why); asserted, the rest still compared.
+KNOWN_DIFFERENCES: dict[str, tuple[dict[str, Any], str]] = {
+    "forward_method": (
+        {"sharded_after": True},
+        "without autograd (no_grad / inference) the root reshards after its forward too: no "
+        "backward will free its gathered parameters, and an optimizer step or a state_dict "
+        "may come before the next forward. torch keeps the root gathered (a full copy of the "
+        "root's parameters stays allocated until the next forward/backward)"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +91,11 @@ def test_fsdp2_same_as_torch(results: Any, name: str, n: int) -> None:
         assert h_status == "ok", f"rank {rank}: torch passes, hyperpar raised {h_value}"
         if name in KNOWN_DIFFERENCES:
             expected, _why = KNOWN_DIFFERENCES[name]
-            assert h_value == expected, (rank, h_value)
-            continue
+            for key, value in expected.items():
+                assert h_value[key] == value, (rank, key, h_value[key])
+                assert t_value[key] != value, f"torch now agrees on {name}.{key}: drop it"
+            t_value = {k: v for k, v in t_value.items() if k not in expected}
+            h_value = {k: v for k, v in h_value.items() if k not in expected}
         diffs = differences(t_value, h_value, name, STRICT)
         assert not diffs, f"rank {rank}:\n" + "\n".join(diffs[:20])
 
