@@ -316,14 +316,18 @@ def _frozen_submodule():
 
     torch.manual_seed(0)
     model = Net()
-    model.inp.requires_grad_(False)
+    # the root group holds a frozen norm and a trainable head; the head's gradients are
+    # complete before backward reaches the norm, whose weight it still needs (to send a
+    # gradient on to the separately sharded input layer)
+    model.norm.requires_grad_(False)
+    fully_shard(model.inp)
     fully_shard(model)
     return _train(model, _rows())
 
 
 def _frozen_ref_build():
     model = Net()
-    model.inp.requires_grad_(False)
+    model.norm.requires_grad_(False)
     return model
 
 

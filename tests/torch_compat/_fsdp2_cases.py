@@ -179,7 +179,8 @@ def case_ignored_params(api: Any, n: int) -> Any:
 @case
 def case_frozen_submodule(api: Any, n: int) -> Any:
     model = seeded(Net)
-    model.inp.requires_grad_(False)
+    model.norm.requires_grad_(False)
+    api.fully_shard(model.inp)
     api.fully_shard(model)
     return train(model, world_rank(), n)
 
