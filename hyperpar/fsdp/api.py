@@ -190,7 +190,7 @@ class FSDPModule(nn.Module):
         """torch: let the process group allocate communication buffers (NCCL). Accepted,
         no effect."""
 
-    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+    def set_symm_mem_for_comm(self, backend: str | None = None) -> None:
         """torch: symmetric-memory collectives (NCCL). Accepted, no effect."""
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *,
