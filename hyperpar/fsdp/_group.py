@@ -128,6 +128,7 @@ class ParamGroup:
         if self.state != UNSHARDED:
             return
         for p in self.params:
+            p.keep_requires_grad()
             p.free_unsharded()
             p.rebind_sharded()
         self.state = SHARDED

@@ -161,6 +161,15 @@ class ShardedParam:
             _free(self._padded)
         if self.unsharded.requires_grad != self.requires_grad:
             self.unsharded.requires_grad_(self.requires_grad)
+        self._bound_requires_grad = self.unsharded.requires_grad
+
+    def keep_requires_grad(self) -> None:
+        """Before a reshard: ``requires_grad_`` called while the module held the unsharded
+        parameter (between a forward and its backward) is carried to the shard."""
+        bound = getattr(self, "_bound_requires_grad", None)
+        if self.unsharded is not None and bound is not None and \
+                self.unsharded.requires_grad != bound:
+            self.sharded.requires_grad_(self.unsharded.requires_grad)
 
     def bind_unsharded(self) -> None:
         for module, name in self.aliases:

@@ -478,11 +478,10 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no "
                          f"method {method_name!r}")
     hooks = module._fsdp_hooks
-    orig = getattr(type(module), method_name)
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = hooks.pre_forward(module, args, kwargs)
-        out = orig(module, *args, **kwargs)
+        out = method(*args, **kwargs)
         return hooks.post_forward(module, args, kwargs, out)
 
     setattr(module, method_name, wrapped)

@@ -196,6 +196,16 @@ def case_frozen_unit(api: Any, n: int) -> Any:
 
 
 @case
+def case_freeze_after_shard(api: Any, n: int) -> Any:
+    """``requires_grad_(False)`` after fully_shard, before the optimizer is built."""
+    model = seeded(Net)
+    api.fully_shard(model.out)
+    api.fully_shard(model)
+    model.out.requires_grad_(False)
+    return train(model, world_rank(), n)
+
+
+@case
 def case_tied_in_one_unit(api: Any, n: int) -> Any:
     model = seeded(Tied)
     api.fully_shard(model.mid)
