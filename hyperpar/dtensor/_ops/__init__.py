@@ -11,7 +11,6 @@ comparisons). Importing this package fills the table.
 from . import (  # noqa: F401  (dispatch installs __torch_function__)  # noqa: F401
     dispatch,
     factory,
-    init,
     matmul,
     nn,
     pointwise,  # noqa: F401,I001  (first: the families below override some entries)
