@@ -135,15 +135,23 @@ def _shard_dim1():
     return placements, local, _train(model, _rows())
 
 
-def test_shard_placement_fn_splits_the_chosen_dim(run_on_ranks):
+@pytest.mark.parametrize("world", [2, 4])
+def test_shard_placement_fn_splits_the_chosen_dim(run_on_ranks, world):
+    """4 ranks: dim 1 of 6 and of 10 is uneven (torch.chunk: 2,2,2,0 and 3,3,3,1 columns),
+    which torch refuses and hyperpar handles."""
     from hyperpar import Shard
 
-    results = run_on_ranks(2, _shard_dim1)
-    for placements, local, _ in results:
+    results = run_on_ranks(world, _shard_dim1)
+    for rank, (placements, local, _) in enumerate(results):
         assert placements["inp.weight"] == (Shard(1),)
         assert placements["inp.bias"] == (Shard(0),)
-        assert local["inp.weight"] == (10, 3) and local["out.weight"] == (5, 5)
-    _assert_same([r[2] for r in results], _reference(Net), "Shard(1)")
+        cols = [c.shape[1] for c in torch.empty(1, 6).chunk(world, dim=1)]
+        cols += [0] * (world - len(cols))
+        assert local["inp.weight"] == (10, cols[rank])
+        cols = [c.shape[1] for c in torch.empty(1, 10).chunk(world, dim=1)]
+        cols += [0] * (world - len(cols))
+        assert local["out.weight"] == (5, cols[rank])
+    _assert_same([r[2] for r in results], _reference(Net), f"Shard(1) on {world} ranks")
 
 
 def _ignored():
