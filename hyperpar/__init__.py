@@ -63,6 +63,7 @@ _EXPORTS: dict[str, str] = {
     "CPUOffloadPolicy": "hyperpar.fsdp",
     "OffloadPolicy": "hyperpar.fsdp",
     "clip_grad_norm_": "hyperpar.fsdp",
+    "register_fsdp_forward_method": "hyperpar.fsdp",
     # pipeline
     "LayerSpec": "hyperpar.pipeline",
     "TiedLayerSpec": "hyperpar.pipeline",

@@ -4,9 +4,9 @@
 ``docs/fsdp.md``.
 """
 
-from .api import FSDPModule, UnshardHandle, fully_shard
+from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from .clip import clip_grad_norm_
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
-           "UnshardHandle", "clip_grad_norm_", "fully_shard"]
+           "UnshardHandle", "clip_grad_norm_", "fully_shard", "register_fsdp_forward_method"]

@@ -28,7 +28,7 @@ class ParamGroup:
     """Sharded/unsharded state machine of one fully_shard module's parameters."""
 
     def __init__(self, params: list[ShardedParam], *, shard_group: Any, replicate_group: Any,
-                 mp: MixedPrecisionPolicy, reshard_after_forward: bool, offload: bool,
+                 mp: MixedPrecisionPolicy, reshard_after_forward: bool | None, offload: bool,
                  device: torch.device, label: str) -> None:
         self.params = params
         self.label = label
@@ -36,7 +36,10 @@ class ParamGroup:
         self.shard_group, self.replicate_group = shard_group, replicate_group
         self.shard_size = self.platform.world_size(shard_group)
         self.mp = mp
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward = reshard_after_forward  # None: all but the root
+        self.modules: list[Any] = []  # the fully_shard-ed module(s) of this group
+        self.forward_count = 0  # modules of a list group that ran forward this time
+        self.unshard_in_backward = True
         self.offload = offload
         self.device = device
         dtypes = {p.unsharded_dtype for p in params}
@@ -57,6 +60,9 @@ class ParamGroup:
         self._work: Any = None
         self._gathered: torch.Tensor | None = None
         self.requires_gradient_sync = True
+        self.requires_all_reduce = True  # HSDP: all-reduce across replicas
+        self.reshard_after_backward = True
+        self.divide_factor: float | None = None  # set_gradient_divide_factor
         self._averaging: tuple[str, float | None] | None = None  # (op, pre-scale)
         # per-backward bookkeeping
         self.pending: set[int] = set()
@@ -106,6 +112,7 @@ class ParamGroup:
             # version so backward accepts it
             with torch.autograd._unsafe_preserve_version_counter(p.unsharded):
                 padded.copy_(gathered[:, p.offset:p.offset + p.padded_numel])
+            p.finish_unsharded()
             p.bind_unsharded()
             if p.requires_grad and not getattr(p, "_hooked", False):
                 self._hooks.append(p.unsharded.register_post_accumulate_grad_hook(
@@ -121,6 +128,7 @@ class ParamGroup:
         if self.state != UNSHARDED:
             return
         for p in self.params:
+            p.keep_requires_grad()
             p.free_unsharded()
             p.rebind_sharded()
         self.state = SHARDED
@@ -156,7 +164,10 @@ class ParamGroup:
         self.reduced_in_backward = True
         if self.requires_gradient_sync:
             self.reduce_grads()
-        self.reshard()
+        # a frozen parameter has no gradient to wait for, but backward may still need it (the
+        # input gradient of its op): such a group reshards at the end of backward instead
+        if self.reshard_after_backward and all(p.requires_grad for p in self.params):
+            self.reshard()
 
     @torch.no_grad()
     def reduce_grads(self) -> None:
@@ -167,12 +178,15 @@ class ParamGroup:
             # HSDP: pre-scale by the whole dp world, then sum the replicas' pieces
             replicas = (self.platform.world_size(self.replicate_group)
                         if self.replicate_group is not None else 1)
-            self._averaging = averaging(self.shard_group, self.shard_size * replicas)
+            if self.divide_factor is not None:
+                self._averaging = ("sum", 1.0 / self.divide_factor)
+            else:
+                self._averaging = averaging(self.shard_group, self.shard_size * replicas)
         op, scale = self._averaging
         bucket = Bucket(self.shard_size, self.flat_numel, self.reduce_dtype, self.device,
                         self.shard_group)
         for p in self.params:
-            grad = p.unsharded.grad if p.requires_grad and p.unsharded is not None else None
+            grad = p.flat_grad()
             pack(bucket.block(p.offset, p.padded_numel), grad, scale)
             if grad is not None:
                 p.unsharded.grad = None
@@ -183,8 +197,8 @@ class ParamGroup:
     def finish_reduction(self, bucket: Bucket, out: torch.Tensor) -> None:
         bucket.wait()
         bucket.buffer = None
-        if self.replicate_group is not None and self.platform.world_size(
-                self.replicate_group) > 1:
+        if self.replicate_group is not None and self.requires_all_reduce and \
+                self.platform.world_size(self.replicate_group) > 1:
             # the pieces were pre-scaled by 1/(whole dp world): the replicas' sum is the mean
             self.platform.all_reduce(out, op="sum", group=self.replicate_group)
         for p in self.params:
@@ -193,6 +207,7 @@ class ParamGroup:
         _free(out)
 
     def end_backward(self) -> None:
+        self.forward_count = 0
         self.pending = set()
         self.used_in_backward = False
         self.reduced_in_backward = False

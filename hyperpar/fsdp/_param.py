@@ -44,21 +44,36 @@ class ShardedParam:
     def __init__(self, module: nn.Module, name: str, param: nn.Parameter, *,
                  dp_mesh: DeviceMesh, shard_rank: int, shard_size: int,
                  param_dtype: torch.dtype | None, offload: bool,
-                 device: torch.device) -> None:
+                 device: torch.device, shard_dim: int = 0) -> None:
         self.module, self.name = module, name
         self.fqn = name
+        #: every (module, attribute) that holds this parameter (more than one when tied)
+        self.aliases: list[tuple[nn.Module, str]] = [(module, name)]
         local = param.to_local() if isinstance(param, DTensor) else param.data
         if local.ndim == 0:
             raise ValueError(
                 f"fully_shard: parameter {name!r} is a 0-dim tensor; fully_shard splits dim 0, "
                 "so give it shape (1,) or keep it out of the sharded module")
-        self.requires_grad = param.requires_grad
+        if not -local.ndim <= shard_dim < local.ndim:
+            raise ValueError(
+                f"fully_shard: shard_placement_fn gave Shard({shard_dim}) for parameter "
+                f"{name!r} of shape {tuple(local.shape)}; the dim must be in "
+                f"[{-local.ndim}, {local.ndim})")
+        self.shard_dim = shard_dim % local.ndim
+        if self.shard_dim and isinstance(param, DTensor):
+            raise NotImplementedError(
+                f"fully_shard: Shard({shard_dim}) for the tensor-parallel parameter {name!r}; "
+                "fully_shard splits a tensor-parallel parameter on dim 0 only -- return None "
+                "or Shard(0) from shard_placement_fn for it")
+        # the flat buffers hold every piece with the shard dim moved to the front
+        if self.shard_dim:
+            local = local.movedim(self.shard_dim, 0)
         self.orig_dtype = local.dtype
         self.param_dtype = param_dtype
         self.unsharded_dtype = param_dtype or local.dtype
         self.device = device
         self.offload = offload
-        self.local_shape = tuple(local.shape)  # the unsharded (TP-local) shape
+        self.local_shape = tuple(local.shape)  # the unsharded (TP-local) shape, dim moved
         rows = self.local_shape[0]
         self.row_numel = math.prod(self.local_shape[1:])
         self.chunk_rows = -(-rows // shard_size)
@@ -68,11 +83,13 @@ class ShardedParam:
         shard = local[start:start + length]
         home = host_device() if offload else (device if local.device.type != "meta"
                                               else local.device)
+        if self.shard_dim:
+            shard = shard.movedim(0, self.shard_dim)
         if shard.device.type == "meta":
             shard_local = torch.empty(shard.shape, dtype=local.dtype, device="meta")
         else:
             shard_local = shard.detach().to(home).clone()
-        spec, self.mesh = _sharded_spec(param, dp_mesh)
+        spec, self.mesh = _sharded_spec(param, dp_mesh, self.shard_dim)
         dt = DTensor(shard_local, spec, requires_grad=False)
         self.sharded = nn.Parameter(dt, requires_grad=param.requires_grad)
         # The tensor forward/backward use: a view of a padded buffer so that the all-gather
@@ -81,9 +98,17 @@ class ShardedParam:
         self.unsharded: nn.Parameter | None = None
         self.offset = 0  # of this param's piece inside one rank's flat shard (elements)
 
+    @property
+    def requires_grad(self) -> bool:
+        """Read from the sharded parameter each time: ``requires_grad_`` after fully_shard is
+        honoured from the next unshard on."""
+        return self.sharded.requires_grad
+
     # ------------------------------------------------------------------ sharded side
     def shard_local(self) -> torch.Tensor:
-        return self.sharded.to_local()
+        """This rank's shard as stored in the flat buffers (shard dim first)."""
+        local = self.sharded.to_local()
+        return local.movedim(self.shard_dim, 0) if self.shard_dim else local
 
     def apply_to_local(self, fn: Any) -> None:
         """``module._apply(fn)`` for this shard: a new DTensor parameter around
@@ -93,7 +118,7 @@ class ShardedParam:
         if new is local:
             return
         dt = DTensor(new.detach(), self.sharded._spec, requires_grad=False)
-        param = nn.Parameter(dt, requires_grad=self.requires_grad)
+        param = nn.Parameter(dt, requires_grad=self.sharded.requires_grad)
         param._hp_fsdp = True
         self.sharded = param
         self.orig_dtype = new.dtype
@@ -105,8 +130,9 @@ class ShardedParam:
         self._hooked = False
 
     def rebind_sharded(self) -> None:
-        """Make the module attribute the sharded DTensor parameter again."""
-        self.module._parameters[self.name] = self.sharded
+        """Make the module attribute(s) the sharded DTensor parameter again."""
+        for module, name in self.aliases:
+            module._parameters[name] = self.sharded
 
     # ------------------------------------------------------------------ unsharded side
     def alloc_unsharded(self, shard_size: int) -> torch.Tensor:
@@ -115,35 +141,83 @@ class ShardedParam:
         if self.unsharded is None:
             self._padded = torch.empty(numel, dtype=self.unsharded_dtype, device=self.device)
             view = self._padded[:math.prod(self.local_shape)].view(self.local_shape)
+            if self.shard_dim:  # the module sees the original dim order: a copy of its own
+                view = torch.empty(view.movedim(0, self.shard_dim).shape,
+                                   dtype=self.unsharded_dtype, device=self.device)
             self.unsharded = nn.Parameter(view, requires_grad=self.requires_grad)
         else:
             _alloc(self._padded, numel * self._padded.element_size())
+            if self.shard_dim:
+                _alloc(self.unsharded, self.unsharded.numel() * self.unsharded.element_size())
         return self._padded.view(shard_size, self.padded_numel)
 
+    def finish_unsharded(self) -> None:
+        """After the gathered rows were copied into the padded buffer: a parameter sharded
+        on another dim copies them, dims restored, into its own tensor."""
+        if self.shard_dim:
+            rows = self._padded[:math.prod(self.local_shape)].view(self.local_shape)
+            with torch.autograd._unsafe_preserve_version_counter(self.unsharded):
+                self.unsharded.data.copy_(rows.movedim(0, self.shard_dim))
+            _free(self._padded)
+        if self.unsharded.requires_grad != self.requires_grad:
+            self.unsharded.requires_grad_(self.requires_grad)
+        self._bound_requires_grad = self.unsharded.requires_grad
+
+    def keep_requires_grad(self) -> None:
+        """Before a reshard: ``requires_grad_`` called while the module held the unsharded
+        parameter (between a forward and its backward) is carried to the shard."""
+        bound = getattr(self, "_bound_requires_grad", None)
+        if self.unsharded is not None and bound is not None and \
+                self.unsharded.requires_grad != bound:
+            self.sharded.requires_grad_(self.unsharded.requires_grad)
+
     def bind_unsharded(self) -> None:
-        self.module._parameters[self.name] = self.unsharded
+        for module, name in self.aliases:
+            module._parameters[name] = self.unsharded
 
     def free_unsharded(self) -> None:
         if self.unsharded is not None:
             _free(self._padded)
+            if self.shard_dim:
+                _free(self.unsharded)
+
+    def flat_grad(self) -> torch.Tensor | None:
+        """The unsharded gradient in flat-buffer order (shard dim first), or None."""
+        if not self.requires_grad or self.unsharded is None:
+            return None
+        grad = self.unsharded.grad
+        if grad is not None and self.shard_dim:
+            grad = grad.movedim(self.shard_dim, 0)
+        return grad
 
     def accumulate_shard_grad(self, flat: torch.Tensor) -> None:
         """Add (or set) this rank's reduced gradient piece to the sharded parameter."""
         piece = flat[self.offset:self.offset + self.shard_rows * self.row_numel]
-        local = self.shard_local()
-        piece = piece.view(local.shape).to(dtype=local.dtype, device=local.device)
+        local = self.sharded.to_local()
+        moved = self.shard_local()
+        piece = piece.view(moved.shape).to(dtype=local.dtype, device=local.device)
+        if self.shard_dim:
+            piece = piece.movedim(0, self.shard_dim)
         if local.grad is None:
-            local.grad = piece.clone()
+            local.grad = piece.clone(memory_format=torch.contiguous_format)
         else:
             local.grad.add_(piece)
 
 
-def _sharded_spec(param: nn.Parameter, dp_mesh: DeviceMesh) -> tuple[DTensorSpec, DeviceMesh]:
-    """Mesh and placements of the sharded parameter: the parameter's own (TP) mesh dims first,
-    then the data-parallel dims -- so ``Shard(0)`` over dp splits the TP-local rows, the order
-    in which fully_shard really splits them, and ``full_tensor()`` reassembles correctly."""
+def _sharded_spec(param: nn.Parameter, dp_mesh: DeviceMesh,
+                  shard_dim: int = 0) -> tuple[DTensorSpec, DeviceMesh]:
+    """Mesh and placements of the sharded parameter.
+
+    A plain parameter: ``Shard(shard_dim)`` over the dp mesh (HSDP: ``(Replicate(), Shard)``).
+    A tensor-parallel DTensor: one mesh of the dp and the TP dims. When the TP placements split
+    other dims than fully_shard does (a rowwise weight: TP ``Shard(1)``, dp ``Shard(0)``), the
+    dims come in torch's order -- dp first: ``(Shard(0), Shard(1))`` on ``("dp", "tp")``. When
+    both split dim 0 (a colwise weight), fully_shard splits the TP-local rows, so the TP dims
+    must come first for the placements to reassemble correctly (torch writes that layout as
+    ``_StridedShard`` on ``("dp", "tp")``; hyperpar has no strided placement).
+    """
     dp_places: tuple[Placement, ...] = (
-        (Shard(0),) if dp_mesh.ndim == 1 else (Replicate(), Shard(0)))
+        (Shard(shard_dim),) if dp_mesh.ndim == 1 else (Replicate(), Shard(shard_dim)))
     if not isinstance(param, DTensor):
         return DTensorSpec(dp_mesh, dp_places, param.shape), dp_mesh
     tp_mesh = param.device_mesh
@@ -158,8 +232,14 @@ def _sharded_spec(param: nn.Parameter, dp_mesh: DeviceMesh) -> tuple[DTensorSpec
         raise ValueError(
             f"fully_shard: parameter is already laid out over mesh dims {tp_names}, which "
             f"overlap the data-parallel dims {dp_names}")
-    mesh = tp_mesh._root[tuple(tp_names) + tuple(dp_names)]
-    return DTensorSpec(mesh, tuple(param.placements) + dp_places, param.shape), mesh
+    tp_places = tuple(param.placements)
+    nested = any(isinstance(p, Shard) and p.dim == shard_dim for p in tp_places)
+    if nested:
+        names, places = tuple(tp_names) + tuple(dp_names), tp_places + dp_places
+    else:
+        names, places = tuple(dp_names) + tuple(tp_names), dp_places + tp_places
+    mesh = tp_mesh._root[names]
+    return DTensorSpec(mesh, places, param.shape), mesh
 
 
 def param_bytes(p: torch.Tensor) -> int:

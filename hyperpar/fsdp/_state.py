@@ -35,6 +35,7 @@ class RootContext:
         self.backward_prefetch: dict[int, list[ParamGroup]] = {}
         self.reductions: list[tuple[ParamGroup, Any, torch.Tensor]] = []
         self.callback_queued = False
+        self.is_last_backward = True
         for g in groups:
             g.ctx = self
 
@@ -89,7 +90,8 @@ class RootContext:
                 group.post_backward()
         self.drain()
         for group in self.groups:
-            group.reshard()
+            if group.reshard_after_backward:
+                group.reshard()
             group.end_backward()
 
     def sync_gradients(self) -> None:
@@ -137,15 +139,22 @@ class Hooks:
         ctx = group.ctx
         if group is ctx.root:
             ctx.order_done = True
-        # the root keeps its parameters for backward; without autograd there is no backward
-        # to free them, so it reshards too (an optimizer step may come before the next forward)
-        if group.reshard_after_forward and (group is not ctx.root
-                                            or not torch.is_grad_enabled()):
-            group.reshard()
         if torch.is_grad_enabled():
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._pre_backward)
+        # a list group reshards after the last of its modules ran
+        group.forward_count += 1
+        if group.forward_count >= len(group.modules):
+            group.forward_count = 0
+            # reshard_after_forward=None: the root keeps its parameters for backward; without
+            # autograd there is no backward to free them, so it reshards too (an optimizer
+            # step may come before the next forward)
+            rf = group.reshard_after_forward
+            if rf is None:
+                rf = group is not ctx.root or not torch.is_grad_enabled()
+            if rf:
+                group.reshard()
         return _cast(output, group.mp.output_dtype)
 
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:

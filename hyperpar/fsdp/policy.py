@@ -33,6 +33,20 @@ class MixedPrecisionPolicy:
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
 
+    def __post_init__(self) -> None:
+        for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+            value = getattr(self, field)
+            if value is None:
+                continue
+            if not isinstance(value, torch.dtype):
+                raise TypeError(f"MixedPrecisionPolicy: {field} must be a torch.dtype or None, "
+                                f"got {value!r}")
+            if not value.is_floating_point:
+                raise ValueError(
+                    f"MixedPrecisionPolicy: {field}={value} is not a floating dtype; "
+                    "parameters, gradients and outputs are cast to it, which needs a floating "
+                    "dtype such as torch.bfloat16, torch.float16 or torch.float32")
+
 
 @dataclass(frozen=True)
 class OffloadPolicy:

@@ -48,8 +48,9 @@ def _dp_tp() -> dict[str, torch.Tensor]:
     assert wq.device_mesh.mesh_dim_names == ("tp", "dp")
     assert wq.placements == (Shard(0), Shard(0)), wq.placements
     assert wq.to_local().shape == (ARGS.dim // 4, ARGS.dim)
-    wo = model.layers[0].attention.wo.weight  # rowwise: columns by tp, rows by dp
-    assert wo.placements == (Shard(1), Shard(0)), wo.placements
+    wo = model.layers[0].attention.wo.weight  # rowwise: rows by dp, columns by tp (torch's order)
+    assert wo.device_mesh.mesh_dim_names == ("dp", "tp")
+    assert wo.placements == (Shard(0), Shard(1)), wo.placements
     train(model, rank_rows(mesh.get_local_rank("dp"), 2))
     return full_state(model)
 

@@ -1,8 +1,12 @@
-"""Ops that make or fill tensors: ``*_like``, ``new_*``, ``copy_``/``fill_``/``zero_`` and the
-random initialisers (offset-based random numbers, equal to the unsharded tensor's)."""
+"""Ops that make or fill tensors: ``*_like``, ``new_*``, ``copy_``/``fill_``/``zero_``, the
+random initialisers (offset-based random numbers, equal to the unsharded tensor's) and every
+``torch.nn.init`` function (see the section at the end of this file)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,6 +15,7 @@ import torch
 from .. import random as _random
 from ..api import DTensor, DTensorSpec, _wrap
 from ..placement import REPLICATE, Partial
+from ..random import uniform_block
 from ..redistribute import redistribute_autograd
 from .dispatch import replicated_local
 from .registry import P_SUM, ShardingError, mixing_error, op_name, register_op
@@ -108,7 +113,8 @@ def _copy_(func, args, kwargs):
 def _zero_(func, args, kwargs):
     """``zero_``/``nn.init.zeros_``: zero the local piece (any layout)."""
     x = _init_args(args, kwargs)[0]
-    x._local.zero_()
+    with torch.no_grad() if func is not torch.Tensor.zero_ else contextlib.nullcontext():
+        x._local.zero_()
     return x
 
 
@@ -123,11 +129,14 @@ def _fill_(func, args, kwargs):
     if isinstance(value, DTensor):
         value = replicated_local(value)
     spec = x._spec
-    x._local.fill_(value)
-    coord = spec.mesh._coordinate
-    for m, p in enumerate(spec.placements):
-        if p == P_SUM and coord[m] != 0:
-            x._local.zero_()
+    # torch.nn.init functions fill without recording autograd (torch dispatches constant_
+    # to us before entering its own no_grad)
+    with torch.no_grad() if func is not torch.Tensor.fill_ else contextlib.nullcontext():
+        x._local.fill_(value)
+        coord = spec.mesh._coordinate
+        for m, p in enumerate(spec.placements):
+            if p == P_SUM and coord[m] != 0:
+                x._local.zero_()
     return x
 
 
@@ -140,19 +149,25 @@ def _init_args(args: Sequence, kwargs: dict) -> tuple[Any, tuple, dict]:
 
 
 _RANDOM_INIT = {torch.Tensor.uniform_: "uniform", torch.nn.init.uniform_: "uniform",
-                torch.Tensor.normal_: "normal", torch.nn.init.normal_: "normal",
-                torch.nn.init.trunc_normal_: "trunc_normal"}
+                torch.Tensor.normal_: "normal", torch.nn.init.normal_: "normal"}
 
 
 @register_op(list(_RANDOM_INIT), raw=True)
 def random_init_rule(func, args, kwargs):
-    """``uniform_``/``normal_``/``trunc_normal_``: each rank fills its piece with the
-    offset-based random numbers of the whole tensor (no communication; not on Partial)."""
+    """``uniform_``/``normal_``: each rank fills its piece with the offset-based random
+    numbers of the whole tensor (no communication; not on Partial). ``trunc_normal_`` and the
+    other ``torch.nn.init`` functions: :mod:`.init`."""
     kind = _RANDOM_INIT[func]
     x, params, kwargs = _init_args(args, kwargs)
     spec = x._spec
     if any(type(p) is Partial for p in spec.placements):
         raise ShardingError(f"{op_name(func)} on a Partial DTensor; redistribute it first")
+    if kwargs.get("generator") is not None:
+        # an explicit torch generator: draw the whole tensor from it as one process would
+        # and keep this rank's piece (bitwise equal to one process with that generator)
+        plain = {torch.Tensor.uniform_: torch.Tensor.uniform_,
+                 torch.Tensor.normal_: torch.Tensor.normal_}.get(func, func)
+        return init_materialised(plain, (x, *params), kwargs)
     shape, offset = spec.local_shape_and_offset()
     local = x._local
     if kind == "uniform":
@@ -166,12 +181,140 @@ def random_init_rule(func, args, kwargs):
         std = params[1] if len(params) > 1 else kwargs.get("std", 1.0)
         vals = mean + std * _random.normal_block(tuple(spec.shape), shape, offset,
                                                  torch.float64, local.device)
-        if kind == "trunc_normal":
-            a = params[2] if len(params) > 2 else kwargs.get("a", -2.0)
-            b = params[3] if len(params) > 3 else kwargs.get("b", 2.0)
-            vals = vals.clamp(a, b)
     with torch.no_grad():
         local.copy_(vals.to(local.dtype))
     return x
 
 
+# ---------------------------------------------------------------------------- torch.nn.init
+# ``torch.nn.init`` on DTensors: every initialiser fills each rank's piece of the whole tensor.
+#
+# Two routes, both without communication:
+#
+# * **offset-based** (the default): ``uniform_``, ``normal_``, ``trunc_normal_``, ``kaiming_*``,
+#   ``xavier_*`` compute their bound from the *global* shape and draw through the DTensor's
+#   ``uniform_``/``normal_``, which use the counter-based generator of
+#   :mod:`hyperpar.dtensor.random` -- the sharded result equals that generator's one-process
+#   result bitwise, for any layout and world size (not torch's generator: see docs/fsdp.md).
+# * **materialised**: an initialiser that needs the whole tensor's values (``orthogonal_``,
+#   ``sparse_``, ``eye_``, ``dirac_``), or a random call given an explicit ``generator=``, runs on
+#   a plain tensor of the global shape on every rank (drawing from torch's generator exactly as
+#   one process would) and each rank keeps its piece -- bitwise equal to one process with the
+#   same generator state, at the cost of one full-size temporary per call.
+#
+# torch routes only ``uniform_``, ``normal_``, ``constant_`` and ``kaiming_uniform_`` through
+# ``__torch_function__``; ``kaiming_normal_``/``xavier_*``/``trunc_normal_``/``zeros_``/``ones_``
+# run their Python body on the DTensor (which only needs the DTensor's own ops). The
+# materialised four and ``trunc_normal_`` (which calls ``new_tensor``) would fail that way, so
+# :func:`install` wraps them in ``torch.nn.init``
+# (a DTensor argument takes the rule here; anything else calls torch's function unchanged).
+
+_INIT = torch.nn.init
+
+#: initialisers whose values depend on the whole tensor
+_MATERIALISED = ("orthogonal_", "sparse_", "eye_", "dirac_")
+
+
+def _split(func: Any, args: tuple, kwargs: dict) -> tuple[DTensor, tuple, dict]:
+    if args:
+        return args[0], tuple(args[1:]), dict(kwargs)
+    kwargs = dict(kwargs)
+    return kwargs.pop("tensor"), (), kwargs
+
+
+def _check(func: Any, x: DTensor) -> None:
+    if any(type(p) is Partial for p in x._spec.placements):
+        raise ShardingError(f"torch.nn.init.{func.__name__} on a Partial DTensor; "
+                            "redistribute it to Replicate or Shard first")
+
+
+@register_op(_INIT.kaiming_uniform_, raw=True)
+def kaiming_uniform_rule(func: Any, args: tuple, kwargs: dict) -> DTensor:
+    """``kaiming_uniform_``: the bound from the global shape (torch's own fan and gain
+    helpers on a shape-only stand-in), then the DTensor's ``uniform_``."""
+    x, rest, kwargs = _split(func, args, kwargs)
+    _check(func, x)
+    names = ("a", "mode", "nonlinearity", "generator")
+    opts = {"a": 0, "mode": "fan_in", "nonlinearity": "leaky_relu", "generator": None}
+    opts.update(dict(zip(names, rest, strict=False)))
+    opts.update(kwargs)
+    stand_in = torch.empty(tuple(x.shape), device="meta")
+    fan = _INIT._calculate_correct_fan(stand_in, opts["mode"])
+    gain = _INIT.calculate_gain(opts["nonlinearity"], opts["a"])
+    bound = math.sqrt(3.0) * gain / math.sqrt(fan) if fan else 0.0
+    with torch.no_grad():
+        x.uniform_(-bound, bound, generator=opts["generator"])
+    return x
+
+
+def init_materialised(func: Any, args: tuple, kwargs: dict) -> DTensor:
+    """Materialised route: the whole tensor on every rank, each keeps its piece."""
+    x, rest, kwargs = _split(func, args, kwargs)
+    _check(func, x)
+    spec = x._spec
+    full = torch.empty(tuple(x.shape), dtype=x.dtype, device=x._local.device)
+    with torch.no_grad():
+        func(full, *rest, **kwargs)
+        shape, offset = spec.local_shape_and_offset()
+        piece = full
+        for d, (o, n) in enumerate(zip(offset, shape, strict=False)):
+            piece = piece.narrow(d, o, n)
+        x._local.copy_(piece)
+    return x
+
+
+def init_trunc_normal(func: Any, args: tuple, kwargs: dict) -> DTensor:
+    """``trunc_normal_``: inverse-CDF sampling from offset-based uniforms -- a uniform draw
+    between the normal CDF at ``a`` and at ``b``, mapped back through the inverse CDF (the
+    standard method, and torch's)."""
+    x, rest, kwargs = _split(func, args, kwargs)
+    _check(func, x)
+    names = ("mean", "std", "a", "b", "generator")
+    opts = {"mean": 0.0, "std": 1.0, "a": -2.0, "b": 2.0, "generator": None}
+    opts.update(dict(zip(names, rest, strict=False)))
+    opts.update(kwargs)
+    if opts["generator"] is not None:
+        return init_materialised(func, (x,), opts)
+    mean, std, a, b = (float(opts[k]) for k in ("mean", "std", "a", "b"))
+
+    def cdf(v: float) -> float:
+        return (1.0 + math.erf(v / math.sqrt(2.0))) / 2.0
+
+    lo, hi = cdf((a - mean) / std), cdf((b - mean) / std)
+    spec = x._spec
+    shape, offset = spec.local_shape_and_offset()
+    u = uniform_block(tuple(spec.shape), shape, offset, torch.float64, x._local.device)
+    vals = torch.special.erfinv((2 * lo - 1) + (2 * hi - 2 * lo) * u)
+    vals = (vals * (std * math.sqrt(2.0)) + mean).clamp(a, b)
+    with torch.no_grad():
+        x._local.copy_(vals.to(x._local.dtype))
+    return x
+
+
+def _dtensor_route(func: Any, route: Any) -> Any:
+    """Wrap an initialiser that torch does not dispatch: DTensors take ``route``."""
+    if getattr(func, "_hp_dtensor_init", False):
+        return func
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        tensor = args[0] if args else kwargs.get("tensor")
+        if type(tensor) is DTensor or isinstance(tensor, DTensor):
+            return route(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    wrapper._hp_dtensor_init = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def install() -> None:
+    """Wrap the materialised initialisers in ``torch.nn.init`` (idempotent). Code that
+    imported one by name before hyperpar was imported keeps torch's original."""
+    for name in _MATERIALISED:
+        func = getattr(_INIT, name, None)
+        if func is not None:
+            setattr(_INIT, name, _dtensor_route(func, init_materialised))
+    _INIT.trunc_normal_ = _dtensor_route(_INIT.trunc_normal_, init_trunc_normal)
+
+
+install()
