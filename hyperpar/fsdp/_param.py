@@ -160,8 +160,3 @@ def _sharded_spec(param: nn.Parameter, dp_mesh: DeviceMesh) -> tuple[DTensorSpec
             f"overlap the data-parallel dims {dp_names}")
     mesh = tp_mesh._root[tuple(tp_names) + tuple(dp_names)]
     return DTensorSpec(mesh, tuple(param.placements) + dp_places, param.shape), mesh
-
-
-def param_bytes(p: torch.Tensor) -> int:
-    local: Any = p.to_local() if isinstance(p, DTensor) else p
-    return local.numel() * local.element_size()
