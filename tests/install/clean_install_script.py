@@ -54,6 +54,10 @@ def main() -> None:
     r = distribute_tensor(torch.randn(3, 3), mesh, [Replicate()])
     assert r.to_local().shape == (3, 3)
     print(f"rank {rank}: clean-install checks OK", flush=True)
+    # Finish every collective and drop the groups before the interpreter exits: gloo's worker
+    # threads otherwise can abort a finished job at shutdown.
+    platform.barrier()
+    platform.destroy_process_group()
 
 
 if __name__ == "__main__":
