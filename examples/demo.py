@@ -12,9 +12,9 @@ activations flow 0 -> 2 and 1 -> 3. The model (examples/pipeline_tied.py) is pla
 embedding tied with the output head across the two stages, residual MLP blocks whose ``up``
 and ``down`` projections are sharded column- and row-wise inside each stage, trained with the
 1F1B schedule over 4 microbatches. The reference is the same model written independently in
-plain PyTorch (``PlainModel`` below: the same layers built with the same seeds, the head tied
-to the embedding by hand), trained in one process on the full batch; the losses per step and
-the final parameters must agree.
+plain PyTorch (``pipeline_tied.PlainModel``: the same layers built with the same seeds, the
+head tied to the embedding by hand), trained in one process on the full batch; the losses per
+step and the final parameters must agree.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pipeline_tied import DIM, VOCAB, Block, batches, layers, lm_head, lm_loss  # noqa: E402
-from torch import nn  # noqa: E402
+from pipeline_tied import PlainModel, batches, layers, lm_loss  # noqa: E402
 
 from hyperpar.dtensor import init_device_mesh  # noqa: E402
 from hyperpar.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
@@ -39,45 +38,6 @@ from hyperpar.platform import get_platform  # noqa: E402
 LAYOUTS = {"pp2xtp2": ((2, 2), ("pp", "tp")), "tp": ((2,), ("tp",)), "pp": ((2,), ("pp",))}
 TP_PLAN = {"*.up": ColwiseParallel(), "*.down": RowwiseParallel()}
 STEPS, BATCH, MICROBATCHES, LR = 6, 16, 4, 0.3
-
-
-#: PipelineModule's default ``base_seed``: with ``seed_layers=True`` layer ``i`` is built right
-#: after ``manual_seed(BASE_SEED + i)`` (a tied layer at its first position's index).
-BASE_SEED = 1234
-
-
-class PlainModel(nn.Module):
-    """``pipeline_tied.layers()`` as one plain PyTorch model, with no hyperpar code: the
-    reference the parallel run is checked against."""
-
-    def __init__(self, n_blocks: int = 4) -> None:
-        super().__init__()
-        torch.manual_seed(BASE_SEED)
-        self.embed = nn.Embedding(VOCAB, DIM)
-        blocks = []
-        for i in range(1, n_blocks + 1):
-            torch.manual_seed(BASE_SEED + i)
-            blocks.append(Block(DIM))
-        self.blocks = nn.Sequential(*blocks)
-        torch.manual_seed(BASE_SEED + n_blocks + 1)
-        self.norm = nn.LayerNorm(DIM)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return lm_head(self.embed, self.norm(self.blocks(self.embed(tokens))))  # tied head
-
-    def pipeline_names(self) -> dict[str, torch.Tensor]:
-        """Parameters keyed as PipelineModule names them (layer index, or the tied key)."""
-        out = {}
-        for name, p in self.named_parameters():
-            head, rest = name.split(".", 1)
-            if head == "embed":
-                out[f"tied_modules.embed.{rest}"] = p
-            elif head == "blocks":
-                index, rest = rest.split(".", 1)
-                out[f"{int(index) + 1}.{rest}"] = p
-            else:  # the norm after the blocks
-                out[f"{len(self.blocks) + 1}.{rest}"] = p
-        return out
 
 
 def train_reference(steps: int = STEPS) -> dict:
