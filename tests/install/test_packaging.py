@@ -4,6 +4,7 @@ plugin costs no torch import; ``hyperpar bench`` outside a checkout says what it
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -62,9 +63,14 @@ def test_bench_outside_a_checkout_says_what_it_needs(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    src = tmp_path_factory.mktemp("src")  # a copy: building writes build/ and *.egg-info
+    shutil.copytree(ROOT / "hyperpar", src / "hyperpar",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, src / name)
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-         "-w", str(out), str(ROOT)], check=True, timeout=600, capture_output=True)
+         "-w", str(out), str(src)], check=True, timeout=600, capture_output=True)
     (found,) = out.glob("hyperpar-*.whl")
     return found
 
