@@ -9,7 +9,8 @@ blocks, a norm, and an output head that *reuses the embedding matrix* (``TiedLay
 the same key). The embedding lands on the first stage and the head on the last; hyperpar
 broadcasts the shared matrix at build time and sums its two gradient halves after each backward,
 so both copies stay identical. The last stage prints the loss per step; at the end the losses
-are compared with the same model trained in one process.
+are compared with the same model written in plain PyTorch (``PlainModel``, head tied by hand)
+and trained in one process.
 
 From Python (e.g. the README demo): ``from examples.pipeline_tied import demo; demo()``.
 """
@@ -55,6 +56,45 @@ def layers(n_blocks: int = 4) -> list:
     ]
 
 
+#: PipelineModule's default ``base_seed``: with ``seed_layers=True`` layer ``i`` is built right
+#: after ``manual_seed(BASE_SEED + i)`` (a tied layer at its first position's index).
+BASE_SEED = 1234
+
+
+class PlainModel(nn.Module):
+    """``layers()`` as one plain PyTorch model, with no hyperpar code: the
+    reference the parallel run is checked against."""
+
+    def __init__(self, n_blocks: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(BASE_SEED)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        blocks = []
+        for i in range(1, n_blocks + 1):
+            torch.manual_seed(BASE_SEED + i)
+            blocks.append(Block(DIM))
+        self.blocks = nn.Sequential(*blocks)
+        torch.manual_seed(BASE_SEED + n_blocks + 1)
+        self.norm = nn.LayerNorm(DIM)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return lm_head(self.embed, self.norm(self.blocks(self.embed(tokens))))  # tied head
+
+    def pipeline_names(self) -> dict[str, torch.Tensor]:
+        """Parameters keyed as PipelineModule names them (layer index, or the tied key)."""
+        out = {}
+        for name, p in self.named_parameters():
+            head, rest = name.split(".", 1)
+            if head == "embed":
+                out[f"tied_modules.embed.{rest}"] = p
+            elif head == "blocks":
+                index, rest = rest.split(".", 1)
+                out[f"{int(index) + 1}.{rest}"] = p
+            else:  # the norm after the blocks
+                out[f"{len(self.blocks) + 1}.{rest}"] = p
+        return out
+
+
 def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
 
@@ -97,16 +137,32 @@ def train(steps: int = 8, batch: int = 16, n_microbatches: int = 4, schedule: st
     return losses if is_last else None
 
 
+def train_plain(steps: int = 8, batch: int = 16, lr: float = 0.3) -> list[float]:
+    """The reference: :class:`PlainModel` (no hyperpar code) trained in one process on the full
+    batch; the loss per step."""
+    model = PlainModel()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for x, y in batches(steps, batch):
+        opt.zero_grad(set_to_none=True)
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def demo(world_size: int = 2, steps: int = 8, n_microbatches: int = 4,
          schedule: str = "1f1b", verbose: bool = True) -> dict:
-    """Spawn ``world_size`` ranks, train the tied model as a pipeline, train it again in this
-    process, and return both loss curves and the largest difference."""
+    """Spawn ``world_size`` ranks, train the tied model as a pipeline, train the same model
+    written in plain torch (:class:`PlainModel`) in this process, and return both loss curves
+    and the largest difference."""
     from hyperpar.testing import run_distributed
 
     results = run_distributed(train, world_size, steps=steps, n_microbatches=n_microbatches,
                               schedule=schedule, verbose=verbose)
     pipelined = next(r for r in results if r is not None)
-    single = train(steps=steps, n_microbatches=1, schedule="gpipe", verbose=False)
+    single = train_plain(steps=steps)
     diff = max(abs(a - b) for a, b in zip(pipelined, single, strict=True))
     if verbose:
         print(f"pipeline_tied: {world_size} ranks, loss {pipelined[0]:.4f} -> "

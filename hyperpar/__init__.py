@@ -90,7 +90,12 @@ _EXPORTS: dict[str, str] = {
 _SUBMODULES = ("checkpoint", "dtensor", "fsdp", "inspect", "parallel", "pipeline", "platform",
                "testing")
 
-__all__ = sorted(_EXPORTS) + ["__version__", *_SUBMODULES]
+#: subpackages left out of ``from hyperpar import *``: their names would shadow the standard
+#: library's ``inspect`` and ``platform`` modules in the importing namespace.
+_NOT_STARRED = ("inspect", "platform")
+
+__all__ = sorted(_EXPORTS) + ["__version__",
+                              *(name for name in _SUBMODULES if name not in _NOT_STARRED)]
 
 
 def __getattr__(name: str) -> Any:
@@ -105,4 +110,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return __all__
+    return sorted({*__all__, *_SUBMODULES})

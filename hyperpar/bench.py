@@ -54,6 +54,14 @@ RANKS_ENV = "HYPERPAR_BENCH_RANKS"
 ROW_KEYS = ("benchmark", "case", "hyperpar_ms", "reference", "reference_ms", "ratio")
 DOC_BEGIN = "<!-- bench:begin -->"
 DOC_END = "<!-- bench:end -->"
+#: What ``hyperpar bench`` needs and an installed wheel lacks (the scripts import the repository's
+#: ``examples`` package, so they run only from a checkout).
+NEEDS_CHECKOUT = (
+    "The benchmark scripts (benchmarks/bench_*.py, which import the repository's examples/) are "
+    "not part of the installed package: run `hyperpar bench` from the root of a hyperpar "
+    "repository checkout, or pass --dir CHECKOUT/benchmarks. Plots need "
+    "`pip install 'hyperpar[bench]'` (numpy, matplotlib)."
+)
 
 
 @dataclass
@@ -340,8 +348,8 @@ def main(names: list[str] | None = None, out_dir: str = "bench-results",
     """What ``hyperpar bench`` does; returns the exit status (1 if any benchmark failed)."""
     folder = Path(bench_dir) if bench_dir else default_bench_dir()
     if not folder.is_dir():
-        print(f"hyperpar bench: error: no benchmarks folder at {folder} (run from the "
-              "repository root or pass --dir)", file=sys.stderr)
+        print(f"hyperpar bench: error: no benchmarks folder at {folder}. {NEEDS_CHECKOUT}",
+              file=sys.stderr)
         return 2
     found = discover(folder)
     try:

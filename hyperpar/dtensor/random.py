@@ -38,14 +38,6 @@ def manual_seed(seed: int) -> None:
     _STATE.offset = 0
 
 
-def get_state() -> tuple[int | None, int]:
-    return _STATE.seed, _STATE.offset
-
-
-def set_state(state: tuple[int | None, int]) -> None:
-    _STATE.seed, _STATE.offset = state
-
-
 def _seed() -> int:
     if _STATE.seed is None:
         seed = torch.initial_seed()

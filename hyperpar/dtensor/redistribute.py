@@ -214,23 +214,3 @@ def redistribute_autograd(x: torch.Tensor, mesh: DeviceMesh, src: tuple[Placemen
     if x.requires_grad and torch.is_grad_enabled():
         return Redistribute.apply(x, mesh, src, dst, shape)
     return redistribute_local(x, mesh, src, dst, shape)
-
-
-class ReduceGrad(torch.autograd.Function):
-    """Identity forward; backward all-reduces (sum) the gradient over ``mesh_dims``.
-
-    Applied to a replicated input of an op whose output is sharded or partial on those mesh
-    dims: each rank's local gradient is then one term of the true (replicated) gradient."""
-
-    @staticmethod
-    def forward(ctx, x, mesh, mesh_dims):  # type: ignore[override]
-        ctx.args = (mesh, mesh_dims)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        mesh, mesh_dims = ctx.args
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        for m in mesh_dims:
-            get_platform().all_reduce(grad, "sum", mesh._groups[m])
-        return grad, None, None

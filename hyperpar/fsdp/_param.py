@@ -241,7 +241,3 @@ def _sharded_spec(param: nn.Parameter, dp_mesh: DeviceMesh,
     mesh = tp_mesh._root[names]
     return DTensorSpec(mesh, places, param.shape), mesh
 
-
-def param_bytes(p: torch.Tensor) -> int:
-    local: Any = p.to_local() if isinstance(p, DTensor) else p
-    return local.numel() * local.element_size()

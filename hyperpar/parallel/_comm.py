@@ -234,11 +234,6 @@ def copy_to_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     return x if get_platform().world_size(group) == 1 else _Copy.apply(x, group)
 
 
-def reduce_from_region(x: torch.Tensor, group: Group = None, op: str = "sum") -> torch.Tensor:
-    """Megatron's *g*: all-reduce forward (in place on a fresh output), identity backward."""
-    return x if get_platform().world_size(group) == 1 else _Reduce.apply(x, op, group)
-
-
 # gathered output id -> (weak ref to it, the shard it came from, dim, sizes, group). Kept beside
 # the tensor, not on it: an attribute would make user-visible outputs unpicklable (a process
 # group) and would travel with the tensor into user code.

@@ -16,7 +16,10 @@ change) and returns it:
   collectives correctly;
 * at the end of backward (an autograd-engine callback) the remaining buckets are launched and
   every handle is waited on. A parameter
-  that received no gradient on this rank contributes zeros (and gets the average).
+  that received no gradient on this rank contributes zeros (and gets the average); one that
+  received none on *any* rank keeps ``.grad is None`` (as in one process, so an optimizer such as
+  AdamW leaves it alone): each bucket carries one "had a gradient" flag per parameter, reduced
+  with the gradients.
 
 DTensor parameters (tensor-parallel shards) are reduced through their *local* tensor over the dp
 group only: their tp layout is untouched. ``with model.no_sync():`` skips the reduction, so
@@ -57,6 +60,21 @@ def _graph_task_id() -> int:
     return current() if current is not None else -1
 
 
+def engine_callback() -> Any:
+    """torch's ``queue_callback`` of the autograd engine (a private API): it runs the end of the
+    gradient average after the whole backward. Without it the last buckets would never be
+    reduced, so its absence is an error, never a silent fallback."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    queue_callback = getattr(engine, "queue_callback", None)
+    if queue_callback is None:
+        raise RuntimeError(
+            "data_parallel: this torch "
+            f"({torch.__version__}) has no torch.autograd.Variable._execution_engine."
+            "queue_callback, which data_parallel needs to finish averaging the gradients at the "
+            "end of backward; install a torch version hyperpar supports (see the README)")
+    return queue_callback
+
+
 def resolve_group(mesh: Any = None, dim: str | int | None = "dp", group: Any = None) -> Any:
     """The process group of mesh dimension ``dim`` (resolved by ``mesh.get_mesh(dim,
     default="dp")``: an unnamed 1-D mesh needs no name), or ``group`` as given, or the world
@@ -83,6 +101,10 @@ class _Bucket:
     flat: Bucket
     pending: set[int] = field(default_factory=set)  # ids of params not ready yet
     packed: set[int] = field(default_factory=set)  # ids of params whose .grad is a view of it
+    #: ids of params packed as zeros (no gradient on this rank in this round)
+    zeroed: set[int] = field(default_factory=set)
+    #: column of each param's "had a gradient" flag, after the gradients in the buffer
+    flag_at: dict[int, int] = field(default_factory=dict)
 
 
 class _Reducer:
@@ -104,6 +126,7 @@ class _Reducer:
         self.buckets: list[_Bucket] = []
         self._where: dict[int, tuple[_Bucket, int]] = {}
         self._handles: list[Any] = []
+        self._queue_callback = engine_callback()
         self.leaf_ids: tuple[int, ...] = ()
         #: buckets launched before the end of the last backward (overlapped with it)
         self.launched_during_backward = 0
@@ -130,8 +153,10 @@ class _Reducer:
         for p in params:
             offsets.append(n)
             n += p.numel()
-        flat = Bucket(1, n, params[0].dtype, params[0].device, self.group)
-        bucket = _Bucket(len(self.buckets), params, offsets, flat)
+        # one flag per parameter after the gradients: 1 where this rank had a gradient
+        flat = Bucket(1, n + len(params), params[0].dtype, params[0].device, self.group)
+        bucket = _Bucket(len(self.buckets), params, offsets, flat,
+                         flag_at={id(p): n + i for i, p in enumerate(params)})
         self.buckets.append(bucket)
         for p, off in zip(params, offsets, strict=True):
             self._where[id(p)] = (bucket, off)
@@ -151,18 +176,21 @@ class _Reducer:
         for b in self.buckets:
             b.pending = {id(p) for p in b.params}
             b.packed = set()
+            b.zeroed = set()
             b.flat.reset()
-        queue_callback = getattr(torch.autograd.Variable._execution_engine, "queue_callback",
-                                 None)
-        if callback and queue_callback is not None:
-            queue_callback(self.finish)
+        if callback:
+            self._queue_callback(self.finish)
 
     def _pack(self, bucket: _Bucket, p: torch.Tensor, offset: int) -> None:
         """Copy ``p.grad`` (scaled) into its bucket and make ``p.grad`` that view."""
         block = bucket.flat.block(offset, p.numel())
+        had_grad = p.grad is not None
         pack(block, p.grad, self.scale)
         p.grad = block.view(p.shape)
         bucket.packed.add(id(p))
+        bucket.flat.block(bucket.flag_at[id(p)], 1).fill_(1.0 if had_grad else 0.0)
+        if not had_grad:
+            bucket.zeroed.add(id(p))
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if not self.sync_enabled or self.size == 1:
@@ -194,8 +222,12 @@ class _Reducer:
         for bucket in self.buckets:
             if bucket.flat.buffer is not None and not bucket.flat.launched and self.scale:
                 bucket.flat.buffer.mul_(1.0 / self.scale)  # packed grads: local values again
+            for p in bucket.params:
+                if id(p) in bucket.zeroed:
+                    p.grad = None  # it had none before this round packed zeros
             bucket.flat.reset()
             bucket.packed = set()
+            bucket.zeroed = set()
         self._in_backward = False
 
     def _launch(self, bucket: _Bucket) -> None:
@@ -217,7 +249,19 @@ class _Reducer:
         self._next = len(self.buckets)
         for bucket in self.buckets:
             bucket.flat.wait()
+            if bucket.zeroed:
+                self._drop_unused(bucket)
             bucket.flat.buffer = None  # next backward packs into a fresh buffer
+
+    @staticmethod
+    def _drop_unused(bucket: _Bucket) -> None:
+        """``.grad = None`` for the parameters that had no gradient on any rank (their reduced
+        flag is 0); only parameters zero-packed here can be such, so only they are read."""
+        buffer = bucket.flat.allocate()
+        for p in bucket.params:
+            if id(p) in bucket.zeroed and buffer[0, bucket.flag_at[id(p)]].item() == 0:
+                p.grad = None
+        bucket.zeroed = set()
 
     def remove(self) -> None:
         for h in self._handles:
@@ -285,6 +329,7 @@ def data_parallel(model: nn.Module, mesh: Any = None, dim: str | int | None = "d
         raise ValueError(f"data_parallel: {type(model).__name__} is already data-parallel")
     if bucket_cap_mb <= 0:
         raise ValueError(f"data_parallel: bucket_cap_mb must be positive, got {bucket_cap_mb}")
+    engine_callback()  # a torch without it: an error here, on every rank, before any collective
     platform = get_platform()
     pg = resolve_group(mesh, dim, group)
     src = platform.group_ranks(pg)[0]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import resource
-import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from types import ModuleType
@@ -396,12 +395,6 @@ class HostDevicePlatform(TorchPlatform):
         # Peak resident set size of the process (Linux reports KiB): the closest host analogue.
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return {"allocated": 0, "max_allocated": int(peak)}
-
-
-def deprecated_alias_warnings() -> None:
-    """Silence torch's FutureWarning for the renamed collectives (we already pick the new name)."""
-    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*deprecated.*")
-    warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.*deprecated.*")
 
 
 def accelerator_availability(platform_cls: type[TorchPlatform], module: ModuleType | None,

@@ -19,17 +19,22 @@ Fixtures:
 
 Run the backend conformance kit with ``pytest --pyargs hyperpar.testing.conformance
 --hyperpar-backend=NAME``.
+
+The plugin is loaded into every pytest session of an environment that has hyperpar installed, so
+at import it touches neither torch nor a backend: those load only when a fixture or an option of
+the plugin is used.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .harness import DEFAULT_TIMEOUT_S, WorkerPool
+if TYPE_CHECKING:
+    from .harness import WorkerPool
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -108,6 +113,8 @@ def _hyperpar_pools() -> Iterator[dict[int, WorkerPool]]:
 @pytest.fixture
 def run_on_ranks(_hyperpar_pools: dict[int, WorkerPool]) -> Callable[..., list[Any]]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` real processes; per-rank results."""
+
+    from .harness import DEFAULT_TIMEOUT_S, WorkerPool
 
     def run(world_size: int, fn: Callable[..., Any], *args: Any,
             timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:

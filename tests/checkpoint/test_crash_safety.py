@@ -4,7 +4,6 @@ model lacks. Each test here failed on the format that overwrote shard files in p
 
 from __future__ import annotations
 
-import glob
 import os
 import time
 
@@ -58,41 +57,75 @@ def _load_error(path: str, with_buf: bool = True) -> str:
     return "loaded without error"
 
 
-def _save_and_die_mid_write(path: str, seed: int) -> None:
-    """Rank 1 dies (``os._exit``) halfway through writing its shard, after rank 0 has written
-    its own new shard; the process gets no chance to clean up."""
+def _save_and_die_mid_write(path: str, seed: int, notes: str) -> None:
+    """Rank 1 dies (``os._exit``) halfway through writing its shard, after rank 0 has finished
+    writing its own new shard; the process gets no chance to clean up. At the moment it dies,
+    rank 1 records what is on disk in ``notes/crash.json`` (the test checks the crash hit the
+    moment it claims); rank 0 marks the end of its shard write in ``notes/rank0-wrote``."""
+    import json
+
     import safetensors.torch as st
 
-    if get_platform().rank() == 1:
-        started = time.time()
+    real = st.save_file
+    rank = get_platform().rank()
+    rank0_done = os.path.join(notes, "rank0-wrote")
+    if rank == 0:
+        def write_then_mark(tensors, filename, metadata=None):
+            real(tensors, filename, metadata=metadata)
+            with open(rank0_done, "w") as f:
+                f.write(os.path.basename(filename))
+
+        st.save_file = write_then_mark
+    else:
+        old = read_index(path)
 
         def half_then_die(tensors, filename, metadata=None):
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:  # rank 0's new shard is on disk
-                if any(os.path.getmtime(f) >= started
-                       for f in glob.glob(os.path.join(path, "shard-00000-*"))):
-                    break
+            deadline = time.monotonic() + 120  # a bound on waiting, not a timing assertion
+            while not os.path.exists(rank0_done) and time.monotonic() < deadline:
                 time.sleep(0.05)
             data = st.save(tensors, metadata=metadata)
             with open(filename, "wb") as f:
                 f.write(data[: len(data) // 2])
+            rank0_file = open(rank0_done).read() if os.path.exists(rank0_done) else None
+            state = {
+                "rank0_file": rank0_file,
+                "rank0_file_on_disk": bool(rank0_file)
+                and os.path.exists(os.path.join(path, rank0_file)),
+                "old_files": old["files"], "index_save_id_at_crash": read_index(path)["save_id"],
+                "old_save_id": old["save_id"], "my_file": os.path.basename(filename),
+                "my_bytes_on_disk": os.path.getsize(filename), "my_full_bytes": len(data),
+            }
+            with open(os.path.join(notes, "crash.json"), "w") as f:
+                json.dump(state, f)
             os._exit(17)
 
         st.save_file = half_then_die
-    save(_Model(seed), path, file_format="safetensors")
+    try:
+        save(_Model(seed), path, file_format="safetensors")
+    finally:
+        st.save_file = real  # rank 0's worker serves later tests
 
 
 def test_rank_dying_mid_save_leaves_the_previous_checkpoint_intact(run_on_ranks, tmp_path):
-    run_on_ranks(2, _save, str(tmp_path), 0)
-    t0 = time.monotonic()
+    import json
+
+    ckpt = tmp_path / "ckpt"
+    run_on_ranks(2, _save, str(ckpt), 0)
     # Which rank the harness names first (the dead one, or rank 0 whose collective lost its
     # peer) is the harness's business; here the save must fail and leave the old checkpoint.
     with pytest.raises(DistributedError):
-        run_on_ranks(2, _save_and_die_mid_write, str(tmp_path), 1)
-    time_to_fail = time.monotonic() - t0
-    for state in run_on_ranks(2, _load_full, str(tmp_path)):
+        run_on_ranks(2, _save_and_die_mid_write, str(ckpt), 1, str(tmp_path))
+    # The crash hit where it claims: rank 0's new shard complete on disk, rank 1's new shard half
+    # written, the index still the old save's.
+    crash = json.loads((tmp_path / "crash.json").read_text())
+    assert crash["rank0_file"] and crash["rank0_file"] not in crash["old_files"], crash
+    assert crash["rank0_file_on_disk"], crash
+    assert crash["my_file"] not in crash["old_files"], crash
+    assert 0 < crash["my_bytes_on_disk"] == crash["my_full_bytes"] // 2, crash
+    assert crash["index_save_id_at_crash"] == crash["old_save_id"], crash
+    assert read_index(ckpt)["save_id"] == crash["old_save_id"]
+    for state in run_on_ranks(2, _load_full, str(ckpt)):
         torch.testing.assert_close(state, _values(0), rtol=0, atol=0)  # all old, no mix
-    print(f"crash mid-save: the save failed after {time_to_fail:.1f} s")
 
 
 def _save_with_rank1_disk_full(path: str, seed: int) -> str:

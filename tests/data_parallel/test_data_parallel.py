@@ -296,3 +296,80 @@ def test_kept_grads_stay_and_accumulation_without_zero_grad_sums_the_averages(ru
             # a .grad kept past zero_grad(set_to_none=True) is not overwritten by the next
             # backward (each backward packs into fresh buckets)
             torch.testing.assert_close(kept[i], accumulated[i], rtol=0, atol=0)
+
+
+class _WithUnused(nn.Module):
+    """``spare`` is used by no rank; ``side`` by rank 1 only (when ``use_side``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.main = nn.Linear(8, 4)
+        self.side = nn.Linear(8, 4)
+        self.spare = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, use_side: bool) -> torch.Tensor:
+        return self.main(x) + (self.side(x) if use_side else 0.0)
+
+
+def _unused_training(world: int) -> tuple[list[bool], dict[str, torch.Tensor]]:
+    """AdamW (weight decay on) for 3 steps; returns which grads were None after the first
+    backward, and the final state. In one process (``world == 1``) rank 1's batch half runs
+    through ``side`` as a separate loss term, so both sides see the same sum."""
+    platform = get_platform()
+    rank = platform.rank() if world > 1 else 0
+    model = _WithUnused()
+    if world > 1:
+        model = data_parallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    none_after_first: list[bool] = []
+    for step in range(3):
+        x, y = _batch(step)
+        y = y[:, :4]
+        halves = [(x[:BATCH // 2], y[:BATCH // 2], False), (x[BATCH // 2:], y[BATCH // 2:], True)]
+        if world > 1:
+            xs, ys, side = halves[rank]
+            loss = nn.functional.mse_loss(model(xs, side), ys)
+        else:  # the dp average of the two halves' losses
+            loss = sum(nn.functional.mse_loss(model(xs, side), ys) for xs, ys, side in halves) / 2
+        loss.backward()
+        if step == 0:
+            none_after_first = [p.grad is None for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+    return none_after_first, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_parameter_unused_on_every_rank_keeps_grad_none_like_one_process(run_on_ranks):
+    """A parameter no rank uses keeps ``.grad is None`` (it used to become zeros, so AdamW's
+    weight decay moved it); the training matches one process on the full batch."""
+    ref_none, ref_state = _unused_training(1)
+    assert ref_none == [False, False, False, False, True, True]  # spare: no grad
+    for none, state in run_on_ranks(2, _unused_training, 2):
+        assert none == ref_none
+        assert torch.equal(state["spare.weight"], _WithUnused().spare.weight.detach())
+        assert_close_to_reference(state, ref_state, what="dp2 state with unused parameters")
+
+
+def _missing_queue_callback() -> str:
+    """data_parallel on a torch whose autograd engine lacks queue_callback (simulated by
+    swapping the engine object for one without it, in this rank only)."""
+
+    class _EngineWithoutCallback:
+        pass
+
+    variable = torch.autograd.Variable
+    engine = variable._execution_engine
+    variable._execution_engine = _EngineWithoutCallback()
+    try:
+        data_parallel(_model())
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        variable._execution_engine = engine
+    return "no error"
+
+
+def test_missing_engine_callback_is_an_error_not_wrong_gradients(run_on_ranks):
+    for message in run_on_ranks(2, _missing_queue_callback):
+        assert "queue_callback" in message and "torch version" in message, message

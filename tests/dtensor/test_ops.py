@@ -128,6 +128,13 @@ CASES = [
     ("vector_norm_dim", [((5, 4), [P], [P, S0], "f")]),
 ]
 
+#: Hypothesis examples per property test, derandomized (the same cases on every run, so the suite
+#: cannot flake): each example is one batch of cases run in one multi-process call, and the
+#: first derandomized example is hypothesis's simplest, so a handful of examples adds the
+#: varied ones.
+EXAMPLES = 6
+
+
 
 def _inputs(case_index, specs):
     gen = torch.Generator().manual_seed(case_index)
@@ -247,7 +254,8 @@ def _broadcast_case(draw):
     return (draw(st.sampled_from(["add_bias", "sub_mul", "div", "where"])), specs)
 
 
-@settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(derandomize=True, max_examples=EXAMPLES, deadline=None,
+          suppress_health_check=list(HealthCheck))
 @given(cases=st.lists(_broadcast_case(), min_size=25, max_size=25))
 @pytest.mark.parametrize("world", [2, 4])
 def test_broadcasting_elementwise_ops_match_for_any_placements(run_on_ranks, world, cases):
@@ -272,7 +280,8 @@ def _reshape_case(draw):
     return ("reshape_to", [(shape, placements[:1], placements, "f")], {"shape": target})
 
 
-@settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(derandomize=True, max_examples=EXAMPLES, deadline=None,
+          suppress_health_check=list(HealthCheck))
 @given(cases=st.lists(_reshape_case(), min_size=30, max_size=30))
 def test_reshape_keeps_shards_when_they_map_and_gathers_otherwise(run_on_ranks, cases):
     failures = run_on_ranks(4, run_op_cases, (2, 2), cases)[0][0]

@@ -12,6 +12,12 @@ from hyperpar.testing import assert_close_to_reference
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
+#: Hypothesis examples per property test, derandomized (the same cases on every run, so the suite
+#: cannot flake): each example is one batch of cases run in one multi-process call, and the
+#: first derandomized example is hypothesis's simplest, so a handful of examples adds the
+#: varied ones.
+EXAMPLES = 6
+
 
 def _placement_strategy(ndim):
     from hyperpar.dtensor import Partial, Replicate, Shard
@@ -58,13 +64,15 @@ def _run_cases(mesh_shape, cases):
     return failures
 
 
-@settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(derandomize=True, max_examples=EXAMPLES, deadline=None,
+          suppress_health_check=list(HealthCheck))
 @given(cases=st.lists(_cases(1), min_size=20, max_size=20))
 def test_any_transition_on_a_1d_mesh_keeps_values_and_gradients(run_on_ranks, cases):
     assert run_on_ranks(2, _run_cases, (2,), cases) == [[], []]
 
 
-@settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(derandomize=True, max_examples=EXAMPLES, deadline=None,
+          suppress_health_check=list(HealthCheck))
 @given(cases=st.lists(_cases(2), min_size=40, max_size=40))
 def test_any_transition_on_a_2d_mesh_keeps_values_and_gradients(run_on_ranks, cases):
     assert run_on_ranks(4, _run_cases, (2, 2), cases) == [[]] * 4

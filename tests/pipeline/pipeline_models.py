@@ -70,14 +70,58 @@ def data(batch: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randint(0, VOCAB, (batch, SEQ), generator=g))
 
 
-def reference(layers_fn=tied_layers, batch: int = BATCH):
-    """Loss and gradients of the whole model in one process on the full batch."""
-    model = PipelineModule(layers_fn(), num_stages=1, seed_layers=True, loss_fn=lm_loss,
-                           partition_method="uniform")
+#: PipelineModule's default ``base_seed``: with ``seed_layers=True`` layer ``i`` is built right
+#: after ``manual_seed(BASE_SEED + i)`` (a tied layer at its first position's index).
+BASE_SEED = 1234
+
+
+def _seeded(index: int, build):
+    torch.manual_seed(BASE_SEED + index)
+    return build()
+
+
+class PlainTiedModel(nn.Module):
+    """:func:`tied_layers` written as one plain torch model, independent of hyperpar: the same
+    layers built with the same seeds, the output head tied to the embedding by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = _seeded(0, lambda: nn.Embedding(VOCAB, DIM))
+        self.b1 = _seeded(1, lambda: Block(DIM))
+        self.b2 = _seeded(2, lambda: Block(DIM))
+        self.mask = WithMask()
+        self.b4 = _seeded(4, lambda: MaskedBlock(DIM))
+        self.b6 = _seeded(6, lambda: Block(DIM))
+        self.b7 = _seeded(7, lambda: Block(DIM))
+        self.norm = _seeded(8, lambda: nn.LayerNorm(DIM))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h, _ = self.b4(self.mask(self.b2(self.b1(self.emb(tokens)))))
+        h = self.norm(self.b7(self.b6(h)))
+        return h @ self.emb.weight.t()
+
+    #: this model's parameter names -> PipelineModule's (layer index, or the tied key)
+    PIPELINE_NAMES = {"emb": "tied_modules.emb", "b1": "1", "b2": "2", "b4": "4", "b6": "6",
+                      "b7": "7", "norm": "8"}
+
+    def pipeline_named(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``values`` keyed by this model's parameter names, re-keyed as the pipeline's."""
+        out = {}
+        for name, value in values.items():
+            head, rest = name.split(".", 1)
+            out[f"{self.PIPELINE_NAMES[head]}.{rest}"] = value
+        return out
+
+
+def reference(batch: int = BATCH):
+    """Loss and gradients (keyed by the pipeline's parameter names) of the plain torch model in
+    one process on the full batch."""
+    model = PlainTiedModel()
     x, y = data(batch)
     loss = lm_loss(model(x), y)
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.detach(), model.pipeline_named(
+        {n: p.grad.clone() for n, p in model.named_parameters()})
 
 
 def run_cases(cases: list[dict]) -> list[str]:
@@ -157,7 +201,7 @@ def run_shape_cases() -> list[str]:
     done = []
     module = PipelineModule(tied_layers(), loss_fn=lm_loss, seed_layers=True)
     sched = get_schedule_class("1f1b")(module, 3, dynamic_shapes=True)
-    ref = PipelineModule(tied_layers(), num_stages=1, seed_layers=True)
+    ref = PlainTiedModel()
     for batch in (BATCH, 5):
         x, y = data(batch)
         res = sched.step(x, target=y, return_outputs=True)

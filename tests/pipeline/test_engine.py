@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pipeline_models import data, lm_loss, tied_layers
+from pipeline_models import PlainTiedModel, data, lm_loss, tied_layers
 from torch import nn
 
 from hyperpar.pipeline import (
@@ -63,7 +63,7 @@ def test_engine_trains_one_stage_like_plain_torch():
                                 "gradient_accumulation_steps": 2, "optimizer": SGD})
     assert isinstance(opt, torch.optim.SGD) and loader is None and sched is None
     assert engine.is_first_stage() and engine.is_last_stage()
-    reference = _model()
+    reference = PlainTiedModel()  # the same layers and seeds in plain torch, tied by hand
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for _ in range(2):
         loss = engine.train_batch(iter(_microbatches()))

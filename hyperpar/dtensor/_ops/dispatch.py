@@ -249,11 +249,6 @@ def run_prepared(prep: Prepared, func: Any, args: Sequence, kwargs: dict,
     return wrapped if type(out) is list else type(out)(wrapped)
 
 
-def execute(call: OpCall, sh: Sharding) -> Any:
-    """Redistribute the inputs as ``sh`` says, run the op locally, wrap the outputs."""
-    return run_prepared(Prepared(call, sh), call.func, call.args, call.kwargs, call.dtensors)
-
-
 def _decide(rule: Callable[[OpCall], Sharding], func: Any, args: Sequence, kwargs: dict,
             dts: list[DTensor]) -> Any:
     mesh = dts[0]._spec.mesh

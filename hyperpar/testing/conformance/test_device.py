@@ -62,8 +62,21 @@ def test_memory_stats_has_allocated_counters():
     assert all(isinstance(v, int) and v >= 0 for v in stats.values())
 
 
-def test_synchronize_returns():
-    get_platform().synchronize()
+def test_synchronize_waits_for_queued_device_work():
+    """Work queued on the device (asynchronous on accelerators), then an asynchronous copy to
+    host memory: after ``synchronize()`` the host copy must hold the final values."""
+    p = get_platform()
+    x = torch.ones(512, 512, device=p.device())
+    for _ in range(8):
+        x = x @ x / 512  # sums of 512 ones, divided back: exactly 1.0 in any float format
+    host = torch.empty(x.shape, dtype=x.dtype)
+    try:
+        host = host.pin_memory()  # a non-blocking copy into pinned memory does not wait
+    except (RuntimeError, NotImplementedError, AttributeError):
+        pass  # no accelerator here: the copy below is synchronous anyway
+    host.copy_(x, non_blocking=True)
+    assert p.synchronize() is None
+    assert torch.equal(host, torch.ones(512, 512)), "synchronize() returned before the copy ended"
 
 
 def test_visible_devices_variable_is_a_name_or_none():
