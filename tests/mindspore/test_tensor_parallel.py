@@ -26,7 +26,7 @@ from hyperpar_mindspore import (
 )
 from mindspore import nn
 
-from hyperpar.dtensor.placement import Replicate
+from hyperpar.dtensor.placement import Replicate, Shard
 from hyperpar.platform import get_platform
 
 STEPS = 3
@@ -97,7 +97,7 @@ def _run_parity(model_kind: str, plan_name: str, mesh_shape: tuple[int, ...],
         "colrow": {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()},
         "wildcard": {"fc*": ColwiseParallel(output_layouts=Replicate())},
         "nested": {"mlp": {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()},
-                   "emb": RowwiseParallel()},
+                   "emb": RowwiseParallel(input_layouts=Replicate())},
         "emb_col": {"emb": ColwiseParallel(output_layouts=Replicate()),
                     "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()},
     }
@@ -158,6 +158,50 @@ def test_embedding_row_and_colwise_in_a_nested_plan(pool2, plan):
 def test_the_tp_slice_of_a_2d_dp_tp_mesh(pool4):
     results = pool4.run(_run_parity, "mlp", "colrow", (2, 2), ("dp", "tp"))
     assert [r["tp_rank"] for r in results] == [0, 1, 0, 1]
+    _assert_parity(results, "colrow")
+
+
+def _train_sum_loss(model: nn.Cell, x: ms.Tensor, y: ms.Tensor, total: int
+                    ) -> tuple[list[float], np.ndarray]:
+    """SGD on sum(squared error) / total: with a sharded output each rank's loss is its share,
+    and the sum over ranks is the one-process loss."""
+    opt = nn.SGD(model.trainable_params(), learning_rate=LR)
+    step = ms.value_and_grad(lambda a, b: ((model(a) - b) ** 2).sum() / total, None,
+                             opt.parameters)
+    losses = []
+    for _ in range(STEPS):
+        loss, grads = step(x, y)
+        opt(grads)
+        losses.append(float(loss.asnumpy()))
+    return losses, model(x).asnumpy()
+
+
+def _run_sharded_output() -> dict:
+    rng = np.random.default_rng(1)
+    x = ms.Tensor(rng.standard_normal((4, 3, D_IN)).astype(np.float32))
+    y = rng.standard_normal((4, 3, D_IN)).astype(np.float32)
+    reference, model = MLP(), MLP()
+    _weights(reference)
+    _weights(model)
+    mesh = init_device_mesh((get_platform().world_size(),), mesh_dim_names=("tp",))
+    parallelize_module(model, mesh, {"fc1": ColwiseParallel(),
+                                     "fc2": RowwiseParallel(output_layouts=Shard(0))})
+    n, r = mesh.size(), mesh.get_local_rank()
+    ref_losses, ref_out = _train_sum_loss(reference, x, ms.Tensor(y), y.size)
+    losses, out = _train_sum_loss(model, x, ms.Tensor(np.split(y, n)[r]), y.size)
+    return {"tp_rank": r, "tp_size": n, "ref_losses": ref_losses, "losses": losses,
+            "ref_out": ref_out, "out": out, "ref": _params(reference), "mine": _params(model)}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_rowwise_output_reduce_scattered_keeps_the_bias_replicated(pool2, pool4, n):
+    results = (pool2 if n == 2 else pool4).run(_run_sharded_output)
+    for res in results:  # each rank's output is its rows; its loss its share of the total
+        res["ref_out"] = np.split(res["ref_out"], n)[res["tp_rank"]]
+    total = np.sum([res["losses"] for res in results], axis=0)
+    np.testing.assert_allclose(total, results[0]["ref_losses"], rtol=2e-5, atol=2e-5)
+    for res in results:
+        res["losses"] = res["ref_losses"]
     _assert_parity(results, "colrow")
 
 

@@ -21,7 +21,14 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn
 
 from hyperpar.dtensor.placement import Placement, Replicate, Shard
-from hyperpar.parallel.spec import COLWISE, ROWWISE, PlanKeyError, StyleSpec, check_divisible
+from hyperpar.parallel.spec import (
+    COLWISE,
+    ROWWISE,
+    Comm,
+    PlanKeyError,
+    StyleSpec,
+    check_divisible,
+)
 from hyperpar.parallel.spec import resolve_plan as _resolve
 from hyperpar.platform import get_platform
 
@@ -125,6 +132,8 @@ class ParallelStyle:
                 data = np.split(data, n, axis=dim)[me]
             setattr(cell, ms_name, Parameter(Tensor(np.ascontiguousarray(data)), name=param.name,
                                              requires_grad=param.requires_grad))
+            if isinstance(cell, nn.Embedding) and dim == 1:
+                cell.embedding_size = data.shape[1]  # nn.Embedding reshapes its output by it
 
     def _install_local_compute(self, platform: MindSporePlatform, cell: nn.Cell, kind: str,
                                group: MSGroup, boundary_out: Boundary) -> None:
@@ -155,13 +164,17 @@ class RowwiseParallel(ParallelStyle):
             if bias is None:
                 return super()._install_local_compute(platform, cell, kind, group, boundary_out)
             idle = zeros(bias.shape, bias.dtype)
+            # With a sharded output each rank adds the bias to its own rows only: its gradient
+            # is a partial sum, all-reduced in backward (Megatron's f) to stay replicated.
+            sharded_out = isinstance(self.output_layouts, Shard)
+            bias_path = Boundary(platform, Comm("none", "all_reduce"), group)
 
             def swap_out_bias(_cell: nn.Cell, args: tuple) -> None:
                 _cell._params["bias"] = idle  # the local compute adds nothing
 
             def reduce_then_add_bias(_cell: nn.Cell, args: tuple, out: Any) -> Any:
                 _cell._params["bias"] = bias
-                return boundary_out(out) + bias
+                return boundary_out(out) + (bias_path(bias) if sharded_out else bias)
 
             platform.register_forward_pre_hook(cell, swap_out_bias)
             platform.register_forward_hook(cell, reduce_then_add_bias)
