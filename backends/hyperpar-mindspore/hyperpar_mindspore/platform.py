@@ -101,8 +101,8 @@ class MindSporePlatform(Platform):
 
     name = "mindspore"
     framework = "mindspore"
-    device_type = "mindspore"   # the instance says which target: "cpu", "ascend" or "gpu"
-    dist_backend = "mindspore"  # the instance: "mccl" (CPU), "hccl" (Ascend), "nccl" (GPU)
+    device_type = "cpu|ascend|gpu"  # the instance says which target it runs on
+    dist_backend = "mccl|hccl|nccl"  # the instance: mccl (CPU), hccl (Ascend), nccl (GPU)
     priority = -10
     ranks_share_device = True
 
