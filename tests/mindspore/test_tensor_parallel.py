@@ -96,6 +96,8 @@ def _run_parity(model_kind: str, plan_name: str, mesh_shape: tuple[int, ...],
     plans = {
         "colrow": {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()},
         "wildcard": {"fc*": ColwiseParallel(output_layouts=Replicate())},
+        "replicated": {"fc1": ColwiseParallel(output_layouts=Replicate()),
+                       "fc2": RowwiseParallel(input_layouts=Replicate())},
         "nested": {"mlp": {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()},
                    "emb": RowwiseParallel(input_layouts=Replicate())},
         "emb_col": {"emb": ColwiseParallel(output_layouts=Replicate()),
@@ -116,6 +118,7 @@ def _run_parity(model_kind: str, plan_name: str, mesh_shape: tuple[int, ...],
 _SPLITS = {
     "colrow": {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1, "fc2.bias": None},
     "wildcard": {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 0, "fc2.bias": 0},
+    "replicated": {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1, "fc2.bias": None},
     "nested": {"mlp.fc1.weight": 0, "mlp.fc1.bias": 0, "mlp.fc2.weight": 1,
                "mlp.fc2.bias": None, "emb.embedding_table": 0},
     "emb_col": {"mlp.fc1.weight": 0, "mlp.fc1.bias": 0, "mlp.fc2.weight": 1,
@@ -148,6 +151,11 @@ def test_colwise_then_rowwise_mlp_trains_like_one_process(pool2, pool4, n):
 
 def test_wildcard_keys_and_replicated_colwise_output(pool2):
     _assert_parity(pool2.run(_run_parity, "mlp", "wildcard", (2,), ("tp",)), "wildcard")
+
+
+def test_replicated_between_colwise_and_rowwise(pool2):
+    # fc1 gathers its output; fc2 keeps its own piece of the replicated input.
+    _assert_parity(pool2.run(_run_parity, "mlp", "replicated", (2,), ("tp",)), "replicated")
 
 
 @pytest.mark.parametrize("plan", ["nested", "emb_col"])
@@ -237,7 +245,8 @@ class _Odd(nn.Cell):
 def test_bad_plans_raise_on_every_rank_and_change_nothing(pool2):
     for (nothing, untouched1), (unsupported, untouched2), (odd, untouched3) in pool2.run(
             _bad_plans):
-        assert "PlanKeyError: plan key 'fc3' matched nothing in MLP; closest: 'fc1'" in nothing
+        assert ("PlanKeyError: plan key 'fc3' matched nothing in MLP; closest: 'fc2', 'fc1'"
+                in nothing)
         assert "UnsupportedModuleError" in unsupported and "'act'" in unsupported
         assert "ReLU" in unsupported
         assert "ValueError" in odd and "size 7 on dim 1, not divisible by the 2" in odd
