@@ -244,3 +244,46 @@ def test_a_process_alone_is_a_world_of_one(monkeypatch):
     assert (p.rank(), p.world_size()) == (0, 1)
     np.testing.assert_array_equal(out.asnumpy(), [1.0, 2.0])
     p.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- in this process
+def test_module_detection_knows_dense_linear_and_embedding(monkeypatch):
+    from hyperpar_mindspore.platform import MindSporePlatform
+    from mindspore import nn
+
+    monkeypatch.setenv("HYPERPAR_MS_DEVICE", "CPU")
+    p = MindSporePlatform()
+    assert p.is_linear(nn.Dense(2, 3)) and p.is_linear(mint.nn.Linear(2, 3))
+    assert p.is_embedding(nn.Embedding(4, 2)) and p.is_embedding(mint.nn.Embedding(4, 2))
+    assert not p.is_linear(nn.ReLU()) and not p.is_embedding(nn.Dense(2, 3))
+    assert p.is_norm(nn.LayerNorm((3,)))
+
+
+def test_cell_hooks_replace_inputs_and_outputs_and_come_off(monkeypatch):
+    from hyperpar_mindspore.platform import MindSporePlatform
+    from mindspore import nn
+
+    monkeypatch.setenv("HYPERPAR_MS_DEVICE", "CPU")
+    p = MindSporePlatform()
+    cell = nn.Dense(2, 2, weight_init="ones", bias_init="zeros")
+    x = ms.Tensor(np.ones((1, 2), np.float32))
+    pre = p.register_forward_pre_hook(cell, lambda c, args: (args[0] * 3,))
+    post = p.register_forward_hook(cell, lambda c, args, out: out + 1)
+    np.testing.assert_array_equal(cell(x).asnumpy(), [[7.0, 7.0]])  # (1+1)*3 + 1
+    pre.remove()
+    post.remove()
+    np.testing.assert_array_equal(cell(x).asnumpy(), [[2.0, 2.0]])
+
+
+def test_device_facts_on_cpu_and_a_bad_target_named(monkeypatch):
+    from hyperpar_mindspore.platform import MindSporePlatform
+
+    monkeypatch.setenv("HYPERPAR_MS_DEVICE", "cpu")
+    p = MindSporePlatform()
+    assert (p.device_type, p.dist_backend, p.device(), p.device_count()) == (
+        "cpu", "mccl", "CPU", 1)
+    assert p.ranks_share_device and p.max_local_ranks() is None
+    monkeypatch.setenv("HYPERPAR_MS_DEVICE", "TPU")
+    with pytest.raises(ValueError, match="HYPERPAR_MS_DEVICE='TPU' is not a MindSpore target; "
+                                         "use one of CPU, Ascend, GPU"):
+        MindSporePlatform()
