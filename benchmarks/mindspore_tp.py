@@ -113,6 +113,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     p = get_platform()
+    p.init_process_group()
     mesh = init_device_mesh((p.world_size(),), mesh_dim_names=("tp",))
     n, rank = p.world_size(), p.rank()
     rng = np.random.default_rng(0)

@@ -20,8 +20,13 @@ if [ ! -x "$MS_VENV/bin/python" ] || ! "$MS_VENV/bin/python" -c "import mindspor
 fi
 # Editable installs of this checkout (cheap; refreshes entry points), without dependencies: the
 # core needs only pluggy, and torch must stay out.
-"$MS_VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e . \
-  -e backends/hyperpar-mindspore
+log=$(mktemp)
+if ! "$MS_VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e . \
+    -e backends/hyperpar-mindspore >"$log" 2>&1; then
+  cat "$log" >&2
+  exit 1
+fi
+rm -f "$log"
 if "$MS_VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "error: $MS_VENV has torch installed; the MindSpore checks need a venv without it" >&2
   exit 1

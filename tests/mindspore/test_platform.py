@@ -236,6 +236,8 @@ def test_a_process_alone_is_a_world_of_one(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HYPERPAR_MS_DEVICE", "CPU")
     p = MindSporePlatform()
+    with pytest.raises(RuntimeError, match="call get_platform\\(\\).init_process_group\\(\\)"):
+        p.world_size()
     p.init_process_group()
     x = ms.Tensor([1.0, 2.0])
     p.all_reduce(x, "avg")

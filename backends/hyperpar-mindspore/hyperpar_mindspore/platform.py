@@ -266,6 +266,10 @@ class MindSporePlatform(Platform):
         return self._groups[key]
 
     def _ranks(self, group: Group) -> tuple[int, ...]:
+        if not self._initialized:  # a world size of 1 here would be silently wrong under a launcher
+            raise RuntimeError("the MindSpore platform has not joined a process group: call "
+                               "get_platform().init_process_group() (init_device_mesh does) "
+                               "before asking for ranks or running collectives")
         return tuple(range(self._world)) if group is None else group.ranks
 
     def rank(self, group: Group = None) -> int:
