@@ -209,6 +209,9 @@ def launch(opts: LaunchOptions, *, out=None) -> int:
         if (opts.quiet and "OMP_NUM_THREADS" not in os.environ and nproc.isdigit()
                 and int(nproc) > 1):
             os.environ["OMP_NUM_THREADS"] = "1"  # torchrun's own default, without its banner
+        own = backends()[backend].cls.launch_workers(opts, env, out)  # e.g. MindSpore's
+        if own is not None:
+            return own
         return _run_torchrun(opts, args, backend, rule, env, out)
     finally:
         os.environ.clear()

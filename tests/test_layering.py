@@ -4,13 +4,16 @@ directly, or names a device. Everything hardware-specific goes through get_platf
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import hyperpar
 
 PACKAGE = Path(hyperpar.__file__).parent
 DEVICE_WORDS = {"cpu", "cuda", "npu", "xpu", "mps", "hpu", "nccl", "hccl", "gloo", "mccl"}
-BACKEND_PACKAGES = ("hyperpar_cpu", "hyperpar_cuda", "hyperpar_npu")
+BACKEND_PACKAGES = ("hyperpar_cpu", "hyperpar_cuda", "hyperpar_npu", "hyperpar_mindspore")
 
 # Modules allowed below the line, each for a stated reason.
 EXEMPT = {
@@ -84,3 +87,84 @@ def test_the_check_catches_a_violation(tmp_path):
     assert any("torch.distributed" in f for f in found)
     assert any("hyperpar_cuda" in f for f in found)
     assert any("'cuda'" in f for f in found)
+
+
+# --------------------------------------------------------------------------- a core without torch
+# A MindSpore user installs hyperpar without torch. A fresh interpreter that cannot import torch
+# and does not see the distributions that depend on it (the torch backends, the backend template)
+# is the cheap stand-in for such a venv.
+_BLOCK_TORCH = """
+import importlib.abc, importlib.metadata, sys
+
+class _NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)", name=name)
+        return None
+
+sys.meta_path.insert(0, _NoTorch())
+_all_distributions = importlib.metadata.distributions
+
+
+def _needs_torch(dist):
+    return dist.metadata["Name"] == "torch" or any(
+        req.split(";")[0].strip().startswith("torch") for req in dist.requires or ())
+
+
+def _installed_without_torch(**kwargs):
+    return (d for d in _all_distributions(**kwargs)
+            if not _needs_torch(d) or d.metadata["Name"] == "hyperpar")
+
+
+importlib.metadata.distributions = _installed_without_torch
+"""
+
+# The framework-neutral modules: everything a MindSpore-only install reaches.
+TORCH_FREE_MODULES = (
+    "hyperpar", "hyperpar.platform", "hyperpar.platform.base", "hyperpar.platform.registry",
+    "hyperpar.platform.hookspecs", "hyperpar.platform.info", "hyperpar.cli", "hyperpar.launcher",
+    "hyperpar.log", "hyperpar.testing", "hyperpar.testing.harness",
+    "hyperpar.testing.pytest_plugin", "hyperpar.parallel.spec",
+)
+
+
+def _run_without_torch(body: str, *argv: str) -> subprocess.CompletedProcess:
+    code = _BLOCK_TORCH + body
+    env = {k: v for k, v in os.environ.items() if k != "HYPERPAR_BACKEND"}
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_the_blocker_really_blocks_torch():
+    done = _run_without_torch("import torch")
+    assert done.returncode != 0 and "blocked by the test" in done.stderr
+
+
+def test_core_modules_import_without_torch():
+    body = ("import importlib, sys\n"
+            f"for name in {TORCH_FREE_MODULES!r}:\n"
+            "    importlib.import_module(name)\n"
+            "assert 'torch' not in sys.modules\n"
+            "print('ok')\n")
+    done = _run_without_torch(body)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
+def test_hyperpar_info_works_without_torch():
+    body = "import sys\nfrom hyperpar.cli import main\nsys.exit(main(['info']))\n"
+    done = _run_without_torch(body)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("hyperpar ")
+    assert "none -- install one" in done.stdout and "hyperpar-mindspore" in done.stdout
+    assert "selected: none" in done.stdout
+
+
+def test_hyperpar_run_without_torch_explains_instead_of_crashing(tmp_path):
+    script = tmp_path / "hello.py"
+    script.write_text("print('hello')\n")
+    body = "import sys\nfrom hyperpar.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    done = _run_without_torch(body, "run", "-n", "1", str(script))
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "no hyperpar backend is available" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -5,20 +5,29 @@ Names mirror torch's own DTensor API: :class:`DeviceMesh`, :func:`init_device_me
 :func:`distribute_tensor` and the factories ``zeros/ones/empty/full/rand/randn``.
 """
 
-from . import _ops  # noqa: F401  (installs DTensor.__torch_function__ and fills the op table)
-from ._ops import (
-    MixedTensorError,
-    OpCall,
-    Sharding,
-    ShardingError,
-    register_op,
-    registered_ops,
-)
-from .api import DTensor, DTensorSpec, distribute_tensor
-from .factories import empty, full, ones, rand, randn, zeros
-from .mesh import DeviceMesh, MeshDimError, current_mesh, init_device_mesh
+# The torch stack loads only where torch is installed: a MindSpore-only venv still gets the
+# framework-neutral part of this package (the placements).
 from .placement import Partial, Placement, Replicate, Shard
-from .random import manual_seed
+
+try:
+    import torch as _torch  # noqa: F401
+except ImportError:  # pragma: no cover - exercised by tests/test_layering.py
+    _torch = None
+
+if _torch is not None:
+    from . import _ops  # noqa: F401  (installs DTensor.__torch_function__ and fills the op table)
+    from ._ops import (
+        MixedTensorError,
+        OpCall,
+        Sharding,
+        ShardingError,
+        register_op,
+        registered_ops,
+    )
+    from .api import DTensor, DTensorSpec, distribute_tensor
+    from .factories import empty, full, ones, rand, randn, zeros
+    from .mesh import DeviceMesh, MeshDimError, current_mesh, init_device_mesh
+    from .random import manual_seed
 
 __all__ = [
     "DTensor",

@@ -5,32 +5,41 @@ Styles shard parameters as DTensors but run Linear/Embedding forwards on local s
 communicating only at module boundaries (see :mod:`hyperpar.parallel.style`).
 """
 
-from ._ties import TiedParameterError
-from .api import PlanKeyError, distribute_module, from_torch_style, parallelize_module
-from .data_parallel import DataParallelModule, data_parallel
-from .easydel import (
-    TensorParallelConfig,
-    get_matmul_output_sharding,
-    get_output_partition_spec,
-    get_sharding,
-    matmul_output_placements,
-)
-from .layers import (
-    ColumnParallelLinear,
-    ParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-)
-from .loss import loss_parallel, vocab_parallel_cross_entropy
-from .prepare import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
-from .style import (
-    AlreadyParallelizedError,
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-    SequenceParallel,
-    UnsupportedModuleError,
-)
+# The torch stack loads only where torch is installed: a MindSpore-only venv still gets the
+# framework-neutral part of this package (the style specs in spec.py).
+
+try:
+    import torch as _torch  # noqa: F401
+except ImportError:  # pragma: no cover - exercised by tests/test_layering.py
+    _torch = None
+
+if _torch is not None:
+    from ._ties import TiedParameterError
+    from .api import PlanKeyError, distribute_module, from_torch_style, parallelize_module
+    from .data_parallel import DataParallelModule, data_parallel
+    from .easydel import (
+        TensorParallelConfig,
+        get_matmul_output_sharding,
+        get_output_partition_spec,
+        get_sharding,
+        matmul_output_placements,
+    )
+    from .layers import (
+        ColumnParallelLinear,
+        ParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
+    from .loss import loss_parallel, vocab_parallel_cross_entropy
+    from .prepare import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
+    from .style import (
+        AlreadyParallelizedError,
+        ColwiseParallel,
+        ParallelStyle,
+        RowwiseParallel,
+        SequenceParallel,
+        UnsupportedModuleError,
+    )
 
 __all__ = [
     "AlreadyParallelizedError",

@@ -1,19 +1,31 @@
-"""The Platform contract: the only thing a hyperpar backend implements.
+r"""The Platform contract: the only thing a hyperpar backend implements. Framework-neutral.
 
-Everything above ``hyperpar/platform/`` (DTensor, parallel styles, pipelines, inspection,
-checkpoints) talks to hardware exclusively through an instance of :class:`Platform`, obtained
-with :func:`hyperpar.platform.get_platform`. The contract has four facets and nothing else:
+Everything above ``hyperpar/platform/`` talks to hardware exclusively through an instance of
+:class:`Platform`, obtained with :func:`hyperpar.platform.get_platform`. This module imports no
+framework: the registry, ``hyperpar info`` and ``hyperpar run`` use it in a venv that has
+MindSpore and no torch (or neither). Tensors, modules and devices are typed loosely here
+(:data:`Tensor`, :data:`Module`, :data:`Device`); each framework fixes them:
+
+* PyTorch: :class:`hyperpar.platform.torch_base.TorchPlatformBase` adds the torch-bound defaults
+  (hooks on ``nn.Module``, ``nn.Linear``/``nn.Embedding`` detection, object collectives, the
+  differentiable collectives) and :class:`~hyperpar.platform.torch_platform.TorchPlatform`
+  implements the abstract members once for the cpu, cuda and npu backends;
+* MindSpore: the ``hyperpar-mindspore`` backend implements the same members on ``mindspore``
+  tensors and ``nn.Cell``\ s.
+
+The contract has four facets:
 
 1. identity & device    -- which device, which collective library, how many devices, RNG;
-2. module detection     -- which modules are Linear / Embedding / norm layers, parameter swap;
-3. hooks                -- forward-pre / forward / full-backward hooks with removable handles;
-4. collectives & groups -- process groups and the collectives a parallel runtime needs, plus
-                           autograd-aware versions of the four bulk collectives.
+2. module detection     -- which modules are Linear / Embedding / norm layers (by the classes
+                           each framework lists in ``linear_types`` ...);
+3. hooks                -- forward-pre / forward / backward hooks with removable handles
+                           (framework-bound: supplied by each framework's base class);
+4. collectives & groups -- process groups and the collectives a parallel runtime needs.
 
 Only what a backend must decide is abstract: the device, process groups and seven collectives.
-Everything else (hooks, module detection, blocking and single point-to-point calls, object
-collectives, the differentiable collectives, memory counters) is a concrete, documented default
-built on those members, which a backend may override; the conformance kit checks both kinds.
+The rest (blocking and single point-to-point calls, capacity checks, module detection by type,
+memory counters) is a concrete, documented default built on those members, which a backend may
+override; the conformance kit checks both kinds.
 
 Conventions used by every collective below:
 
@@ -31,23 +43,22 @@ from __future__ import annotations
 
 import abc
 import os
-import pickle
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol
-
-import torch
-from torch import nn
-
-from . import autograd
-from .dim_collectives import DimCollectives
 
 #: Reduction names accepted by every reducing collective.
 REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "max", "min", "product")
 
 #: An opaque process-group handle (``None`` means the world group).
 Group = Any
+#: A framework tensor (``torch.Tensor``, ``mindspore.Tensor``...); the contract does not care which.
+Tensor = Any
+#: A framework module (``torch.nn.Module``, ``mindspore.nn.Cell``...).
+Module = Any
+#: A framework device handle (``torch.device``; a device string where the framework has no type).
+Device = Any
 
 
 class Work(Protocol):
@@ -89,25 +100,26 @@ class P2POp:
     """
 
     kind: Literal["send", "recv"]
-    tensor: torch.Tensor
+    tensor: Tensor
     peer: int
     group: Group = None
     tag: int = 0
 
 
-class Platform(DimCollectives, abc.ABC):
+class Platform(abc.ABC):
     """Abstract hardware platform. Subclasses must implement every abstract member and may
     override any concrete one.
 
     Class attributes every backend sets:
 
     * ``name`` -- the backend name users select (``HYPERPAR_BACKEND=name``).
-    * ``device_type`` -- the ``torch.device`` type tensors live on (``"cpu"``, ``"cuda"``, ...).
+    * ``device_type`` -- type of device tensors live on (``"cpu"``, ``"cuda"``, ...).
     * ``dist_backend`` -- the collective library name (``"gloo"``, ``"nccl"``, ``"hccl"``).
     * ``priority`` -- auto-detection order; the highest available backend wins (cpu is 0).
     * ``visible_devices_env`` -- environment variable restricting visible devices, or ``None``.
     * ``ranks_share_device`` -- whether several ranks of one host may use the same device
       (host tensors: yes; NCCL and HCCL need one device per rank: no, the default).
+    * ``framework`` -- the tensor framework the backend runs (``"torch"``, ``"mindspore"``).
     * ``linear_types`` / ``embedding_types`` / ``norm_types`` -- module classes recognised by
       the module-detection facet; extend them for fused device-specific layers.
     """
@@ -118,14 +130,10 @@ class Platform(DimCollectives, abc.ABC):
     priority: ClassVar[int] = 0
     visible_devices_env: ClassVar[str | None] = None
     ranks_share_device: ClassVar[bool] = False
-    linear_types: ClassVar[tuple[type, ...]] = (nn.Linear,)
-    embedding_types: ClassVar[tuple[type, ...]] = (nn.Embedding,)
-    norm_types: ClassVar[tuple[type, ...]] = tuple(
-        t for t in (
-            nn.LayerNorm, getattr(nn, "RMSNorm", None), nn.GroupNorm,
-            nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm,
-        ) if t is not None
-    )
+    framework: ClassVar[str] = ""
+    linear_types: ClassVar[tuple[type, ...]] = ()
+    embedding_types: ClassVar[tuple[type, ...]] = ()
+    norm_types: ClassVar[tuple[type, ...]] = ()
 
     # ------------------------------------------------------------------ identity & device
     @classmethod
@@ -138,8 +146,8 @@ class Platform(DimCollectives, abc.ABC):
         """Number of devices of ``device_type`` visible to this process (cpu: 1)."""
 
     @abc.abstractmethod
-    def device(self, index: int | None = None) -> torch.device:
-        """The ``torch.device`` for ``index`` (default: this process's current device)."""
+    def device(self, index: int | None = None) -> Device:
+        """The ``Device`` for ``index`` (default: this process's current device)."""
 
     @abc.abstractmethod
     def set_device(self, index: int) -> None:
@@ -147,7 +155,7 @@ class Platform(DimCollectives, abc.ABC):
 
     def current_device(self) -> int:
         """Index of this process's current device (default: the index of :meth:`device`)."""
-        index = self.device().index
+        index = getattr(self.device(), "index", None)
         return 0 if index is None else int(index)
 
     @abc.abstractmethod
@@ -159,11 +167,11 @@ class Platform(DimCollectives, abc.ABC):
         """Seed the host and current-device random generators."""
 
     @abc.abstractmethod
-    def get_rng_state(self) -> torch.Tensor:
+    def get_rng_state(self) -> Tensor:
         """Snapshot of the current device's random generator state (a byte tensor)."""
 
     @abc.abstractmethod
-    def set_rng_state(self, state: torch.Tensor) -> None:
+    def set_rng_state(self, state: Tensor) -> None:
         """Restore a state returned by :meth:`get_rng_state`."""
 
     def memory_stats(self) -> dict[str, int]:
@@ -192,59 +200,20 @@ class Platform(DimCollectives, abc.ABC):
         )
 
     # ------------------------------------------------------------------ module detection
-    def is_module_class(self, obj: object) -> bool:
-        """True if ``obj`` is a class whose instances are modules (for deferred construction)."""
-        return isinstance(obj, type) and issubclass(obj, nn.Module)
-
-    def is_linear(self, module: nn.Module) -> bool:
+    def is_linear(self, module: Module) -> bool:
         """True for an affine layer ``y = x W^T + b`` with ``weight`` of shape (out, in)."""
         return isinstance(module, self.linear_types)
 
-    def is_embedding(self, module: nn.Module) -> bool:
+    def is_embedding(self, module: Module) -> bool:
         """True for a lookup table with ``weight`` of shape (num_embeddings, embedding_dim)."""
         return isinstance(module, self.embedding_types)
 
-    def is_norm(self, module: nn.Module) -> bool:
+    def is_norm(self, module: Module) -> bool:
         """True for a normalisation layer (LayerNorm, RMSNorm, BatchNorm, GroupNorm...)."""
         # User-defined RMSNorm classes are common (Llama); recognise them by name too.
         return isinstance(module, self.norm_types) or bool(
             _NORM_NAME.search(type(module).__name__)
         )
-
-    def set_parameter(self, module: nn.Module, name: str, value: torch.Tensor) -> nn.Parameter:
-        """Replace parameter ``name`` (a direct attribute of ``module``) by ``value``.
-
-        ``value`` is wrapped in ``nn.Parameter`` keeping the old ``requires_grad``; the new
-        parameter is registered and returned.
-        """
-        if "." in name:
-            raise ValueError(f"set_parameter takes a direct attribute name, got {name!r}")
-        old = module._parameters.get(name)
-        requires_grad = old.requires_grad if old is not None else value.requires_grad
-        param = value if isinstance(value, nn.Parameter) else nn.Parameter(value, requires_grad)
-        module.register_parameter(name, param)
-        return param
-
-    # ------------------------------------------------------------------ hooks
-    def register_forward_pre_hook(
-        self, module: nn.Module, hook: Callable[..., Any], *, with_kwargs: bool = False,
-        prepend: bool = False,
-    ) -> RemovableHandle:
-        """``hook(module, args[, kwargs])`` before forward; may return replacement inputs."""
-        return module.register_forward_pre_hook(hook, with_kwargs=with_kwargs, prepend=prepend)
-
-    def register_forward_hook(
-        self, module: nn.Module, hook: Callable[..., Any], *, with_kwargs: bool = False,
-        prepend: bool = False,
-    ) -> RemovableHandle:
-        """``hook(module, args, [kwargs,] output)`` after forward; may return a new output."""
-        return module.register_forward_hook(hook, with_kwargs=with_kwargs, prepend=prepend)
-
-    def register_full_backward_hook(
-        self, module: nn.Module, hook: Callable[..., Any], *, prepend: bool = False
-    ) -> RemovableHandle:
-        """``hook(module, grad_input, grad_output)`` in backward; may return new grad_input."""
-        return module.register_full_backward_hook(hook, prepend=prepend)
 
     # ------------------------------------------------------------------ process groups
     @abc.abstractmethod
@@ -290,13 +259,13 @@ class Platform(DimCollectives, abc.ABC):
     # ------------------------------------------------------------------ collectives
     @abc.abstractmethod
     def all_reduce(
-        self, tensor: torch.Tensor, op: str = "sum", group: Group = None, async_op: bool = False
+        self, tensor: Tensor, op: str = "sum", group: Group = None, async_op: bool = False
     ) -> Work | None:
         """In place: ``tensor`` becomes the reduction of every rank's ``tensor`` (same shape)."""
 
     @abc.abstractmethod
     def all_gather_into_tensor(
-        self, output: torch.Tensor, input: torch.Tensor, group: Group = None,
+        self, output: Tensor, input: Tensor, group: Group = None,
         async_op: bool = False,
     ) -> Work | None:
         """``output`` (shape ``[n * d0, *rest]``) receives every rank's ``input`` (``[d0, *rest]``)
@@ -304,7 +273,7 @@ class Platform(DimCollectives, abc.ABC):
 
     @abc.abstractmethod
     def reduce_scatter_tensor(
-        self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", group: Group = None,
+        self, output: Tensor, input: Tensor, op: str = "sum", group: Group = None,
         async_op: bool = False,
     ) -> Work | None:
         """``input`` (``[n * d0, *rest]``) is reduced across ranks; rank ``i`` receives rows
@@ -312,7 +281,7 @@ class Platform(DimCollectives, abc.ABC):
 
     @abc.abstractmethod
     def all_to_all_single(
-        self, output: torch.Tensor, input: torch.Tensor,
+        self, output: Tensor, input: Tensor,
         output_split_sizes: Sequence[int] | None = None,
         input_split_sizes: Sequence[int] | None = None, group: Group = None,
         async_op: bool = False,
@@ -323,7 +292,7 @@ class Platform(DimCollectives, abc.ABC):
 
     @abc.abstractmethod
     def broadcast(
-        self, tensor: torch.Tensor, src: int, group: Group = None, async_op: bool = False
+        self, tensor: Tensor, src: int, group: Group = None, async_op: bool = False
     ) -> Work | None:
         """In place: every rank's ``tensor`` becomes global rank ``src``'s ``tensor``."""
 
@@ -338,85 +307,35 @@ class Platform(DimCollectives, abc.ABC):
     def barrier(self, group: Group = None) -> None:
         """Block until every rank of ``group`` has reached the barrier."""
 
-    def isend(self, tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> Work:
+    def isend(self, tensor: Tensor, dst: int, group: Group = None, tag: int = 0) -> Work:
         """Non-blocking send of ``tensor`` to global rank ``dst``."""
         return self.batch_isend_irecv([P2POp("send", tensor, dst, group, tag)])[0]
 
-    def irecv(self, tensor: torch.Tensor, src: int, group: Group = None, tag: int = 0) -> Work:
+    def irecv(self, tensor: Tensor, src: int, group: Group = None, tag: int = 0) -> Work:
         """Non-blocking receive from global rank ``src`` into ``tensor``."""
         return self.batch_isend_irecv([P2POp("recv", tensor, src, group, tag)])[0]
 
-    def send(self, tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> None:
+    def send(self, tensor: Tensor, dst: int, group: Group = None, tag: int = 0) -> None:
         """Blocking send of ``tensor`` to global rank ``dst``."""
         self.isend(tensor, dst, group, tag).wait()
 
-    def recv(self, tensor: torch.Tensor, src: int, group: Group = None, tag: int = 0) -> None:
+    def recv(self, tensor: Tensor, src: int, group: Group = None, tag: int = 0) -> None:
         """Blocking receive from global rank ``src`` into ``tensor`` (shape/dtype must match)."""
         self.irecv(tensor, src, group, tag).wait()
-
-    def all_gather_object(self, obj: Any, group: Group = None) -> list[Any]:
-        """Picklable ``obj`` from every rank of ``group``, in group-rank order (slow path).
-
-        Default: pickled bytes padded to the longest and all-gathered as a ``uint8`` tensor."""
-        n, dev = self.world_size(group), self.device()
-        data = _to_bytes(obj, dev)
-        sizes = torch.empty(n, dtype=torch.int64, device=dev)
-        self.all_gather_into_tensor(
-            sizes, torch.tensor([data.numel()], dtype=torch.int64, device=dev), group)
-        longest = int(sizes.max())
-        padded = torch.zeros(longest, dtype=torch.uint8, device=dev)
-        padded[: data.numel()] = data
-        rows = torch.empty(n * longest, dtype=torch.uint8, device=dev)
-        self.all_gather_into_tensor(rows, padded, group)
-        rows = rows.view(n, longest)
-        return [_from_bytes(rows[i, : int(sizes[i])]) for i in range(n)]
-
-    def broadcast_object(self, obj: Any, src: int, group: Group = None) -> Any:
-        """Picklable ``obj`` of global rank ``src``, returned on every rank (slow path).
-
-        Default: the pickled length, then the bytes, broadcast as tensors."""
-        dev = self.device()
-        mine = self.rank() == src
-        data = _to_bytes(obj, dev) if mine else None
-        size = torch.tensor([data.numel() if mine else 0], dtype=torch.int64, device=dev)
-        self.broadcast(size, src, group)
-        buf = data if mine else torch.empty(int(size), dtype=torch.uint8, device=dev)
-        self.broadcast(buf, src, group)
-        return obj if mine else _from_bytes(buf)
 
     def collective_fallbacks(self) -> dict[str, str]:
         """Collectives emulated on this backend, name -> how (shown by ``hyperpar info``);
         default: none."""
         return {}
 
-    # ------------------------------------------------------------------ autograd collectives
-    def all_reduce_autograd(self, tensor: torch.Tensor, op: str = "sum",
-                            group: Group = None) -> torch.Tensor:
-        """Out of place, differentiable all-reduce (``sum`` or ``avg``).
-
-        Backward is the adjoint: the gradient w.r.t. each rank's input is the all-reduce (same
-        op) of every rank's output gradient.
-        """
-        return autograd.all_reduce(self, tensor, op, group)
-
-    def all_gather_autograd(self, tensor: torch.Tensor, dim: int = 0,
-                            group: Group = None) -> torch.Tensor:
-        """Differentiable all-gather along ``dim`` (equal shapes). Backward: reduce-scatter
-        (sum) of the output gradient along ``dim``."""
-        return autograd.all_gather(self, tensor, dim, group)
-
-    def reduce_scatter_autograd(self, tensor: torch.Tensor, dim: int = 0, op: str = "sum",
-                                group: Group = None) -> torch.Tensor:
-        """Differentiable reduce-scatter along ``dim`` (size divisible by the group size).
-        Backward: all-gather of the output gradient along ``dim`` (divided by n for ``avg``)."""
-        return autograd.reduce_scatter(self, tensor, dim, op, group)
-
-    def all_to_all_autograd(self, tensor: torch.Tensor, split_dim: int, concat_dim: int,
-                            group: Group = None) -> torch.Tensor:
-        """Differentiable all-to-all: split ``tensor`` into n equal chunks along ``split_dim``,
-        send chunk ``j`` to rank ``j``, concatenate received chunks along ``concat_dim``.
-        Backward: the all-to-all with the two dims swapped."""
-        return autograd.all_to_all(self, tensor, split_dim, concat_dim, group)
+    # ------------------------------------------------------------------ launching
+    @classmethod
+    def launch_workers(cls, opts: Any, env: dict[str, str], out: Any) -> int | None:
+        """Start ``hyperpar run``'s worker processes when the framework has its own launcher
+        (``opts``: :class:`hyperpar.launcher.LaunchOptions`; ``env``: variables every worker
+        gets; ``out``: where failures are reported). Return the exit status, or ``None`` (the
+        default) to let ``hyperpar run`` use torchrun."""
+        return None
 
     # ------------------------------------------------------------------ conveniences
     def describe(self) -> str:
@@ -428,14 +347,6 @@ class Platform(DimCollectives, abc.ABC):
 
 
 _NORM_NAME = re.compile(r"(RMS|Layer|Group|Batch|Instance)Norm", re.IGNORECASE)
-
-
-def _to_bytes(obj: Any, device: torch.device) -> torch.Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
-
-
-def _from_bytes(data: torch.Tensor) -> Any:
-    return pickle.loads(bytes(data.cpu().tolist()))
 
 
 def abstract_members() -> list[str]:

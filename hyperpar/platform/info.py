@@ -37,10 +37,13 @@ class InfoReport:
     device_count: int | None = None
     max_local_ranks: int | None = None
     fallbacks: dict[str, str] = field(default_factory=dict)
+    frameworks: dict[str, str] = field(default_factory=dict)
 
     def to_text(self) -> str:
+        versions = "".join(f"  {name} {v}" for name, v in self.frameworks.items()
+                           if v != "not installed") or "  (no tensor framework installed)"
         lines = [
-            f"hyperpar {self.hyperpar_version}  torch {self.torch_version}  "
+            f"hyperpar {self.hyperpar_version}{versions}  "
             f"python {self.python_version}  ({self.host})",
             "",
             "installed backends:",
@@ -53,7 +56,8 @@ class InfoReport:
                 f"collectives={row.dist_backend:<6} [{row.distribution}]  {state}"
             )
         if not self.backends:
-            lines.append("   none -- install one, e.g. `pip install hyperpar-cpu`")
+            lines.append("   none -- install one, e.g. `pip install hyperpar-cpu` (PyTorch) or "
+                         "`pip install hyperpar-mindspore` (MindSpore)")
         lines.append("")
         if self.selected:
             lines.append(f"selected: {self.selected}  (by {self.rule})")
@@ -74,14 +78,13 @@ class InfoReport:
 def collect_info() -> InfoReport:
     """Probe every installed backend and the current selection; never raises for a bad
     selection (the error is part of the report)."""
-    import torch
-
     from hyperpar import __version__
 
+    frameworks = framework_versions()
     report = InfoReport(
-        hyperpar_version=__version__, torch_version=torch.__version__,
+        hyperpar_version=__version__, torch_version=frameworks["torch"],
         python_version=sys.version.split()[0],
-        host=f"{_host.system()} {_host.machine()}",
+        host=f"{_host.system()} {_host.machine()}", frameworks=frameworks,
     )
     try:
         found = registry.backends()
@@ -107,3 +110,17 @@ def collect_info() -> InfoReport:
         report.selection_error = f"device_count() raised {exc!r}"
     report.fallbacks = platform.collective_fallbacks()
     return report
+
+
+def framework_versions() -> dict[str, str]:
+    """Installed version of each tensor framework a backend may use, without importing it
+    (``"not installed"`` where absent): ``hyperpar info`` must work with either one alone."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for dist in ("torch", "mindspore"):
+        try:
+            found[dist] = version(dist)
+        except PackageNotFoundError:
+            found[dist] = "not installed"
+    return found

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from . import health, traced
-from .base import REDUCE_OPS, Availability, Group, P2POp, Platform, Work
+from .base import REDUCE_OPS, Availability, Group, P2POp, Work
+from .torch_base import TorchPlatformBase
 
 _TORCH_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -78,7 +79,7 @@ class _ThenWork:
         return True
 
 
-class TorchPlatform(Platform):
+class TorchPlatform(TorchPlatformBase):
     """Shared PyTorch implementation of :class:`Platform` (abstract: no device of its own).
 
     Subclass attributes beyond the contract's:

@@ -25,8 +25,6 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from hyperpar.platform.health import diagnosis_grace_s
-
 DEFAULT_TIMEOUT_S = 120.0
 _ABORT_HINT = (" (SIGABRT: a native abort, e.g. the collective library finding that ranks sent "
                "different sizes; its stack is on the rank's stderr. Rerun with "
@@ -75,10 +73,13 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str | None,
     if backend:
         os.environ["HYPERPAR_BACKEND"] = backend
     try:
-        import torch
-
-        # Ranks share the machine's cores; oversubscribing them makes every test slower.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        try:
+            import torch
+        except ImportError:  # a MindSpore-only venv: its platform sets its own threads
+            torch = None
+        if torch is not None:
+            # Ranks share the machine's cores; oversubscribing them makes every test slower.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         if setup is not None:
             setup()
         from hyperpar.platform import get_platform
@@ -221,7 +222,12 @@ class WorkerPool:
         # on who is behind, within a grace period); leave time for that report to arrive.
         grace = 0.0
         if self.collective_timeout_s <= timeout_s:
-            grace = diagnosis_grace_s(self.collective_timeout_s) + 2.0
+            try:  # health.py is torch's collective diagnosis: imported here, where it applies
+                from hyperpar.platform.health import diagnosis_grace_s
+            except ImportError:  # no torch, no diagnosis to wait for
+                diagnosis_grace_s = None
+            if diagnosis_grace_s is not None:
+                grace = diagnosis_grace_s(self.collective_timeout_s) + 2.0
         deadline = time.monotonic() + timeout_s + grace
         while len(results) < self.world_size:
             try:

@@ -1,6 +1,7 @@
-"""A backend that implements only the abstract members gets working defaults for the rest:
-point-to-point calls, object collectives, the differentiable collectives, hooks and module
-detection. Checked with the conformance kit's own checks on 2 real processes."""
+"""A torch backend that implements only the abstract members gets working defaults for the
+rest: point-to-point calls (neutral contract), object collectives, the differentiable
+collectives, hooks and module detection (TorchPlatformBase). Checked with the conformance
+kit's own checks on 2 real processes."""
 
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ from hyperpar.platform import (
     hookimpl,
     register_plugin,
 )
+from hyperpar.platform.torch_base import TorchPlatformBase
 from hyperpar.testing import WorkerPool
 from hyperpar.testing.conformance import test_autograd, test_collectives
 
 
-class MinimalPlatform(Platform):
+class MinimalPlatform(TorchPlatformBase):
     """Forwards exactly the abstract members to the cpu backend; everything else is the
     Platform's default."""
 
@@ -68,7 +70,11 @@ def _inherits_the_defaults() -> list[str]:
     return [n for n in ("send", "recv", "isend", "irecv", "all_gather_object",
                         "broadcast_object", "all_gather_autograd", "register_forward_hook",
                         "is_linear", "memory_stats", "current_device")
-            if getattr(MinimalPlatform, n) is not getattr(Platform, n)]
+            if getattr(MinimalPlatform, n) is not getattr(TorchPlatformBase, n)]
+
+
+def test_the_torch_defaults_add_no_abstract_member():
+    assert set(TorchPlatformBase.__abstractmethods__) == set(Platform.__abstractmethods__)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,36 @@
+"""hyperpar backend for MindSpore: the Platform (collectives, groups, Cell hooks, devices) and
+tensor parallelism on ``nn.Cell`` models with hyperpar's plan syntax.
+
+>>> from hyperpar_mindspore import init_device_mesh, parallelize_module   # doctest: +SKIP
+>>> from hyperpar_mindspore import ColwiseParallel, RowwiseParallel       # doctest: +SKIP
+
+Names are resolved lazily: ``import hyperpar_mindspore`` does not import MindSpore.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "MindSporePlatform": ".platform",
+    "DeviceMesh": ".mesh",
+    "init_device_mesh": ".mesh",
+    "ParallelStyle": ".parallel",
+    "ColwiseParallel": ".parallel",
+    "RowwiseParallel": ".parallel",
+    "UnsupportedModuleError": ".parallel",
+    "parallelize_module": ".parallel",
+    "PlanKeyError": ".parallel",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hyperpar_mindspore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value

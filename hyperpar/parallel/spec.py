@@ -1,0 +1,222 @@
+"""What each tensor-parallel style *means*, written once for every framework.
+
+A style's meaning is data: which dim of each parameter is split, what layout the local compute
+produces, and what each module boundary communicates forward and backward. The mechanics --
+differentiable collectives, parameter swap, hooks -- belong to each framework (``style.py`` for
+PyTorch, ``hyperpar_mindspore.parallel`` for MindSpore Cells). This module imports no framework.
+
+Conventions (the weights' own layouts, as both frameworks store them):
+
+* linear: ``weight`` is ``(out_features, in_features)`` (``nn.Linear``, MindSpore ``nn.Dense``,
+  ``mint.nn.Linear``), ``bias`` is ``(out_features,)``;
+* embedding: ``weight`` is ``(num_embeddings, embedding_dim)``.
+
+Plan resolution (:func:`resolve_plan`) is here too: dotted paths with ``fnmatch`` wildcards per
+level, nested plans, and the error that names the closest paths when a key matches nothing.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from hyperpar.dtensor.placement import Partial, Placement, Replicate, Shard
+
+__all__ = [
+    "COLWISE",
+    "ROWWISE",
+    "Comm",
+    "PlanKeyError",
+    "StyleSpec",
+    "boundary",
+    "check_divisible",
+    "resolve_plan",
+]
+
+ModuleKind = Literal["linear", "embedding"]
+#: How the gradient of a replicated activation arrives: ``"partial"`` when the consumer is a
+#: sharded-weight compute (each rank holds a partial sum of it), ``"replicate"`` otherwise.
+GradKind = Literal["partial", "replicate"]
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One boundary's communication: the forward op and its backward (the adjoint).
+
+    Ops: ``"none"``, ``"all_gather"`` (along ``dim``), ``"reduce_scatter"`` (along ``dim``),
+    ``"all_reduce"``, ``"chunk"`` (keep this rank's piece along ``dim``: no communication),
+    ``"all_to_all"`` (split ``dim``, concatenate ``dim2``; backward swaps them).
+    """
+
+    forward: str
+    backward: str
+    dim: int | None = None
+    dim2: int | None = None
+
+    def __str__(self) -> str:
+        at = "" if self.dim is None else f"(dim={self.dim}" + (
+            "" if self.dim2 is None else f"->{self.dim2}") + ")"
+        return f"fwd {self.forward}{at}, bwd {self.backward}"
+
+
+def boundary(src: Placement, dst: Placement, grad: GradKind = "replicate") -> Comm:
+    """The communication that turns an activation laid out as ``src`` into ``dst``.
+
+    ``grad`` says how the gradient of a *replicated* result arrives (see :data:`GradKind`): a
+    replicated input to a column-parallel layer gets partial gradients (all-reduced or
+    reduce-scattered in backward, Megatron's ``f``); a replicated output consumed by replicated
+    code gets the full gradient (only this rank's piece is kept, Megatron's gather/split).
+    """
+    if src == dst:
+        if isinstance(dst, Replicate) and grad == "partial":
+            return Comm("none", "all_reduce")
+        return Comm("none", "none")
+    if isinstance(src, Shard) and isinstance(dst, Replicate):
+        return Comm("all_gather", "reduce_scatter" if grad == "partial" else "chunk", src.dim)
+    if isinstance(src, Replicate) and isinstance(dst, Shard):
+        return Comm("chunk", "all_gather", dst.dim)
+    if isinstance(src, Partial) and isinstance(dst, Replicate):
+        return Comm("all_reduce", "none")
+    if isinstance(src, Partial) and isinstance(dst, Shard):
+        return Comm("reduce_scatter", "all_gather", dst.dim)
+    if isinstance(src, Shard) and isinstance(dst, Shard):
+        return Comm("all_to_all", "all_to_all", src.dim, dst.dim)
+    raise ValueError(
+        f"no tensor-parallel boundary turns {src} into {dst}: a boundary may gather, reduce, "
+        f"scatter or re-shard an activation, not make one Partial; use Replicate() or Shard(d)"
+    )
+
+
+@dataclass(frozen=True)
+class StyleSpec:
+    """The framework-neutral meaning of one sharding style.
+
+    ``param_dims[kind][name]`` is the dim of parameter ``name`` split over the mesh dim
+    (``None``: kept whole, replicated). ``local_output[kind]`` is the layout of the output the
+    local compute produces from local shards. ``desired_input[kind]`` is the layout the local
+    compute needs, and ``input_grad`` how a replicated input's gradient arrives.
+    """
+
+    name: str
+    param_dims: Mapping[str, Mapping[str, int | None]]
+    local_output: Mapping[str, Placement]
+    desired_input: Mapping[str, Placement]
+    default_input: Placement
+    default_output: Placement
+    input_grad: Mapping[str, GradKind]
+
+    def kinds(self) -> tuple[str, ...]:
+        """Module kinds this style applies to."""
+        return tuple(self.param_dims)
+
+    def input_comm(self, kind: str, given: Placement | None = None) -> Comm:
+        """Forward/backward communication at the input of a ``kind`` module."""
+        src = self.default_input if given is None else given
+        return boundary(src, self.desired_input[kind], self.input_grad[kind])
+
+    def output_comm(self, kind: str, wanted: Placement | None = None) -> Comm:
+        """Forward/backward communication at the output of a ``kind`` module."""
+        dst = self.default_output if wanted is None else wanted
+        return boundary(self.local_output[kind], dst, "replicate")
+
+
+#: Column-wise: the output features (linear) / the embedding dim (embedding) are split. The input
+#: is replicated, so its gradient is a partial sum (all-reduced in backward); the local output is
+#: sharded on the last dim.
+COLWISE = StyleSpec(
+    name="ColwiseParallel",
+    param_dims={"linear": {"weight": 0, "bias": 0}, "embedding": {"weight": 1}},
+    local_output={"linear": Shard(-1), "embedding": Shard(-1)},
+    desired_input={"linear": Replicate(), "embedding": Replicate()},
+    default_input=Replicate(),
+    default_output=Shard(-1),
+    input_grad={"linear": "partial", "embedding": "replicate"},
+)
+
+#: Row-wise: the input features (linear) / the vocabulary (embedding) are split. A linear takes
+#: its input sharded on the last dim and produces partial sums (the bias, kept whole, is added
+#: once after the reduction); an embedding looks up the rows it holds (others give zeros), a
+#: partial sum too. The default output is replicated: an all-reduce forward, nothing backward.
+ROWWISE = StyleSpec(
+    name="RowwiseParallel",
+    param_dims={"linear": {"weight": 1, "bias": None}, "embedding": {"weight": 0}},
+    local_output={"linear": Partial(), "embedding": Partial()},
+    desired_input={"linear": Shard(-1), "embedding": Replicate()},
+    default_input=Shard(-1),
+    default_output=Replicate(),
+    input_grad={"linear": "replicate", "embedding": "replicate"},
+)
+
+
+def check_divisible(style: str, path: str, param: str, shape: Iterable[int], dim: int,
+                    n: int) -> None:
+    """Raise when ``param`` of ``path`` cannot be split evenly over ``n`` ranks along ``dim``."""
+    shape = tuple(shape)
+    size = shape[dim]
+    if size % n:
+        raise ValueError(
+            f"{style} on {path or '<root>'!r}: {param} of shape {shape} has size {size} on dim "
+            f"{dim}, not divisible by the {n} tensor-parallel ranks; pick a size divisible by {n}"
+            f" or a tensor-parallel degree that divides {size}"
+        )
+
+
+# --------------------------------------------------------------------------- plans
+class PlanKeyError(ValueError):
+    """A ``parallelize_plan`` key matched no submodule."""
+
+
+def _generic(names: Iterable[str]) -> list[str]:
+    names = list(names)
+    generic = {re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", n) for n in names}
+    return sorted(set(names) | generic)
+
+
+def resolve_plan(module: Any, plan: Any, *, children: Callable[[Any], Iterable[tuple[str, Any]]],
+                 is_style: Callable[[Any], bool], prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """``(path, submodule, style)`` for every entry of ``plan``, nested plans expanded, in
+    application order. ``children(m)`` lists ``(name, child)`` pairs (``named_children`` on
+    torch, ``name_cells().items()`` on MindSpore). Raises before anything is changed: a key
+    that matches nothing names the closest paths."""
+    if is_style(plan):
+        return [(prefix, module, plan)]
+    if not isinstance(plan, Mapping):
+        what = "parallelize_plan" if not prefix else f"plan entry for {prefix!r}"
+        raise TypeError(f"{what} must be a ParallelStyle or a dict {{fqn: style}}, got "
+                        f"{type(plan).__module__}.{type(plan).__name__}")
+    entries: list[tuple[str, Any, Any]] = []
+    for key, style in plan.items():
+        if not isinstance(key, str):
+            raise PlanKeyError(f"plan keys must be module paths (str), got {key!r}")
+        if key == "":
+            entries += resolve_plan(module, style, children=children, is_style=is_style,
+                                    prefix=prefix)
+            continue
+        found = [("", module)]
+        for atom in key.split("."):
+            found = [(f"{p}.{name}" if p else name, child) for p, parent in found
+                     for name, child in children(parent) if fnmatch.fnmatchcase(name, atom)]
+        if not found:
+            close = difflib.get_close_matches(key, _generic(_all_paths(module, children)), n=3,
+                                              cutoff=0.4)
+            where = f" under {prefix!r}" if prefix else ""
+            hint = ", ".join(repr(c) for c in close) or "(no similar paths)"
+            raise PlanKeyError(f"plan key {key!r} matched nothing{where} in "
+                               f"{type(module).__name__}; closest: {hint}")
+        for fqn, sub in found:
+            entries += resolve_plan(sub, style, children=children, is_style=is_style,
+                                    prefix=f"{prefix}.{fqn}" if prefix else fqn)
+    return entries
+
+
+def _all_paths(module: Any, children: Callable[[Any], Iterable[tuple[str, Any]]],
+               prefix: str = "") -> list[str]:
+    out = []
+    for name, child in children(module):
+        path = f"{prefix}.{name}" if prefix else name
+        out += [path, *_all_paths(child, children, path)]
+    return out
