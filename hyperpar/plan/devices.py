@@ -24,7 +24,10 @@ class DeviceProfile:
     """Peak figures of one device and its links (bytes/s per direction per device).
 
     ``intra_*`` describe links inside a node (NVLink, HCCS, shared memory), ``inter_*`` the
-    network between nodes, per device. ``alpha`` is the fixed latency of one ring step."""
+    network between nodes, per device. ``alpha`` is the fixed latency of one ring step.
+    ``layer_overhead_s`` is what one decoder layer's forward + backward costs beyond its FLOPs
+    (kernel launches, Python, hooks): negligible for large models on accelerators, dominant for
+    the tiny models ``--measure`` runs on a cpu."""
 
     name: str
     flops_bf16: float          # peak dense FLOP/s in bf16/fp16
@@ -37,6 +40,8 @@ class DeviceProfile:
     inter_alpha_s: float = 15e-6
     compute_efficiency: float = 0.45
     link_efficiency: float = 0.7
+    layer_overhead_s: float = 0.0  # fixed cost of one layer's forward+backward (launches,
+    #                                Python); 0 for the datasheet profiles, measured on cpu
     source: str = "datasheet"
 
     def flops(self, dtype: str) -> float:

@@ -41,7 +41,7 @@ def measurable(layout: Layout) -> bool:
     return layout.pp == 1 and layout.dp_replicate == 1 and layout.world in MEASURABLE_WORLDS
 
 
-def _worker(example: str, layout: dict[str, Any], seq_len: int, global_batch: int,
+def _worker(example: str | dict[str, int], layout: dict[str, Any], seq_len: int, global_batch: int,
             steps: int, warmup: int) -> dict[str, float]:
     import torch
     import torch.nn.functional as F
@@ -55,7 +55,8 @@ def _worker(example: str, layout: dict[str, Any], seq_len: int, global_batch: in
 
     pf = get_platform()
     lay = Layout(**layout)
-    args = llama.ModelArgs(**{**EXAMPLES[example], "max_seq_len": seq_len})
+    sizes = EXAMPLES[example] if isinstance(example, str) else example
+    args = llama.ModelArgs(**{**sizes, "max_seq_len": seq_len})
     mesh = init_device_mesh((lay.dp_shard, lay.tp), mesh_dim_names=("dp_shard", "tp"))
     model = llama.build(args, seed=0)
     if lay.tp > 1:
@@ -102,9 +103,10 @@ def _worker(example: str, layout: dict[str, Any], seq_len: int, global_batch: in
     return {"states": float(states), "step_ms": statistics.median(times) * 1e3}
 
 
-def measure_layout(example: str, layout: Layout, run: Run, *, steps: int = 5,
-                   warmup: int = 2) -> dict[str, float]:
-    """Run ``layout`` for real on ``layout.world`` cpu processes; rank 0's figures."""
+def measure_layout(example: str | dict[str, int], layout: Layout, run: Run, *,
+                   steps: int = 5, warmup: int = 2) -> dict[str, float]:
+    """Run ``layout`` for real on ``layout.world`` cpu processes; rank 0's figures.
+    ``example``: ``tiny``/``llama``, or a dict of ``examples/llama`` ``ModelArgs`` sizes."""
     from hyperpar.testing import run_distributed
 
     fields = {k: getattr(layout, k) for k in ("dp_replicate", "dp_shard", "tp", "pp",
@@ -116,7 +118,8 @@ def measure_layout(example: str, layout: Layout, run: Run, *, steps: int = 5,
 
 def calibrate_cpu(ranks: int, size: int = 256, repeats: int = 20) -> DeviceProfile:
     """A cpu profile from this machine: matmul FLOP/s of one process while ``ranks`` run at
-    once (they share the cores), and gloo all-reduce latency and bandwidth (alpha, beta)."""
+    once (they share the cores), one tiny layer's forward + backward (the fixed cost per
+    layer), and gloo all-reduce latency and bandwidth (alpha, beta)."""
     from hyperpar.testing import run_distributed
 
     res = run_distributed(_calibrate_worker, ranks, size, repeats, backend="cpu",
@@ -126,7 +129,30 @@ def calibrate_cpu(ranks: int, size: int = 256, repeats: int = 20) -> DeviceProfi
         flops_fp32=res["flops"], memory_bytes=16 * 2**30, hbm_bytes_per_s=res["mem_bw"],
         intra_bytes_per_s=res["bw"], inter_bytes_per_s=res["bw"], intra_alpha_s=res["alpha"],
         inter_alpha_s=res["alpha"], compute_efficiency=1.0, link_efficiency=1.0,
+        layer_overhead_s=res["overhead"],
         source="measured by hyperpar plan --measure")
+
+
+def _layer_overhead_s(repeats: int) -> float:
+    """Forward + backward of one example decoder layer so small that its FLOPs are nothing:
+    what a layer costs in op dispatch, autograd and Python on this machine."""
+    import torch
+
+    _examples_path()
+    from examples.llama import model as llama
+
+    args = llama.ModelArgs(vocab_size=8, dim=8, n_layers=1, n_heads=2, ffn_hidden=8,
+                           max_seq_len=4)
+    block = llama.TransformerBlock(args)
+    cos, sin = llama.rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+    x = torch.randn(1, 4, 8, requires_grad=True)
+    times = []
+    for i in range(repeats + 3):
+        start = time.perf_counter()
+        block(x, cos, sin).sum().backward()
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _calibrate_worker(size: int, repeats: int) -> dict[str, float]:
@@ -135,6 +161,7 @@ def _calibrate_worker(size: int, repeats: int) -> dict[str, float]:
     from hyperpar.platform import get_platform
 
     pf = get_platform()
+    overhead = _layer_overhead_s(repeats)
     a, b = torch.randn(size, size), torch.randn(size, size)
     for _ in range(3):
         a @ b
@@ -164,7 +191,7 @@ def _calibrate_worker(size: int, repeats: int) -> dict[str, float]:
     ring = 2 * (world - 1)
     alpha = small / ring
     bw = 2 * (world - 1) / world * large_t.numel() * 4 / max(large - small, 1e-9)
-    return {"flops": flops, "mem_bw": mem_bw, "alpha": alpha, "bw": bw}
+    return {"flops": flops, "mem_bw": mem_bw, "alpha": alpha, "bw": bw, "overhead": overhead}
 
 
 def measure_top(result: PlanResult, spec: ModelSpec, args: argparse.Namespace,

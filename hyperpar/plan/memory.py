@@ -12,6 +12,7 @@ gathers bf16 copies). FSDP buffers and activations are estimates; see docs/plann
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .layout import Layout, Run
 from .model import ModelSpec, ParamTensor
@@ -47,18 +48,39 @@ def gathered_numel(t: ParamTensor, tp: int, dp_shard: int) -> int:
     return dp_shard * local_numel(t, tp, dp_shard)
 
 
-def stage_tensors(spec: ModelSpec, layout: Layout, stage: int) -> tuple[list[ParamTensor],
-                                                                       list[list[ParamTensor]]]:
-    """(all tensors of ``stage``, its fully_shard units: one per layer, one root unit)."""
-    per_stage = spec.num_layers // layout.pp
-    blocks = [spec.block_tensors() for _ in range(per_stage)]
+@dataclass(frozen=True)
+class StageParams:
+    """Elements of one pipeline stage's parameters on rank 0: ``local`` (the shards it keeps)
+    and per fully_shard unit (one per layer, one root unit for embedding/norm/head) the padded
+    all-gather size."""
+
+    local: int
+    unit_gathered: tuple[int, ...]  # distinct unit sizes: (block, root) or (block,)
+    units: int
+
+
+@lru_cache(maxsize=4096)
+def _group_numels(spec: ModelSpec, tensors: tuple[ParamTensor, ...], tp: int,
+                  ds: int) -> tuple[int, int]:
+    return (sum(local_numel(t, tp, ds) for t in tensors),
+            sum(gathered_numel(t, tp, ds) for t in tensors))
+
+
+@lru_cache(maxsize=65536)
+def stage_params(spec: ModelSpec, tp: int, dp_shard: int, pp: int, stage: int) -> StageParams:
+    """The parameters of ``stage`` (layers split evenly; embedding on the first stage, norm and
+    head on the last). Layers are identical, so one is computed and multiplied."""
+    per_stage = spec.num_layers // pp
+    block_local, block_gathered = _group_numels(spec, tuple(spec.block_tensors()), tp, dp_shard)
     root: list[ParamTensor] = []
     if stage == 0:
         root += spec.embed_tensors()
-    if stage == layout.pp - 1:
-        root += spec.final_tensors(pipeline=layout.pp > 1)
-    units = blocks + ([root] if root else [])
-    return [t for u in units for t in u], units
+    if stage == pp - 1:
+        root += spec.final_tensors(pipeline=pp > 1)
+    root_local, root_gathered = _group_numels(spec, tuple(root), tp, dp_shard)
+    units = (block_gathered,) * (per_stage > 0) + ((root_gathered,) if root else ())
+    return StageParams(local=per_stage * block_local + root_local, unit_gathered=units,
+                       units=per_stage + (1 if root else 0))
 
 
 @dataclass(frozen=True)
@@ -121,9 +143,9 @@ def layer_activation_elems(spec: ModelSpec, layout: Layout) -> tuple[float, floa
 
 
 def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memory:
-    tensors, units = stage_tensors(spec, layout, stage)
     tp, ds = layout.tp, layout.dp_shard
-    local = sum(local_numel(t, tp, ds) for t in tensors)
+    sp = stage_params(spec, tp, ds, layout.pp, stage)
+    local = sp.local
     cb = run.compute_bytes
     params = local * MASTER_BYTES
     if ds == 1 and cb != MASTER_BYTES:
@@ -132,7 +154,7 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
     optimizer = local * MASTER_BYTES * run.optimizer_states
     buffers = 0
     if ds > 1:
-        biggest = max(sum(gathered_numel(t, tp, ds) for t in u) for u in units)
+        biggest = max(sp.unit_gathered)
         # the unit in use, the one prefetched ahead, and one unit's unsharded gradients
         buffers = 3 * biggest * cb
     tokens = microbatch_tokens(run, layout)

@@ -177,8 +177,12 @@ def example_spec(name: str) -> ModelSpec:
     if name not in EXAMPLES:
         raise ValueError(f"hyperpar plan: unknown example {name!r}; choose one of "
                          f"{sorted(EXAMPLES)}")
-    a = EXAMPLES[name]
-    return ModelSpec(name=f"examples/llama {name}", hidden_size=a["dim"],
-                     intermediate_size=a["ffn_hidden"], num_layers=a["n_layers"],
-                     num_heads=a["n_heads"], num_kv_heads=a["n_heads"],
-                     vocab_size=a["vocab_size"])
+    return spec_from_model_args(EXAMPLES[name], name=f"examples/llama {name}")
+
+
+def spec_from_model_args(a: dict[str, int], name: str = "examples/llama") -> ModelSpec:
+    """The spec of ``examples/llama/model.py``'s ``ModelArgs(**a)`` (keys ``vocab_size``,
+    ``dim``, ``n_layers``, ``n_heads``, ``ffn_hidden``)."""
+    return ModelSpec(name=name, hidden_size=a["dim"], intermediate_size=a["ffn_hidden"],
+                     num_layers=a["n_layers"], num_heads=a["n_heads"],
+                     num_kv_heads=a["n_heads"], vocab_size=a["vocab_size"])

@@ -135,8 +135,11 @@ def plot(result: PlanResult, path: str | Path, *, force_svg: bool = False) -> Pa
     if pts:
         ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=8, c="#9aa", label="fits")
         ax.plot([p[0] for p in fpts], [p[1] for p in fpts], "o-", c="#c33", label="frontier")
-        for x, y, name in fpts[:8]:
-            ax.annotate(name, (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        # label the fastest few and the leanest: the ends of the trade-off
+        for i, (x, y, name) in enumerate(fpts[:3] + fpts[-1:]):
+            ax.annotate(name, (x, y), fontsize=7, xytext=(6, 10 + 12 * i),
+                        textcoords="offset points", arrowprops={"arrowstyle": "-", "lw": 0.5})
+        ax.set_yscale("log")
     ax.axvline(result.run.device_memory / 2**30, ls="--", c="k", lw=0.8, label="device memory")
     ax.set_xlabel("peak memory per rank (GiB)")
     ax.set_ylabel("predicted step time (ms)")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from .devices import DeviceProfile
 from .layout import Layout, Run
-from .memory import Memory, gathered_numel, local_numel, microbatch_tokens, stage_tensors
+from .memory import Memory, microbatch_tokens, stage_params
 from .model import ModelSpec
 
 
@@ -115,19 +115,24 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
     # fully_shard: all-gather each unit forward and backward, reduce-scatter its gradients,
     # every microbatch; prefetching one unit ahead hides it behind compute except the first.
     stage = memory.stage
-    tensors, units = stage_tensors(spec, layout, stage)
     ds, dr = layout.dp_shard, layout.dp_replicate
+    sp = stage_params(spec, tp, ds, pp, stage)
     fsdp_mb_exposed = 0.0
     if ds > 1:
         link = link_for("dp_shard", layout, run, profile)
-        unit_bytes = [sum(gathered_numel(t, tp, ds) for t in u) * cb for u in units]
-        per_mb = sum(2 * link.ring(ds, b, "ag") + link.ring(ds, b, "rs") for b in unit_bytes)
-        first = link.ring(ds, unit_bytes[0], "ag")
+        # units of a stage: its layers (all the same size) and the root unit, if any
+        counts = [spec.num_layers // pp] + [sp.units - spec.num_layers // pp]
+        unit_bytes = [(n, b * cb) for n, b in zip(counts, sp.unit_gathered, strict=False)]
+        per_mb = sum(n * (2 * link.ring(ds, b, "ag") + link.ring(ds, b, "rs"))
+                     for n, b in unit_bytes)
+        first = link.ring(ds, unit_bytes[0][1], "ag")
         fsdp_mb_exposed = max(0.0, per_mb - compute_mb) + first
-        comm["dp_shard"] = m * sum(2 * wire_bytes(ds, b, "ag") + wire_bytes(ds, b, "rs")
-                                   for b in unit_bytes)
+        comm["dp_shard"] = m * sum(n * (2 * wire_bytes(ds, b, "ag") + wire_bytes(ds, b, "rs"))
+                                   for n, b in unit_bytes)
 
-    tau = compute_mb + tp_mb + pp_mb + fsdp_mb_exposed
+    ac_factor = 4 / 3 if layout.activation_checkpointing else 1.0  # one more forward
+    overhead_mb = layers * profile.layer_overhead_s * ac_factor
+    tau = compute_mb + overhead_mb + tp_mb + pp_mb + fsdp_mb_exposed
     slots = m + pp - 1
     pipe = slots * tau
     bubble = (pp - 1) * tau
@@ -136,7 +141,7 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
     # launched during the last microbatch's backward (2/3 of its compute).
     dp_exposed = 0.0
     if dr > 1:
-        grad_bytes = sum(local_numel(t, tp, ds) for t in tensors) * cb
+        grad_bytes = sp.local * cb
         t_ar = link_for("dp_replicate", layout, run, profile).ring(dr, grad_bytes, "ar")
         dp_exposed = max(0.0, t_ar - 2 / 3 * compute_mb)
         comm["dp_replicate"] = wire_bytes(dr, grad_bytes, "ar")
