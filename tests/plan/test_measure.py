@@ -34,7 +34,7 @@ def test_uneven_fully_shard_padding_is_exact_on_2_ranks() -> None:
     from hyperpar.plan.model import spec_from_model_args
 
     # odd row counts: rank 0 holds ceil(rows / 2) of the embedding (65), w1/w3 (71)
-    sizes = {"vocab_size": 65, "dim": 36, "n_layers": 2, "n_heads": 4, "ffn_hidden": 71}
+    sizes = {"vocab_size": 65, "dim": 40, "n_layers": 2, "n_heads": 4, "ffn_hidden": 71}
     layout = Layout(dp_shard=2)
     run = Run(world=2, seq_len=8, global_batch=2, param_dtype="float32")
     got = measure_layout(sizes, layout, run, steps=1, warmup=0)
