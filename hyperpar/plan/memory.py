@@ -154,9 +154,10 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
     optimizer = local * MASTER_BYTES * run.optimizer_states
     buffers = 0
     if ds > 1:
-        biggest = max(sp.unit_gathered)
-        # the unit in use, the one prefetched ahead, and one unit's unsharded gradients
-        buffers = 3 * biggest * cb
+        # a layer in use, the one prefetched ahead and one layer's unsharded gradients; the
+        # root unit (embedding, norm, head) stays gathered from its forward to its backward
+        block, *root = sp.unit_gathered
+        buffers = (3 * block + sum(root)) * cb
     tokens = microbatch_tokens(run, layout)
     full, saved = layer_activation_elems(spec, layout)
     layers = spec.num_layers // layout.pp

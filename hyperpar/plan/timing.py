@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from .devices import DeviceProfile
 from .layout import Layout, Run
-from .memory import Memory, microbatch_tokens, stage_params
+from .memory import MASTER_BYTES, Memory, microbatch_tokens, stage_params
 from .model import ModelSpec
 
 
@@ -63,6 +63,71 @@ def step_flops(spec: ModelSpec, run: Run, activation_checkpointing: bool) -> flo
     return factor * spec.matmul_parameters * tokens + factor / 2 * attn_fwd * tokens
 
 
+@dataclass(frozen=True)
+class Collective:
+    """``count`` collectives of kind ``ag``/``rs``/``ar``/``p2p`` along mesh dim ``dim``, each
+    moving a full tensor of ``nbytes`` (the gathered size for all-gather, the unreduced input
+    for reduce-scatter), issued once per ``microbatch`` or once per ``step``."""
+
+    dim: str
+    kind: str
+    nbytes: float
+    count: int
+    per: str  # "microbatch" or "step"
+    what: str
+
+    def per_step(self, microbatches: int) -> float:
+        return self.count * (microbatches if self.per == "microbatch" else 1)
+
+
+def collectives(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> list[Collective]:
+    """Every collective one rank of ``stage`` issues in a step, as hyperpar's styles and
+    fully_shard issue them (checked against the simulation backend in tests/plan)."""
+    tp, pp, ds, dr = layout.tp, layout.pp, layout.dp_shard, layout.dp_replicate
+    cb = run.compute_bytes
+    tokens = microbatch_tokens(run, layout)
+    layers = spec.num_layers // pp
+    first, last = stage == 0, stage == pp - 1
+    out: list[Collective] = []
+    if tp > 1:
+        act = tokens * spec.hidden_size * cb
+        # sequence parallel: per layer 2 all-gathers + 2 reduce-scatters forward, the same
+        # backward, and again in a recomputed forward
+        passes = 3 if layout.activation_checkpointing else 2
+        out += [Collective("tp", "ag", act, 2 * passes * layers, "microbatch", "layer inputs"),
+                Collective("tp", "rs", act, 2 * passes * layers, "microbatch", "layer outputs")]
+        if first:  # vocab-parallel embedding: reduce-scatter out, all-gather its gradient back
+            out += [Collective("tp", "rs", act, 1, "microbatch", "embedding output"),
+                    Collective("tp", "ag", act, 1, "microbatch", "embedding grad")]
+        if last:  # head input gathered (grad reduce-scattered), logits gathered to replicate
+            out += [Collective("tp", "ag", act, 1, "microbatch", "head input"),
+                    Collective("tp", "rs", act, 1, "microbatch", "head input grad"),
+                    Collective("tp", "ag", tokens * spec.vocab_size * cb, 1, "microbatch",
+                               "logits")]
+        # norm weights see a sequence slice: their gradients are all-reduced over tp
+        norms = 2 * layers + (1 if last else 0)
+        out.append(Collective("tp", "ar", spec.hidden_size * MASTER_BYTES, norms, "step",
+                              "norm weight grads"))
+    if pp > 1:
+        msg = tokens * spec.hidden_size * cb / (tp if layout.sequence_parallel else 1)
+        # messages sent: the activation to the next stage, the input gradient to the previous
+        sends = (0 if last else 1) + (0 if first else 1)
+        out.append(Collective("pp", "p2p", msg, sends, "microbatch", "activations/grads"))
+    sp = stage_params(spec, tp, ds, pp, stage)
+    if ds > 1:
+        block, *root = sp.unit_gathered
+        # each layer: all-gather forward and again backward, reduce-scatter its gradients;
+        # the root unit stays gathered from forward to backward
+        out += [Collective("dp_shard", "ag", block * cb, 2 * layers, "microbatch", "layers"),
+                Collective("dp_shard", "rs", block * cb, layers, "microbatch", "layer grads")]
+        for r in root:
+            out += [Collective("dp_shard", "ag", r * cb, 1, "microbatch", "root"),
+                    Collective("dp_shard", "rs", r * cb, 1, "microbatch", "root grads")]
+    if dr > 1:
+        out.append(Collective("dp_replicate", "ar", sp.local * cb, 1, "step", "grads"))
+    return out
+
+
 @dataclass
 class StepTime:
     """Predicted seconds of one step and what each part costs (seconds, per rank)."""
@@ -84,51 +149,35 @@ class StepTime:
 
 def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
               memory: Memory) -> StepTime:
-    m, pp, tp = layout.microbatches, layout.pp, layout.tp
-    cb = run.compute_bytes
+    m, pp = layout.microbatches, layout.pp
     rate = profile.flops(run.param_dtype)
     compute_step = step_flops(spec, run, layout.activation_checkpointing) / run.world / rate
     compute_mb = compute_step / m
-    tokens = microbatch_tokens(run, layout)
     layers = spec.num_layers // pp
+    colls = collectives(spec, run, layout, memory.stage)
     comm: dict[str, float] = {"tp": 0.0, "dp_shard": 0.0, "dp_replicate": 0.0, "pp": 0.0}
+    for c in colls:
+        comm[c.dim] += c.per_step(m) * (c.nbytes if c.kind == "p2p"
+                                        else wire_bytes(layout.size(c.dim), c.nbytes, c.kind))
 
-    # tensor (+sequence) parallel: per layer 2 all-gathers + 2 reduce-scatters forward and
-    # backward (2 all-reduces each way without sp); repeated in the recomputed forward.
-    tp_mb = 0.0
-    if tp > 1:
-        act_bytes = tokens * spec.hidden_size * cb
-        passes = 3 if layout.activation_checkpointing else 2
-        link = link_for("tp", layout, run, profile)
-        per_layer = 2 * (link.ring(tp, act_bytes, "ag") + link.ring(tp, act_bytes, "rs"))
-        tp_mb = passes * layers * per_layer
-        comm["tp"] = m * passes * layers * 2 * (wire_bytes(tp, act_bytes, "ag")
-                                                + wire_bytes(tp, act_bytes, "rs"))
+    def seconds(c: Collective) -> float:
+        link = link_for(c.dim, layout, run, profile)
+        return link.p2p(c.nbytes) if c.kind == "p2p" else link.ring(layout.size(c.dim),
+                                                                    c.nbytes, c.kind)
 
-    # pipeline: one activation forward and one gradient backward per microbatch and boundary
-    pp_mb = 0.0
-    if pp > 1:
-        msg = tokens * spec.hidden_size * cb / (tp if layout.sequence_parallel else 1)
-        pp_mb = 2 * link_for("pp", layout, run, profile).p2p(msg)
-        comm["pp"] = 2 * m * msg
-
-    # fully_shard: all-gather each unit forward and backward, reduce-scatter its gradients,
-    # every microbatch; prefetching one unit ahead hides it behind compute except the first.
-    stage = memory.stage
-    ds, dr = layout.dp_shard, layout.dp_replicate
-    sp = stage_params(spec, tp, ds, pp, stage)
+    # on the critical path, per microbatch: tensor-parallel and pipeline messages
+    tp_mb = sum(seconds(c) * c.count for c in colls if c.dim == "tp" and c.per == "microbatch")
+    tp_step = sum(seconds(c) * c.count for c in colls if c.dim == "tp" and c.per == "step")
+    # pipeline: a stage waits for one activation forward and one gradient backward
+    pp_mb = sum(2 * seconds(c) for c in colls if c.dim == "pp")
+    # fully_shard: prefetching one unit ahead hides its collectives behind compute, all but
+    # the first all-gather and whatever exceeds the compute
+    fsdp = [c for c in colls if c.dim == "dp_shard"]
     fsdp_mb_exposed = 0.0
-    if ds > 1:
-        link = link_for("dp_shard", layout, run, profile)
-        # units of a stage: its layers (all the same size) and the root unit, if any
-        counts = [spec.num_layers // pp] + [sp.units - spec.num_layers // pp]
-        unit_bytes = [(n, b * cb) for n, b in zip(counts, sp.unit_gathered, strict=False)]
-        per_mb = sum(n * (2 * link.ring(ds, b, "ag") + link.ring(ds, b, "rs"))
-                     for n, b in unit_bytes)
-        first = link.ring(ds, unit_bytes[0][1], "ag")
+    if fsdp:
+        per_mb = sum(seconds(c) * c.count for c in fsdp)
+        first = seconds(fsdp[0])
         fsdp_mb_exposed = max(0.0, per_mb - compute_mb) + first
-        comm["dp_shard"] = m * sum(n * (2 * wire_bytes(ds, b, "ag") + wire_bytes(ds, b, "rs"))
-                                   for n, b in unit_bytes)
 
     ac_factor = 4 / 3 if layout.activation_checkpointing else 1.0  # one more forward
     overhead_mb = layers * profile.layer_overhead_s * ac_factor
@@ -140,15 +189,13 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
     # data-parallel replicas: one all-reduce of the (sharded) gradients per step, in buckets
     # launched during the last microbatch's backward (2/3 of its compute).
     dp_exposed = 0.0
-    if dr > 1:
-        grad_bytes = sp.local * cb
-        t_ar = link_for("dp_replicate", layout, run, profile).ring(dr, grad_bytes, "ar")
+    if layout.dp_replicate > 1:
+        t_ar = sum(seconds(c) * c.count for c in colls if c.dim == "dp_replicate")
         dp_exposed = max(0.0, t_ar - 2 / 3 * compute_mb)
-        comm["dp_replicate"] = wire_bytes(dr, grad_bytes, "ar")
 
     # optimizer: memory-bound, reads and writes params, grads and states once
     optimizer = 2 * memory.states / profile.hbm_bytes_per_s
-    total = pipe + dp_exposed + optimizer
+    total = pipe + tp_step + dp_exposed + optimizer
     return StepTime(step_s=total, compute_s=compute_step, bubble_s=bubble, tp_s=tp_mb * m,
                     pp_s=pp_mb * m, fsdp_exposed_s=fsdp_mb_exposed * m, dp_exposed_s=dp_exposed,
                     optimizer_s=optimizer, comm_bytes=comm)
