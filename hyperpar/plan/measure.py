@@ -1,9 +1,10 @@
 """``hyperpar plan --measure``: run layouts for real on this machine's cpu and compare.
 
-Each measured layout runs the example Llama (``examples/llama``) on real gloo processes through
-:func:`hyperpar.testing.run_distributed`, laid out with the real ``parallelize_module`` (the
-tensor + sequence parallel plan) and ``fully_shard`` (every block, then the root), trains
-with AdamW, and reports:
+Each measured layout runs the example Llama (``examples/llama``) on real processes of the
+selected backend (``HYPERPAR_BACKEND``; the cpu backend, gloo, on a machine without
+accelerators) through :func:`hyperpar.testing.run_distributed`, laid out with the real
+``parallelize_module`` (the tensor + sequence parallel plan) and ``fully_shard`` (every block,
+then the root), trains with AdamW, and reports:
 
 * ``states``: bytes of the local parameter shards, their gradients and the optimizer states
   (``exp_avg``, ``exp_avg_sq``) on rank 0 -- the figure the memory model gives exactly;
@@ -112,7 +113,7 @@ def measure_layout(example: str | dict[str, int], layout: Layout, run: Run, *,
     fields = {k: getattr(layout, k) for k in ("dp_replicate", "dp_shard", "tp", "pp",
                                                "microbatches", "activation_checkpointing")}
     out = run_distributed(_worker, layout.world, example, fields, run.seq_len,
-                          run.global_batch, steps, warmup, backend="cpu", timeout_s=300)
+                          run.global_batch, steps, warmup, timeout_s=300)
     return out[0]
 
 
@@ -122,7 +123,7 @@ def calibrate_cpu(ranks: int, size: int = 256, repeats: int = 20) -> DeviceProfi
     layer), and gloo all-reduce latency and bandwidth (alpha, beta)."""
     from hyperpar.testing import run_distributed
 
-    res = run_distributed(_calibrate_worker, ranks, size, repeats, backend="cpu",
+    res = run_distributed(_calibrate_worker, ranks, size, repeats,
                           timeout_s=300)[0]
     return DeviceProfile(
         name=f"this cpu, {ranks} processes (measured)", flops_bf16=res["flops"],
