@@ -95,3 +95,27 @@ def test_sim_pure_fully_shard_over_1024_ranks() -> None:
     assert 4 * got["local"] == mem.params
     assert 16 * got["local"] == mem.states  # fp32 AdamW: 16 bytes per local element
     assert mem.states > 16 * spec.parameters / 1024  # padding of the uneven shards on rank 0
+
+
+def test_sim_collectives_keep_shapes_and_record_bytes() -> None:
+    with hyperpar_sim.simulate(world=8, rank=5) as sim:
+        group = sim.new_group([4, 5, 6, 7])
+        assert (sim.rank(group), sim.world_size(group), sim.rank()) == (1, 4, 5)
+        x = torch.arange(6.0).reshape(3, 2)
+        out = torch.empty(12, 2)
+        sim.all_gather_into_tensor(out, x, group=group)
+        assert torch.equal(out, x.repeat(4, 1))
+        rs = torch.empty(3, 2)
+        sim.reduce_scatter_tensor(rs, out, group=group)
+        assert torch.equal(rs, out[3:6])  # this rank's rows (group rank 1)
+        with pytest.raises(ValueError, match="not 4 x input"):
+            sim.all_gather_into_tensor(torch.empty(5, 2), x, group=group)
+        assert [(r.op, r.nbytes, r.group) for r in sim.records] == [
+            ("all_gather", 96, (4, 5, 6, 7)), ("reduce_scatter", 96, (4, 5, 6, 7))]
+        assert sim.rank(sim.new_group([0, 1])) == -1
+
+
+def test_sim_rank_outside_the_world_is_an_error() -> None:
+    with pytest.raises(ValueError, match="rank 8 of world 8 is impossible"):
+        with hyperpar_sim.simulate(world=8, rank=8):
+            pass
