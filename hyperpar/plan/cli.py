@@ -68,8 +68,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, metavar="OUT.png|svg",
                    help="write the frontier plot (peak memory vs step time)")
     p.add_argument("--measure", action="store_true",
-                   help="run the best layouts that fit this machine for real on the cpu "
-                        "backend (2 and 4 ranks) and print predicted vs measured")
+                   help="run the best layouts that fit this machine for real (2 and 4 ranks "
+                        "of the selected backend; needs --example) and print predicted vs "
+                        "measured")
+    p.add_argument("--save-profile", default=None, metavar="FILE",
+                   help="with --measure: write the profile calibrated on this machine (2 "
+                        "ranks) as JSON, for --profile")
 
 
 def run(args: argparse.Namespace) -> int:

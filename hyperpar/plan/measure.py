@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .devices import DeviceProfile
+from .devices import DeviceProfile, save_profile
 from .layout import Layout, Run
 from .model import EXAMPLES, ModelSpec
 from .search import PlanResult, plan
@@ -208,6 +208,9 @@ def measure_top(result: PlanResult, spec: ModelSpec, args: argparse.Namespace,
                   param_dtype="float32", optimizer="adamw", gpus_per_node=world,
                   device_memory=result.run.device_memory)
         profile = calibrate_cpu(world)
+        if world == MEASURABLE_WORLDS[0] and getattr(args, "save_profile", None):
+            save_profile(profile, args.save_profile)
+            print(f"wrote {args.save_profile}")
         local = plan(spec, run, profile)
         picked = [c for c in local.ranked if measurable(c.layout)][:per_world]
         for c in picked:

@@ -95,3 +95,16 @@ def test_planner_imports_no_framework() -> None:
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_profile_file_round_trips_and_bad_keys_are_named(tmp_path, capsys) -> None:
+    from hyperpar.plan.devices import get_profile, load_profile, save_profile
+
+    path = tmp_path / "mine.json"
+    save_profile(get_profile("a100"), path)
+    assert load_profile(path) == get_profile("a100")
+    assert main(_plan("--profile", str(path))) == 0
+    assert "NVIDIA A100" in capsys.readouterr().out
+    path.write_text('{"name": "x", "flops": 1}')
+    with pytest.raises(ValueError, match=r"unknown keys \['flops'\]"):
+        load_profile(path)
