@@ -161,6 +161,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from hyperpar.plan.cli import run as plan_run
 
+    if args.backend:  # only --measure uses a backend; resolving it now would import torch
+        os.environ[BACKEND_ENV] = args.backend
+
     return plan_run(args)
 
 
