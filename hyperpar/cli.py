@@ -3,6 +3,7 @@
     hyperpar info [--json] [--check]          versions, installed backends, the selection
     hyperpar run -n N [...] script.py [args]  launch N processes per node through torchrun
     hyperpar bench [--out DIR] [names...]     run benchmarks/bench_*.py, write a report
+    hyperpar plan --config C --world N ...    rank parallel layouts by predicted step time
 
 ``--backend NAME`` (before or after the subcommand) selects the backend for the command, as
 ``HYPERPAR_BACKEND=NAME`` would.
@@ -104,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     bench.add_argument("--update-doc", default=None, metavar="FILE",
                        help="also replace the results block of FILE (docs/performance.md)")
+    plan = sub.add_parser("plan", parents=[common], help="rank parallel layouts of a model",
+                          description="Enumerate every dp_replicate x dp_shard x tp x pp layout "
+                                      "of a model on N devices, rule out those that do not fit "
+                                      "or divide, rank the rest by predicted step time.")
+    from hyperpar.plan.cli import add_arguments as plan_arguments
+
+    plan_arguments(plan)
     return parser
 
 
@@ -150,6 +158,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
                       update_doc_path=args.update_doc)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from hyperpar.plan.cli import run as plan_run
+
+    if args.backend:  # only --measure uses a backend; resolving it now would import torch
+        os.environ[BACKEND_ENV] = args.backend
+
+    return plan_run(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hyperpar`` console script; returns the exit status."""
     parser = build_parser()
@@ -157,9 +174,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    if args.command != "run":  # `run` validates and pins the backend itself
+    # `run` validates and pins the backend itself; `plan` needs none (and no torch)
+    if args.command not in ("run", "plan"):
         _select_backend(args.backend)
-    handler = {"info": cmd_info, "run": cmd_run, "bench": cmd_bench}[args.command]
+    handler = {"info": cmd_info, "run": cmd_run, "bench": cmd_bench,
+               "plan": cmd_plan}[args.command]
     return handler(args)
 
 

@@ -1,0 +1,99 @@
+"""Device profiles: what the time model needs to know about a device and its links.
+
+The shipped profiles are **datasheet peaks times an assumed efficiency**, not measurements:
+dense bf16/fp16 tensor-core FLOP/s, HBM bandwidth and link bandwidths as the vendors publish
+them, with ``compute_efficiency`` (fraction of peak FLOP/s a well-tuned transformer step
+reaches) and ``link_efficiency`` (fraction of link bandwidth a ring collective reaches) assumed.
+Give a measured profile with ``--profile FILE`` (JSON with the same keys); ``hyperpar plan
+--measure`` writes one for this machine's cpu.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+GB = 1e9
+MIB = 2**20  # device memory as the driver reports it (e.g. nvidia-smi's 81559 MiB for H100)
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """Peak figures of one device and its links (bytes/s per direction per device).
+
+    ``intra_*`` describe links inside a node (NVLink, HCCS, shared memory), ``inter_*`` the
+    network between nodes, per device. ``alpha`` is the fixed latency of one ring step.
+    ``layer_overhead_s`` is what one decoder layer's forward + backward costs beyond its FLOPs
+    (kernel launches, Python, hooks): negligible for large models on accelerators, dominant for
+    the tiny models ``--measure`` runs on a cpu."""
+
+    name: str
+    flops_bf16: float          # peak dense FLOP/s in bf16/fp16
+    flops_fp32: float          # peak dense FLOP/s in fp32 (no TF32)
+    memory_bytes: int          # device memory
+    hbm_bytes_per_s: float     # memory bandwidth (optimizer step is memory-bound)
+    intra_bytes_per_s: float
+    inter_bytes_per_s: float
+    intra_alpha_s: float = 5e-6
+    inter_alpha_s: float = 15e-6
+    compute_efficiency: float = 0.45
+    link_efficiency: float = 0.7
+    layer_overhead_s: float = 0.0  # fixed cost of one layer's forward+backward (launches,
+    #                                Python); 0 for the datasheet profiles, measured on cpu
+    source: str = "datasheet"
+
+    def flops(self, dtype: str) -> float:
+        """Achievable FLOP/s for matmuls in ``dtype`` (peak x efficiency)."""
+        peak = self.flops_fp32 if dtype == "float32" else self.flops_bf16
+        return peak * self.compute_efficiency
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+PROFILES: dict[str, DeviceProfile] = {
+    # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16, 67 TFLOP/s FP32, 80 GB HBM3 at
+    # 3.35 TB/s, NVLink 900 GB/s (both directions), 400 Gb/s InfiniBand per GPU.
+    "h100": DeviceProfile("NVIDIA H100 SXM 80GB", 989e12, 67e12, 81559 * MIB, 3.35e12,
+                          450 * GB, 50 * GB),
+    # NVIDIA H200 SXM: same compute as H100, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
+    "h200": DeviceProfile("NVIDIA H200 SXM 141GB", 989e12, 67e12, 143771 * MIB, 4.8e12,
+                          450 * GB, 50 * GB),
+    # NVIDIA A100 SXM 80GB: 312 TFLOP/s dense BF16, 19.5 TFLOP/s FP32, 2.039 TB/s,
+    # NVLink 600 GB/s (both directions), 200 Gb/s InfiniBand per GPU.
+    "a100": DeviceProfile("NVIDIA A100 SXM 80GB", 312e12, 19.5e12, 81920 * MIB, 2.039e12,
+                          300 * GB, 25 * GB),
+    # Huawei Ascend 910B: ~313 TFLOP/s FP16 as commonly published (variants range about
+    # 280-376), 64 GB HBM2e at ~1.6 TB/s, HCCS ~196 GB/s per direction, 200 Gb/s RoCE.
+    # FP32 is not in the sources we used: assumed a quarter of FP16.
+    "910b": DeviceProfile("Huawei Ascend 910B 64GB", 313e12, 313e12 / 4, 65536 * MIB, 1.6e12,
+                          196 * GB, 25 * GB),
+}
+
+
+def get_profile(name: str) -> DeviceProfile:
+    """A shipped profile by short name (``h100``, ``h200``, ``a100``, ``910b``)."""
+    key = name.lower().replace("ascend", "").replace("-", "").replace(" ", "")
+    if key not in PROFILES:
+        raise ValueError(f"hyperpar plan: unknown device {name!r}; shipped profiles: "
+                         f"{sorted(PROFILES)} (or give a measured one with --profile FILE)")
+    return PROFILES[key]
+
+
+def load_profile(path: str | Path) -> DeviceProfile:
+    """A profile from a JSON file holding :class:`DeviceProfile`'s keys."""
+    data = json.loads(Path(path).read_text())
+    names = {f.name for f in fields(DeviceProfile)}
+    unknown = sorted(set(data) - names)
+    required = {f.name for f in fields(DeviceProfile) if f.default is MISSING}
+    missing = sorted(required - set(data))
+    if unknown or missing:
+        raise ValueError(f"hyperpar plan: profile {str(path)!r}: unknown keys {unknown}, "
+                         f"missing keys {missing}; accepted keys: {sorted(names)}")
+    return DeviceProfile(**data)
+
+
+def save_profile(profile: DeviceProfile, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(profile.to_json(), indent=2) + "\n")

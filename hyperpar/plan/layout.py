@@ -1,0 +1,98 @@
+"""One candidate parallel layout and the run it is planned for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Schedule = Literal["1f1b", "gpipe"]
+Optimizer = Literal["adamw", "sgd", "sgd-momentum"]
+DType = Literal["bfloat16", "float32"]
+
+#: Mesh dims from outermost to innermost (tp innermost, so it stays inside a node longest).
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class Run:
+    """What is being trained and on what: independent of the layout."""
+
+    world: int
+    seq_len: int
+    global_batch: int               # sequences per optimizer step
+    param_dtype: DType = "bfloat16"  # compute dtype; masters and optimizer states are fp32
+    optimizer: Optimizer = "adamw"
+    gpus_per_node: int = 8
+    device_memory: int = 80 * 2**30
+
+    def __post_init__(self) -> None:
+        for key in ("world", "seq_len", "global_batch", "gpus_per_node", "device_memory"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"hyperpar plan: {key} must be >= 1, got {getattr(self, key)}")
+        if self.param_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"hyperpar plan: param dtype {self.param_dtype!r}; accepted: "
+                             "bfloat16, float32")
+        if self.optimizer not in ("adamw", "sgd", "sgd-momentum"):
+            raise ValueError(f"hyperpar plan: optimizer {self.optimizer!r}; accepted: adamw, "
+                             "sgd, sgd-momentum")
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of the compute dtype (gathered params, activations, comms)."""
+        return 2 if self.param_dtype == "bfloat16" else 4
+
+    @property
+    def optimizer_states(self) -> int:
+        """fp32 states per parameter element."""
+        return {"adamw": 2, "sgd-momentum": 1, "sgd": 0}[self.optimizer]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``dp_replicate x dp_shard x tp x pp x cp`` ranks, ``microbatches`` per step per
+    data-parallel rank, per-layer activation checkpointing on or off. Sequence parallelism is
+    used whenever ``tp > 1`` (the torchtitan plan); ``cp`` is always 1 (not modelled)."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    microbatches: int = 1
+    activation_checkpointing: bool = False
+    schedule: Schedule = "1f1b"
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tp > 1
+
+    def size(self, dim: str) -> int:
+        return int(getattr(self, dim))
+
+    def stride(self, dim: str) -> int:
+        """Distance in global rank between neighbours along ``dim`` (row-major mesh)."""
+        inner = MESH_ORDER[MESH_ORDER.index(dim) + 1:]
+        out = 1
+        for d in inner:
+            out *= self.size(d)
+        return out
+
+    @property
+    def name(self) -> str:
+        parts = [f"{d}{self.size(d)}" for d in ("dp_replicate", "dp_shard", "tp", "pp")
+                 if self.size(d) > 1] or ["single"]
+        parts = [p.replace("dp_replicate", "dp").replace("dp_shard", "fsdp") for p in parts]
+        parts.append(f"mb{self.microbatches}")
+        if self.pp > 1:
+            parts.append(self.schedule)
+        if self.activation_checkpointing:
+            parts.append("ac")
+        return ".".join(parts)

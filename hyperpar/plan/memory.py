@@ -1,0 +1,183 @@
+"""Memory per rank of one layout: parameters, gradients, optimizer states, FSDP buffers and
+activations, for the pipeline stage that needs the most.
+
+Parameters, gradients and optimizer states are *exact* for hyperpar's own sharding: tensor
+parallelism splits a weight's ``tp_dim`` with ``torch.chunk`` semantics, then ``fully_shard``
+splits dim 0 of the tp-local tensor the same way (``hyperpar/fsdp/_param.py``); rank 0 holds
+``ceil(rows / n)`` rows at every split, the most any rank holds, and that is what is reported.
+Masters, gradients and optimizer states are fp32 (bf16 mixed precision keeps fp32 masters and
+gathers bf16 copies). FSDP buffers and activations are estimates; see docs/planning.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .layout import Layout, Run
+from .model import ModelSpec, ParamTensor
+
+MASTER_BYTES = 4  # fp32 masters, gradients and optimizer states
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def tp_local_shape(t: ParamTensor, tp: int) -> tuple[int, ...]:
+    """Rank 0's tensor-parallel shard of ``t`` (``torch.chunk`` on ``t.tp_dim``)."""
+    if t.tp_dim is None or tp == 1:
+        return t.shape
+    shape = list(t.shape)
+    shape[t.tp_dim] = _cdiv(shape[t.tp_dim], tp)
+    return tuple(shape)
+
+
+def local_numel(t: ParamTensor, tp: int, dp_shard: int) -> int:
+    """Elements of ``t`` on rank 0 after tp and fully_shard (dim 0 of the tp-local shard)."""
+    shape = tp_local_shape(t, tp)
+    row = 1
+    for s in shape[1:]:
+        row *= s
+    return _cdiv(shape[0], dp_shard) * row
+
+
+def gathered_numel(t: ParamTensor, tp: int, dp_shard: int) -> int:
+    """Elements of fully_shard's padded all-gather output for ``t``: every rank's piece padded
+    to ``ceil(rows / dp_shard)`` rows."""
+    return dp_shard * local_numel(t, tp, dp_shard)
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Elements of one pipeline stage's parameters on rank 0: ``local`` (the shards it keeps)
+    and per fully_shard unit (one per layer, one root unit for embedding/norm/head) the padded
+    all-gather size."""
+
+    local: int
+    unit_gathered: tuple[int, ...]  # distinct unit sizes: (block, root) or (block,)
+    units: int
+
+
+@lru_cache(maxsize=4096)
+def _group_numels(spec: ModelSpec, tensors: tuple[ParamTensor, ...], tp: int,
+                  ds: int) -> tuple[int, int]:
+    return (sum(local_numel(t, tp, ds) for t in tensors),
+            sum(gathered_numel(t, tp, ds) for t in tensors))
+
+
+@lru_cache(maxsize=65536)
+def stage_params(spec: ModelSpec, tp: int, dp_shard: int, pp: int, stage: int) -> StageParams:
+    """The parameters of ``stage`` (layers split evenly; embedding on the first stage, norm and
+    head on the last). Layers are identical, so one is computed and multiplied."""
+    per_stage = spec.num_layers // pp
+    block_local, block_gathered = _group_numels(spec, tuple(spec.block_tensors()), tp, dp_shard)
+    root: list[ParamTensor] = []
+    if stage == 0:
+        root += spec.embed_tensors()
+    if stage == pp - 1:
+        root += spec.final_tensors(pipeline=pp > 1)
+    root_local, root_gathered = _group_numels(spec, tuple(root), tp, dp_shard)
+    units = (block_gathered,) * (per_stage > 0) + ((root_gathered,) if root else ())
+    return StageParams(local=per_stage * block_local + root_local, unit_gathered=units,
+                       units=per_stage + (1 if root else 0))
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes on one rank. ``peak`` is the sum of the others (conservative: gradients and the
+    activations of the last backward coexist only briefly)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    fsdp_buffers: int
+    activations: int
+    stage: int
+
+    @property
+    def peak(self) -> int:
+        return self.params + self.grads + self.optimizer + self.fsdp_buffers + self.activations
+
+    @property
+    def states(self) -> int:
+        """params + grads + optimizer: the part the model gives exactly."""
+        return self.params + self.grads + self.optimizer
+
+    def to_json(self) -> dict[str, int]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations + self.fsdp_buffers, "peak": self.peak}
+
+
+def in_flight(layout: Layout, stage: int) -> int:
+    """Microbatches whose activations a stage holds at once: GPipe all of them, 1F1B
+    ``pp - stage`` (at most ``microbatches``), no pipeline one (gradient accumulation)."""
+    if layout.pp == 1:
+        return 1
+    if layout.schedule == "gpipe":
+        return layout.microbatches
+    return min(layout.pp - stage, layout.microbatches)
+
+
+def microbatch_tokens(run: Run, layout: Layout) -> int:
+    """Tokens in one microbatch on one data-parallel rank."""
+    return run.global_batch // (layout.dp * layout.microbatches) * run.seq_len
+
+
+def layer_activation_elems(spec: ModelSpec, layout: Layout) -> tuple[float, float]:
+    """(elements saved per token by one layer for backward, elements saved per token under
+    activation checkpointing). Counts the tensors autograd keeps in the reference block:
+    norm inputs/outputs (4h), q/k/v before and after rotary (2q + 3kv), attention output (q),
+    the SwiGLU intermediates (4f); assumes a fused attention kernel (no ``s x s`` scores).
+    Under tp the head/hidden tensors are split; with sequence parallelism the norm tensors are
+    too, but the all-gathered inputs of the column-parallel linears (2h) are kept whole."""
+    h, f, tp = spec.hidden_size, spec.intermediate_size, layout.tp
+    inner = (3 * spec.q_dim + 3 * spec.kv_dim + 4 * f) / tp
+    if layout.sequence_parallel:
+        outer = 4 * h / tp + 2 * h
+        saved = h / tp
+    else:
+        outer = 4 * h
+        saved = h
+    return inner + outer, saved
+
+
+def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memory:
+    tp, ds = layout.tp, layout.dp_shard
+    sp = stage_params(spec, tp, ds, layout.pp, stage)
+    local = sp.local
+    cb = run.compute_bytes
+    params = local * MASTER_BYTES
+    if ds == 1 and cb != MASTER_BYTES:
+        params += local * cb  # the compute-dtype copy; fully_shard gathers it per unit instead
+    grads = local * MASTER_BYTES
+    optimizer = local * MASTER_BYTES * run.optimizer_states
+    buffers = 0
+    if ds > 1:
+        # a layer in use, the one prefetched ahead and one layer's unsharded gradients; the
+        # root unit (embedding, norm, head) stays gathered from its forward to its backward
+        block, *root = sp.unit_gathered
+        buffers = (3 * block + sum(root)) * cb
+    tokens = microbatch_tokens(run, layout)
+    full, saved = layer_activation_elems(spec, layout)
+    layers = spec.num_layers // layout.pp
+    k = in_flight(layout, stage)
+    if layout.activation_checkpointing:
+        act = k * layers * saved * tokens * cb + full * tokens * cb
+    else:
+        act = k * layers * full * tokens * cb
+    if stage == layout.pp - 1:
+        # logits in the compute dtype + fp32 log-softmax and its gradient, per microbatch held
+        held = layout.microbatches if layout.pp > 1 and layout.schedule == "gpipe" else 1
+        act += held * tokens * _cdiv(spec.vocab_size, tp) * (cb + 8)
+    return Memory(params=params, grads=grads, optimizer=optimizer, fsdp_buffers=int(buffers),
+                  activations=int(act), stage=stage)
+
+
+def memory_per_rank(spec: ModelSpec, run: Run, layout: Layout) -> Memory:
+    """The memory of the stage with the highest peak (first, last or a middle stage)."""
+    stages = {0, layout.pp - 1}
+    if layout.pp > 2:
+        stages.add(1)
+    return max((stage_memory(spec, run, layout, s) for s in sorted(stages)),
+               key=lambda m: m.peak)

@@ -1,0 +1,127 @@
+"""Enumerate every layout of a run, rule out the impossible ones (with the reason), rank the
+rest by predicted step time.
+
+Cost: every factorisation of ``world`` into ``dp_replicate x dp_shard x tp x pp``, times the
+divisors of the per-replica batch as microbatch counts, times activation checkpointing on/off;
+each candidate costs O(layers / pp) (one pass over a stage's tensors). See docs/planning.md for
+measured planner times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .devices import DeviceProfile
+from .layout import Layout, Run, Schedule
+from .memory import Memory, memory_per_rank
+from .model import ModelSpec
+from .timing import StepTime, step_time
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+@dataclass
+class Candidate:
+    """A layout that fits, with its predicted memory and time."""
+
+    layout: Layout
+    memory: Memory
+    time: StepTime
+    tokens_per_s_per_device: float
+    measured: dict[str, float] | None = None
+
+
+@dataclass
+class RuledOut:
+    layout: Layout
+    reason: str
+    kind: str  # "divisibility" or "oom"
+
+
+@dataclass
+class PlanResult:
+    spec: ModelSpec
+    run: Run
+    profile: DeviceProfile
+    ranked: list[Candidate] = field(default_factory=list)
+    ruled_out: list[RuledOut] = field(default_factory=list)
+    considered: int = 0
+
+
+def shape_problems(spec: ModelSpec, run: Run, layout: Layout) -> list[str]:
+    """Why ``layout`` cannot run this model at all (empty: it can)."""
+    out = []
+    tp, pp, m, dp = layout.tp, layout.pp, layout.microbatches, layout.dp
+    if spec.num_heads % tp:
+        out.append(f"num_attention_heads={spec.num_heads} % tp={tp} != 0")
+    if spec.num_kv_heads % tp:
+        out.append(f"num_key_value_heads={spec.num_kv_heads} % tp={tp} != 0")
+    if spec.intermediate_size % tp:
+        out.append(f"intermediate_size={spec.intermediate_size} % tp={tp} != 0")
+    if layout.sequence_parallel and run.seq_len % tp:
+        out.append(f"seq_len={run.seq_len} % tp={tp} != 0 (sequence parallel splits it)")
+    if spec.num_layers % pp:
+        out.append(f"num_hidden_layers={spec.num_layers} % pp={pp} != 0")
+    if run.global_batch % dp:
+        out.append(f"global_batch={run.global_batch} % (dp_replicate*dp_shard)={dp} != 0")
+    elif (run.global_batch // dp) % m:
+        out.append(f"per-replica batch {run.global_batch // dp} % microbatches={m} != 0")
+    if pp > 1 and m < pp:
+        out.append(f"microbatches={m} < pp={pp} leaves stages idle")
+    if layout.world != run.world:
+        out.append(f"layout has {layout.world} ranks, the run {run.world}")
+    return out
+
+
+def _factorisations(n: int, parts: int) -> list[tuple[int, ...]]:
+    if parts == 1:
+        return [(n,)]
+    return [(d,) + rest for d in divisors(n) for rest in _factorisations(n // d, parts - 1)]
+
+
+def enumerate_layouts(spec: ModelSpec, run: Run, *, schedule: Schedule = "1f1b",
+                      max_tp: int | None = None) -> list[Layout]:
+    """Every ``dp_replicate x dp_shard x tp x pp`` of ``run.world`` (cp = 1), every microbatch
+    count dividing the per-replica batch (or the smallest ones for pp>1), AC on and off.
+    Layouts whose dims do not even divide are kept so that they can be reported."""
+    out = []
+    for dr, ds, tp, pp in _factorisations(run.world, 4):
+        if max_tp is not None and tp > max_tp:
+            continue
+        dp = dr * ds
+        per_replica = run.global_batch // dp if run.global_batch % dp == 0 else 1
+        for m in divisors(per_replica):
+            for ac in (False, True):
+                out.append(Layout(dp_replicate=dr, dp_shard=ds, tp=tp, pp=pp, microbatches=m,
+                                  activation_checkpointing=ac, schedule=schedule))
+    return out
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def plan(spec: ModelSpec, run: Run, profile: DeviceProfile, *,
+         schedule: Schedule = "1f1b", max_tp: int | None = None) -> PlanResult:
+    """Search every layout of ``run`` for ``spec`` on ``profile``'s devices."""
+    result = PlanResult(spec, run, profile)
+    tokens = run.global_batch * run.seq_len
+    for layout in enumerate_layouts(spec, run, schedule=schedule, max_tp=max_tp):
+        result.considered += 1
+        problems = shape_problems(spec, run, layout)
+        if problems:
+            result.ruled_out.append(RuledOut(layout, "; ".join(problems), "divisibility"))
+            continue
+        mem = memory_per_rank(spec, run, layout)
+        if mem.peak > run.device_memory:
+            result.ruled_out.append(RuledOut(
+                layout, f"OOM by {gib(mem.peak - run.device_memory)} (peak {gib(mem.peak)} on "
+                        f"stage {mem.stage} > {gib(run.device_memory)})", "oom"))
+            continue
+        t = step_time(spec, run, layout, profile, mem)
+        result.ranked.append(Candidate(layout, mem, t, tokens / t.step_s / run.world))
+    result.ranked.sort(key=lambda c: (c.time.step_s, c.memory.peak))
+    return result

@@ -1,0 +1,201 @@
+"""Step time of one layout: compute from FLOPs, collectives from an alpha-beta ring model per
+link type, the pipeline bubble, and the overlaps hyperpar does (FSDP prefetch, data-parallel
+bucket all-reduce during backward).
+
+Ring costs for a group of ``n`` ranks and a full (gathered) tensor of ``B`` bytes, link
+bandwidth ``bw`` and latency ``alpha``:
+
+* all-gather and reduce-scatter: ``(n - 1) * alpha + (n - 1) / n * B / bw``
+* all-reduce (reduce-scatter then all-gather): twice that.
+
+A mesh dim's group stays inside a node when ``stride * size <= gpus_per_node`` (the mesh is
+row-major with ``tp`` innermost); otherwise its ring crosses the network and runs at the
+per-device inter-node bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .devices import DeviceProfile
+from .layout import Layout, Run
+from .memory import MASTER_BYTES, Memory, microbatch_tokens, stage_params
+from .model import ModelSpec
+
+
+@dataclass
+class Link:
+    bytes_per_s: float
+    alpha_s: float
+
+    def ring(self, n: int, nbytes: float, kind: str) -> float:
+        """Seconds of one ``kind`` collective (``ag``, ``rs``, ``ar``) over ``n`` ranks."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        one = (n - 1) * self.alpha_s + (n - 1) / n * nbytes / self.bytes_per_s
+        return 2 * one if kind == "ar" else one
+
+    def p2p(self, nbytes: float) -> float:
+        return self.alpha_s + nbytes / self.bytes_per_s
+
+
+def wire_bytes(n: int, nbytes: float, kind: str) -> float:
+    """Bytes one rank sends for a ring collective of full size ``nbytes``."""
+    if n <= 1:
+        return 0.0
+    return (2 if kind == "ar" else 1) * (n - 1) / n * nbytes
+
+
+def link_for(dim: str, layout: Layout, run: Run, profile: DeviceProfile) -> Link:
+    span = layout.stride(dim) * layout.size(dim)
+    if span <= run.gpus_per_node:
+        return Link(profile.intra_bytes_per_s * profile.link_efficiency, profile.intra_alpha_s)
+    return Link(profile.inter_bytes_per_s * profile.link_efficiency, profile.inter_alpha_s)
+
+
+def step_flops(spec: ModelSpec, run: Run, activation_checkpointing: bool) -> float:
+    """FLOPs of one optimizer step over all ranks: ``6 * P * tokens`` for the matmuls
+    (forward 2, backward 4; 8 with activation checkpointing, which repeats the forward) plus
+    causal attention, ``2 * seq * q_dim`` per token per layer forward."""
+    tokens = run.global_batch * run.seq_len
+    factor = 8 if activation_checkpointing else 6
+    attn_fwd = 2 * run.seq_len * spec.q_dim * spec.num_layers
+    return factor * spec.matmul_parameters * tokens + factor / 2 * attn_fwd * tokens
+
+
+@dataclass(frozen=True)
+class Collective:
+    """``count`` collectives of kind ``ag``/``rs``/``ar``/``p2p`` along mesh dim ``dim``, each
+    moving a full tensor of ``nbytes`` (the gathered size for all-gather, the unreduced input
+    for reduce-scatter), issued once per ``microbatch`` or once per ``step``."""
+
+    dim: str
+    kind: str
+    nbytes: float
+    count: int
+    per: str  # "microbatch" or "step"
+    what: str
+
+    def per_step(self, microbatches: int) -> float:
+        return self.count * (microbatches if self.per == "microbatch" else 1)
+
+
+def collectives(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> list[Collective]:
+    """Every collective one rank of ``stage`` issues in a step, as hyperpar's styles and
+    fully_shard issue them (checked against the simulation backend in tests/plan)."""
+    tp, pp, ds, dr = layout.tp, layout.pp, layout.dp_shard, layout.dp_replicate
+    cb = run.compute_bytes
+    tokens = microbatch_tokens(run, layout)
+    layers = spec.num_layers // pp
+    first, last = stage == 0, stage == pp - 1
+    out: list[Collective] = []
+    if tp > 1:
+        act = tokens * spec.hidden_size * cb
+        # sequence parallel: per layer 2 all-gathers + 2 reduce-scatters forward, the same
+        # backward, and again in a recomputed forward
+        passes = 3 if layout.activation_checkpointing else 2
+        out += [Collective("tp", "ag", act, 2 * passes * layers, "microbatch", "layer inputs"),
+                Collective("tp", "rs", act, 2 * passes * layers, "microbatch", "layer outputs")]
+        if first:  # vocab-parallel embedding: reduce-scatter out, all-gather its gradient back
+            out += [Collective("tp", "rs", act, 1, "microbatch", "embedding output"),
+                    Collective("tp", "ag", act, 1, "microbatch", "embedding grad")]
+        if last:  # head input gathered (grad reduce-scattered), logits gathered to replicate
+            out += [Collective("tp", "ag", act, 1, "microbatch", "head input"),
+                    Collective("tp", "rs", act, 1, "microbatch", "head input grad"),
+                    Collective("tp", "ag", tokens * spec.vocab_size * cb, 1, "microbatch",
+                               "logits")]
+        # norm weights see a sequence slice: their gradients are all-reduced over tp
+        norms = 2 * layers + (1 if last else 0)
+        out.append(Collective("tp", "ar", spec.hidden_size * MASTER_BYTES, norms, "step",
+                              "norm weight grads"))
+    if pp > 1:
+        msg = tokens * spec.hidden_size * cb / (tp if layout.sequence_parallel else 1)
+        # messages sent: the activation to the next stage, the input gradient to the previous
+        sends = (0 if last else 1) + (0 if first else 1)
+        out.append(Collective("pp", "p2p", msg, sends, "microbatch", "activations/grads"))
+    sp = stage_params(spec, tp, ds, pp, stage)
+    if ds > 1:
+        block, *root = sp.unit_gathered
+        # each layer: all-gather forward and again backward, reduce-scatter its gradients;
+        # the root unit stays gathered from forward to backward
+        out += [Collective("dp_shard", "ag", block * cb, 2 * layers, "microbatch", "layers"),
+                Collective("dp_shard", "rs", block * cb, layers, "microbatch", "layer grads")]
+        for r in root:
+            out += [Collective("dp_shard", "ag", r * cb, 1, "microbatch", "root"),
+                    Collective("dp_shard", "rs", r * cb, 1, "microbatch", "root grads")]
+    if dr > 1:
+        out.append(Collective("dp_replicate", "ar", sp.local * cb, 1, "step", "grads"))
+    return out
+
+
+@dataclass
+class StepTime:
+    """Predicted seconds of one step and what each part costs (seconds, per rank)."""
+
+    step_s: float
+    compute_s: float
+    bubble_s: float
+    tp_s: float
+    pp_s: float
+    fsdp_exposed_s: float
+    dp_exposed_s: float
+    optimizer_s: float
+    comm_bytes: dict[str, float] = field(default_factory=dict)  # per mesh dim, per rank
+
+    @property
+    def step_ms(self) -> float:
+        return self.step_s * 1e3
+
+
+def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
+              memory: Memory) -> StepTime:
+    m, pp = layout.microbatches, layout.pp
+    rate = profile.flops(run.param_dtype)
+    compute_step = step_flops(spec, run, layout.activation_checkpointing) / run.world / rate
+    compute_mb = compute_step / m
+    layers = spec.num_layers // pp
+    colls = collectives(spec, run, layout, memory.stage)
+    comm: dict[str, float] = {"tp": 0.0, "dp_shard": 0.0, "dp_replicate": 0.0, "pp": 0.0}
+    for c in colls:
+        comm[c.dim] += c.per_step(m) * (c.nbytes if c.kind == "p2p"
+                                        else wire_bytes(layout.size(c.dim), c.nbytes, c.kind))
+
+    def seconds(c: Collective) -> float:
+        link = link_for(c.dim, layout, run, profile)
+        return link.p2p(c.nbytes) if c.kind == "p2p" else link.ring(layout.size(c.dim),
+                                                                    c.nbytes, c.kind)
+
+    # on the critical path, per microbatch: tensor-parallel and pipeline messages
+    tp_mb = sum(seconds(c) * c.count for c in colls if c.dim == "tp" and c.per == "microbatch")
+    tp_step = sum(seconds(c) * c.count for c in colls if c.dim == "tp" and c.per == "step")
+    # pipeline: a stage waits for one activation forward and one gradient backward
+    pp_mb = sum(2 * seconds(c) for c in colls if c.dim == "pp")
+    # fully_shard: prefetching one unit ahead hides its collectives behind compute, all but
+    # the first all-gather and whatever exceeds the compute
+    fsdp = [c for c in colls if c.dim == "dp_shard"]
+    fsdp_mb_exposed = 0.0
+    if fsdp:
+        per_mb = sum(seconds(c) * c.count for c in fsdp)
+        first = seconds(fsdp[0])
+        fsdp_mb_exposed = max(0.0, per_mb - compute_mb) + first
+
+    ac_factor = 4 / 3 if layout.activation_checkpointing else 1.0  # one more forward
+    overhead_mb = layers * profile.layer_overhead_s * ac_factor
+    tau = compute_mb + overhead_mb + tp_mb + pp_mb + fsdp_mb_exposed
+    slots = m + pp - 1
+    pipe = slots * tau
+    bubble = (pp - 1) * tau
+
+    # data-parallel replicas: one all-reduce of the (sharded) gradients per step, in buckets
+    # launched during the last microbatch's backward (2/3 of its compute).
+    dp_exposed = 0.0
+    if layout.dp_replicate > 1:
+        t_ar = sum(seconds(c) * c.count for c in colls if c.dim == "dp_replicate")
+        dp_exposed = max(0.0, t_ar - 2 / 3 * compute_mb)
+
+    # optimizer: memory-bound, reads and writes params, grads and states once
+    optimizer = 2 * memory.states / profile.hbm_bytes_per_s
+    total = pipe + tp_step + dp_exposed + optimizer
+    return StepTime(step_s=total, compute_s=compute_step, bubble_s=bubble, tp_s=tp_mb * m,
+                    pp_s=pp_mb * m, fsdp_exposed_s=fsdp_mb_exposed * m, dp_exposed_s=dp_exposed,
+                    optimizer_s=optimizer, comm_bytes=comm)

@@ -1,0 +1,110 @@
+"""``hyperpar plan``: the command end to end, its JSON schema, the plot, bad input, and that the
+planner imports no framework."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hyperpar.cli import main
+
+from ._common import LLAMA2_7B, ROOT
+
+LAYOUT_KEYS = {"name", "dp_replicate", "dp_shard", "tp", "pp", "cp", "microbatches",
+               "activation_checkpointing", "memory", "predicted_step_ms"}
+MEMORY_KEYS = {"params", "grads", "optimizer", "activations", "peak"}
+
+
+def _plan(*extra: str) -> list[str]:
+    return ["plan", "--config", str(LLAMA2_7B), "--world", "64", "--seq-len", "4096",
+            "--global-batch", "64", *extra]
+
+
+def test_json_schema(tmp_path, capsys) -> None:
+    out = tmp_path / "plan.json"
+    assert main(_plan("--json", str(out))) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc) == {"parameters", "layouts"}
+    assert doc["parameters"] == 6_738_415_616
+    assert doc["layouts"]
+    for lay in doc["layouts"]:
+        assert set(lay) == LAYOUT_KEYS
+        assert set(lay["memory"]) == MEMORY_KEYS
+        assert all(isinstance(v, int) for v in lay["memory"].values())
+        assert lay["memory"]["peak"] == sum(lay["memory"][k] for k in MEMORY_KEYS - {"peak"})
+        assert lay["dp_replicate"] * lay["dp_shard"] * lay["tp"] * lay["pp"] * lay["cp"] == 64
+    steps = [lay["predicted_step_ms"] for lay in doc["layouts"]]
+    assert steps == sorted(steps)
+
+
+def test_table_and_ruled_out_are_printed(capsys) -> None:
+    assert main(_plan("--top", "3")) == 0
+    text = capsys.readouterr().out
+    assert "6,738,415,616 parameters" in text
+    assert "step ms" in text and "layouts ruled out" in text
+    assert "num_attention_heads=32 % tp=" not in text or "dims that do not divide" in text
+
+
+def test_svg_plot_without_matplotlib(tmp_path) -> None:
+    from hyperpar.plan import from_hf_config, get_profile, plan, plot
+    from hyperpar.plan.layout import Run
+
+    result = plan(from_hf_config(LLAMA2_7B), Run(world=8, seq_len=2048, global_batch=8),
+                  get_profile("a100"))
+    written = plot(result, tmp_path / "f.png", force_svg=True)
+    assert written.suffix == ".svg"
+    text = written.read_text()
+    assert text.startswith("<svg") and "<polyline" in text
+
+
+def test_example_model_plans(capsys) -> None:
+    assert main(["plan", "--example", "tiny", "--world", "4", "--seq-len", "16",
+                 "--global-batch", "8", "--param-dtype", "float32", "--device", "910b"]) == 0
+    assert "examples/llama tiny" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--device-memory", "80 parsecs"], "device memory '80 parsecs' not understood"),
+    (["--device", "tpu9"], "unknown device 'tpu9'"),
+])
+def test_bad_input_is_named(args, message, capsys) -> None:
+    try:
+        code = main(_plan(*args))
+    except SystemExit as exc:  # argparse reports type errors by exiting
+        code = exc.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_config_file_is_named(capsys) -> None:
+    assert main(["plan", "--config", "nope.json", "--world", "8", "--seq-len", "8",
+                 "--global-batch", "8"]) == 2
+    assert "'nope.json' does not exist" in capsys.readouterr().err
+
+
+def test_planner_imports_no_framework() -> None:
+    code = ("import sys, hyperpar, hyperpar.plan, hyperpar.plan.cli\n"
+            "from hyperpar.cli import main\n"
+            f"assert main(['plan', '--config', {str(LLAMA2_7B)!r}, '--world', '16', "
+            "'--seq-len', '2048', '--global-batch', '16']) == 0\n"
+            "assert 'torch' not in sys.modules, 'hyperpar.plan imported torch'\n"
+            "assert 'mindspore' not in sys.modules\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_profile_file_round_trips_and_bad_keys_are_named(tmp_path, capsys) -> None:
+    from hyperpar.plan.devices import get_profile, load_profile, save_profile
+
+    path = tmp_path / "mine.json"
+    save_profile(get_profile("a100"), path)
+    assert load_profile(path) == get_profile("a100")
+    assert main(_plan("--profile", str(path))) == 0
+    assert "NVIDIA A100" in capsys.readouterr().out
+    path.write_text('{"name": "x", "flops": 1}')
+    with pytest.raises(ValueError, match=r"unknown keys \['flops'\]"):
+        load_profile(path)

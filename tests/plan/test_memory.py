@@ -1,0 +1,90 @@
+"""The memory model: exact parameter/gradient/optimizer bytes under fully_shard (16 bytes x P / N
+for fp32 AdamW), torch.chunk padding of uneven shards, and how the estimates move."""
+
+from __future__ import annotations
+
+import pytest
+
+from hyperpar.plan.layout import Layout, Run
+from hyperpar.plan.memory import in_flight, memory_per_rank, stage_memory
+from hyperpar.plan.model import from_hf_config
+
+from ._common import LLAMA2_7B
+
+SPEC = from_hf_config(LLAMA2_7B)
+
+
+def _run(world: int, **kw) -> Run:
+    return Run(**{"world": world, "seq_len": 4096, "global_batch": world, **kw})
+
+
+@pytest.mark.parametrize("n", [1, 8, 64, 256])
+def test_fp32_adamw_fully_shard_is_16_bytes_per_parameter_over_n(n: int) -> None:
+    # every row count of Llama-2-7B divides by these n, so there is no padding
+    mem = memory_per_rank(SPEC, _run(n, param_dtype="float32"), Layout(dp_shard=n))
+    assert mem.states * n == 16 * SPEC.parameters
+    assert (mem.params, mem.grads, mem.optimizer) == (4 * SPEC.parameters // n,
+                                                     4 * SPEC.parameters // n,
+                                                     8 * SPEC.parameters // n)
+
+
+@pytest.mark.parametrize("n", [3, 1024])
+def test_uneven_shards_follow_torch_chunk_on_rank_0(n: int) -> None:
+    torch = pytest.importorskip("torch")
+    expected = 0
+    for t in SPEC.embed_tensors() + SPEC.final_tensors() + SPEC.num_layers * SPEC.block_tensors():
+        rows0 = torch.empty(t.shape[0], device="meta").chunk(n)[0].shape[0]
+        expected += rows0 * (t.numel // t.shape[0])
+    mem = memory_per_rank(SPEC, _run(n, param_dtype="float32"), Layout(dp_shard=n))
+    assert mem.params == 4 * expected
+    assert mem.states > 16 * SPEC.parameters / n  # rank 0 carries the padding's share
+
+
+def test_bf16_mixed_precision_keeps_fp32_masters_and_gathers_bf16() -> None:
+    fp32 = memory_per_rank(SPEC, _run(8, param_dtype="float32"), Layout(dp_shard=8))
+    bf16 = memory_per_rank(SPEC, _run(8, param_dtype="bfloat16"), Layout(dp_shard=8))
+    assert bf16.states == fp32.states
+    assert bf16.fsdp_buffers * 2 == fp32.fsdp_buffers
+
+
+def test_unsharded_bf16_adds_a_compute_copy() -> None:
+    mem = memory_per_rank(SPEC, _run(1), Layout())
+    assert mem.params == 6 * SPEC.parameters
+
+
+@pytest.mark.parametrize("opt,states", [("adamw", 2), ("sgd-momentum", 1), ("sgd", 0)])
+def test_optimizer_states(opt: str, states: int) -> None:
+    mem = memory_per_rank(SPEC, _run(4, optimizer=opt), Layout(dp_shard=4))
+    assert mem.optimizer == states * mem.grads
+
+
+def test_tensor_parallel_splits_weights_not_norms() -> None:
+    one = stage_memory(SPEC, _run(1), Layout(), 0)
+    two = stage_memory(SPEC, _run(2, global_batch=1), Layout(tp=2), 0)
+    norms = (2 * SPEC.num_layers + 1) * SPEC.hidden_size
+    assert two.grads == 4 * ((SPEC.parameters - norms) // 2 + norms)
+    assert two.grads < one.grads
+
+
+def test_checkpointing_and_microbatches_cut_activations() -> None:
+    run = _run(8)
+    base = memory_per_rank(SPEC, run, Layout(dp_shard=8)).activations
+    ac = memory_per_rank(SPEC, run, Layout(dp_shard=8, activation_checkpointing=True))
+    assert ac.activations < base
+    run2 = Run(world=8, seq_len=4096, global_batch=16)
+    halves = memory_per_rank(SPEC, run2, Layout(dp_shard=8, microbatches=2)).activations
+    assert halves == base
+
+
+def test_in_flight_microbatches_per_schedule() -> None:
+    lay = Layout(pp=4, microbatches=8)
+    assert [in_flight(lay, s) for s in range(4)] == [4, 3, 2, 1]
+    gp = Layout(pp=4, microbatches=8, schedule="gpipe")
+    assert [in_flight(gp, s) for s in range(4)] == [8, 8, 8, 8]
+    assert in_flight(Layout(microbatches=8), 0) == 1
+
+
+def test_pipeline_stage_holds_its_layers_only() -> None:
+    run = Run(world=4, seq_len=1024, global_batch=8)
+    mem = stage_memory(SPEC, run, Layout(pp=4, microbatches=4), 1)  # a middle stage
+    assert mem.grads == 4 * SPEC.num_layers // 4 * SPEC.block_params

@@ -1,0 +1,84 @@
+"""Search and ruled-out reasons; the pipeline bubble against hyperpar's schedule simulator."""
+
+from __future__ import annotations
+
+import pytest
+
+from hyperpar.plan.devices import get_profile
+from hyperpar.plan.layout import Layout, Run
+from hyperpar.plan.memory import memory_per_rank
+from hyperpar.plan.model import example_spec, from_hf_config
+from hyperpar.plan.report import frontier
+from hyperpar.plan.search import plan, shape_problems
+from hyperpar.plan.timing import step_time
+
+from ._common import LLAMA2_7B
+
+SPEC = from_hf_config(LLAMA2_7B)
+H100 = get_profile("h100")
+
+
+def test_dims_that_do_not_divide_are_named() -> None:
+    run = Run(world=6, seq_len=4096, global_batch=12)
+    assert "num_attention_heads=32 % tp=3" in "; ".join(shape_problems(SPEC, run,
+                                                                       Layout(tp=3, pp=2,
+                                                                              microbatches=2)))
+    problems = shape_problems(SPEC, run, Layout(dp_shard=2, pp=3, microbatches=3))
+    assert any("num_hidden_layers=32 % pp=3" in p for p in problems)
+    problems = shape_problems(SPEC, Run(world=8, seq_len=4096, global_batch=12),
+                              Layout(dp_shard=8))
+    assert any("global_batch=12 % (dp_replicate*dp_shard)=8" in p for p in problems)
+
+
+def test_out_of_memory_says_by_how_much() -> None:
+    run = Run(world=8, seq_len=4096, global_batch=8, device_memory=20 * 2**30)
+    result = plan(SPEC, run, H100)
+    single = [x for x in result.ruled_out if x.layout == Layout(dp_replicate=8)]
+    assert single and single[0].kind == "oom"
+    peak = memory_per_rank(SPEC, run, Layout(dp_replicate=8)).peak
+    assert f"OOM by {(peak - 20 * 2**30) / 2**30:.2f} GiB" in single[0].reason
+
+
+def test_every_layout_is_either_ranked_or_ruled_out() -> None:
+    run = Run(world=16, seq_len=2048, global_batch=32)
+    result = plan(SPEC, run, H100)
+    assert result.considered == len(result.ranked) + len(result.ruled_out)
+    assert all(c.memory.peak <= run.device_memory for c in result.ranked)
+    times = [c.time.step_s for c in result.ranked]
+    assert times == sorted(times)
+
+
+def test_frontier_is_not_dominated() -> None:
+    result = plan(SPEC, Run(world=16, seq_len=2048, global_batch=32), H100)
+    front = frontier(result)
+    assert front
+    for f in front:
+        assert not any(c.time.step_s < f.time.step_s and c.memory.peak < f.memory.peak
+                       for c in result.ranked)
+
+
+def test_a_model_too_big_for_any_layout_ranks_none() -> None:
+    run = Run(world=1, seq_len=4096, global_batch=1, device_memory=2**30)
+    result = plan(SPEC, run, H100)
+    assert not result.ranked and result.ruled_out[0].kind == "oom"
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("pp,m", [(2, 2), (4, 4), (4, 8)])
+def test_pipeline_time_matches_the_schedule_simulator(schedule: str, pp: int, m: int) -> None:
+    pytest.importorskip("torch")  # hyperpar.pipeline's package imports torch
+    from hyperpar.pipeline.schedules import gpipe_plan, one_f_one_b_plan, timeline
+
+    spec = example_spec("llama")
+    run = Run(world=pp, seq_len=64, global_batch=m)
+    lay = Layout(pp=pp, microbatches=m, schedule=schedule)  # type: ignore[arg-type]
+    # communication free, so the simulator (which ignores it) and the model agree exactly
+    free = H100.__class__(**{**H100.to_json(), "intra_alpha_s": 0.0,
+                             "intra_bytes_per_s": float("inf")})
+    t = step_time(spec, run, lay, free, memory_per_rank(spec, run, lay))
+    tau = t.compute_s / m  # one microbatch through one stage, forward + backward
+    fn = one_f_one_b_plan if schedule == "1f1b" else gpipe_plan
+    plans = [fn(pp, m, r) for r in range(pp)]
+    spans = timeline(plans, pp, lambda r, a: tau / 3 if a.kind == "F" else 2 * tau / 3)
+    makespan = max(end for _, end in spans.values())
+    assert t.step_s - t.optimizer_s == pytest.approx(makespan, rel=1e-9)

@@ -1,0 +1,121 @@
+"""The analytical model against the real code at scale: the simulation backend (hyperpar-sim)
+runs the real parallelize_module + fully_shard for a 1024-rank mesh in this one process, on
+meta tensors, as rank 0 and as the last rank. Per-rank parameter/gradient/optimizer elements and
+the per-step collective bytes per mesh dim must equal the planner's."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+torch = pytest.importorskip("torch")
+hyperpar_sim = pytest.importorskip("hyperpar_sim", reason="install backends/hyperpar-sim")
+
+from hyperpar.plan.layout import Layout, Run  # noqa: E402
+from hyperpar.plan.memory import memory_per_rank  # noqa: E402
+from hyperpar.plan.model import spec_from_model_args  # noqa: E402
+from hyperpar.plan.timing import collectives  # noqa: E402
+
+from ._common import ROOT  # noqa: E402, F401  (puts the repository on sys.path)
+
+# Llama-2-7B's widths (uneven fully_shard rows at 128-way: 11008/8/128, 32000/8/128), 4 layers
+SIZES = {"vocab_size": 32000, "dim": 4096, "n_layers": 4, "n_heads": 32, "ffn_hidden": 11008}
+SEQ = 32
+
+
+def _simulate(layout: Layout, rank: int) -> dict:
+    from examples.llama import model as llama
+    from examples.llama import plan as plans
+    from hyperpar import fully_shard, init_device_mesh, parallelize_module
+
+    with hyperpar_sim.simulate(world=layout.world, rank=rank) as sim:
+        mesh = init_device_mesh((layout.dp_shard, layout.tp), mesh_dim_names=("dp_shard", "tp"))
+        with torch.device("meta"):
+            model = llama.Transformer(llama.ModelArgs(**SIZES, max_seq_len=SEQ))
+        if layout.tp > 1:
+            parallelize_module(model, mesh["tp"], plans.tp_sp_plan())
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh["dp_shard"])
+        fully_shard(model, mesh=mesh["dp_shard"])
+        params = list(model.parameters())
+        local = sum(p.to_local().numel() for p in params)
+        sim.records.clear()
+        tokens = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+        model(tokens).float().sum().backward()
+        volume = sim.volume_by_dim(mesh)
+        ops = Counter((r.op, r.nbytes) for r in sim.records)
+        grads = sum(p.grad.to_local().numel() for p in params if p.grad is not None)
+        opt = torch.optim.AdamW(params)
+        opt.step()
+        states = sum(v.to_local().numel() for p in params for k, v in opt.state[p].items()
+                     if k != "step")
+    return {"local": local, "grads": grads, "states": states, "volume": volume, "ops": ops}
+
+
+@pytest.fixture(scope="module")
+def fsdp_tp_rank0() -> dict:
+    return _simulate(Layout(dp_shard=128, tp=8), rank=0)
+
+
+def _planned(layout: Layout):
+    spec = spec_from_model_args(SIZES)
+    run = Run(world=layout.world, seq_len=SEQ, global_batch=layout.dp, param_dtype="float32")
+    return spec, run, memory_per_rank(spec, run, layout)
+
+
+def test_sim_per_rank_states_equal_the_model_at_1024_ranks(fsdp_tp_rank0) -> None:
+    _, _, mem = _planned(Layout(dp_shard=128, tp=8))
+    assert 4 * fsdp_tp_rank0["local"] == mem.params
+    assert 4 * fsdp_tp_rank0["grads"] == mem.grads
+    assert 4 * fsdp_tp_rank0["states"] == mem.optimizer
+
+
+def test_sim_collective_bytes_per_mesh_dim_equal_the_model(fsdp_tp_rank0) -> None:
+    layout = Layout(dp_shard=128, tp=8)
+    spec, run, _ = _planned(layout)
+    planned: dict[str, float] = {}
+    for c in collectives(spec, run, layout, stage=0):
+        planned[c.dim] = planned.get(c.dim, 0) + c.nbytes * c.per_step(layout.microbatches)
+    assert fsdp_tp_rank0["volume"] == {k: int(v) for k, v in planned.items()}, \
+        fsdp_tp_rank0["ops"]
+
+
+def test_sim_last_rank_holds_no_more_than_rank_0() -> None:
+    # uneven fully_shard: the last ranks hold fewer rows (or none); the planner reports the max
+    last = _simulate(Layout(dp_shard=128, tp=8), rank=1023)
+    _, _, mem = _planned(Layout(dp_shard=128, tp=8))
+    assert 0 < 4 * last["local"] < mem.params
+
+
+def test_sim_pure_fully_shard_over_1024_ranks() -> None:
+    layout = Layout(dp_shard=1024)
+    got = _simulate(layout, rank=0)
+    spec, _, mem = _planned(layout)
+    assert 4 * got["local"] == mem.params
+    assert 16 * got["local"] == mem.states  # fp32 AdamW: 16 bytes per local element
+    assert mem.states > 16 * spec.parameters / 1024  # padding of the uneven shards on rank 0
+
+
+def test_sim_collectives_keep_shapes_and_record_bytes() -> None:
+    with hyperpar_sim.simulate(world=8, rank=5) as sim:
+        group = sim.new_group([4, 5, 6, 7])
+        assert (sim.rank(group), sim.world_size(group), sim.rank()) == (1, 4, 5)
+        x = torch.arange(6.0).reshape(3, 2)
+        out = torch.empty(12, 2)
+        sim.all_gather_into_tensor(out, x, group=group)
+        assert torch.equal(out, x.repeat(4, 1))
+        rs = torch.empty(3, 2)
+        sim.reduce_scatter_tensor(rs, out, group=group)
+        assert torch.equal(rs, out[3:6])  # this rank's rows (group rank 1)
+        with pytest.raises(ValueError, match="not 4 x input"):
+            sim.all_gather_into_tensor(torch.empty(5, 2), x, group=group)
+        assert [(r.op, r.nbytes, r.group) for r in sim.records] == [
+            ("all_gather", 96, (4, 5, 6, 7)), ("reduce_scatter", 96, (4, 5, 6, 7))]
+        assert sim.rank(sim.new_group([0, 1])) == -1
+
+
+def test_sim_rank_outside_the_world_is_an_error() -> None:
+    with pytest.raises(ValueError, match="rank 8 of world 8 is impossible"):
+        with hyperpar_sim.simulate(world=8, rank=8):
+            pass
