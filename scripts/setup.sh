@@ -11,4 +11,4 @@ fi
 .venv/bin/python -m pip install -q "torch==2.13.*" \
   -e ".[test,bench,docs]" \
   -e backends/hyperpar-cpu -e backends/hyperpar-cuda -e backends/hyperpar-npu \
-  -e examples/backend-template
+  -e backends/hyperpar-sim -e examples/backend-template

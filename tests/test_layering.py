@@ -124,7 +124,8 @@ TORCH_FREE_MODULES = (
     "hyperpar", "hyperpar.platform", "hyperpar.platform.base", "hyperpar.platform.registry",
     "hyperpar.platform.hookspecs", "hyperpar.platform.info", "hyperpar.cli", "hyperpar.launcher",
     "hyperpar.log", "hyperpar.testing", "hyperpar.testing.harness",
-    "hyperpar.testing.pytest_plugin", "hyperpar.parallel.spec",
+    "hyperpar.testing.pytest_plugin", "hyperpar.parallel.spec", "hyperpar.plan",
+    "hyperpar.plan.cli",
 )
 
 
