@@ -2,7 +2,8 @@
 
 Names mirror torch's own DTensor API: :class:`DeviceMesh`, :func:`init_device_mesh`,
 :class:`Shard`, :class:`Replicate`, :class:`Partial`, :class:`DTensor`,
-:func:`distribute_tensor` and the factories ``zeros/ones/empty/full/rand/randn``.
+:func:`distribute_tensor`, :func:`distribute_module` and the factories
+``zeros/ones/empty/full/rand/randn``.
 """
 
 from . import _ops  # noqa: F401  (installs DTensor.__torch_function__ and fills the op table)
@@ -17,6 +18,7 @@ from ._ops import (
 from .api import DTensor, DTensorSpec, distribute_tensor
 from .factories import empty, full, ones, rand, randn, zeros
 from .mesh import DeviceMesh, MeshDimError, current_mesh, init_device_mesh
+from .module import distribute_module
 from .placement import Partial, Placement, Replicate, Shard
 from .random import manual_seed
 
@@ -34,6 +36,7 @@ __all__ = [
     "Sharding",
     "ShardingError",
     "current_mesh",
+    "distribute_module",
     "distribute_tensor",
     "empty",
     "full",
