@@ -193,7 +193,8 @@ class _LocalForward:
             saved[(id(owner), name)] = param
             if isinstance(param, dtensor):
                 want = self._layouts.get((id(owner), name))
-                if want is not None and tuple(param.placements) != want:
+                if (want is not None and tuple(param.placements) != want
+                        and len(param.placements) == len(want)):
                     # A parameter tied in after parallelize_module (``fc.weight =
                     # embedding.weight``) may be laid out differently: re-lay it out for this
                     # forward (differentiable: the one .grad receives both uses), as torch's
