@@ -12,8 +12,12 @@ format of torch elastic's ``@record``). When the run fails the launcher prints, 
 lines of the output, the first failed worker's global rank, exit code and traceback, after one
 line for each worker that failed in consequence.
 
-This module is the only one outside ``hyperpar/platform`` allowed to import
-``torch.distributed`` (it wraps torchrun, which is in that namespace).
+This module may import torchrun itself (``torch.distributed.run`` and its
+``torch.distributed.elastic`` machinery), nothing else of ``torch.distributed``: process groups
+are the platform's (``tests/test_layering.py`` checks it).
+
+A worker that finished its script and then died while the interpreter shut down is reported
+as exactly that, and as a failure (see :func:`format_teardown_failure`).
 """
 
 from __future__ import annotations
@@ -233,14 +237,9 @@ def _run_torchrun(opts: LaunchOptions, args: list[str], backend: str, rule: str,
     except ChildFailedError as exc:
         crashed_after_finishing = finished_ranks(exc)
         if crashed_after_finishing:
-            crashed = [r for r in crashed_after_finishing
-                       if exc.failures[r].exitcode != -15] or crashed_after_finishing
-            ranks = ", ".join(map(str, crashed))
-            print(f"hyperpar run: every rank finished {opts.script}; rank(s) {ranks} then "
-                  "exited abnormally during interpreter teardown (after the script returned): "
-                  "reported as success", file=out)
+            print(format_teardown_failure(opts.script, exc, crashed_after_finishing), file=out)
             out.flush()
-            return 0
+            return 1
         failures = collect_failures(exc)
         print(format_failures(opts.script, failures), file=out)
         out.flush()
@@ -263,6 +262,24 @@ def finished_ranks(exc) -> list[int]:
             return []
         done.append(rank)
     return sorted(done)
+
+
+def format_teardown_failure(script: str, exc, ranks: list[int]) -> str:
+    """The report of a run whose failed ranks all finished the script and then died while the
+    interpreter shut down. It is a failure (exit status 1), not a success: the script's
+    ``atexit`` handlers, buffered output and files closed at exit may not have completed on
+    those ranks -- but it says precisely what is known, that the script itself returned."""
+    crashed = [r for r in ranks if exc.failures[r].exitcode != -15] or ranks
+    how = []
+    for rank in crashed:
+        code = exc.failures[rank].exitcode
+        how.append(f"rank {rank} " + (f"was killed by signal {-code}"
+                                      + (" (SIGABRT)" if code == -6 else "")
+                                      if code < 0 else f"exited with code {code}"))
+    return (f"hyperpar run: FAILED at exit: every failed rank had finished {script} (the "
+            f"script returned), then {', '.join(how)} while the interpreter shut down; exit "
+            f"handlers and output flushed at exit may be incomplete on those ranks. Reported "
+            f"as a failure (exit status 1)")
 
 
 def collect_failures(exc) -> list[WorkerFailure]:
@@ -449,9 +466,10 @@ def worker_main(argv: list[str] | None = None) -> None:
 
 def _finish() -> None:
     """After the script returned: say so in the error file (a crash during interpreter
-    teardown is then reported as such, not as a failed run) and leave the process group,
-    whose library threads and pending work otherwise meet torch's static destructors at exit
-    (``terminate called without an active exception``)."""
+    teardown is then reported as such, not as a failure inside the script) and leave the
+    process group through the platform, whose library threads and pending work otherwise meet
+    interpreter shutdown (``terminate called without an active exception``). A world joined
+    through hyperpar also closes itself at exit; this covers one the script joined itself."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         now = time.time()
@@ -461,19 +479,20 @@ def _finish() -> None:
                 "extraInfo": {"py_callstack": "", "timestamp": str(int(now)),
                               "hyperpar_time": repr(now), "hyperpar_finished": True},
             }}, fp)
+    if "torch" not in sys.modules:  # the script never imported torch: no process group
+        return
     import gc
-
-    import torch.distributed as dist
 
     # Autograd graphs kept by the script's globals hold process groups; free them first.
     gc.collect()
-    if dist.is_available() and dist.is_initialized():
-        try:
-            from hyperpar.platform import get_platform
+    try:
+        from hyperpar.platform import get_platform
 
-            get_platform().destroy_process_group()
-        except Exception:  # never turn a finished run into a failure here
-            pass
+        platform = get_platform()
+        if platform.is_initialized():
+            platform.destroy_process_group()
+    except Exception:  # never turn a finished run into a failure here
+        pass
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Names mirror torch's own DTensor API: :class:`DeviceMesh`, :func:`init_device_mesh`,
 :class:`Shard`, :class:`Replicate`, :class:`Partial`, :class:`DTensor`,
-:func:`distribute_tensor` and the factories ``zeros/ones/empty/full/rand/randn``.
+:func:`distribute_tensor`, :func:`distribute_module` and the factories
+``zeros/ones/empty/full/rand/randn``.
 """
 
 # The torch stack loads only where torch is installed: a MindSpore-only venv still gets the
@@ -27,6 +28,7 @@ if _torch is not None:
     from .api import DTensor, DTensorSpec, distribute_tensor
     from .factories import empty, full, ones, rand, randn, zeros
     from .mesh import DeviceMesh, MeshDimError, current_mesh, init_device_mesh
+    from .module import distribute_module
     from .random import manual_seed
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "Sharding",
     "ShardingError",
     "current_mesh",
+    "distribute_module",
     "distribute_tensor",
     "empty",
     "full",

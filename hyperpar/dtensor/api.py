@@ -84,9 +84,10 @@ class DTensor(torch.Tensor):
     """A distributed tensor: ``to_local()`` is this rank's shard, ``placements`` say how the
     logical tensor of global ``shape`` is laid out over ``device_mesh``."""
 
-    __slots__ = ("_local", "_spec")  # faster to set than instance-dict attributes
+    __slots__ = ("_local", "_spec", "_grad_view")  # faster than instance-dict attributes
     _local: torch.Tensor
     _spec: DTensorSpec
+    _grad_view: DTensor | None
 
     @staticmethod
     def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *,
@@ -153,15 +154,23 @@ class DTensor(torch.Tensor):
     def grad(self) -> DTensor | None:  # type: ignore[override]
         g = self._local.grad
         if g is None:
+            self._grad_view = None
             return None
+        # One wrapper per gradient tensor, so ``p.grad is p.grad`` (and two modules tied to one
+        # parameter see one ``.grad`` object) as with torch's DTensor. Dropped when the grad is.
+        view = getattr(self, "_grad_view", None)
+        if view is not None and view._local is g:
+            return view
         spec = self._spec
         placements = grad_placements_of(spec.placements)
         if placements != spec.placements:
             spec = DTensorSpec(spec.mesh, placements, spec.shape)
-        return _wrap(g, spec)
+        self._grad_view = view = _wrap(g, spec)
+        return view
 
     @grad.setter
     def grad(self, value: DTensor | None) -> None:
+        self._grad_view = None
         if value is None:
             self._local.grad = None
             return

@@ -80,9 +80,12 @@ def _check_device_type(device_type: str | None, platform: Platform, what: str) -
     )
 
 
-def _ensure_world(platform: Platform) -> None:
+def ensure_world(platform: Platform) -> None:
     """Join the default process group from the launcher's environment (``RANK``,
-    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) when none exists, as torch's mesh does."""
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) when none exists, as torch's mesh does;
+    a lone ``python script.py`` becomes a world of one. The one rule by which every hyperpar
+    entry point (meshes, ``PipelineModule``) joins the world without an explicit
+    ``init_process_group``."""
     if not platform.is_initialized():
         platform.init_process_group()
 
@@ -111,7 +114,7 @@ class DeviceMesh:
         platform = get_platform()
         if _groups is None:  # a root mesh: check what the user named, join the world
             _check_device_type(device_type, platform, "DeviceMesh")
-            _ensure_world(platform)
+            ensure_world(platform)
         self.device_type = device_type or platform.device_type
         self.mesh = torch.as_tensor(mesh, dtype=torch.int64)
         if self.mesh.ndim == 0:
@@ -416,7 +419,7 @@ def init_device_mesh(*args: Any, device_type: str | None = None,
     platform = get_platform()
     _check_device_type(device_type, platform, "init_device_mesh")
     names = _names_tuple(mesh_dim_names, len(mesh_shape), "init_device_mesh")
-    _ensure_world(platform)
+    ensure_world(platform)
     world = platform.world_size()
     if math.prod(mesh_shape) != world:
         raise ValueError(

@@ -8,19 +8,17 @@ import difflib
 import fnmatch
 import re
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 
-from hyperpar.platform import get_platform
+from hyperpar.dtensor.module import distribute_module
 
 from ._ties import check_ties, find_ties, retie
 from .style import (
-    AlreadyParallelizedError,
     ParallelStyle,
     UnsupportedModuleError,
-    replicate_params,
 )
 
 __all__ = ["distribute_module", "parallelize_module"]
@@ -191,57 +189,3 @@ def from_torch_style(style: Any, where: str = "") -> ParallelStyle | None:
             desired_output_layouts=style.desired_output_layouts,
             use_local_output=style.use_local_output)
     return out
-
-
-def distribute_module(module: nn.Module, device_mesh: Any = None,
-                      partition_fn: Callable[[str, nn.Module, Any], None] | None = None,
-                      input_fn: Callable[[nn.Module, Any, Any], Any] | None = None,
-                      output_fn: Callable[[nn.Module, Any, Any], Any] | None = None
-                      ) -> nn.Module:
-    """Turn ``module``'s parameters into DTensors and hook its boundaries (torch semantics).
-
-    ``partition_fn(name, submodule, mesh)`` is called for every submodule (default: replicate
-    every parameter not already a DTensor); ``input_fn(module, inputs, mesh)`` runs as a forward
-    pre-hook and ``output_fn(module, outputs, mesh)`` as a forward hook, each may return a
-    replacement. The forward then runs with per-op DTensor dispatch -- use the styles for the
-    fast path.
-    """
-    from hyperpar.dtensor.mesh import _require_mesh
-
-    mesh = _require_mesh(device_mesh, "distribute_module")
-    platform = get_platform()
-    _check_not_parallelized(module)
-    module._hyperpar_distributed = True  # type: ignore[assignment]
-
-    for name, sub in module.named_modules():
-        if partition_fn is not None:
-            partition_fn(name, sub, mesh)
-        replicate_params(sub, mesh, recurse=False)
-    if input_fn is not None:
-        platform.register_forward_pre_hook(module, lambda mod, args: input_fn(mod, args, mesh))
-    if output_fn is not None:
-        platform.register_forward_hook(
-            module, lambda mod, args, out: output_fn(mod, out, mesh)
-        )
-    return module
-
-
-def _check_not_parallelized(module: nn.Module) -> None:
-    from hyperpar.dtensor import DTensor
-
-    for fqn, sub in module.named_modules():
-        where = f"{fqn!r}" if fqn else "the root module"
-        styles = getattr(sub, "_hyperpar_parallel", None)
-        if getattr(sub, "_hyperpar_distributed", False) or styles:
-            how = "distribute_module" if not styles else ", ".join(sorted(set(styles.values())))
-            raise AlreadyParallelizedError(
-                f"distribute_module: {where} ({type(sub).__name__}) is already parallelized "
-                f"({how} was applied to it); applying distribute_module again would hook it "
-                f"twice. Rebuild the model and distribute the fresh one"
-            )
-        done = [n for n, p in sub.named_parameters(recurse=False) if isinstance(p, DTensor)]
-        if done:
-            raise AlreadyParallelizedError(
-                f"distribute_module: parameters {done[:3]} of {where} ({type(sub).__name__}) are "
-                f"DTensors already; distribute_module takes a module with plain parameters"
-            )

@@ -222,7 +222,7 @@ def _cross_entropy_on_dtensor(found: tuple[int, Group, int], input: Any, target:
                               weight: Any = None, size_average: Any = None,
                               ignore_index: int = -100, reduce: Any = None,
                               reduction: str = "mean", label_smoothing: float = 0.0) -> Any:
-    from hyperpar.dtensor import DTensor
+    from hyperpar.dtensor import DTensor, Replicate
 
     if size_average is not None or reduce is not None:
         raise NotImplementedError("loss_parallel: use reduction=, not size_average/reduce")
@@ -232,10 +232,17 @@ def _cross_entropy_on_dtensor(found: tuple[int, Group, int], input: Any, target:
         target = target.full_tensor()
     if isinstance(weight, DTensor):
         weight = weight.full_tensor()
-    return vocab_parallel_cross_entropy(local, target, vocab_start=start, group=group,
+    loss = vocab_parallel_cross_entropy(local, target, vocab_start=start, group=group,
                                         ignore_index=ignore_index, reduction=reduction,
                                         weight=weight, label_smoothing=label_smoothing,
                                         num_classes=input.shape[1])
+    if reduction != "none":
+        return loss
+    # Per-element losses stay a DTensor (replicated: every rank holds every row), as torch's:
+    # a script goes on with ``loss.placements`` / ``full_tensor()`` / a DTensor gradient.
+    mesh = input.device_mesh
+    return DTensor.from_local(loss, mesh, (Replicate(),) * mesh.ndim, run_check=False,
+                              shape=tuple(loss.shape))
 
 
 @contextlib.contextmanager
@@ -245,10 +252,11 @@ def loss_parallel() -> Iterator[None]:
     without gathering the logits (:func:`vocab_parallel_cross_entropy`).
 
     Class ``weight``, ``label_smoothing``, ``ignore_index`` and every ``reduction`` are
-    supported, forward and backward. Difference from
-    ``torch.distributed.tensor.parallel.loss_parallel``: the loss comes back as a plain
-    (replicated) tensor, so ``backward()`` may run inside or outside the context. Other inputs
-    pass through.
+    supported, forward and backward. ``reduction="none"`` gives a replicated DTensor of
+    per-element losses, as torch does. Difference from
+    ``torch.distributed.tensor.parallel.loss_parallel``: a reduced (``"mean"``/``"sum"``) loss
+    comes back as a plain (replicated) scalar tensor, so ``backward()`` may run inside or
+    outside the context and ``loss.item()`` needs no DTensor. Other inputs pass through.
     """
     with LOSS_PARALLEL_RULES.active():
         yield

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hyperpar.dtensor.module import AlreadyParallelizedError
 from hyperpar.dtensor.placement import Partial, Placement, Replicate, Shard, chunk_bounds
 from hyperpar.platform import get_platform
 
@@ -41,11 +42,6 @@ __all__ = [
 
 class UnsupportedModuleError(TypeError):
     """A style was applied to a module type it cannot shard."""
-
-
-class AlreadyParallelizedError(RuntimeError):
-    """A style (or ``distribute_module``) was applied to a module that is already parallelized
-    in the same respect; applying it again would run its boundary hooks twice."""
 
 
 # module attribute: {claim ("parameters" / "inputs" / "outputs" / a style name): style repr}
@@ -167,8 +163,15 @@ class _LocalForward:
                  after: Callable[..., Any]) -> None:
         self.params, self.before, self.after = params, before, after
         self._stack: list[dict[tuple[int, str], Any]] = []
+        # the layout each parameter had when the style sharded it (what the forward expects)
+        self._layouts: dict[tuple[int, str], tuple[Placement, ...]] = {}
 
     def install(self, module: nn.Module) -> None:
+        dtensor = _dtensor_cls()
+        for owner, name, _ in self.params:
+            param = owner._parameters.get(name)
+            if isinstance(param, dtensor):
+                self._layouts[(id(owner), name)] = tuple(param.placements)
         platform = get_platform()
         platform.register_forward_pre_hook(module, self._pre, with_kwargs=True)
         platform.register_forward_hook(module, self._post)
@@ -188,7 +191,18 @@ class _LocalForward:
             if param is None:
                 continue
             saved[(id(owner), name)] = param
-            local = param.to_local() if isinstance(param, dtensor) else param
+            if isinstance(param, dtensor):
+                want = self._layouts.get((id(owner), name))
+                if (want is not None and tuple(param.placements) != want
+                        and len(param.placements) == len(want)):
+                    # A parameter tied in after parallelize_module (``fc.weight =
+                    # embedding.weight``) may be laid out differently: re-lay it out for this
+                    # forward (differentiable: the one .grad receives both uses), as torch's
+                    # per-op DTensor would.
+                    param = param.redistribute(param.device_mesh, want)
+                local = param.to_local()
+            else:
+                local = param
             owner._parameters[name] = transform(local)
         self._stack.append(saved)
         return self.before(module, args, kwargs)
@@ -453,13 +467,18 @@ class SequenceParallel(ParallelStyle):
         def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if not args or not isinstance(args[0], torch.Tensor):
                 return args, kwargs
-            local, src, full = _local_and_layout(args[0], seq)
+            x = args[0]
+            local, src, full = _local_and_layout(x, seq)
             if not use_local:  # the output DTensor needs the global sequence length
                 d = seq.dim % local.dim()
-                # A plain sequence-sharded input is taken to be split evenly, as torch does:
-                # exchanging lengths here would cost a collective per norm (see the docs).
-                even = local.shape[d] * mesh.size(0) if src == seq else local.shape[d]
-                state["full"] = full if full is not None else even
+                if isinstance(x, _dtensor_cls()):  # a DTensor knows it, whatever its layout
+                    state["full"] = x.shape[d]
+                else:
+                    # A plain sequence-sharded input is taken to be split evenly, as torch
+                    # does: exchanging lengths would cost a collective per norm (see docs).
+                    state["full"] = local.shape[d] * mesh.size(0)
+            # ``full`` is the global length along the *input's* shard dim (Shard(0) of a
+            # batch-sharded DTensor, say), which the re-layout to the sequence dim needs.
             local = redistribute_boundary(local, src, seq, mesh, full=full)
             return (local, *args[1:]), kwargs
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hyperpar.dtensor.mesh import ensure_world
 from hyperpar.platform import get_platform
 from hyperpar.platform.base import Group
 
@@ -32,7 +33,9 @@ class PipelineModule(nn.Module):
     owns them), plain modules, or callables (e.g. ``lambda x: x.flatten(1)``). Layer ``i`` is
     called as ``layer(x)`` with whatever layer ``i - 1`` returned (a tensor or a tuple).
 
-    The pipeline group is ``group`` (a platform group handle; default: the world), dimension
+    The pipeline group is ``group`` (a platform group handle; default: the world, joined from
+    the launcher's environment when no process group exists yet, as ``init_device_mesh``
+    does), dimension
     ``mesh_dim`` of the :class:`~hyperpar.dtensor.DeviceMesh` ``mesh`` (default: the one named
     ``"pp"``; a 1-D mesh is used whole), resolved by ``mesh.get_mesh(mesh_dim, default="pp")``,
     or the ``"pipe"`` axis of a DeepSpeed-style ``topology`` (see
@@ -97,6 +100,11 @@ class PipelineModule(nn.Module):
                       mesh_dim: str | int | None, virtual_stages: int) -> None:
         """Pipeline group, stage ranks, this rank's stages and the data-parallel group."""
         platform = get_platform()
+        if group is None and mesh is None:
+            # No group given: the world, joined by the rule init_device_mesh follows (from the
+            # launcher's environment under torchrun / hyperpar run; a lone process is a world
+            # of one) -- never a silently assumed 1-rank world under a launcher.
+            ensure_world(platform)
         self.dp_group: Group = None
         has_dp = False
         if mesh is not None:

@@ -172,6 +172,7 @@ class TorchPlatform(TorchPlatformBase):
             world_size=world_size, timeout=timeout,
         )
         self._timeout = timeout
+        _close_at_exit(self, owns_world=True)
 
     def destroy_process_group(self) -> None:
         if dist.is_initialized():
@@ -195,6 +196,7 @@ class TorchPlatform(TorchPlatformBase):
             else:
                 timeout = getattr(self, "_timeout", None)
                 self._groups[key] = dist.new_group(list(key), timeout=timeout)
+                _close_at_exit(self, owns_world=False)
         return self._groups[key]
 
     def rank(self, group: Group = None) -> int:
@@ -415,6 +417,50 @@ def accelerator_availability(platform_cls: type[TorchPlatform], module: ModuleTy
     except Exception as exc:  # a broken driver must not crash selection
         return Availability(False, f"{platform_cls.device_type} probe raised {exc!r}")
     return Availability(True)
+
+
+# id(platform) -> (the platform, whether it joined the world itself), for the exit hook
+_TO_CLOSE: dict[int, tuple[TorchPlatform, bool]] = {}
+
+
+def _close_at_exit(platform: TorchPlatform, *, owns_world: bool) -> None:
+    """Close ``platform``'s process groups before the interpreter shuts down.
+
+    Why: a collective library's worker thread (gloo's ``runLoop``) may drop the last reference
+    to a finished work whose tensors own a Python object *after* the main thread has entered
+    ``Py_FinalizeEx``; taking the GIL then ends that thread through a noexcept destructor and
+    the process aborts (``terminate called without an active exception``, SIGABRT) although
+    the script succeeded. Destroying the groups first joins those threads while Python is
+    still whole. Registered once per process (``atexit`` runs it after the script's own exit
+    handlers, which may still use the groups). A world joined through hyperpar is destroyed
+    whole; in a world the script joined itself, only the groups hyperpar created are.
+    """
+    first = not _TO_CLOSE
+    previous = _TO_CLOSE.get(id(platform), (platform, False))[1]
+    _TO_CLOSE[id(platform)] = (platform, previous or owns_world)
+    if first:
+        import atexit
+
+        atexit.register(_close_all, os.getpid())
+
+
+def _close_all(pid: int) -> None:
+    if os.getpid() != pid:  # a forked child inherited the hook, not the groups' threads
+        return
+    import gc
+
+    gc.collect()  # graphs and meshes in the script's globals hold works and groups
+    for platform, owns_world in list(_TO_CLOSE.values()):
+        groups = [None] if owns_world else [
+            g for g in platform._groups.values() if g is not dist.group.WORLD]
+        for group in groups:
+            try:  # a group the script destroyed already is gone: nothing to close
+                if dist.is_initialized():
+                    dist.destroy_process_group(group)
+            except Exception:  # noqa: BLE001 -- never turn a finished run into a failure
+                pass
+        platform._groups.clear()
+    _TO_CLOSE.clear()
 
 
 def _free_port() -> int:

@@ -105,6 +105,8 @@ def _loss_parallel_variants(classes: int) -> list:
         with loss_parallel():
             got = F.cross_entropy(dist, target, **kwargs)
         got.backward(torch.ones_like(got))
+        if hasattr(got, "full_tensor"):  # reduction="none": a replicated DTensor, as torch's
+            got = got.full_tensor()
         out.append((variant, got.detach(), want.detach(), dist.grad.full_tensor(),
                     ref_logits.grad))
     return out
