@@ -15,7 +15,9 @@ from typing import Any, ClassVar
 import torch
 
 from hyperpar.platform import get_platform
+from hyperpar.platform.health import P2P_COUNTER
 
+from ._faults import pipeline_step
 from .module import PipelineModule
 from .p2p import P2P, Meta, flatten, meta_of
 from .schedules import (
@@ -257,24 +259,31 @@ class PipelineSchedule:
         self._keep_outputs = return_outputs
         self._mb_outputs: list[Any] = [None] * m
         self._p2p, self._train = p2p, train
-        stash = mod._stash_tied_gradients() if train else []
-        for step in program:
-            if step.comms:
-                t0 = time.perf_counter()
-                self._communicate(step.comms)
-                timings.comm_s += time.perf_counter() - t0
-            if step.action is not None:
-                t0 = time.perf_counter()
-                self._run(step.action)
-                dt = time.perf_counter() - t0
-                timings.compute_s += dt
-                timings.per_action.append((step.action, dt))
-        t0 = time.perf_counter()
-        self._p2p.wait_sends()
-        if train:
-            mod.allreduce_tied_gradients()
-            mod._restore_tied_gradients(stash)
-        timings.comm_s += time.perf_counter() - t0
+        self._fault_stage: int | None = None
+        self._fault_peers: list[int] = []
+        with pipeline_step(mod, lambda: self._fault_stage, lambda: self._fault_peers):
+            stash = mod._stash_tied_gradients() if train else []
+            for step in program:
+                if step.comms:
+                    t0 = time.perf_counter()
+                    self._communicate(step.comms)
+                    timings.comm_s += time.perf_counter() - t0
+                if step.action is not None:
+                    t0 = time.perf_counter()
+                    self._fault_stage = step.action.stage
+                    self._run(step.action)
+                    dt = time.perf_counter() - t0
+                    timings.compute_s += dt
+                    timings.per_action.append((step.action, dt))
+            t0 = time.perf_counter()
+            self._fault_stage = None
+            self._fault_peers = [r for r in mod.stage_ranks]   # any of them may be missing
+            self._p2p.wait_sends()
+            if train:
+                mod.allreduce_tied_gradients()
+                mod._restore_tied_gradients(stash)
+            self._fault_peers = []
+            timings.comm_s += time.perf_counter() - t0
         timings.step_s = time.perf_counter() - t_step
         self.last_timings = timings
         if last not in mod.local_stages:
@@ -291,7 +300,13 @@ class PipelineSchedule:
     # ------------------------------------------------------------------ communication
     def _communicate(self, comms: Sequence[Comm]) -> None:
         sends, recvs = [], []
+        ranks = self.module.stage_ranks
+        # The peers a failure would wait on (receives first: a send completes in the background).
+        self._fault_peers = [ranks[c.peer] for c in sorted(comms, key=lambda c: c.kind != "recv")]
         for c in comms:
+            if c.kind == "send":
+                self._fault_stage = c.stage   # a send raising locally (shape change) is ours
+            P2P_COUNTER.enter(c.kind, ranks[c.peer])
             if c.kind == "send":
                 tensors, single = self._outbox.pop(c)
                 sends.append((c, tensors, single))
@@ -310,6 +325,7 @@ class PipelineSchedule:
                 self._act_in[(c.stage + 1, c.mb)] = leaves[0] if meta.single else tuple(leaves)
             else:
                 self._grad_in[(c.stage - 1, c.mb)] = bufs
+        self._fault_peers = []
 
     def _hand_off(self, what: str, stage: int, mb: int, tensors: Sequence[torch.Tensor],
                   single: bool) -> None:
