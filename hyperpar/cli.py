@@ -59,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
         usage="hyperpar run [options] (SCRIPT | -m MODULE) [script args ...]",
         epilog="environment: HYPERPAR_TIMEOUT=S collective timeout in seconds (default 300; "
                "--timeout sets it); HYPERPAR_DEBUG_COLLECTIVES=1 checks every collective's "
-               "name, dtypes and shapes across ranks before issuing it (slow; names the "
-               "mismatching call and ranks).",
+               "name, dtypes and shapes across ranks before issuing it, and the inputs of "
+               "parallelized modules (replicated inputs equal, shards torch.chunk's pieces) "
+               "(slow; names the mismatching call or module and ranks).",
     )
     run.add_argument("-n", "--nproc-per-node", default="1", metavar="N",
                      help="processes per node (default 1; torchrun also accepts 'auto')")
