@@ -13,7 +13,9 @@ all-gather per input (a checksum, never the data):
   instead of its shard doubles the sequence).
 
 A failed check raises :class:`InputLayoutError` on every rank, naming the module, the input,
-and the ranks that differ.
+and the ranks that differ. Under the same flag, the output of ``SequenceParallel`` on a plain
+input (whose global length assumes an even split) is checked at its first gather: an odd
+sequence length raises ``UnevenShardsError`` there instead of a gloo abort.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from hyperpar.dtensor import _shape_check
 from hyperpar.dtensor.placement import Replicate, Shard, chunk_bounds
 from hyperpar.platform import get_platform
 from hyperpar.platform.health import DEBUG_ENV
+from hyperpar.platform.health import debug_enabled as health_debug_enabled
 
 _TRUE = ("1", "true", "yes", "on")
 _MAX_DIMS = 8
@@ -43,7 +46,11 @@ def debug_checks_enabled() -> bool:
 
 def note_inferred_output(out: Any, mesh: Any, placement: Any, module: nn.Module) -> None:
     """``out`` (a DTensor) got its global length from an even-split assumption on plain
-    sequence shards: have its first gather check that the pieces really are even."""
+    sequence shards: under the debug flag, have its first gather check that the pieces really
+    are even. (Not by default: it would cost two small collectives per norm per step, which is
+    what assuming an even split, as torch does, avoids.)"""
+    if not health_debug_enabled():
+        return
     local = getattr(out, "_local", None)
     if local is not None:
         _shape_check.note_inferred(local, mesh, (placement,),

@@ -1,12 +1,11 @@
 """A global shape inferred from even shards (``from_local(run_check=False)`` without
-``shape=``, ``SequenceParallel`` on a plain sequence shard) that the ranks' pieces contradict
-raises on every rank at the first gather, instead of a gloo abort on one rank and a wrong
-global shape on the other."""
+``shape=``) that the ranks' pieces contradict raises on every rank at the first gather, instead
+of a gloo abort on one rank and a wrong global shape on the other. (``SequenceParallel`` on an
+odd sequence: tests/parallel/test_debug_input_checks.py.)"""
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 
 def _from_local_uneven() -> str:
@@ -48,33 +47,3 @@ def test_from_local_with_even_pieces_still_gathers_and_differentiates(run_on_ran
         assert torch.equal(full, whole)
         assert torch.equal(again, whole)
         assert torch.equal(grad, 2 * whole[2 * rank:2 * rank + 2])
-
-
-def _sequence_parallel_odd(then: str) -> str:
-    from hyperpar.dtensor import init_device_mesh
-    from hyperpar.parallel import ColwiseParallel, SequenceParallel, parallelize_module
-
-    mesh = init_device_mesh((2,))
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4))
-    plan = {"0": SequenceParallel(use_local_output=False)}
-    if then == "colwise":
-        plan["1"] = ColwiseParallel(input_layouts=None)
-    parallelize_module(model, mesh, plan)
-    local = torch.randn(2, 5, 4).tensor_split(2, dim=1)[mesh.get_local_rank()]
-    try:
-        out = model[0](local) if then == "gather" else model(local)
-        if then == "gather":
-            out.full_tensor()
-    except ValueError as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
-def test_sequence_parallel_with_an_odd_length_raises_on_every_rank(run_on_ranks):
-    for then in ("gather", "colwise"):
-        for message in run_on_ranks(2, _sequence_parallel_odd, then):
-            assert message.startswith("UnevenShardsError: SequenceParallel on LayerNorm"), \
-                (then, message)
-            assert "rank 0 holds 3, rank 1 holds 2" in message
-            assert "divisible by the mesh size (2)" in message

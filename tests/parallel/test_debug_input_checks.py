@@ -1,6 +1,8 @@
 """Under HYPERPAR_DEBUG_COLLECTIVES=1 a parallelized module checks what it is fed: Replicate
 inputs equal on every rank, Shard inputs torch.chunk's pieces of one tensor (not the full
-tensor on every rank). A bad input raises on every rank naming the module and the rank."""
+tensor on every rank). A bad input raises on every rank naming the module and the rank. An odd
+sequence given to SequenceParallel as plain pieces raises at the first gather of its output
+instead of a gloo abort on one rank and a wrong global length on the other."""
 
 from __future__ import annotations
 
@@ -84,3 +86,32 @@ def test_correct_inputs_pass_the_checks(debug_pool, case):
 def test_without_the_debug_flag_nothing_is_checked(run_on_ranks):
     # the documented torch behaviour: a different batch per rank is not detected
     assert run_on_ranks(2, _tp_mlp_input, "different_batches") == ["no error"] * 2
+
+
+def _sequence_parallel_odd(then: str) -> str:
+    from hyperpar.dtensor import init_device_mesh
+    from hyperpar.parallel import ColwiseParallel, SequenceParallel, parallelize_module
+
+    mesh = init_device_mesh((2,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4))
+    plan = {"0": SequenceParallel(use_local_output=False)}
+    if then == "colwise":
+        plan["1"] = ColwiseParallel()
+    parallelize_module(model, mesh, plan)
+    local = torch.randn(2, 5, 4).tensor_split(2, dim=1)[mesh.get_local_rank()]
+    try:
+        out = model[0](local) if then == "gather" else model(local)
+        if then == "gather":
+            out.full_tensor()
+    except ValueError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.parametrize("then", ["gather", "colwise"])
+def test_sequence_parallel_with_an_odd_length_raises_on_every_rank(debug_pool, then):
+    for message in debug_pool.run(_sequence_parallel_odd, then, timeout_s=60):
+        assert message.startswith("UnevenShardsError: SequenceParallel on LayerNorm"), message
+        assert "rank 0 holds 3, rank 1 holds 2" in message
+        assert "divisible by the mesh size (2)" in message
