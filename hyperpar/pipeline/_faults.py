@@ -110,7 +110,7 @@ def _handle(module: Any, exc: BaseException, stage: int | None,
     why = "its connection closed: it has probably exited" if gone else \
         "it is stuck elsewhere or has exited"
     return PipelineStageError(
-        f"stage {_stage_of_rank(module, peer)} (rank {peer}) stopped answering after "
-        f"{got} message(s) received from it ({why}); its own error, if any, is in its "
+        f"stage {_stage_of_rank(module, peer)} (rank {peer}) stopped answering: transfer "
+        f"#{got} from it in this process failed ({why}); its own error, if any, is in its "
         f"output{seen}",
         stage=_stage_of_rank(module, peer), rank=peer)

@@ -277,7 +277,7 @@ class PipelineSchedule:
                     timings.per_action.append((step.action, dt))
             t0 = time.perf_counter()
             self._fault_stage = None
-            self._fault_peers = [r for r in mod.stage_ranks]   # any of them may be missing
+            self._fault_peers = list(mod.stage_ranks)   # any of them may be the one missing
             self._p2p.wait_sends()
             if train:
                 mod.allreduce_tied_gradients()
@@ -304,10 +304,9 @@ class PipelineSchedule:
         # The peers a failure would wait on (receives first: a send completes in the background).
         self._fault_peers = [ranks[c.peer] for c in sorted(comms, key=lambda c: c.kind != "recv")]
         for c in comms:
-            if c.kind == "send":
-                self._fault_stage = c.stage   # a send raising locally (shape change) is ours
             P2P_COUNTER.enter(c.kind, ranks[c.peer])
             if c.kind == "send":
+                self._fault_stage = c.stage   # a send raising locally (shape change) is ours
                 tensors, single = self._outbox.pop(c)
                 sends.append((c, tensors, single))
             elif c.what == "act":
