@@ -7,6 +7,7 @@ replayed by :meth:`PipelineSchedule.step`.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -376,6 +377,11 @@ class PipelineSchedule:
                 if target is not None:
                     self._losses[mb] = self.loss_fn(out, target).detach()
                 return
+            if target is None and self._loss_needs_target():
+                raise ValueError(
+                    f"step(): no target for microbatch {mb} on the rank holding the last stage "
+                    f"({stage}), but loss_fn {getattr(self.loss_fn, '__qualname__', self.loss_fn)}"
+                    f" takes one; pass target= to step() (or targets to run_microbatches) there")
             loss = self.loss_fn(out, target) if target is not None else self.loss_fn(out)
             self._losses[mb] = loss.detach()
             scaled = loss * (self._weights[mb] * self.grad_scale)
@@ -387,6 +393,20 @@ class PipelineSchedule:
         self._out_meta[(stage, mb)] = meta_of(tensors, single)
         self._outputs[(stage, mb)] = [t for t in tensors if t.requires_grad]
         self._hand_off("act", stage, mb, tensors, single)
+
+    def _loss_needs_target(self) -> bool:
+        """True when ``loss_fn`` cannot be called with the output alone."""
+        needs = getattr(self, "_needs_target", None)
+        if needs is None:
+            try:
+                inspect.signature(self.loss_fn).bind(None)
+                needs = False
+            except TypeError:
+                needs = True
+            except ValueError:   # no signature to inspect (a builtin): let the call decide
+                needs = False
+            self._needs_target = needs
+        return needs
 
     def _output_grads(self, stage: int, mb: int) -> list[torch.Tensor] | None:
         if stage == self.n_stages - 1:

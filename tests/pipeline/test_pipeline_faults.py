@@ -63,7 +63,8 @@ def _run(case: str) -> str:
     ("raises", 1, "ValueError: boom in the second stage"),
     ("wrong_shape", 1, "RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
     ("shape_change", 0, "ValueError: stage 0 output for microbatch 0 changed"),
-    ("no_target", 1, "TypeError"),
+    ("no_target", 1, "ValueError: step(): no target for microbatch 0 on the rank holding the "
+                     "last stage (1), but loss_fn _mse takes one"),
 ], ids=["stage-raises", "wrong-activation-shape", "shape-change-after-step-1", "no-target"])
 def test_the_waiting_rank_names_the_failed_stage(case, culprit, cause):
     messages = run_distributed(_run, 2, case, timeout_s=TIMEOUT_S)
