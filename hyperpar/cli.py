@@ -60,8 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
         usage="hyperpar run [options] (SCRIPT | -m MODULE) [script args ...]",
         epilog="environment: HYPERPAR_TIMEOUT=S collective timeout in seconds (default 300; "
                "--timeout sets it); HYPERPAR_DEBUG_COLLECTIVES=1 checks every collective's "
-               "name, dtypes and shapes across ranks before issuing it (slow; names the "
-               "mismatching call and ranks).",
+               "name, dtypes and shapes across ranks before issuing it, and the inputs of "
+               "parallelized modules (replicated inputs equal, shards torch.chunk's pieces) "
+               "(slow; names the mismatching call or module and ranks).",
     )
     run.add_argument("-n", "--nproc-per-node", default="1", metavar="N",
                      help="processes per node (default 1; torchrun also accepts 'auto')")
@@ -137,9 +138,55 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (the affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def oversubscription_warning(nproc: str, backend: str | None,
+                             cores: int | None = None) -> str | None:
+    """The warning for ``-n nproc`` workers on a device-less backend (cpu) with more
+    workers than cores, or ``None``. ``backend`` is the name given (``--backend`` or
+    ``HYPERPAR_BACKEND``); ``None`` resolves it as the workers would (auto-detect)."""
+    nproc = str(nproc).strip()
+    if not nproc.isdigit():
+        return None
+    cores = usable_cores() if cores is None else cores
+    if int(nproc) <= cores:
+        return None
+    try:
+        from hyperpar.platform import backends, get_platform
+
+        name = backend or get_platform().name
+        info = backends().get(name)
+    except Exception:  # an unknown/unavailable backend: launch() reports it
+        return None
+    if info is None or info.cls.visible_devices_env is not None:
+        return None  # a device backend: one rank per device, checked by the platform
+    return (f"-n {nproc} starts {nproc} worker processes per node on backend {name!r}, but "
+            f"this host has {cores} CPU core(s): the workers will time-share the cores "
+            f"(slow; memory grows with every worker). Use -n {cores} or fewer unless you "
+            f"mean to oversubscribe")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from hyperpar.launcher import LaunchOptions, launch
 
+    if args.timeout is None:
+        from hyperpar.platform.torch_platform import default_timeout_s
+
+        try:
+            default_timeout_s()  # every worker would fail on a bad HYPERPAR_TIMEOUT
+        except ValueError as exc:
+            print(f"hyperpar run: error: {exc}", file=sys.stderr)
+            return 2
+    named = args.backend or os.environ.get(BACKEND_ENV, "").strip() or None
+    warning = oversubscription_warning(args.nproc_per_node, named)
+    if warning:
+        print(f"hyperpar run: warning: {warning}", file=sys.stderr)
     opts = LaunchOptions(
         script=args.script, script_args=list(args.script_args), module=args.module,
         nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,

@@ -17,6 +17,7 @@ import torch
 
 from hyperpar.platform import get_platform
 
+from ._shape_check import note_inferred
 from .mesh import DeviceMesh, _require_mesh
 from .placement import (
     REPLICATE,
@@ -240,6 +241,7 @@ class DTensor(torch.Tensor):
         placements = normalize_placements(
             placements if placements is not None else (REPLICATE,) * mesh.ndim, mesh.ndim,
             local_tensor.ndim, "from_local placements")
+        inferred = shape is None and not run_check
         if shape is None:
             if run_check:
                 _check_same_local_shape(local_tensor, mesh, placements)
@@ -268,6 +270,9 @@ class DTensor(torch.Tensor):
             if gp != want and local_tensor.requires_grad and torch.is_grad_enabled():
                 # backward: the gradient (laid out as `want`) is redistributed to `gp`
                 local_tensor = _ToLocal.apply(local_tensor, spec, want, gp)
+        if inferred:  # checked at its first gather, where the ranks communicate anyway
+            note_inferred(local_tensor, mesh, placements,
+                          "DTensor.from_local(run_check=False) without shape=")
         return _wrap(local_tensor, spec)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch
 
 from hyperpar.platform import get_platform
 
+from . import _shape_check
 from .placement import REPLICATE, Partial, Placement, Replicate, Shard, chunk_bounds
 
 if TYPE_CHECKING:
@@ -186,6 +187,8 @@ def redistribute_local(x: torch.Tensor, mesh: DeviceMesh, src: tuple[Placement, 
     """Non-differentiable redistribution of a local tensor."""
     if src == dst:
         return x
+    if _shape_check._INFERRED:  # pieces of an inferred global shape: check before gathering
+        _shape_check.verify_before_gather(x)
     return run_plan(x, plan_redistribute(mesh, src, dst, shape), mesh, shape)
 
 
@@ -211,6 +214,8 @@ def redistribute_autograd(x: torch.Tensor, mesh: DeviceMesh, src: tuple[Placemen
     """Redistribute ``x``; differentiable when ``x`` requires grad."""
     if src == dst:
         return x
+    if _shape_check._INFERRED:  # pieces of an inferred global shape: check before gathering
+        _shape_check.verify_before_gather(x)
     if x.requires_grad and torch.is_grad_enabled():
         return Redistribute.apply(x, mesh, src, dst, shape)
     return redistribute_local(x, mesh, src, dst, shape)

@@ -257,6 +257,13 @@ class InspectedModel(nn.Module):
             new = self._call_edit(hook, name, full)
             if new is None:
                 new = full
+            if not isinstance(new, torch.Tensor):
+                fn = getattr(edit, "__qualname__", None) or repr(edit)
+                raise TypeError(
+                    f"inspect: editing_function {fn} of hook {hook.module_name!r} on module "
+                    f"{name!r} returned {type(new).__name__} ({new!r:.60}); it must return a "
+                    f"tensor of shape {tuple(full.shape)} (the edited activation) or None "
+                    f"(keep it unchanged)")
             if tuple(new.shape) != tuple(full.shape):
                 raise ShapeMismatchError(
                     f"inspect: editing_function of hook {hook.module_name!r} on {name!r} "

@@ -15,6 +15,7 @@ from torch import nn
 
 from hyperpar.dtensor.module import distribute_module
 
+from ._debug_checks import install_input_checks
 from ._ties import check_ties, find_ties, retie
 from .style import (
     ParallelStyle,
@@ -44,6 +45,7 @@ def _candidates(module: nn.Module) -> list[str]:
 def _apply_style(style: ParallelStyle, module: nn.Module, mesh: Any, fqn: str,
                  src_data_rank: int | None) -> None:
     style.src_data_rank = src_data_rank
+    install_input_checks(style, module, mesh, fqn)  # HYPERPAR_DEBUG_COLLECTIVES=1 only
     try:
         style._apply(module, mesh)
     except UnsupportedModuleError as err:

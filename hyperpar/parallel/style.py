@@ -29,6 +29,7 @@ from ._comm import (
     redistribute_boundary,
     to_replicated_input,
 )
+from ._debug_checks import note_inferred_output, verify_dtensor_input
 
 __all__ = [
     "ColwiseParallel",
@@ -94,6 +95,7 @@ def _local_and_layout(x: Any, default: Placement
         if len(x.placements) != 1:
             raise ValueError(f"expected a DTensor on a 1-D mesh, got placements {x.placements}")
         p = x.placements[0]
+        verify_dtensor_input(x.to_local())  # an inferred (even-split) length: checked once
         return x.to_local(), p, (x.shape[p.dim] if type(p) is Shard else None)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"expected a tensor input, got {type(x).__name__}")
@@ -476,7 +478,9 @@ class SequenceParallel(ParallelStyle):
                 else:
                     # A plain sequence-sharded input is taken to be split evenly, as torch
                     # does: exchanging lengths would cost a collective per norm (see docs).
-                    state["full"] = local.shape[d] * mesh.size(0)
+                    even = local.shape[d] * mesh.size(0) if src == seq else local.shape[d]
+                    state["full"] = full if full is not None else even
+                    state["inferred"] = full is None and src == seq
             # ``full`` is the global length along the *input's* shard dim (Shard(0) of a
             # batch-sharded DTensor, say), which the re-layout to the sequence dim needs.
             local = redistribute_boundary(local, src, seq, mesh, full=full)
@@ -484,9 +488,13 @@ class SequenceParallel(ParallelStyle):
 
         def after(mod: nn.Module, y: Any, saved: dict) -> Any:
             full = state.pop("full", None)
+            inferred = state.pop("inferred", False)
             if not isinstance(y, torch.Tensor) or use_local:
                 return y
-            return _wrap(y, mesh, seq, use_local, _global_shape(y, seq, full, mesh))
+            out = _wrap(y, mesh, seq, use_local, _global_shape(y, seq, full, mesh))
+            if inferred:  # an odd sequence split unevenly: caught at the first gather
+                note_inferred_output(out, mesh, seq, mod)
+            return out
 
         _LocalForward([(o, n, grad_sum) for o, n in owners], before, after).install(module)
         return module

@@ -20,12 +20,18 @@ import torch
 
 from hyperpar.platform import get_platform
 
+from ._faults import pipeline_step
 from .config import EngineConfig, build_optimizer
 from .executor import PipelineSchedule, get_schedule_class
 from .module import PipelineModule
 from .precision import DynamicLossScaler, MasterWeights, has_overflow
 
 __all__ = ["PipelineEngine", "RepeatingLoader", "initialize"]
+
+
+class DataExhaustedError(StopIteration):
+    """The data iterator ran out in the middle of a batch. A ``StopIteration`` (loops that end
+    on it keep working) whose message says how many microbatches were drawn and what to do."""
 
 
 class RepeatingLoader:
@@ -174,13 +180,15 @@ class PipelineEngine:
         if data_iter is not None:
             self.set_dataiterator(data_iter)
         m = self.config.gradient_accumulation_steps
-        inputs, targets = self._draw(self.data_iterator, m, "train_batch")
-        self.module.train()
-        schedule = self._schedule(m)
-        schedule.grad_scale = self.loss_scale
         losses: list[torch.Tensor] = []
-        with self._no_dp_sync():
-            schedule.run_microbatches(inputs, targets, train=True, losses=losses)
+        # One pipeline step: a rank failing here (data, a stage) is named on the other ranks.
+        with pipeline_step(self.module):
+            inputs, targets = self._draw(self.data_iterator, m, "train_batch")
+            self.module.train()
+            schedule = self._schedule(m)
+            schedule.grad_scale = self.loss_scale
+            with self._no_dp_sync():
+                schedule.run_microbatches(inputs, targets, train=True, losses=losses)
         self._reduce_gradients()
         self._optimizer_step()
         self.global_steps += 1
@@ -200,12 +208,13 @@ class PipelineEngine:
             raise ValueError(f"eval_batch: reduce_output must be 'avg' or None, got "
                              f"{reduce_output!r}")
         m = num_micro_batches or self.config.gradient_accumulation_steps
-        inputs, targets = self._draw(data_iter, m, "eval_batch")
-        self.module.eval()
         losses: list[torch.Tensor] = []
-        result = self._schedule(m).run_microbatches(
-            inputs, targets if compute_loss else None, train=False, losses=losses,
-            return_outputs=return_logits)
+        with pipeline_step(self.module):
+            inputs, targets = self._draw(data_iter, m, "eval_batch")
+            self.module.eval()
+            result = self._schedule(m).run_microbatches(
+                inputs, targets if compute_loss else None, train=False, losses=losses,
+                return_outputs=return_logits)
         logits = result[1] if return_logits and result is not None else None
         loss: Any = None
         if compute_loss and reduce_output is None:
@@ -253,8 +262,15 @@ class PipelineEngine:
             self.data_iterator = it if where == "train_batch" else self.data_iterator
         device, dtype = self.platform.device(), self.config.dtype
         inputs, targets = [], []
-        for _ in range(m):
-            batch = next(it)
+        for i in range(m):
+            try:
+                batch = next(it)
+            except StopIteration:
+                raise DataExhaustedError(
+                    f"{where}: the data iterator ran out after {i} of the {m} microbatches "
+                    f"this step needs (gradient_accumulation_steps={m}); give a longer "
+                    f"iterator, wrap the loader in hyperpar.pipeline.engine.RepeatingLoader, or "
+                    f"stop calling {where}() when it is exhausted") from None
             if self.batch_fn is not None:
                 batch = self.batch_fn(batch)
             if not (isinstance(batch, tuple | list) and len(batch) == 2):

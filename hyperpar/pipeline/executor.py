@@ -7,6 +7,7 @@ replayed by :meth:`PipelineSchedule.step`.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -15,7 +16,9 @@ from typing import Any, ClassVar
 import torch
 
 from hyperpar.platform import get_platform
+from hyperpar.platform.health import P2P_COUNTER
 
+from ._faults import pipeline_step
 from .module import PipelineModule
 from .p2p import P2P, Meta, flatten, meta_of
 from .schedules import (
@@ -257,24 +260,31 @@ class PipelineSchedule:
         self._keep_outputs = return_outputs
         self._mb_outputs: list[Any] = [None] * m
         self._p2p, self._train = p2p, train
-        stash = mod._stash_tied_gradients() if train else []
-        for step in program:
-            if step.comms:
-                t0 = time.perf_counter()
-                self._communicate(step.comms)
-                timings.comm_s += time.perf_counter() - t0
-            if step.action is not None:
-                t0 = time.perf_counter()
-                self._run(step.action)
-                dt = time.perf_counter() - t0
-                timings.compute_s += dt
-                timings.per_action.append((step.action, dt))
-        t0 = time.perf_counter()
-        self._p2p.wait_sends()
-        if train:
-            mod.allreduce_tied_gradients()
-            mod._restore_tied_gradients(stash)
-        timings.comm_s += time.perf_counter() - t0
+        self._fault_stage: int | None = None
+        self._fault_peers: list[int] = []
+        with pipeline_step(mod, lambda: self._fault_stage, lambda: self._fault_peers):
+            stash = mod._stash_tied_gradients() if train else []
+            for step in program:
+                if step.comms:
+                    t0 = time.perf_counter()
+                    self._communicate(step.comms)
+                    timings.comm_s += time.perf_counter() - t0
+                if step.action is not None:
+                    t0 = time.perf_counter()
+                    self._fault_stage = step.action.stage
+                    self._run(step.action)
+                    dt = time.perf_counter() - t0
+                    timings.compute_s += dt
+                    timings.per_action.append((step.action, dt))
+            t0 = time.perf_counter()
+            self._fault_stage = None
+            self._fault_peers = list(mod.stage_ranks)   # any of them may be the one missing
+            self._p2p.wait_sends()
+            if train:
+                mod.allreduce_tied_gradients()
+                mod._restore_tied_gradients(stash)
+            self._fault_peers = []
+            timings.comm_s += time.perf_counter() - t0
         timings.step_s = time.perf_counter() - t_step
         self.last_timings = timings
         if last not in mod.local_stages:
@@ -291,8 +301,13 @@ class PipelineSchedule:
     # ------------------------------------------------------------------ communication
     def _communicate(self, comms: Sequence[Comm]) -> None:
         sends, recvs = [], []
+        ranks = self.module.stage_ranks
+        # The peers a failure would wait on (receives first: a send completes in the background).
+        self._fault_peers = [ranks[c.peer] for c in sorted(comms, key=lambda c: c.kind != "recv")]
         for c in comms:
+            P2P_COUNTER.enter(c.kind, ranks[c.peer])
             if c.kind == "send":
+                self._fault_stage = c.stage   # a send raising locally (shape change) is ours
                 tensors, single = self._outbox.pop(c)
                 sends.append((c, tensors, single))
             elif c.what == "act":
@@ -310,6 +325,7 @@ class PipelineSchedule:
                 self._act_in[(c.stage + 1, c.mb)] = leaves[0] if meta.single else tuple(leaves)
             else:
                 self._grad_in[(c.stage - 1, c.mb)] = bufs
+        self._fault_peers = []
 
     def _hand_off(self, what: str, stage: int, mb: int, tensors: Sequence[torch.Tensor],
                   single: bool) -> None:
@@ -361,6 +377,11 @@ class PipelineSchedule:
                 if target is not None:
                     self._losses[mb] = self.loss_fn(out, target).detach()
                 return
+            if target is None and self._loss_needs_target():
+                raise ValueError(
+                    f"step(): no target for microbatch {mb} on the rank holding the last stage "
+                    f"({stage}), but loss_fn {getattr(self.loss_fn, '__qualname__', self.loss_fn)}"
+                    f" takes one; pass target= to step() (or targets to run_microbatches) there")
             loss = self.loss_fn(out, target) if target is not None else self.loss_fn(out)
             self._losses[mb] = loss.detach()
             scaled = loss * (self._weights[mb] * self.grad_scale)
@@ -372,6 +393,20 @@ class PipelineSchedule:
         self._out_meta[(stage, mb)] = meta_of(tensors, single)
         self._outputs[(stage, mb)] = [t for t in tensors if t.requires_grad]
         self._hand_off("act", stage, mb, tensors, single)
+
+    def _loss_needs_target(self) -> bool:
+        """True when ``loss_fn`` cannot be called with the output alone."""
+        needs = getattr(self, "_needs_target", None)
+        if needs is None:
+            try:
+                inspect.signature(self.loss_fn).bind(None)
+                needs = False
+            except TypeError:
+                needs = True
+            except ValueError:   # no signature to inspect (a builtin): let the call decide
+                needs = False
+            self._needs_target = needs
+        return needs
 
     def _output_grads(self, stage: int, mb: int) -> list[torch.Tensor] | None:
         if stage == self.n_stages - 1:

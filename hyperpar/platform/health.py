@@ -337,3 +337,63 @@ def instrument(cls: type, names: Sequence[str] = COLLECTIVES) -> type:
         destroy_and_reset.__hyperpar_tracked__ = True  # type: ignore[attr-defined]
         cls.destroy_process_group = destroy_and_reset  # type: ignore[attr-defined]
     return cls
+
+
+# --------------------------------------------------------------------------- failure notices
+# Point-to-point traffic (pipelines) has no "every rank enters it" rule, so a peer that fails
+# shows up only as a receive that times out or a closed connection. A rank that fails on its
+# own publishes a notice in the store *before* it raises (the store outlives its process when
+# the launcher hosts it); the peers read it when their send/recv fails and name that rank.
+class _P2PCounter:
+    """Point-to-point messages posted by this process, per (direction, peer global rank)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, int], int] = {}
+
+    def enter(self, kind: str, peer: int) -> int:
+        seq = self.counts.get((kind, peer), 0) + 1
+        self.counts[(kind, peer)] = seq
+        return seq
+
+    def count(self, kind: str, peer: int) -> int:
+        return self.counts.get((kind, peer), 0)
+
+
+P2P_COUNTER = _P2PCounter()
+
+
+def is_peer_failure(exc: BaseException, platform: Any = None) -> bool:
+    """True when ``exc`` (from a collective or send/recv) says a peer went away or never
+    answered -- a timeout or a closed connection -- rather than a local error."""
+    if isinstance(exc, CollectiveError):
+        return True
+    timeout_s = _timeout_s(platform) if platform is not None else 300.0
+    return _is_peer_failure(exc, 0.0, timeout_s)
+
+
+def publish_failure(scope: str, record: dict[str, Any]) -> None:
+    """Leave a failure notice ``record`` (JSON-able) under ``scope`` for the peers; a no-op
+    when there is no process group or the store is unreachable."""
+    try:
+        if not dist.is_initialized():
+            return
+        _store().set(f"{_PREFIX}/fail/{scope}", json.dumps(record))
+    except Exception:
+        pass
+
+
+def await_failure(scope: str, platform: Any = None) -> dict[str, Any] | None:
+    """The notice a peer left under ``scope``, waiting up to the diagnosis grace period for it
+    (a peer that failed publishes before its connection closes, but a peer stuck in a timeout
+    of its own publishes later); ``None`` when none appears or the store is gone."""
+    try:
+        if not dist.is_initialized():
+            return None
+        store = _store()
+        key = f"{_PREFIX}/fail/{scope}"
+        grace = _grace_s(platform) if platform is not None else 2.0
+        if not _poll(store, [key], time.monotonic() + grace):
+            return None
+        return json.loads(store.get(key))
+    except Exception:
+        return None

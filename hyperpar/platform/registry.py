@@ -103,6 +103,28 @@ def _failed_entry_point(exc: Exception) -> str:
     return f"loading a '{hookspecs.ENTRY_POINT_GROUP}' entry point failed: {exc!r}"
 
 
+def _call_hook(impl: pluggy.HookImpl, source: str) -> list[object]:
+    """Run one plugin's ``hyperpar_backends`` hook; a hook that raises is named with its
+    plugin and distribution (pluggy would let a bare ``KeyError`` out of the registry)."""
+    plugin = impl.plugin_name or getattr(impl.plugin, "__name__", repr(impl.plugin))
+    try:
+        classes = impl.function()
+    except Exception as exc:
+        raise BackendError(
+            f"backend plugin {plugin!r} ({source}): its hyperpar_backends() hook raised "
+            f"{type(exc).__name__}: {exc}; fix or uninstall that distribution"
+        ) from exc
+    if classes is None:
+        return []
+    try:
+        return list(classes)
+    except TypeError as exc:
+        raise BackendError(
+            f"backend plugin {plugin!r} ({source}): hyperpar_backends() must return a list of "
+            f"Platform classes, got {type(classes).__name__}"
+        ) from exc
+
+
 def _discover() -> dict[str, BackendInfo]:
     manager = pluggy.PluginManager(hookspecs.PROJECT)
     manager.add_hookspecs(hookspecs)
@@ -116,7 +138,7 @@ def _discover() -> dict[str, BackendInfo]:
     found: dict[str, BackendInfo] = {}
     for impl in manager.hook.hyperpar_backends.get_hookimpls():
         source = _distribution_name(manager, impl.plugin)
-        for cls in impl.function() or ():
+        for cls in _call_hook(impl, source):
             cls = _validate(cls, source)
             if cls.name in found and found[cls.name].cls is not cls:
                 raise BackendError(

@@ -11,6 +11,7 @@ This module (and the backends) are the only places in hyperpar that call ``torch
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 from collections.abc import Callable, Sequence
@@ -41,7 +42,19 @@ _reduce_scatter_single = (
 
 def default_timeout_s() -> float:
     """Collective timeout in seconds: ``HYPERPAR_TIMEOUT`` if set, else 300."""
-    return float(os.environ.get("HYPERPAR_TIMEOUT", "300"))
+    raw = os.environ.get("HYPERPAR_TIMEOUT", "").strip()
+    if not raw:
+        return 300.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(
+            f"HYPERPAR_TIMEOUT={raw!r} is not a collective timeout: it must be a positive "
+            f"number of seconds, e.g. HYPERPAR_TIMEOUT=300 (or unset it for the default 300)"
+        )
+    return value
 
 
 def _check_op(op: str) -> None:

@@ -10,6 +10,7 @@ views) keep them in the same cache under their own key prefix.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,7 +60,61 @@ class PlanCache(dict):
 PLAN_CACHE = PlanCache(maxsize=8192)
 
 
+# ---------------------------------------------------------------------------- copies
+# Indexing or reshaping a DTensor across a sharded dim gathers it first: the result is a copy,
+# where torch's tensor would be a view. An in-place op on it would silently leave the original
+# unchanged (torch's DTensor drops such writes too), so it raises instead. id -> description;
+# an entry leaves with its tensor (weakref.finalize), and the check costs nothing while empty.
+_COPIES: dict[int, str] = {}
+
+
+class InplaceOnCopyError(RuntimeError):
+    """An in-place op on a DTensor that is a gathered copy, not a view, of another."""
+
+
+def mark_copy(out: Any, note: str) -> Any:
+    """Record that DTensor ``out`` is a copy made by ``note`` (e.g. ``x[0] of a DTensor
+    sharded on dim 0``); return ``out``."""
+    key = id(out)
+    _COPIES[key] = note
+    weakref.finalize(out, _COPIES.pop, key, None)
+    return out
+
+
+def copy_note(x: Any) -> str | None:
+    """How ``x`` was copied from another DTensor, or ``None`` when it is not such a copy."""
+    return _COPIES.get(id(x)) if _COPIES else None
+
+
+_INPLACE_DUNDERS = frozenset(
+    f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and",
+                            "or", "xor", "lshift", "rshift", "matmul")) | {"__setitem__"}
+_METADATA_ONLY = frozenset({"requires_grad_", "retain_grad", "share_memory_", "detach_"})
+
+
+def _mutates(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    if name.startswith("__"):
+        return name in _INPLACE_DUNDERS
+    return name.endswith("_") and name not in _METADATA_ONLY
+
+
+def _check_not_a_copy(func: Any, args: Sequence) -> None:
+    note = _COPIES.get(id(args[0]))
+    if note is None or not _mutates(func):
+        return
+    name = getattr(func, "__name__", repr(func))
+    raise InplaceOnCopyError(
+        f"in-place {name}() on {note}: that value is a gathered copy, not a view, so the "
+        f"write would not reach the original DTensor (torch's DTensor drops it silently). "
+        f"Index or reshape only dims that are not sharded (a view of the local shard), or "
+        f"compute the new value out of place and assign it to the original, e.g. "
+        f"x.full_tensor() -> edit -> distribute_tensor(...) or x.copy_(new)")
+
+
 def _torch_function(cls, func, types, args=(), kwargs=None):
+    if _COPIES and args:
+        _check_not_a_copy(func, args)
     entry = OP_TABLE.get(func)
     if entry is None:
         return _fallback(func, args, kwargs or _EMPTY)

@@ -13,9 +13,11 @@ from .dispatch import (
     PLAN_CACHE,
     Unhashable,
     args_key,
+    copy_note,
     infer_shapes,
     key_of,
     localize,
+    mark_copy,
     replicated_local,
 )
 from .registry import (
@@ -147,8 +149,10 @@ def view_rule(func, args, kwargs):
     local = x._local if tg is None and not x._local.requires_grad else \
         localize(x, tg, out, True)
     if func is torch.Tensor.view and tg is None:
-        return _wrap(local.view(local_shape), out_spec)
-    return _wrap(local.reshape(local_shape), out_spec)
+        result = _wrap(local.view(local_shape), out_spec)
+    else:
+        result = _wrap(local.reshape(local_shape), out_spec)
+    return _note_copy(result, x, tg, func)
 
 
 @register_op(torch.Tensor.permute, torch.permute, torch.t, torch.Tensor.t, torch.transpose,
@@ -169,7 +173,8 @@ def permute_rule(func, args, kwargs):
         if key is not None:
             PLAN_CACHE.put(key, plan)
     perm, out_spec = plan
-    return _wrap(x._local.permute(perm) if perm else x._local, out_spec)
+    return _note_copy(_wrap(x._local.permute(perm) if perm else x._local, out_spec), x, None,
+                      func)
 
 
 def _permute_plan(func, args, kwargs):
@@ -292,6 +297,7 @@ def getitem_rule(func, args, kwargs):
             raise ShardingError("indexing a DTensor with a DTensor index is not supported")
         local = replicated_local(x)
         out = local[index]
+        # advanced indexing copies in torch too: an in-place op on it is torch's semantics
         return _wrap(out, DTensorSpec(spec.mesh, (R,) * spec.mesh.ndim, out.shape))
     # map input dims to output dims and find the dims the index touches
     n_real = sum(1 for i in items if i is not None and i is not Ellipsis)
@@ -324,4 +330,34 @@ def getitem_rule(func, args, kwargs):
     out_local = local[index]
     out_pl = tuple(Shard(dim_map[p.dim]) if type(p) is Shard else p for p in pl)
     shape = infer_shapes(func, args, kwargs)
-    return _wrap(out_local, DTensorSpec(spec.mesh, out_pl, torch.Size(shape)))
+    result = _wrap(out_local, DTensorSpec(spec.mesh, out_pl, torch.Size(shape)))
+    return _note_copy(result, x, None if pl == spec.placements else pl, func, index)
+
+
+def _note_copy(out: DTensor, x: DTensor, gathered_to: Placements | None, func: Any,
+               index: Any = None) -> DTensor:
+    """Mark ``out`` as a copy (not a view) of ``x`` when making it gathered a sharded dim, or
+    when ``x`` itself is such a copy, so an in-place op on it raises (see dispatch.py)."""
+    parent = copy_note(x)
+    if gathered_to is None and parent is None:
+        return out
+    if parent is not None:
+        return mark_copy(out, parent)
+    dims = sorted({p.dim for p, t in zip(x._spec.placements, gathered_to, strict=True)
+                   if type(p) is Shard and t != p})
+    what = (f"x[{_index_text(index)}]" if index is not None
+            else f"x.{getattr(func, '__name__', 'view')}(...)")
+    return mark_copy(out, f"{what} of a DTensor sharded on dim {', '.join(map(str, dims))} "
+                          f"(placements {x._spec.placements})")
+
+
+def _index_text(index: Any) -> str:
+    items = index if isinstance(index, tuple) else (index,)
+
+    def one(i: Any) -> str:
+        if isinstance(i, slice):
+            return ":".join("" if v is None else str(v) for v in (i.start, i.stop)) + \
+                (f":{i.step}" if i.step is not None else "")
+        return "..." if i is Ellipsis else str(i)
+
+    return ", ".join(one(i) for i in items)
