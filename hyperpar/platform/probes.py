@@ -9,7 +9,12 @@ which ops answered correctly. :class:`~hyperpar.platform.torch_platform.TorchPla
 the ops that did not (all-reduce, then keep the local slice) and lists them in
 ``collective_fallbacks()``, so ``hyperpar info`` shows them.
 
-Only gloo is probed this way (it runs on any host); other libraries are trusted.
+gloo is probed that way (it runs on any host, so ``hyperpar info`` can show the verdict before
+any process group exists). Another library (NCCL, HCCL, ...) is probed on the caller's own
+group, the first time a process reduce-scatters with one of those ops on a group of two or more
+ranks: every member is making that same call, so a tiny reduce-scatter with known inputs plus a
+sum all-reduce of the verdict keeps the ranks in step and in agreement
+(:func:`probe_on_group`). Until an op is measured, a compiled region composes it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,10 @@ import torch.distributed as dist
 
 PROBED_OPS = ("max", "min", "product")
 _WORLD = 2
+# torch 2.13 renamed reduce_scatter_tensor (see torch_platform.py)
+_reduce_scatter_single = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
 _TIMEOUT = timedelta(seconds=30)
 
 # dist backend -> {op: the native reduce-scatter gave the right values}; a probe that could not
@@ -97,21 +106,37 @@ def reduce_scatter_verdicts(dist_backend: str) -> dict[str, bool] | None:
     return verdicts
 
 
+def probe_on_group(dist_backend: str, op: str, group: object, device: torch.device) -> bool:
+    """Measure ``op``'s native reduce-scatter on ``group`` (every member must be calling this,
+    as they do inside one reduce-scatter), record and return the verdict."""
+    verdicts = _VERDICTS.setdefault(dist_backend, {})
+    if op in verdicts:
+        return verdicts[op]
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    torch_op = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+                "product": dist.ReduceOp.PRODUCT}[op]
+    out = torch.zeros(1, device=device)
+    _reduce_scatter_single(out, torch.full((n,), float(r + 2), device=device), torch_op,
+                           group=group)
+    bad = torch.tensor([0.0 if out.item() == _expected(op, n) else 1.0], device=device)
+    dist.all_reduce(bad, dist.ReduceOp.SUM, group=group)  # one verdict for every member
+    verdicts[op] = bad.item() == 0.0
+    return verdicts[op]
+
+
 def known_good(dist_backend: str, op: str) -> bool:
-    """True when ``op``'s native reduce-scatter may be used: not a probed op, an unprobed
-    library, or probed and correct. Reads only what was measured (safe inside a compiled
-    region, where a probe cannot run: an op not yet measured there counts as not good)."""
+    """True when ``op``'s native reduce-scatter may be used: not a probed op, or measured
+    correct. Reads only what was measured (safe inside a compiled region, where a probe cannot
+    run: an op not yet measured there counts as not good, and is composed)."""
     if op not in PROBED_OPS:
         return True
-    if dist_backend != "gloo":
-        return True
-    verdicts = _VERDICTS.get(dist_backend)
-    return verdicts is not None and verdicts[op]
+    return _VERDICTS.get(dist_backend, {}).get(op, False)
 
 
 def reduce_scatter_fallbacks(dist_backend: str) -> dict[str, str]:
-    """What ``collective_fallbacks()`` reports for the ops the probe found wrong."""
-    verdicts = reduce_scatter_verdicts(dist_backend)
+    """What ``collective_fallbacks()`` reports for the ops a probe found wrong (so far, for a
+    library probed on the caller's groups)."""
+    verdicts = reduce_scatter_verdicts(dist_backend) or _VERDICTS.get(dist_backend)
     if not verdicts:
         return {}
     why = _ERRORS.get(dist_backend)

@@ -270,8 +270,9 @@ class TorchPlatform(Platform):
             raise NotImplementedError(f"{self.name}: reduce op {op!r} has no fallback")
         torch_op = _TORCH_OPS[op if native else "sum"]
         after = None if native else (lambda: output.div_(n))
-        if op in probes.PROBED_OPS and native:
-            probes.reduce_scatter_verdicts(self.dist_backend)  # measured once per process
+        if op in probes.PROBED_OPS and native and n > 1:  # measured once per process
+            if probes.reduce_scatter_verdicts(self.dist_backend) is None:
+                probes.probe_on_group(self.dist_backend, op, group, input.device)
         if ("reduce_scatter_tensor" not in self._runtime_fallbacks
                 and probes.known_good(self.dist_backend, op)):
             try:
