@@ -26,6 +26,16 @@ PARITY=(tests/parallel/test_tp_parity.py tests/fsdp/test_fully_shard.py
         tests/torch_compat/test_compat.py)
 
 now() { date +%s; }
+FAILED=()
+step() {  # step VERSION NAME COMMAND...: run, time, and record a failure without stopping
+  local version=$1 name=$2 t rc=0
+  shift 2
+  t=$(now)
+  "$@" || rc=$?
+  echo "-- torch $version, $name: $( [ $rc = 0 ] && echo ok || echo "FAILED (exit $rc)" ), $(( $(now) - t )) s"
+  [ $rc = 0 ] || FAILED+=("torch $version: $name")
+}
+ORIG_PATH=$PATH
 job_start=$(now)
 export HYPERPAR_BACKEND=cpu
 for version in $VERSIONS; do
@@ -43,21 +53,20 @@ for version in $VERSIONS; do
   "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation \
     -e . -e backends/hyperpar-cpu >/dev/null
   echo "-- venv ready in $(( $(now) - t0 )) s"
-  (
-    export PATH="$venv/bin:$PATH"
-    python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$version')" || {
-      echo "venv $venv does not hold torch $version"; exit 1; }
-    t=$(now); hyperpar info; echo "-- info: $(( $(now) - t )) s"
-    t=$(now)
-    python -m pytest -q -p no:cacheprovider --pyargs hyperpar.testing.conformance \
-      --hyperpar-backend=cpu
-    echo "-- conformance kit: $(( $(now) - t )) s"
-    t=$(now); (cd "$(mktemp -d)" && python "$ROOT/examples/demo.py"); echo "-- demo: $(( $(now) - t )) s"
-    t=$(now); python -m pytest -q -p no:cacheprovider tests/compile
-    echo "-- tests/compile: $(( $(now) - t )) s"
-    t=$(now); python -m pytest -q -p no:cacheprovider "${PARITY[@]}"
-    echo "-- parity subset: $(( $(now) - t )) s"
-  )
+  export PATH="$venv/bin:$ORIG_PATH"
+  python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$version')" || {
+    echo "venv $venv does not hold torch $version"; exit 1; }
+  # Every step runs (a failure is recorded, not fatal), so one run measures the whole range.
+  step "$version" info hyperpar info
+  step "$version" "conformance kit" python -m pytest -q -p no:cacheprovider \
+    --pyargs hyperpar.testing.conformance --hyperpar-backend=cpu
+  step "$version" demo bash -c "cd \"\$(mktemp -d)\" && python \"$ROOT/examples/demo.py\""
+  step "$version" tests/compile python -m pytest -q -p no:cacheprovider tests/compile
+  step "$version" "parity subset" python -m pytest -q -p no:cacheprovider "${PARITY[@]}"
   echo "== torch $version: $(( $(now) - t0 )) s"
 done
 echo "== compatibility job: $(( $(now) - job_start )) s"
+if [ ${#FAILED[@]} -gt 0 ]; then
+  printf 'FAILED: %s\n' "${FAILED[@]}"
+  exit 1
+fi
