@@ -75,7 +75,7 @@ def _plan(mesh_shape: tuple[int, ...], src: tuple[Placement, ...], dst: tuple[Pl
           ) -> tuple[Step, ...]:
     ndim = len(src)
     cur = list(src)
-    change = {m for m in range(ndim) if src[m] != dst[m] and mesh_shape[m] > 1}
+    change = {m for m in range(ndim) if not _same(src[m], dst[m]) and mesh_shape[m] > 1}
     # Inner mesh dims sharding a tensor dim that an outer changing dim touches must be undone
     # first (and redone afterwards) to keep the nesting order.
     unshard: set[int] = set()
@@ -106,7 +106,8 @@ def _plan(mesh_shape: tuple[int, ...], src: tuple[Placement, ...], dst: tuple[Pl
         elif type(c) is Partial:
             if (type(t) is Shard and not _shards(tuple(cur), t.dim, above=m)
                     and not _shards(dst, t.dim, above=m)
-                    and all(cur[k] == dst[k] or not (_is_s(cur[k], t.dim) or _is_s(dst[k], t.dim))
+                    and all(_same(cur[k], dst[k])
+                            or not (_is_s(cur[k], t.dim) or _is_s(dst[k], t.dim))
                             for k in range(m))):
                 steps.append(("reduce_scatter", m, tuple(cur), t.dim, c.reduce_op))
                 cur[m] = t
@@ -114,7 +115,7 @@ def _plan(mesh_shape: tuple[int, ...], src: tuple[Placement, ...], dst: tuple[Pl
                 steps.append(("allreduce", m, tuple(cur), c.reduce_op, None))
                 cur[m] = REPLICATE
     for m in range(ndim):
-        if cur[m] == dst[m] or mesh_shape[m] == 1:
+        if _same(cur[m], dst[m]) or mesh_shape[m] == 1:
             continue
         t = dst[m]
         assert type(cur[m]) is Replicate, (src, dst, cur)
@@ -129,6 +130,13 @@ def _plan(mesh_shape: tuple[int, ...], src: tuple[Placement, ...], dst: tuple[Pl
             steps.append(("to_partial", m, tuple(cur), t.reduce_op, None))
         cur[m] = t
     return tuple(steps)
+
+
+def _same(a: Placement, b: Placement) -> bool:
+    """``a == b`` without the cross-type comparison: a dataclass ``__eq__`` answers
+    NotImplemented for another type, which Dynamo 2.6 traced as a truthy value (no fallback to
+    identity), so the compiled planner dropped steps."""
+    return type(a) is type(b) and a == b
 
 
 def _is_s(p: Placement, d: int) -> bool:
