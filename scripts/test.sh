@@ -20,3 +20,4 @@ if [ -f mkdocs.yml ]; then
 fi
 echo "== unit and multi-process tests"
 pytest -q -p no:cacheprovider tests "$@"
+echo "== torch compatibility: oldest supported and newest available torch"; bash scripts/test-compat.sh

@@ -16,11 +16,16 @@ R -> Partial       ``to_partial``                   none (rank 0 keeps, others 0
 
 Nested sharding (several mesh dims sharding one tensor dim) follows mesh-dim order: mesh dim 0
 takes the outer chunk. The planner therefore un-shards from the innermost mesh dim outwards,
-then shards from the outermost inwards. Plans are cached per (mesh, src, dst, shape).
+then shards from the outermost inwards. A plan depends only on the mesh's shape and the two
+placement tuples, so it is cached per ``(mesh shape, src, dst)`` in a bounded LRU cache (the
+tensor shape is not part of the key: a training loop over many sequence lengths reuses one
+plan). Inside ``torch.compile`` the cache is bypassed: the plan is a pure function Dynamo traces
+as constants, and some torch releases (2.6, 2.9) cannot trace a dict lookup keyed by placements.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,7 +40,7 @@ if TYPE_CHECKING:
 
 Step = tuple  # (kind, mesh_dim, placements_before, arg1, arg2)
 
-_PLAN_CACHE: dict[tuple, tuple[Step, ...]] = {}
+PLAN_CACHE_SIZE = 1024  # distinct (mesh shape, src, dst) triples kept; least recent evicted
 
 
 def _shards(placements: tuple[Placement, ...], d: int, skip: int | None = None,
@@ -45,22 +50,33 @@ def _shards(placements: tuple[Placement, ...], d: int, skip: int | None = None,
 
 
 def plan_redistribute(mesh: DeviceMesh, src: tuple[Placement, ...], dst: tuple[Placement, ...],
-                      shape: tuple[int, ...]) -> tuple[Step, ...]:
-    """The steps turning ``src`` into ``dst`` (cached)."""
-    key = (mesh, src, dst, shape)
-    plan = _PLAN_CACHE.get(key)
-    if plan is None:
-        plan = _plan(mesh, src, dst)
-        if not torch.compiler.is_compiling():  # a traced call must not store traced objects
-            _PLAN_CACHE[key] = plan
-    return plan
+                      shape: tuple[int, ...] = ()) -> tuple[Step, ...]:
+    """The steps turning ``src`` into ``dst`` on ``mesh`` (cached; see the module docstring).
+
+    ``shape`` (the global tensor shape) is accepted for callers' convenience and not used: the
+    steps do not depend on it (:func:`run_plan` takes the sizes it needs)."""
+    mesh_shape = tuple(mesh.shape)
+    if torch.compiler.is_compiling():
+        return _plan(mesh_shape, src, dst)
+    return _cached_plan(mesh_shape, tuple(src), tuple(dst))
 
 
-def _plan(mesh: DeviceMesh, src: tuple[Placement, ...], dst: tuple[Placement, ...]
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def _cached_plan(mesh_shape: tuple[int, ...], src: tuple[Placement, ...],
+                 dst: tuple[Placement, ...]) -> tuple[Step, ...]:
+    return _plan(mesh_shape, src, dst)
+
+
+def plan_cache_info() -> functools._CacheInfo:
+    """Hits, misses and the current size of the plan cache (``functools.lru_cache`` stats)."""
+    return _cached_plan.cache_info()
+
+
+def _plan(mesh_shape: tuple[int, ...], src: tuple[Placement, ...], dst: tuple[Placement, ...]
           ) -> tuple[Step, ...]:
     ndim = len(src)
     cur = list(src)
-    change = {m for m in range(ndim) if src[m] != dst[m] and mesh.shape[m] > 1}
+    change = {m for m in range(ndim) if not _same(src[m], dst[m]) and mesh_shape[m] > 1}
     # Inner mesh dims sharding a tensor dim that an outer changing dim touches must be undone
     # first (and redone afterwards) to keep the nesting order.
     unshard: set[int] = set()
@@ -71,7 +87,7 @@ def _plan(mesh: DeviceMesh, src: tuple[Placement, ...], dst: tuple[Placement, ..
             dims = {p.dim for p in (src[m], dst[m]) if type(p) is Shard}
             for m2 in range(m + 1, ndim):
                 if m2 not in unshard and type(src[m2]) is Shard and src[m2].dim in dims \
-                        and mesh.shape[m2] > 1:
+                        and mesh_shape[m2] > 1:
                     unshard.add(m2)
                     grew = True
     steps: list[Step] = []
@@ -91,7 +107,8 @@ def _plan(mesh: DeviceMesh, src: tuple[Placement, ...], dst: tuple[Placement, ..
         elif type(c) is Partial:
             if (type(t) is Shard and not _shards(tuple(cur), t.dim, above=m)
                     and not _shards(dst, t.dim, above=m)
-                    and all(cur[k] == dst[k] or not (_is_s(cur[k], t.dim) or _is_s(dst[k], t.dim))
+                    and all(_same(cur[k], dst[k])
+                            or not (_is_s(cur[k], t.dim) or _is_s(dst[k], t.dim))
                             for k in range(m))):
                 steps.append(("reduce_scatter", m, tuple(cur), t.dim, c.reduce_op))
                 cur[m] = t
@@ -99,7 +116,7 @@ def _plan(mesh: DeviceMesh, src: tuple[Placement, ...], dst: tuple[Placement, ..
                 steps.append(("allreduce", m, tuple(cur), c.reduce_op, None))
                 cur[m] = REPLICATE
     for m in range(ndim):
-        if cur[m] == dst[m] or mesh.shape[m] == 1:
+        if _same(cur[m], dst[m]) or mesh_shape[m] == 1:
             continue
         t = dst[m]
         assert type(cur[m]) is Replicate, (src, dst, cur)
@@ -114,6 +131,13 @@ def _plan(mesh: DeviceMesh, src: tuple[Placement, ...], dst: tuple[Placement, ..
             steps.append(("to_partial", m, tuple(cur), t.reduce_op, None))
         cur[m] = t
     return tuple(steps)
+
+
+def _same(a: Placement, b: Placement) -> bool:
+    """``a == b`` without the cross-type comparison: a dataclass ``__eq__`` answers
+    NotImplemented for another type, which Dynamo 2.6 traced as a truthy value (no fallback to
+    identity), so the compiled planner dropped steps."""
+    return type(a) is type(b) and a == b
 
 
 def _is_s(p: Placement, d: int) -> bool:

@@ -113,7 +113,10 @@ class _Copy(torch.autograd.Function):
 class _Reduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, op, group):
-        if x.is_leaf or x._base is not None or not x.is_contiguous():
+        # Compiled: out of place (a graph gains nothing from reducing in place, and Dynamo 2.6
+        # refuses x.is_contiguous() inside an autograd.Function: "Illegal getattr invocation")
+        if (torch.compiler.is_compiling() or x.is_leaf or x._base is not None
+                or not x.is_contiguous()):
             out = x.contiguous().clone()
             get_platform().all_reduce(out, op, group)
             return out

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from . import health, traced
+from . import health, probes, traced
 from .base import REDUCE_OPS, Availability, Group, P2POp, Work
 from .torch_base import TorchPlatformBase
 
@@ -269,7 +269,14 @@ class TorchPlatform(TorchPlatformBase):
 
     def reduce_scatter_tensor(self, output, input, op="sum", group=None, async_op=False):
         if self._tracing():
-            traced.reduce_scatter_tensor(output, input, op, group, self._native(op))
+            if self._native(op) and not probes.known_good(self.dist_backend, op):
+                # not measured correct (probes.py): reduce everything, keep this rank's rows
+                full = input.contiguous().clone()
+                traced.all_reduce(full, op, group, True)
+                output.copy_(full.chunk(self.world_size(group))[self.rank(group)]
+                             .view(output.shape))
+            else:
+                traced.reduce_scatter_tensor(output, input, op, group, self._native(op))
             return _DoneWork() if async_op else None
         output, input = output.detach(), input.detach()  # see all_gather_into_tensor
         n = self.world_size(group)
@@ -278,7 +285,11 @@ class TorchPlatform(TorchPlatformBase):
             raise NotImplementedError(f"{self.name}: reduce op {op!r} has no fallback")
         torch_op = _TORCH_OPS[op if native else "sum"]
         after = None if native else (lambda: output.div_(n))
-        if "reduce_scatter_tensor" not in self._runtime_fallbacks:
+        if op in probes.PROBED_OPS and native and n > 1:  # measured once per process
+            if probes.reduce_scatter_verdicts(self.dist_backend) is None:
+                probes.probe_on_group(self.dist_backend, op, group, input.device)
+        if ("reduce_scatter_tensor" not in self._runtime_fallbacks
+                and probes.known_good(self.dist_backend, op)):
             try:
                 work = _reduce_scatter_single(output, input, torch_op, group=group,
                                               async_op=async_op)
@@ -368,6 +379,8 @@ class TorchPlatform(TorchPlatformBase):
             for op in REDUCE_OPS if op not in self.native_reduce_ops and op == "avg"
         }
         found.update(self._runtime_fallbacks)
+        if any(op in self.native_reduce_ops for op in probes.PROBED_OPS):
+            found.update(probes.reduce_scatter_fallbacks(self.dist_backend))
         return found
 
 

@@ -38,15 +38,25 @@ def _visible_count() -> int:
     return len([d for d in env.split(",") if d.strip()])
 
 
-class _HostOnlyHooks(torch._C._acc.PrivateUse1Hooks):
-    def is_available(self) -> bool:
-        return False
+def _host_only_hooks() -> object | None:
+    """PrivateUse1 hooks answering "no accelerator here", or None on a torch without the Python
+    hooks API (``torch._C._acc``, torch >= 2.13; older releases do not ask the hooks on the
+    host-side paths the emulation uses)."""
+    acc = getattr(torch._C, "_acc", None)
+    if acc is None or not hasattr(acc, "PrivateUse1Hooks"):
+        return None
 
-    def has_primary_context(self, dev_id: int) -> bool:
-        return False
+    class _HostOnlyHooks(acc.PrivateUse1Hooks):
+        def is_available(self) -> bool:
+            return False
 
-    def is_built(self) -> bool:
-        return True
+        def has_primary_context(self, dev_id: int) -> bool:
+            return False
+
+        def is_built(self) -> bool:
+            return True
+
+    return _HostOnlyHooks()
 
 
 def _make_device_module() -> types.ModuleType:
@@ -101,7 +111,9 @@ def install_npu_emulation() -> None:
         torch.utils.rename_privateuse1_backend("npu")
         # torch asks the PrivateUse1 hooks which accelerator exists (barrier does); answer
         # "none" so torch keeps its host-side paths, as there is no NPU memory to use.
-        torch._C._acc.register_python_privateuseone_hook(_HostOnlyHooks())
+        hooks = _host_only_hooks()
+        if hooks is not None:
+            torch._C._acc.register_python_privateuseone_hook(hooks)
     npu = _make_device_module()
     pkg = types.ModuleType("torch_npu")
     pkg.npu = npu

@@ -174,6 +174,13 @@ def _sequence_parallel_matches_eager() -> int:
     return breaks
 
 
+_TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+
+
+@pytest.mark.xfail(_TORCH < (2, 7), strict=True, reason=(
+    "measured on torch 2.6.0: Dynamo refuses Tensor.contiguous() ('Illegal getattr invocation "
+    "is_contiguous in strict mode') in the reduce-scatter boundary's backward "
+    "(platform/dim_collectives.py all_gather_along); not yet worked around"))
 def test_sequence_parallel_block_compiles_fullgraph_and_matches_eager(run_on_ranks):
     assert run_on_ranks(2, _sequence_parallel_matches_eager) == [0, 0]
 

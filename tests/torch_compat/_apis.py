@@ -24,10 +24,19 @@ TORCH_NAMES = {
 }
 
 
+def missing_in_torch() -> set[str]:
+    """The names of ``TORCH_NAMES`` the installed torch lacks (``PrepareModuleInputOutput``
+    before torch 2.7): cases using them are skipped there, with the reason."""
+    return {n for n, m in TORCH_NAMES.items()
+            if not hasattr(importlib.import_module(m), n)}
+
+
 def torch_api() -> SimpleNamespace:
-    """``torch.distributed.tensor(.parallel)``, as a user of torch imports it."""
+    """``torch.distributed.tensor(.parallel)``, as a user of torch imports it (without the
+    names this torch release lacks)."""
     return SimpleNamespace(name="torch", **{
-        n: getattr(importlib.import_module(m), n) for n, m in TORCH_NAMES.items()})
+        n: getattr(importlib.import_module(m), n) for n, m in TORCH_NAMES.items()
+        if n not in missing_in_torch()})
 
 
 def hyperpar_api() -> SimpleNamespace:

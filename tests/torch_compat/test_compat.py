@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from _apis import missing_in_torch
 from _cases import CASES, run_cases
 
 WORLDS = (2, 4)
@@ -22,6 +23,22 @@ KNOWN_DIFFERENCES: dict[str, tuple[str, str]] = {
         "torch warns and skips a plan key that matches no submodule; a typo then leaves the "
         "layer unsharded silently, so hyperpar raises and names the closest paths"),
 }
+
+
+#: case -> (first torch measured with today's behaviour, what older torch does). hyperpar follows
+#: the newer torch; measured: these differ on 2.6.0, agree on 2.13 and 2.14.1.
+NEWER_TORCH_BEHAVIOUR: dict[str, tuple[tuple[int, int], str]] = {
+    "root_key": ((2, 13), "torch 2.6 ignores plan key '' (the root module)"),
+    "error_from_local_of_dtensor": ((2, 13), "torch 2.6 accepts a DTensor in from_local"),
+}
+
+
+def _older_torch_reason(name: str) -> str | None:
+    if name not in NEWER_TORCH_BEHAVIOUR:
+        return None
+    since, what = NEWER_TORCH_BEHAVIOUR[name]
+    version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    return f"{what}; hyperpar follows torch >= {since[0]}.{since[1]}" if version < since else None
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +90,11 @@ def differences(theirs: Any, ours: Any, path: str = "") -> list[str]:
 @pytest.mark.parametrize("n", WORLDS)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_same_as_torch(results: Any, name: str, n: int) -> None:
+    lacking = sorted(missing_in_torch() & set(CASES[name].__code__.co_names))
+    if lacking:
+        pytest.skip(f"torch {torch.__version__} has no {', '.join(lacking)} to compare with")
+    if _older_torch_reason(name):
+        pytest.skip(_older_torch_reason(name))
     per_rank = results(n)
     for rank, res in enumerate(per_rank):
         (t_status, t_value), (h_status, h_value) = res[name]["torch"], res[name]["hyperpar"]
@@ -93,6 +115,6 @@ def test_same_as_torch(results: Any, name: str, n: int) -> None:
 
 def test_every_error_case_raises_in_torch_too(results: Any) -> None:
     """An ``error_`` case documents an error torch raises: it must raise there."""
-    for name in (c for c in CASES if c.startswith("error_")):
+    for name in (c for c in CASES if c.startswith("error_") and not _older_torch_reason(c)):
         status, value = results(2)[0][name]["torch"]
         assert status == "raised", f"{name}: torch did not raise ({value!r})"
