@@ -6,6 +6,11 @@
 #
 #   bash scripts/test-compat.sh                      # both ends of the range
 #   HYPERPAR_COMPAT_TORCH="2.9.1" bash scripts/test-compat.sh
+#   bash scripts/test-compat.sh --prepare            # only build the venvs (scripts/test.sh runs
+#                                                    # this in the background during the suite)
+#
+# A venv that cannot be built (no network) is reported as SKIPPED and the job exits 0, except
+# under CI=true, where it is an error: CI must not pass without having tested the range.
 #
 # Venvs live in $HYPERPAR_COMPAT_VENVS (default ~/.cache/hyperpar/compat-venvs/torch-X.Y.Z),
 # outside the checkout, so a fresh clone reuses them; a venv is (re)built only when its
@@ -35,6 +40,25 @@ step() {  # step VERSION NAME COMMAND...: run, time, and record a failure withou
   echo "-- torch $version, $name: $( [ $rc = 0 ] && echo ok || echo "FAILED (exit $rc)" ), $(( $(now) - t )) s"
   [ $rc = 0 ] || FAILED+=("torch $version: $name")
 }
+PREPARE=0
+[ "${1:-}" = "--prepare" ] && PREPARE=1
+build_venv() {  # build_venv VERSION VENV: (re)build unless complete; non-zero if pip fails
+  local version=$1 venv=$2
+  [ -f "$venv/.complete" ] && return 0
+  rm -rf "$venv"
+  "$PY" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  "$venv/bin/python" -m pip install -q "torch==$version" "${TEST_DEPS[@]}" || return 1
+  touch "$venv/.complete"
+}
+if [ $PREPARE = 1 ]; then
+  for version in $VERSIONS; do
+    t0=$(now)
+    build_venv "$version" "$VENVS/torch-$version" || { echo "could not build torch $version"; exit 1; }
+    echo "-- torch $version venv ready in $(( $(now) - t0 )) s"
+  done
+  exit 0
+fi
 ORIG_PATH=$PATH
 job_start=$(now)
 export HYPERPAR_BACKEND=cpu
@@ -42,12 +66,13 @@ for version in $VERSIONS; do
   venv="$VENVS/torch-$version"
   echo "== torch $version ($venv)"
   t0=$(now)
-  if [ ! -f "$venv/.complete" ]; then
-    rm -rf "$venv"
-    "$PY" -m venv "$venv"
-    "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-    "$venv/bin/python" -m pip install -q "torch==$version" "${TEST_DEPS[@]}"
-    touch "$venv/.complete"
+  if ! build_venv "$version" "$venv"; then
+    if [ "${CI:-}" = "true" ]; then
+      echo "error: could not install torch $version into $venv (see pip's message above)" >&2
+      exit 1
+    fi
+    echo "== SKIPPED torch $version: could not install it into $venv (no network?)"
+    continue
   fi
   # This checkout, editable (re-pointed on every run; no build isolation: fast and offline).
   "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation \

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The MindSpore backend's checks, in a venv with MindSpore and no torch (cached across runs).
-#   MS_VENV (default /work/venvs/mindspore if /work/venvs exists, else .venv-mindspore): the venv
-# Without a network and without the cached venv, says so and exits 0 (nothing was checked).
+#   MS_VENV (default ~/.cache/hyperpar/mindspore-venv, outside the checkout so clones share it)
+#   bash scripts/test-mindspore.sh --prepare   # only build the venv (scripts/test.sh runs this in
+#                                              # the background during the main suite)
+# Without a network and without the cached venv, says so and exits 0 (nothing was checked) --
+# except under CI=true, where that is an error.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ -z "${MS_VENV:-}" ]; then
-  if [ -d /work/venvs ]; then MS_VENV=/work/venvs/mindspore; else MS_VENV="$PWD/.venv-mindspore"; fi
-fi
+MS_VENV=${MS_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/hyperpar/mindspore-venv}
+PREPARE=0
+[ "${1:-}" = "--prepare" ] && { PREPARE=1; shift; }
 PY=${PYTHON:-python3}
 start=$(date +%s)
 if [ ! -x "$MS_VENV/bin/python" ] || ! "$MS_VENV/bin/python" -c "import mindspore, pluggy, pytest" 2>/dev/null; then
@@ -14,6 +17,11 @@ if [ ! -x "$MS_VENV/bin/python" ] || ! "$MS_VENV/bin/python" -c "import mindspor
   "$PY" -m venv "$MS_VENV"
   if ! "$MS_VENV/bin/python" -m pip install -q "numpy<2" "mindspore==2.10.0" pluggy pytest pytest-timeout \
       "setuptools>=77"; then
+    rm -rf "$MS_VENV"
+    if [ "${CI:-}" = "true" ]; then
+      echo "error: could not install MindSpore into $MS_VENV (see pip's message above)" >&2
+      exit 1
+    fi
     echo "== SKIPPED the MindSpore checks: could not install MindSpore into $MS_VENV (no network?)"
     exit 0
   fi
@@ -32,6 +40,7 @@ if "$MS_VENV/bin/python" -c "import torch" 2>/dev/null; then
   exit 1
 fi
 echo "== venv ready in $(( $(date +%s) - start )) s"
+[ $PREPARE = 1 ] && exit 0
 export GLOG_v=${GLOG_v:-3}
 echo "== hyperpar info (mindspore, no torch)"
 HYPERPAR_BACKEND=mindspore "$MS_VENV/bin/hyperpar" info

@@ -1,10 +1,20 @@
 #!/usr/bin/env bash
-# Set up (idempotent) and run every check: lint, unit + multi-process tests, the backend
-# conformance kit on cpu (2 and 4 ranks) and on the emulated npu, and the docs build.
+# Set up (idempotent) and run every check: lint, the backend conformance kit on cpu (1, 2 and 4
+# ranks), on the emulated npu and on the tracing example backend, the docs build, the unit and
+# multi-process tests, then the torch-version job (oldest and newest supported torch) and the
+# MindSpore backend (a venv without torch). Arguments go to the main pytest run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+start=$(date +%s)
 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
+# The two extra venvs (torch 2.6 / 2.14 for the version job, MindSpore for its backend) are
+# mostly downloads and unpacking: build them in the background while the main suite runs.
+logs=$(mktemp -d)
+bash scripts/test-compat.sh --prepare >"$logs/compat.log" 2>&1 &
+compat_prep=$!
+bash scripts/test-mindspore.sh --prepare >"$logs/mindspore.log" 2>&1 &
+ms_prep=$!
 echo "== ruff"
 ruff check hyperpar backends tests benchmarks examples
 echo "== conformance kit: cpu"
@@ -20,4 +30,14 @@ if [ -f mkdocs.yml ]; then
 fi
 echo "== unit and multi-process tests"
 pytest -q -p no:cacheprovider tests "$@"
-echo "== torch compatibility: oldest supported and newest available torch"; bash scripts/test-compat.sh
+echo "== (main checks done in $(( $(date +%s) - start )) s)"
+# A failed background build is reported here; the job scripts then retry it themselves and
+# decide (skip without a network, fail under CI=true).
+wait $compat_prep || { echo "== building the torch-version venvs failed:"; tail -20 "$logs/compat.log"; }
+wait $ms_prep || { echo "== building the MindSpore venv failed:"; tail -20 "$logs/mindspore.log"; }
+cat "$logs/compat.log" "$logs/mindspore.log"
+echo "== torch compatibility: oldest supported and newest available torch"
+bash scripts/test-compat.sh
+echo "== MindSpore backend (venv without torch)"
+bash scripts/test-mindspore.sh
+echo "== all checks passed in $(( $(date +%s) - start )) s"
