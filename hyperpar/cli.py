@@ -176,7 +176,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from hyperpar.launcher import LaunchOptions, launch
 
     if args.timeout is None:
-        from hyperpar.platform.torch_platform import default_timeout_s
+        from hyperpar.platform.timeout import default_timeout_s
 
         try:
             default_timeout_s()  # every worker would fail on a bad HYPERPAR_TIMEOUT

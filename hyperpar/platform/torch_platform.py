@@ -11,7 +11,6 @@ This module (and the backends) are the only places in hyperpar that call ``torch
 
 from __future__ import annotations
 
-import math
 import os
 import resource
 from collections.abc import Callable, Sequence
@@ -24,6 +23,7 @@ import torch.distributed as dist
 
 from . import health, probes, traced
 from .base import REDUCE_OPS, Availability, Group, P2POp, Work
+from .timeout import default_timeout_s
 from .torch_base import TorchPlatformBase
 
 _TORCH_OPS = {
@@ -39,23 +39,6 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = (
     getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 )
-
-def default_timeout_s() -> float:
-    """Collective timeout in seconds: ``HYPERPAR_TIMEOUT`` if set, else 300."""
-    raw = os.environ.get("HYPERPAR_TIMEOUT", "").strip()
-    if not raw:
-        return 300.0
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(
-            f"HYPERPAR_TIMEOUT={raw!r} is not a collective timeout: it must be a positive "
-            f"number of seconds, e.g. HYPERPAR_TIMEOUT=300 (or unset it for the default 300)"
-        )
-    return value
-
 
 def _check_op(op: str) -> None:
     if op not in REDUCE_OPS:

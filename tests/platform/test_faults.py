@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hyperpar.platform import BackendError, backends
-from hyperpar.platform.torch_platform import default_timeout_s
+from hyperpar.platform.timeout import default_timeout_s
 
 RAISING_HOOK = """
 from hyperpar.platform import hookimpl
