@@ -757,16 +757,16 @@ def _plain(x: Any) -> Any:
     return f"<{type(x).__name__}>"
 
 
-def run_cases(names: list[str], n: int | None = None) -> dict[str, dict[str, Any]]:
-    """On every rank: run each case with both APIs; ``{case: {api: ("ok", value) |
-    ("raised", "Type: message")}}``."""
+def run_side_by_side(cases: dict[str, Callable[[Any, int], Any]], apis: dict[str, Any],
+                     names: list[str], n: int | None = None,
+                     plain: Callable[[Any], Any] = _plain) -> dict[str, dict[str, Any]]:
+    """On every rank: run each named case once per API (``{"torch": api, "hyperpar": api}``);
+    ``{case: {api: ("ok", plain(value)) | ("raised", "Type: message")}}``. The shared runner of
+    every side-by-side file in this folder (TP, TP drop-in, FSDP2)."""
     import warnings
-
-    from _apis import api_named
 
     n = n or torch.distributed.get_world_size()
     results: dict[str, dict[str, Any]] = {}
-    apis = {name: api_named(name) for name in ("torch", "hyperpar")}
     for name in names:
         results[name] = {}
         for label, api in apis.items():
@@ -774,8 +774,16 @@ def run_cases(names: list[str], n: int | None = None) -> dict[str, dict[str, Any
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    results[name][label] = ("ok", _plain(CASES[name](api, n)))
+                    results[name][label] = ("ok", plain(cases[name](api, n)))
             except Exception as exc:  # noqa: BLE001 -- the comparison decides
                 results[name][label] = ("raised", f"{type(exc).__name__}: {exc}")
             torch.distributed.barrier()
     return results
+
+
+def run_cases(names: list[str], n: int | None = None) -> dict[str, dict[str, Any]]:
+    """On every rank: run each case with both APIs (see :func:`run_side_by_side`)."""
+    from _apis import api_named
+
+    apis = {name: api_named(name) for name in ("torch", "hyperpar")}
+    return run_side_by_side(CASES, apis, names, n)

@@ -342,22 +342,8 @@ def _plain(x: Any) -> Any:
 
 
 def run_fsdp2_cases(names: list[str], n: int | None = None) -> dict[str, dict[str, Any]]:
-    """On every rank: each case with both APIs; ``{case: {api: ("ok", value) |
-    ("raised", "Type: message")}}``."""
-    import warnings
+    """On every rank: each case with both APIs (see ``_cases.run_side_by_side``)."""
+    from _cases import run_side_by_side
 
-    n = n or torch.distributed.get_world_size()
-    results: dict[str, dict[str, Any]] = {}
     apis = {name: fsdp2_api(name) for name in ("torch", "hyperpar")}
-    for name in names:
-        results[name] = {}
-        for label, api in apis.items():
-            torch.manual_seed(0)
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    results[name][label] = ("ok", _plain(CASES[name](api, n)))
-            except Exception as exc:  # noqa: BLE001 -- the comparison decides
-                results[name][label] = ("raised", f"{type(exc).__name__}: {exc}")
-            torch.distributed.barrier()
-    return results
+    return run_side_by_side(CASES, apis, names, n, plain=_plain)

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from _cases import TiedLM, _plain, inputs, norm, params_and_grads, seeded, snap
+from _cases import TiedLM, inputs, norm, params_and_grads, run_side_by_side, seeded, snap
 from test_compat import differences
 from torch import nn
 
@@ -232,25 +232,9 @@ def case_error_distribute_module_twice(api: Any, n: int) -> Any:
 
 # ----------------------------------------------------------------------------- runner
 def run_dropin_cases(names: list[str]) -> dict[str, dict[str, Any]]:
-    """On every rank: each case with torch's and with hyperpar's imports; ``{case: {api:
-    ("ok", value) | ("raised", "Type: message")}}``."""
-    import warnings
-
-    n = torch.distributed.get_world_size()
-    results: dict[str, dict[str, Any]] = {}
-    for name in names:
-        results[name] = {}
-        for label in ("torch", "hyperpar"):
-            api = _api(label)
-            torch.manual_seed(0)
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    results[name][label] = ("ok", _plain(CASES[name](api, n)))
-            except Exception as exc:  # noqa: BLE001 -- the comparison decides
-                results[name][label] = ("raised", f"{type(exc).__name__}: {exc}")
-            torch.distributed.barrier()
-    return results
+    """On every rank: each case with torch's and with hyperpar's imports (see
+    ``_cases.run_side_by_side``)."""
+    return run_side_by_side(CASES, {label: _api(label) for label in ("torch", "hyperpar")}, names)
 
 
 @pytest.fixture(scope="module")
