@@ -29,12 +29,27 @@ def _hyperpar_version(text: str) -> str:
     return out
 
 
-def _losses(cmd: list[str], cwd: Path) -> list[float]:
+# torch's own gloo can abort a finished script at interpreter exit (PLATFORM-FACTS, "exit
+# abort"; seen in CI on the plain-torch reference run). hyperpar closes its groups before exit,
+# so only the reference may retry, and only on that exact failure after all its steps printed.
+TORCH_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["HYPERPAR_BACKEND"] = "cpu"
     env["OMP_NUM_THREADS"] = "1"
-    res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _losses(cmd: list[str], cwd: Path, *, retry_torch_exit_abort: bool = False) -> list[float]:
+    res = _run(cmd, cwd)
+    for _ in range(2 if retry_torch_exit_abort else 0):
+        if res.returncode == 0 or TORCH_EXIT_ABORT not in res.stderr or res.stdout.count(
+                "loss") != 3:
+            break
+        res = _run(cmd, cwd)
     assert res.returncode == 0, f"{cmd}\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
     losses = [float(x) for x in re.findall(r"step \d+ loss ([-\d.]+)", res.stdout)]
     assert len(losses) == 3, res.stdout
@@ -51,7 +66,8 @@ def torch_losses(tmp_path_factory) -> list[float]:
 
     if get_platform().name != "cpu":
         pytest.skip("the script names the cpu device, as a gloo torch script does")
-    return _losses([*TORCHRUN, str(SCRIPT)], tmp_path_factory.mktemp("torch_run"))
+    return _losses([*TORCHRUN, str(SCRIPT)], tmp_path_factory.mktemp("torch_run"),
+                   retry_torch_exit_abort=True)
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "hyperpar run"])
