@@ -1,6 +1,7 @@
 """Capture and edit activations of a tensor-parallel Llama-style model, seen whole.
 
     python examples/inspect_activations.py          # spawns 2 processes (tp2) itself
+    hyperpar run -n 2 examples/inspect_activations.py   # or torchrun: one rank per process
 
 On 2 ranks the model runs with the TP plan of examples/llama/plan.py, so each rank holds half of
 every MLP's hidden activation. ``InspectedModel`` gathers the hooked activations back to their
@@ -11,6 +12,7 @@ model in one process must give the same tensors and the same logits.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -56,10 +58,32 @@ def run(parallel: bool) -> dict:
 
 
 def main() -> int:
+    if "WORLD_SIZE" in os.environ:  # one worker of `hyperpar run` / torchrun
+        return _launched_rank()
     from hyperpar.testing import run_distributed
 
     sharded = run_distributed(run, 2, True, timeout_s=300)[0]     # rank 0 holds the captures
-    single = run(False)
+    return report(sharded, run(False))
+
+
+def _launched_rank() -> int:
+    """Under a launcher each process is one rank; rank 0 reports the comparison."""
+    from hyperpar.platform import get_platform
+
+    platform = get_platform()
+    platform.init_process_group()
+    if platform.world_size() != 2:
+        raise SystemExit(f"inspect_activations.py runs on 2 ranks (the tp2 plan), got "
+                         f"{platform.world_size()}: launch it with -n 2 / --nproc-per-node 2")
+    sharded = run(True)
+    single = run(False)  # on every rank: capture gathers are collectives once a world exists
+    status = report(sharded, single) if platform.rank() == 0 else 0
+    platform.destroy_process_group()
+    return status
+
+
+def report(sharded: dict, single: dict) -> int:
+    """Print the captures and compare the sharded run with one process; 0 when they agree."""
     print(f"captured on rank 0: {sorted(sharded['captured'])}")
     diff = 0.0
     for name, value in single["captured"].items():

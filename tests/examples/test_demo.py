@@ -39,3 +39,14 @@ def test_inspection_example_captures_full_activations_and_ablates_like_one_proce
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "layers.0.feed_forward.w1: full shape (2, 16, 128)" in proc.stdout
     assert proc.stdout.rstrip().endswith("-> OK")
+
+
+def test_inspection_example_runs_one_rank_per_process_under_hyperpar_run():
+    """Under a launcher the example must not spawn its own ranks (it hung under torchrun)."""
+    proc = subprocess.run([sys.executable, "-m", "hyperpar", "run", "-n", "2",
+                           "examples/inspect_activations.py"], cwd=REPO,
+                          env={**os.environ, "HYPERPAR_BACKEND": "cpu"},
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("-> OK") == 1, proc.stdout  # rank 0 reports, once
+    assert "MISMATCH" not in proc.stdout
