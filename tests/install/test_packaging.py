@@ -97,3 +97,24 @@ def test_description_tells_pip_users_the_scripts_need_a_checkout(wheel: Path) ->
         body = Parser().parsestr(zf.read(meta_name).decode()).get_payload()
     first_script = body.index("bash scripts/")
     assert "checkout" in body[:first_script], body[:first_script]
+
+
+
+def test_backend_wheels_carry_the_license(tmp_path: Path) -> None:
+    backends = ["cpu", "cuda", "npu", "mindspore", "sim"]
+    sources = []
+    for backend in backends:  # copies: building writes build/ and *.egg-info
+        src = tmp_path / "src" / backend
+        shutil.copytree(ROOT / "backends" / f"hyperpar-{backend}", src,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "build"))
+        sources.append(str(src))
+    out = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(out), *sources], check=True, timeout=600, capture_output=True)
+    for backend in backends:
+        (found,) = out.glob(f"hyperpar_{backend}-*.whl")
+        with zipfile.ZipFile(found) as zf:
+            licenses = [n for n in zf.namelist() if "/licenses/" in n and n.endswith("LICENSE")]
+            assert licenses, (backend, zf.namelist())
+            assert "Apache License" in zf.read(licenses[0]).decode()
