@@ -130,8 +130,11 @@ class _ShardingStyle(ParallelStyle):
         out_comm = self.spec.output_comm(kind, self.output_layouts)
         if in_comm.forward != "none" or in_comm.backward != "none":
             boundary_in = Boundary(platform, in_comm, group, f"{type(self).__name__} input")
-            platform.register_forward_pre_hook(
-                cell, lambda _cell, args: (boundary_in(args[0]), *args[1:]))
+
+            def relayout_input(_cell: nn.Cell, args: tuple) -> tuple:
+                return (boundary_in(args[0]), *args[1:])
+
+            platform.register_forward_pre_hook(cell, relayout_input)
         boundary_out = Boundary(platform, out_comm, group, f"{type(self).__name__} output")
         self._install_local_compute(platform, cell, kind, group, boundary_out)
         return cell
@@ -158,7 +161,11 @@ class _ShardingStyle(ParallelStyle):
     def _install_local_compute(self, platform: MindSporePlatform, cell: nn.Cell, kind: str,
                                group: MSGroup, boundary_out: Boundary) -> None:
         if boundary_out.comm.forward != "none" or boundary_out.comm.backward != "none":
-            platform.register_forward_hook(cell, lambda _cell, args, out: boundary_out(out))
+
+            def relayout_output(_cell: nn.Cell, args: tuple, out: Any) -> Any:
+                return boundary_out(out)
+
+            platform.register_forward_hook(cell, relayout_output)
 
 
 class ColwiseParallel(_ShardingStyle):
