@@ -76,27 +76,38 @@ def _train(model: nn.Cell, x: ms.Tensor, y: ms.Tensor) -> tuple[list[float], np.
     return losses, model(x).asnumpy()
 
 
-def _sp_plan() -> dict:
+def _sp_plan(boundaries: str = "separate") -> dict:
     from hyperpar import (
         ColwiseParallel,
         PrepareModuleInput,
+        PrepareModuleInputOutput,
         PrepareModuleOutput,
         Replicate,
         RowwiseParallel,
         SequenceParallel,
         Shard,
     )
-    return {
-        "": PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate()),
-        "block": PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1)),
+    layers = {
         "block.norm": SequenceParallel(),
         "block.fc1": ColwiseParallel(input_layouts=Shard(1)),
         "block.fc2": RowwiseParallel(output_layouts=Shard(1)),
         "norm_f": SequenceParallel(),
     }
+    if boundaries == "separate":
+        return {
+            "": PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate()),
+            "block": PrepareModuleInput(input_layouts=Replicate(),
+                                        desired_input_layouts=Shard(1)),
+            **layers,
+        }
+    # both re-layouts on the root: slice the sequence on the way in, gather it on the way out
+    return {"": PrepareModuleInputOutput(input_layouts=Replicate(), desired_input_layouts=Shard(1),
+                                         output_layouts=Shard(1),
+                                         desired_output_layouts=Replicate()),
+            **layers}
 
 
-def _run_sp_parity() -> dict:
+def _run_sp_parity(boundaries: str = "separate") -> dict:
     import hyperpar_mindspore
 
     from hyperpar import init_device_mesh, parallelize_module
@@ -110,7 +121,7 @@ def _run_sp_parity() -> dict:
     _weights(reference)
     _weights(model, seed=0 if get_platform().rank() == 0 else 7)  # rank 0's values must win
     mesh = init_device_mesh((get_platform().world_size(),), mesh_dim_names=("tp",))
-    parallelize_module(model, mesh, _sp_plan())
+    parallelize_module(model, mesh, _sp_plan(boundaries))
     ref_losses, ref_out = _train(reference, x, y)
     losses, out = _train(model, x, y)
     return {"tp_rank": mesh.get_local_rank(), "tp_size": mesh.size(), "ref_losses": ref_losses,
@@ -126,9 +137,9 @@ _SPLITS = {"block.norm.gamma": None, "block.norm.beta": None, "block.fc1.weight"
            "norm_f.gamma": None, "norm_f.beta": None}
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_megatron_sp_block_trains_like_one_process(pool2, pool4, n):
-    results = (pool2 if n == 2 else pool4).run(_run_sp_parity)
+@pytest.mark.parametrize(("n", "boundaries"), [(2, "separate"), (4, "separate"), (2, "both")])
+def test_megatron_sp_block_trains_like_one_process(pool2, pool4, n, boundaries):
+    results = (pool2 if n == 2 else pool4).run(_run_sp_parity, boundaries)
     assert sorted(r["tp_rank"] for r in results) == list(range(n))
     for res in results:
         scale = max(1.0, float(np.abs(res["ref_out"]).max()))
