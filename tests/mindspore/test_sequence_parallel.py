@@ -14,6 +14,11 @@ Plan, as torchtitan writes it for a transformer block::
     block.fc2   RowwiseParallel(output_layouts=Shard(1))       reduce-scatter / all-gather
     norm_f      SequenceParallel()                             after the residual add
 
+Variants: both re-layouts on the root (``PrepareModuleInputOutput``), and token ids through a
+vocabulary-parallel embedding reduce-scattered over the sequence
+(``RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))``) in place of the
+block's ``PrepareModuleInput``.
+
 Tolerance: per position the arithmetic is the one-process arithmetic; what changes is the order
 of float32 sums -- fc2's contraction split over ranks (<= 16 terms), the norms' parameter
 gradients summed per rank then all-reduced (<= 16 positions x 2 batches). With values O(1), that
@@ -34,7 +39,7 @@ from mindspore import nn
 
 STEPS = 3
 LR = 0.1
-D, H, BATCH, SEQ = 8, 16, 2, 8
+D, H, BATCH, SEQ, VOCAB = 8, 16, 2, 8, 12
 
 
 class Block(nn.Cell):
@@ -57,6 +62,18 @@ class Model(nn.Cell):
 
     def construct(self, x):
         return self.norm_f(self.block(x))
+
+
+class EmbedModel(Model):
+    """Token ids in: a vocabulary-parallel embedding whose output is reduce-scattered over the
+    sequence (torchtitan's ``tok_embeddings`` entry) feeds the block directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+
+    def construct(self, ids):
+        return self.norm_f(self.block(self.emb(ids)))
 
 
 def _weights(model: nn.Cell, seed: int = 0) -> None:
@@ -93,6 +110,12 @@ def _sp_plan(boundaries: str = "separate") -> dict:
         "block.fc2": RowwiseParallel(output_layouts=Shard(1)),
         "norm_f": SequenceParallel(),
     }
+    if boundaries == "embedding":
+        return {
+            "": PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate()),
+            "emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            **layers,
+        }
     if boundaries == "separate":
         return {
             "": PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate()),
@@ -117,7 +140,11 @@ def _run_sp_parity(boundaries: str = "separate") -> dict:
     rng = np.random.default_rng(1)
     x = ms.Tensor(rng.standard_normal((BATCH, SEQ, D)).astype(np.float32))
     y = ms.Tensor(rng.standard_normal((BATCH, SEQ, D)).astype(np.float32))
-    reference, model = Model(), Model()
+    make = Model
+    if boundaries == "embedding":
+        make = EmbedModel
+        x = ms.Tensor(rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32))
+    reference, model = make(), make()
     _weights(reference)
     _weights(model, seed=0 if get_platform().rank() == 0 else 7)  # rank 0's values must win
     mesh = init_device_mesh((get_platform().world_size(),), mesh_dim_names=("tp",))
@@ -137,10 +164,12 @@ _SPLITS = {"block.norm.gamma": None, "block.norm.beta": None, "block.fc1.weight"
            "norm_f.gamma": None, "norm_f.beta": None}
 
 
-@pytest.mark.parametrize(("n", "boundaries"), [(2, "separate"), (4, "separate"), (2, "both")])
+@pytest.mark.parametrize(("n", "boundaries"), [(2, "separate"), (4, "separate"), (2, "both"),
+                                                (4, "embedding")])
 def test_megatron_sp_block_trains_like_one_process(pool2, pool4, n, boundaries):
     results = (pool2 if n == 2 else pool4).run(_run_sp_parity, boundaries)
     assert sorted(r["tp_rank"] for r in results) == list(range(n))
+    splits = dict(_SPLITS, **({"emb.embedding_table": 0} if boundaries == "embedding" else {}))
     for res in results:
         scale = max(1.0, float(np.abs(res["ref_out"]).max()))
         tol = 2e-5 * scale
@@ -148,8 +177,8 @@ def test_megatron_sp_block_trains_like_one_process(pool2, pool4, n, boundaries):
         assert res["ref_losses"][-1] < res["ref_losses"][0]
         np.testing.assert_allclose(res["losses"], res["ref_losses"], rtol=2e-5, atol=tol)
         np.testing.assert_allclose(res["out"], res["ref_out"], rtol=0, atol=tol)
-        assert set(res["mine"]) == set(res["ref"]) == set(_SPLITS)
-        for name, dim in _SPLITS.items():
+        assert set(res["mine"]) == set(res["ref"]) == set(splits)
+        for name, dim in splits.items():
             want = res["ref"][name]
             if dim is not None:
                 want = np.split(want, res["tp_size"], axis=dim)[res["tp_rank"]]
