@@ -17,14 +17,9 @@ import time
 import mindspore as ms
 import mindspore.mint.distributed as dist
 import numpy as np
-from hyperpar_mindspore import (
-    ColwiseParallel,
-    RowwiseParallel,
-    init_device_mesh,
-    parallelize_module,
-)
 from mindspore import Parameter, Tensor, mint, nn
 
+from hyperpar import ColwiseParallel, RowwiseParallel, init_device_mesh, parallelize_module
 from hyperpar.platform import get_platform
 
 DIM, HIDDEN, BATCH = 256, 1024, (16, 64)

@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import mindspore as ms
 import numpy as np
-from hyperpar_mindspore import (
-    ColwiseParallel,
-    RowwiseParallel,
-    init_device_mesh,
-    parallelize_module,
-)
 from mindspore import nn
+
+# The import line torch users write: with HYPERPAR_BACKEND=mindspore these are the Cell versions.
+from hyperpar import ColwiseParallel, RowwiseParallel, init_device_mesh, parallelize_module
 
 
 class MLP(nn.Cell):

@@ -7,6 +7,7 @@ resolves a backend at import time.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 __version__ = "0.1.0"
@@ -86,6 +87,14 @@ _EXPORTS: dict[str, str] = {
     "DistributedError": "hyperpar.testing",
 }
 
+#: names whose implementation depends on the framework: resolved at each access through the
+#: platform's ``parallel_api()`` (MindSpore Cells), else hyperpar's PyTorch implementation above.
+_FRAMEWORK_BOUND = frozenset({
+    "DeviceMesh", "init_device_mesh", "parallelize_module", "ParallelStyle", "ColwiseParallel",
+    "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
+    "PrepareModuleInputOutput", "PlanKeyError", "UnsupportedModuleError",
+})
+
 #: subpackages reachable as attributes (``hyperpar.checkpoint.save``)
 _SUBMODULES = ("checkpoint", "dtensor", "fsdp", "inspect", "parallel", "pipeline", "platform",
                "testing")
@@ -104,9 +113,33 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'hyperpar' has no attribute {name!r}")
+    if name in _FRAMEWORK_BOUND:
+        return _framework_bound(name, module)
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+def _framework_bound(name: str, torch_module: str) -> Any:
+    """``name`` from the selected platform's framework API (not cached: ``set_backend`` may
+    switch frameworks); hyperpar's PyTorch implementation when the platform has none."""
+    from hyperpar.platform import BackendError, get_platform
+
+    try:
+        api = get_platform().parallel_api()
+    except BackendError:
+        if importlib.util.find_spec("torch") is None:
+            raise
+        api = None  # torch is here: its styles need a backend only when applied
+    if api is None:
+        return getattr(importlib.import_module(torch_module), name)
+    try:
+        return getattr(api, name)
+    except AttributeError:
+        raise AttributeError(
+            f"hyperpar.{name} has no implementation on the {get_platform().name!r} backend yet "
+            f"({api.__name__} lacks it); see its documentation for what it supports"
+        ) from None
 
 
 def __dir__() -> list[str]:

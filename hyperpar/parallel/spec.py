@@ -28,13 +28,16 @@ from hyperpar.dtensor.placement import Partial, Placement, Replicate, Shard
 
 __all__ = [
     "COLWISE",
+    "REPLICATED_PARAM_GRAD",
     "ROWWISE",
     "Comm",
     "PlanKeyError",
     "StyleSpec",
     "boundary",
     "check_divisible",
+    "prepare_comm",
     "resolve_plan",
+    "sequence_parallel",
 ]
 
 ModuleKind = Literal["linear", "embedding"]
@@ -150,6 +153,36 @@ ROWWISE = StyleSpec(
     default_output=Replicate(),
     input_grad={"linear": "replicate", "embedding": "replicate"},
 )
+
+
+def sequence_parallel(sequence_dim: int = 1) -> StyleSpec:
+    """``SequenceParallel``: a module that works position by position (norms, dropout) runs on
+    this rank's slice of the sequence. Its parameters stay whole (replicated, from rank 0); its
+    input is taken to be, and its output is, ``Shard(sequence_dim)`` -- a local input is this
+    rank's slice already, so neither boundary communicates. Each rank's gradient of a parameter
+    is a partial sum over its slice: see :data:`REPLICATED_PARAM_GRAD`."""
+    seq = Shard(sequence_dim)
+    return StyleSpec(
+        name="SequenceParallel",
+        param_dims={"module": {}},
+        local_output={"module": seq},
+        desired_input={"module": seq},
+        default_input=seq,
+        default_output=seq,
+        input_grad={"module": "replicate"},
+    )
+
+
+#: A replicated parameter used on a slice of the activations (``SequenceParallel``): nothing
+#: forward, its gradient all-reduced backward so every rank steps with the whole-sequence one.
+REPLICATED_PARAM_GRAD = boundary(Replicate(), Replicate(), "partial")
+
+
+def prepare_comm(src: Placement, dst: Placement) -> Comm:
+    """``PrepareModuleInput``/``PrepareModuleOutput``: turn a local activation laid out as
+    ``src`` into ``dst``. The result is used as a local tensor, whose gradient arrives laid out
+    as ``dst`` (torch's ``to_local`` takes it so), hence ``grad="replicate"``."""
+    return boundary(src, dst, "replicate")
 
 
 def check_divisible(style: str, path: str, param: str, shape: Iterable[int], dim: int,

@@ -337,6 +337,14 @@ class Platform(abc.ABC):
         default) to let ``hyperpar run`` use torchrun."""
         return None
 
+    # ------------------------------------------------------------------ framework API
+    def parallel_api(self) -> Any:
+        """The module implementing hyperpar's parallel API (``init_device_mesh``,
+        ``parallelize_module``, the styles) on this platform's framework, or ``None`` (the
+        default) for hyperpar's own PyTorch implementation. ``from hyperpar import
+        ColwiseParallel`` asks this, so one import line serves every framework."""
+        return None
+
     # ------------------------------------------------------------------ conveniences
     def describe(self) -> str:
         """One line naming this platform, for logs and errors."""

@@ -151,7 +151,7 @@ PRELUDES: dict[tuple[str, str], str] = {
 NOT_RUNNABLE: dict[tuple[str, str], str] = {
     ("docs/data-parallel.md", "data_parallel(pipe, mesh"):
         "a fragment indented inside a list item, showing three calls in context",
-    ("docs/mindspore.md", "from hyperpar_mindspore import init_device_mesh"):
+    ("docs/mindspore.md", "import mindspore as ms"):
         "MindSpore code (this venv has torch, not MindSpore): the same steps run as "
         "examples/mindspore_tp_mlp.py under scripts/test-mindspore.sh",
 }

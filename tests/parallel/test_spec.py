@@ -8,12 +8,15 @@ import pytest
 from hyperpar.dtensor.placement import Partial, Replicate, Shard
 from hyperpar.parallel.spec import (
     COLWISE,
+    REPLICATED_PARAM_GRAD,
     ROWWISE,
     Comm,
     PlanKeyError,
     boundary,
     check_divisible,
+    prepare_comm,
     resolve_plan,
+    sequence_parallel,
 )
 
 
@@ -44,6 +47,23 @@ def test_megatron_mlp_communicates_once_each_way():
     assert ROWWISE.output_comm("linear") == Comm("all_reduce", "none")
     assert ROWWISE.output_comm("linear", Shard(1)) == Comm("reduce_scatter", "all_gather", 1)
     assert COLWISE.input_comm("linear", Shard(1)) == Comm("all_gather", "reduce_scatter", 1)
+
+
+def test_sequence_parallel_communicates_only_its_parameters_gradients():
+    # A Megatron-SP norm: its slice in, its slice out, whole parameters whose per-slice
+    # gradients are summed over the ranks.
+    sp = sequence_parallel(1)
+    assert sp.param_dims == {"module": {}}
+    assert sp.input_comm("module") == Comm("none", "none")
+    assert sp.output_comm("module") == Comm("none", "none")
+    assert sequence_parallel(0).default_output == Shard(0)
+    assert REPLICATED_PARAM_GRAD == Comm("none", "all_reduce")
+
+
+def test_prepare_relayouts_treat_the_gradient_like_the_local_output():
+    assert prepare_comm(Replicate(), Shard(1)) == Comm("chunk", "all_gather", 1)
+    assert prepare_comm(Shard(1), Replicate()) == Comm("all_gather", "chunk", 1)
+    assert prepare_comm(Shard(1), Shard(1)) == Comm("none", "none")
 
 
 def test_split_dims_follow_the_weight_layouts():

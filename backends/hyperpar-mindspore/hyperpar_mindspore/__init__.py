@@ -1,8 +1,11 @@
 """hyperpar backend for MindSpore: the Platform (collectives, groups, Cell hooks, devices) and
 tensor parallelism on ``nn.Cell`` models with hyperpar's plan syntax.
 
->>> from hyperpar_mindspore import init_device_mesh, parallelize_module   # doctest: +SKIP
->>> from hyperpar_mindspore import ColwiseParallel, RowwiseParallel       # doctest: +SKIP
+>>> from hyperpar import init_device_mesh, parallelize_module   # doctest: +SKIP
+>>> from hyperpar import ColwiseParallel, RowwiseParallel       # doctest: +SKIP
+
+With ``HYPERPAR_BACKEND=mindspore`` those top-level names resolve here (through
+``MindSporePlatform.parallel_api()``); importing from ``hyperpar_mindspore`` works too.
 
 Names are resolved lazily: ``import hyperpar_mindspore`` does not import MindSpore.
 """
@@ -22,6 +25,10 @@ _EXPORTS = {
     "UnsupportedModuleError": ".parallel",
     "parallelize_module": ".parallel",
     "PlanKeyError": ".parallel",
+    "SequenceParallel": ".prepare",
+    "PrepareModuleInput": ".prepare",
+    "PrepareModuleOutput": ".prepare",
+    "PrepareModuleInputOutput": ".prepare",
 }
 
 __all__ = sorted(_EXPORTS)

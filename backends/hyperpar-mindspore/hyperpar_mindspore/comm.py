@@ -22,14 +22,26 @@ def all_gather_along(platform: MindSporePlatform, x: Any, dim: int, group: MSGro
     return mint.cat(platform.gather_list(x, group, "all_gather"), dim)
 
 
-def piece_along(platform: MindSporePlatform, x: Any, dim: int, group: MSGroup) -> Any:
-    """This rank's piece of ``x`` split evenly along ``dim`` (no communication)."""
-    n, me = platform.world_size(group), platform.rank(group)
+def check_split(platform: MindSporePlatform, x: Any, dim: int, group: MSGroup,
+                what: str = "") -> None:
+    """Raise when dim ``dim`` of ``x`` cannot be split evenly over the group (every rank sees
+    the same shapes, so every rank raises, before any collective)."""
+    n = platform.world_size(group)
     size = x.shape[dim]
     if size % n:
-        raise ValueError(f"cannot split dim {dim} of size {size} (shape {tuple(x.shape)}) evenly "
-                         f"over {n} tensor-parallel ranks; make it divisible by {n}")
-    return mint.narrow(x, dim, me * (size // n), size // n).copy()
+        at = f"{what}: " if what else ""
+        raise ValueError(f"{at}cannot split dim {dim} of size {size} (shape {tuple(x.shape)}) "
+                         f"evenly over {n} tensor-parallel ranks; make it divisible by {n} (a "
+                         f"sequence dim: pad the sequence to a multiple of {n})")
+
+
+def piece_along(platform: MindSporePlatform, x: Any, dim: int, group: MSGroup,
+                what: str = "") -> Any:
+    """This rank's piece of ``x`` split evenly along ``dim`` (no communication)."""
+    check_split(platform, x, dim, group, what)
+    n, me = platform.world_size(group), platform.rank(group)
+    size = x.shape[dim] // n
+    return mint.narrow(x, dim, me * size, size).copy()
 
 
 def all_reduce_copy(platform: MindSporePlatform, x: Any, group: MSGroup) -> Any:
@@ -40,7 +52,7 @@ def all_reduce_copy(platform: MindSporePlatform, x: Any, group: MSGroup) -> Any:
 
 
 def run_op(platform: MindSporePlatform, op: str, x: Any, comm: Comm, group: MSGroup,
-           backward: bool = False) -> Any:
+           backward: bool = False, what: str = "") -> Any:
     """Apply one op of ``comm`` to ``x``."""
     dim, dim2 = comm.dim, comm.dim2
     if op == "none":
@@ -50,9 +62,10 @@ def run_op(platform: MindSporePlatform, op: str, x: Any, comm: Comm, group: MSGr
     if op == "all_gather":
         return all_gather_along(platform, x, dim, group)
     if op == "chunk":
-        return piece_along(platform, x, dim, group)
+        return piece_along(platform, x, dim, group, what)
     if op == "reduce_scatter":
-        return piece_along(platform, all_reduce_copy(platform, x, group), dim, group)
+        check_split(platform, x, dim, group, what)  # before the reduction, on every rank
+        return piece_along(platform, all_reduce_copy(platform, x, group), dim, group, what)
     if op == "all_to_all":
         src, dst = (dim2, dim) if backward else (dim, dim2)
         me = platform.rank(group)
@@ -69,15 +82,19 @@ def run_op(platform: MindSporePlatform, op: str, x: Any, comm: Comm, group: MSGr
 class Boundary(nn.Cell):
     """``comm.forward`` in ``construct``, ``comm.backward`` on the gradient in ``bprop``."""
 
-    def __init__(self, platform: MindSporePlatform, comm: Comm, group: MSGroup) -> None:
+    def __init__(self, platform: MindSporePlatform, comm: Comm, group: MSGroup,
+                 what: str = "") -> None:
         super().__init__()
         self.platform, self.comm, self.group = platform, comm, group
+        self.what = what  # names the boundary in errors ("ColwiseParallel input")
 
     def construct(self, x: Any) -> Any:
-        return run_op(self.platform, self.comm.forward, x, self.comm, self.group)
+        return run_op(self.platform, self.comm.forward, x, self.comm, self.group,
+                      what=self.what)
 
     def bprop(self, x: Any, out: Any, dout: Any) -> tuple[Any]:
-        return (run_op(self.platform, self.comm.backward, dout, self.comm, self.group, True),)
+        return (run_op(self.platform, self.comm.backward, dout, self.comm, self.group, True,
+                       self.what),)
 
 
 def zeros(shape: tuple[int, ...], dtype: Any) -> Any:
@@ -85,4 +102,5 @@ def zeros(shape: tuple[int, ...], dtype: Any) -> Any:
     return mint.zeros(tuple(shape), dtype=dtype)
 
 
-__all__ = ["Boundary", "all_gather_along", "all_reduce_copy", "piece_along", "run_op", "zeros"]
+__all__ = ["Boundary", "all_gather_along", "all_reduce_copy", "check_split", "piece_along",
+           "run_op", "zeros"]

@@ -37,7 +37,7 @@ from .mesh import DeviceMesh
 from .platform import MindSporePlatform, MSGroup
 
 __all__ = ["ColwiseParallel", "ParallelStyle", "PlanKeyError", "RowwiseParallel",
-           "UnsupportedModuleError", "parallelize_module"]
+           "UnsupportedModuleError", "check_layout", "parallelize_module", "refuse_dtensor"]
 
 
 class UnsupportedModuleError(TypeError):
@@ -54,22 +54,42 @@ def _param_names(cell: nn.Cell, kind: str) -> dict[str, str]:
 
 
 class ParallelStyle:
-    """A sharding style for one Cell; its meaning is the :class:`StyleSpec` ``spec``."""
+    """A style for one Cell: :meth:`check` (before anything changes) and :meth:`apply`."""
+
+    def check(self, cell: nn.Cell, path: str, n: int) -> None:
+        """Raise, before anything changes, if the style cannot apply to ``cell`` over ``n``
+        ranks (default: it always can)."""
+
+    def apply(self, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
+        """Apply the style to ``cell`` over ``mesh`` (1-D) in place."""
+        raise NotImplementedError
+
+
+def refuse_dtensor(style: str, use_local_output: bool | None) -> None:
+    """Raise for ``use_local_output=False``: that asks for DTensor outputs, absent here."""
+    if use_local_output is False:
+        raise ValueError(f"{style}(use_local_output=False) returns a DTensor, which hyperpar's "
+                         "MindSpore backend does not have yet; leave use_local_output at its "
+                         "default (outputs are local tensors)")
+
+
+def check_layout(what: str, layout: Any) -> Placement | None:
+    """``layout`` if it is ``Shard(d)``, ``Replicate()`` or ``None``, else a ``TypeError``."""
+    if layout is not None and not isinstance(layout, (Shard, Replicate)):
+        raise TypeError(f"{what} must be Shard(dim) or Replicate(), got {layout!r}")
+    return layout
+
+
+class _ShardingStyle(ParallelStyle):
+    """A style that shards a linear/embedding Cell's parameters; its meaning is ``spec``."""
 
     spec: StyleSpec
 
     def __init__(self, *, input_layouts: Placement | None = None,
                  output_layouts: Placement | None = None, use_local_output: bool = True) -> None:
-        if not use_local_output:
-            raise ValueError(f"{type(self).__name__}(use_local_output=False) returns a DTensor, "
-                             "which hyperpar's MindSpore backend does not have yet; keep the "
-                             "default use_local_output=True (outputs are local tensors)")
-        for what, layout in (("input_layouts", input_layouts),
-                             ("output_layouts", output_layouts)):
-            if layout is not None and not isinstance(layout, (Shard, Replicate)):
-                raise TypeError(f"{what} must be Shard(dim) or Replicate(), got {layout!r}")
-        self.input_layouts = input_layouts
-        self.output_layouts = output_layouts
+        refuse_dtensor(type(self).__name__, use_local_output)
+        self.input_layouts = check_layout("input_layouts", input_layouts)
+        self.output_layouts = check_layout("output_layouts", output_layouts)
         self.use_local_output = use_local_output
 
     def __repr__(self) -> str:
@@ -109,10 +129,13 @@ class ParallelStyle:
         in_comm = self.spec.input_comm(kind, given)
         out_comm = self.spec.output_comm(kind, self.output_layouts)
         if in_comm.forward != "none" or in_comm.backward != "none":
-            boundary_in = Boundary(platform, in_comm, group)
-            platform.register_forward_pre_hook(
-                cell, lambda _cell, args: (boundary_in(args[0]), *args[1:]))
-        boundary_out = Boundary(platform, out_comm, group)
+            boundary_in = Boundary(platform, in_comm, group, f"{type(self).__name__} input")
+
+            def relayout_input(_cell: nn.Cell, args: tuple) -> tuple:
+                return (boundary_in(args[0]), *args[1:])
+
+            platform.register_forward_pre_hook(cell, relayout_input)
+        boundary_out = Boundary(platform, out_comm, group, f"{type(self).__name__} output")
         self._install_local_compute(platform, cell, kind, group, boundary_out)
         return cell
 
@@ -138,10 +161,14 @@ class ParallelStyle:
     def _install_local_compute(self, platform: MindSporePlatform, cell: nn.Cell, kind: str,
                                group: MSGroup, boundary_out: Boundary) -> None:
         if boundary_out.comm.forward != "none" or boundary_out.comm.backward != "none":
-            platform.register_forward_hook(cell, lambda _cell, args, out: boundary_out(out))
+
+            def relayout_output(_cell: nn.Cell, args: tuple, out: Any) -> Any:
+                return boundary_out(out)
+
+            platform.register_forward_hook(cell, relayout_output)
 
 
-class ColwiseParallel(ParallelStyle):
+class ColwiseParallel(_ShardingStyle):
     """Split the output features of a linear (``weight`` dim 0, ``bias`` dim 0) or the embedding
     dim of an embedding (dim 1). Input replicated (its gradient all-reduced); output sharded on
     the last dim, or gathered with ``output_layouts=Replicate()``."""
@@ -149,7 +176,7 @@ class ColwiseParallel(ParallelStyle):
     spec = COLWISE
 
 
-class RowwiseParallel(ParallelStyle):
+class RowwiseParallel(_ShardingStyle):
     """Split the input features of a linear (``weight`` dim 1; the bias is added once, after the
     reduction) or the vocabulary of an embedding (dim 0; rows held elsewhere look up zeros).
     Input sharded on the last dim (linear) or replicated ids (embedding); output all-reduced

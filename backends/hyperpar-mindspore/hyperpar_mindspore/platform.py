@@ -407,6 +407,11 @@ class MindSporePlatform(Platform):
         _dist().broadcast_object_list(box, src, group=self._name(group, "broadcast_object"))
         return box[0]
 
+    def parallel_api(self) -> Any:
+        """:mod:`hyperpar_mindspore`: ``from hyperpar import ColwiseParallel`` (and the mesh,
+        ``parallelize_module``, the other styles) resolves to the Cell implementations."""
+        return importlib.import_module("hyperpar_mindspore")
+
     def collective_fallbacks(self) -> dict[str, str]:
         if self.target == "CPU":
             return dict(CPU_COMPOSITIONS)

@@ -1,0 +1,216 @@
+"""Sequence parallelism and boundary re-layouts on MindSpore Cells: ``SequenceParallel``,
+``PrepareModuleInput``, ``PrepareModuleOutput``, ``PrepareModuleInputOutput``.
+
+Their meaning comes from :mod:`hyperpar.parallel.spec` (:func:`~hyperpar.parallel.spec.
+sequence_parallel`, :data:`~hyperpar.parallel.spec.REPLICATED_PARAM_GRAD`,
+:func:`~hyperpar.parallel.spec.prepare_comm`); the mechanics are those of :mod:`.parallel`:
+boundary Cells with a custom ``bprop`` run from forward hooks. There is no DTensor on MindSpore,
+so activations are local tensors whose layout the plan declares (``use_local_output=False`` is
+refused).
+
+A Megatron sequence-parallel block::
+
+    {"norm": SequenceParallel(),                                  # on this rank's positions
+     "fc1": ColwiseParallel(input_layouts=Shard(1)),              # all-gather the sequence
+     "fc2": RowwiseParallel(output_layouts=Shard(1))}             # reduce-scatter it
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mindspore import Tensor, nn
+
+from hyperpar.dtensor.placement import Placement
+from hyperpar.parallel.spec import REPLICATED_PARAM_GRAD, prepare_comm, sequence_parallel
+from hyperpar.platform import get_platform
+
+from .comm import Boundary
+from .mesh import DeviceMesh
+from .parallel import ParallelStyle, check_layout, refuse_dtensor
+
+__all__ = ["PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
+           "SequenceParallel"]
+
+
+class SequenceParallel(ParallelStyle):
+    """Run a position-by-position Cell (``nn.LayerNorm``, ``nn.Dropout``, an RMSNorm) on this
+    rank's slice of the sequence (dim ``sequence_dim``).
+
+    Its parameters stay whole, starting from rank 0's values; each rank's gradient of them is a
+    partial sum over its slice and is all-reduced in backward. The input is taken to be this
+    rank's slice already (as torch does with a local tensor): feed it from
+    ``RowwiseParallel(output_layouts=Shard(1))``, an embedding with ``output_layouts=Shard(1)``
+    or ``PrepareModuleInput``; the output is the same slice, for
+    ``ColwiseParallel(input_layouts=Shard(1))``.
+    """
+
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool | None = None) -> None:
+        refuse_dtensor("SequenceParallel", use_local_output)
+        self.sequence_dim = sequence_dim
+        self.spec = sequence_parallel(sequence_dim)
+
+    def __repr__(self) -> str:
+        return f"SequenceParallel(sequence_dim={self.sequence_dim})"
+
+    def apply(self, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
+        platform = get_platform()
+        group = mesh.get_group(0)
+        # Every parameter of the Cell and its sub-Cells, each held by the Cell that owns it.
+        owners = [(sub, name, param) for _path, sub in cell.cells_and_names()
+                  for name, param in list(sub._params.items()) if param is not None]
+        for _sub, _name, param in owners:  # rank 0's values everywhere (src_data_rank=0)
+            full = Tensor(param.asnumpy())
+            platform.broadcast(full, group.ranks[0], group)
+            param.set_data(full)
+        grad_sum = Boundary(platform, REPLICATED_PARAM_GRAD, group, "SequenceParallel parameter")
+
+        def use_summed_grads(_cell: nn.Cell, args: tuple) -> None:
+            for sub, name, param in owners:
+                sub._params[name] = grad_sum(param)  # the forward sees the parameter itself
+
+        def restore(_cell: nn.Cell, args: tuple, out: Any) -> None:
+            for sub, name, param in owners:
+                sub._params[name] = param
+
+        if owners:
+            platform.register_forward_pre_hook(cell, use_summed_grads)
+            platform.register_forward_hook(cell, restore)
+        return cell
+
+
+def _layouts(what: str, value: Any) -> tuple[Placement | None, ...] | None:
+    if value is None:
+        return None
+    items = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+    return tuple(check_layout(what, v) for v in items)
+
+
+class _Converter:
+    """Re-lay out a tuple of local tensors (one layout per entry; ``None`` passes through)."""
+
+    def __init__(self, style: str, what: str, layouts: tuple, desired: tuple,
+                 mesh: DeviceMesh) -> None:
+        platform = get_platform()
+        group = mesh.get_group(0)
+        self.style, self.what = style, what
+        self.boundaries: list[Boundary | None] = []
+        for i, (src, dst) in enumerate(zip(layouts, desired, strict=True)):
+            if src is None:
+                self.boundaries.append(None)
+                continue
+            if dst is None:
+                raise ValueError(f"{style} {what} {i}: layout {src} given but desired layout "
+                                 f"None; give both (or None for both to leave it as it is)")
+            self.boundaries.append(Boundary(platform, prepare_comm(src, dst), group,
+                                            f"{style} {what} {i} ({src} -> {dst})"))
+
+    def __call__(self, values: tuple) -> tuple:
+        if len(values) != len(self.boundaries):
+            raise ValueError(f"{self.style}: {len(self.boundaries)} {self.what} layouts given "
+                             f"but the Cell has {len(values)} {self.what}s; give one layout per "
+                             f"{self.what} (None leaves one as it is)")
+        out = []
+        for i, (x, boundary) in enumerate(zip(values, self.boundaries, strict=True)):
+            if boundary is not None and not isinstance(x, Tensor):
+                raise TypeError(f"{self.style} {self.what} {i}: a layout is given but the value "
+                                f"is a {type(x).__name__}, not a Tensor; give None for it")
+            out.append(x if boundary is None else boundary(x))
+        return tuple(out)
+
+
+def _check_pairs(what: str, layouts: tuple | None, desired: tuple | None) -> None:
+    if (layouts is None) != (desired is None) or (
+            layouts is not None and len(layouts) != len(desired)):
+        raise ValueError(f"{what}_layouts {layouts} and desired_{what}_layouts {desired} must "
+                         f"have the same length")
+
+
+class PrepareModuleInput(ParallelStyle):
+    """Re-lay out a Cell's positional inputs before its ``construct``: input ``i`` goes from
+    ``input_layouts[i]`` to ``desired_input_layouts[i]`` (``None`` passes through). E.g.
+    ``PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1))`` keeps this
+    rank's slice of the sequence (its gradient all-gathered back)."""
+
+    def __init__(self, *, input_layouts: Any = None, desired_input_layouts: Any = None,
+                 input_kwarg_layouts: dict[str, Any] | None = None,
+                 desired_input_kwarg_layouts: dict[str, Any] | None = None,
+                 use_local_output: bool | None = None) -> None:
+        refuse_dtensor("PrepareModuleInput", use_local_output)
+        if input_kwarg_layouts or desired_input_kwarg_layouts:
+            raise ValueError("PrepareModuleInput(input_kwarg_layouts=...) is not supported on "
+                             "MindSpore yet; pass those inputs positionally")
+        self.input_layouts = _layouts("input_layouts", input_layouts)
+        self.desired_input_layouts = _layouts("desired_input_layouts", desired_input_layouts)
+        _check_pairs("input", self.input_layouts, self.desired_input_layouts)
+
+    def __repr__(self) -> str:
+        return (f"PrepareModuleInput(input_layouts={self.input_layouts}, "
+                f"desired_input_layouts={self.desired_input_layouts})")
+
+    def apply(self, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
+        if self.input_layouts is None:
+            return cell
+        # torch's rule: one layout per positional input. A sequence length not divisible by
+        # the group is caught by the boundary, on every rank, before it communicates.
+        convert = _Converter("PrepareModuleInput", "input", self.input_layouts,
+                             self.desired_input_layouts, mesh)
+
+        def before(_cell: nn.Cell, args: tuple) -> tuple:
+            return convert(tuple(args))
+
+        get_platform().register_forward_pre_hook(cell, before)
+        return cell
+
+
+class PrepareModuleOutput(ParallelStyle):
+    """Re-lay out a Cell's output (a tensor or a tuple; ``None`` entries pass through) after its
+    ``construct``: from ``output_layouts`` to ``desired_output_layouts``. E.g.
+    ``PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())``
+    gathers the sequence (the gradient keeps this rank's slice)."""
+
+    def __init__(self, *, output_layouts: Any, desired_output_layouts: Any,
+                 use_local_output: bool = True) -> None:
+        refuse_dtensor("PrepareModuleOutput", use_local_output)
+        self.output_layouts = _layouts("output_layouts", output_layouts)
+        self.desired_output_layouts = _layouts("desired_output_layouts", desired_output_layouts)
+        _check_pairs("output", self.output_layouts, self.desired_output_layouts)
+
+    def __repr__(self) -> str:
+        return (f"PrepareModuleOutput(output_layouts={self.output_layouts}, "
+                f"desired_output_layouts={self.desired_output_layouts})")
+
+    def apply(self, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
+        convert = _Converter("PrepareModuleOutput", "output", self.output_layouts,
+                             self.desired_output_layouts, mesh)
+
+        def after(_cell: nn.Cell, args: tuple, out: Any) -> Any:
+            if isinstance(out, tuple):
+                return convert(out)
+            return convert((out,))[0]
+
+        get_platform().register_forward_hook(cell, after)
+        return cell
+
+
+class PrepareModuleInputOutput(ParallelStyle):
+    """:class:`PrepareModuleInput` and :class:`PrepareModuleOutput` on one Cell."""
+
+    def __init__(self, *, input_layouts: Any = None, desired_input_layouts: Any = None,
+                 input_kwarg_layouts: dict[str, Any] | None = None,
+                 desired_input_kwarg_layouts: dict[str, Any] | None = None,
+                 use_local_input: bool | None = None, output_layouts: Any,
+                 desired_output_layouts: Any, use_local_output: bool = True) -> None:
+        self.prepare_module_input = PrepareModuleInput(
+            input_layouts=input_layouts, desired_input_layouts=desired_input_layouts,
+            input_kwarg_layouts=input_kwarg_layouts,
+            desired_input_kwarg_layouts=desired_input_kwarg_layouts,
+            use_local_output=use_local_input)
+        self.prepare_module_output = PrepareModuleOutput(
+            output_layouts=output_layouts, desired_output_layouts=desired_output_layouts,
+            use_local_output=use_local_output)
+
+    def apply(self, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
+        self.prepare_module_input.apply(cell, mesh)
+        return self.prepare_module_output.apply(cell, mesh)
+
