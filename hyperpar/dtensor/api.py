@@ -34,7 +34,6 @@ from .redistribute import (
     redistribute_local,
 )
 
-
 _is_compiling = torch.compiler.is_compiling
 
 

@@ -140,8 +140,8 @@ def call_entry(entry: OpEntry | None, func: Any, args: Sequence, kwargs: dict) -
 
 
 # Attribute getters answered from the wrapper's metadata: every ``is_*`` flag plus these.
-_META_ATTRS = {"layout", "names", "itemsize", "nbytes", "_base", "output_nr", "_version", "grad_dtype",
-               "retains_grad", "_is_view"}
+_META_ATTRS = {"layout", "names", "itemsize", "nbytes", "_base", "output_nr", "_version",
+               "retains_grad", "_is_view", "grad_dtype"}
 _INTROSPECTION = frozenset(getattr(torch.Tensor, name) for name in (
     "_is_view", "untyped_storage", "storage_offset", "stride", "is_contiguous", "is_conj",
     "is_neg", "is_inference", "dense_dim", "sparse_dim", "is_coalesced", "data_ptr",
