@@ -269,3 +269,34 @@ def test_sequence_parallel_block_with_dtensor_outputs_compiles_fullgraph(run_on_
         assert res["graphs"] == 1, res
         assert any("all_gather" in c for c in res["collectives"]), res
         assert any("reduce_scatter" in c for c in res["collectives"]), res
+
+
+def _chained() -> dict:
+    """A DTensor returned by a compiled function fed back into it (as a layer's output feeds
+    the next layer), and used eagerly."""
+    mesh = _mesh()
+    n, rank = get_platform().world_size(), get_platform().rank()
+    full = _data(0, 8, 6)[0]
+    w = _data(1, 6, 6)[0]
+    x = DTensor.from_local(full.chunk(n)[rank].contiguous(), mesh, [Shard(0)])
+    wd = DTensor.from_local(w.clone(), mesh, [Replicate()])
+
+    def fn(x, w):
+        return torch.tanh(x @ w)
+
+    torch._dynamo.reset()
+    counter = _Counter()
+    compiled = torch.compile(fn, backend=counter, fullgraph=True)
+    out = compiled(compiled(compiled(x, wd), wd), wd)
+    ref = torch.tanh(torch.tanh(torch.tanh(full @ w) @ w) @ w)
+    assert_close_to_reference(out.full_tensor(), ref, what="three chained calls")
+    assert_close_to_reference((out * 2).full_tensor(), ref * 2, what="eager op on the result")
+    torch._dynamo.reset()
+    return {"graphs": len(counter.graphs)}
+
+
+def test_compiled_dtensor_output_feeds_the_next_compiled_call(run_on_ranks):
+    """One graph for the eager DTensor input, one for a compiled call's DTensor output (its
+    layout differs), reused by the third call."""
+    for res in run_on_ranks(2, _chained):
+        assert res["graphs"] == 2, res
