@@ -394,12 +394,19 @@ class DTensor(torch.Tensor):
 
 
 class TracedDTensor(DTensor):
-    """A DTensor made inside ``torch.compile``."""
+    """A DTensor made inside ``torch.compile``: ``as_subclass`` of a one-element stand-in
+    expanded to the global shape (Dynamo can build that, not a wrapper), carrying ``_local``
+    and ``_spec`` like any DTensor. Eager code reads only those two, so it works everywhere a
+    DTensor does; its layout queries (strides, contiguity) describe the stand-in."""
 
     __slots__ = ()
 
 
 class _Shell(DTensor):
+    """The class an eager DTensor is constructed as: ``_make_wrapper_subclass`` demands a
+    ``__torch_dispatch__``, while ``DTensor`` keeps torch's default one so that Dynamo traces
+    it as a ``__torch_function__`` tensor. ``_wrap`` re-classes the new object to DTensor."""
+
     __slots__ = ()
 
     @classmethod
