@@ -1,7 +1,14 @@
-"""Step time and peak memory of the example Llama at world size 1: the plain model vs hyperpar's
-tensor-parallel plan vs torch-native TP, eager and compiled (``torch.compile``).
+"""Step time and peak memory of the example Llama (world size 1 by default): the plain model vs
+hyperpar's tensor-parallel plan vs torch-native TP, eager and compiled (``torch.compile``).
 
-Run: ``python benchmarks/bench_llama.py [--size auto|tiny|gpu] [--steps 10] [--json F]``
+Run: ``python benchmarks/bench_llama.py [--size auto|tiny|gpu] [--steps 10] [--world-size 1]
+[--json F]``
+
+Compiled variants also report their graph breaks (``torch._dynamo.explain``), the graphs the
+backend compiled over the whole run and the recompiles (graphs compiled after the first step:
+0 means every later step reused the first step's graphs). ``--world-size 2`` runs the TP plans
+across 2 real ranks (the plain model is replicated on each), so the compiled TP graphs hold the
+functional collectives.
 
 At world size 1 a tensor-parallel plan does no communication, so every difference from the
 plain model is the library's own overhead: hooks, DTensor parameters, boundaries, and -- when
@@ -73,6 +80,19 @@ def _peak_tracker(device: torch.device) -> tuple[Any, Any]:
     return start, stop
 
 
+class _CountingBackend:
+    """A ``torch.compile`` backend that counts the graphs it is handed, then compiles them
+    with the named backend."""
+
+    def __init__(self, name: str) -> None:
+        self.inner = torch._dynamo.lookup_backend(name)
+        self.graphs = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        self.graphs += 1
+        return self.inner(gm, example_inputs)
+
+
 def _variants(args: llama.ModelArgs, device: torch.device) -> tuple[dict[str, nn.Module],
                                                                      dict[str, str]]:
     """The three eager models on ``device`` (plain, hyperpar TP plan, torch-native TP plan)
@@ -82,13 +102,16 @@ def _variants(args: llama.ModelArgs, device: torch.device) -> tuple[dict[str, nn
 
     built: dict[str, nn.Module] = {"plain": llama.build(args).to(device)}
     errors: dict[str, str] = {}
-    mesh = init_device_mesh((1,), mesh_dim_names=("tp",))
+    from hyperpar.platform import get_platform
+
+    n = get_platform().world_size()
+    mesh = init_device_mesh((n,), mesh_dim_names=("tp",))
     built["hyperpar"] = parallelize_module(llama.build(args).to(device), mesh, plans.tp_plan())
     try:
         from torch.distributed.device_mesh import init_device_mesh as torch_mesh
         from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
 
-        tmesh = torch_mesh(device.type, (1,), mesh_dim_names=("tp",))
+        tmesh = torch_mesh(device.type, (n,), mesh_dim_names=("tp",))
         built["torch-native TP"] = torch_parallelize(llama.build(args).to(device), tmesh,
                                                      plans.tp_plan(plans.torch_styles()))
     except Exception as exc:  # reported, not fatal: the other variants still compare
@@ -118,6 +141,7 @@ def _measure(size: str, steps: int, warmup: int, compile_backend: str, modes: li
     eager, errors = _variants(args, device)
     runners: dict[tuple[str, str], nn.Module] = {}
     breaks: dict[str, int | None] = {}
+    counters: dict[str, _CountingBackend] = {}
     for name, model in eager.items():
         if "eager" in modes:
             runners[(name, "eager")] = model
@@ -128,7 +152,8 @@ def _measure(size: str, steps: int, warmup: int, compile_backend: str, modes: li
             except Exception:
                 breaks[name] = None
             torch._dynamo.reset()
-            runners[(name, "compiled")] = torch.compile(model, backend=compile_backend)
+            counters[name] = _CountingBackend(compile_backend)
+            runners[(name, "compiled")] = torch.compile(model, backend=counters[name])
 
     losses: dict[tuple[str, str], float] = {}
     for key, model in list(runners.items()):  # first call: compile + check agreement
@@ -141,6 +166,7 @@ def _measure(size: str, steps: int, warmup: int, compile_backend: str, modes: li
             errors[f"{key[0]} {key[1]}"] = (f"{type(exc).__name__}: "
                                            f"{str(exc).strip().splitlines()[0][:160]}")
             del runners[key]
+    first_graphs = {name: c.graphs for name, c in counters.items()}
     tol = 5e-2 if amp is not None else 1e-3
     ref = losses.get(("plain", "eager"), next(iter(losses.values()), 0.0))
     wrong = {f"{k[0]} {k[1]}": v for k, v in losses.items() if abs(v - ref) > tol * max(1, ref)}
@@ -166,6 +192,10 @@ def _measure(size: str, steps: int, warmup: int, compile_backend: str, modes: li
     return {"median_ms": {f"{k[0]}|{k[1]}": statistics.median(v) for k, v in times.items()},
             "peak_bytes": {f"{k[0]}|{k[1]}": v for k, v in peaks.items()},
             "breaks": breaks, "errors": errors, "device": str(device),
+            "world_size": platform.world_size(),
+            "graphs": {name: c.graphs for name, c in counters.items()},
+            "recompiles": {name: c.graphs - first_graphs.get(name, 0)
+                           for name, c in counters.items()},
             "amp": str(amp).replace("torch.", "") if amp is not None else "float32"}
 
 
@@ -178,13 +208,15 @@ def rows_from(result: dict[str, Any], size: str, compile_backend: str) -> list[d
     args, batch, seq, _ = SIZES[size]
     med, peak, breaks = result["median_ms"], result["peak_bytes"], result["breaks"]
     shape = (f"dim {args.dim} x {args.n_layers} layers, batch {batch} x {seq}, "
-             f"{result['amp']}, world size 1")
+             f"{result['amp']}, world size {result.get('world_size', 1)}")
     rows = []
     for mode in ("eager", "compiled"):
         ours = med.get(f"hyperpar|{mode}")
         if ours is None:
             continue
-        how = "" if mode == "eager" else f" ({compile_backend}, {breaks.get('hyperpar')} breaks)"
+        how = "" if mode == "eager" else (
+            f" ({compile_backend}, {breaks.get('hyperpar')} breaks, "
+            f"{result.get('recompiles', {}).get('hyperpar')} recompiles)")
         for ref in ("plain", "torch-native TP"):
             theirs = med.get(f"{ref}|{mode}")
             rows.append({
@@ -212,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch.compile backend (inductor, aot_eager, ...)")
     parser.add_argument("--modes", default="eager,compiled",
                         help="comma-separated: eager, compiled")
+    parser.add_argument("--world-size", type=int, default=1,
+                        help="ranks the TP plans run across (1: no communication)")
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args(argv)
     platform = get_platform()
@@ -219,20 +253,26 @@ def main(argv: list[str] | None = None) -> int:
     if size == "auto":
         size = "tiny" if platform.device_type == "cpu" else "gpu"
     modes = [m for m in args.modes.split(",") if m]
-    result = run_distributed(_measure, 1, size, args.steps, args.warmup, args.compile_backend,
-                             modes, timeout_s=1800)[0]
+    result = run_distributed(_measure, args.world_size, size, args.steps, args.warmup,
+                             args.compile_backend, modes, timeout_s=1800)[0]
     margs, batch, seq, _ = SIZES[size]
-    print(f"llama step at world size 1, backend {platform.name} ({result['device']}), "
+    print(f"llama step at world size {args.world_size}, backend {platform.name} "
+          f"({result['device']}), "
           f"torch {torch.__version__}: dim {margs.dim} x {margs.n_layers} layers, batch "
           f"{batch} x {seq}, {result['amp']}, median of {args.steps} steps")
-    print(f"{'variant':<18} {'mode':<9} {'step ms':>9} {'x plain':>8} {'peak':>10} "
-          f"{'breaks':>7}")
+    print(f"{'variant':<18} {'mode':<9} {'step ms':>9} {'x plain':>8} {'x torch':>8} "
+          f"{'peak':>10} {'breaks':>7} {'graphs':>7} {'recomp':>7}")
     for key, ms in result["median_ms"].items():
         name, mode = key.split("|")
         plain = result["median_ms"].get(f"plain|{mode}")
-        brk = result["breaks"].get(name) if mode == "compiled" else "-"
+        native = result["median_ms"].get(f"torch-native TP|{mode}")
+        compiled = mode == "compiled"
+        brk = result["breaks"].get(name) if compiled else "-"
+        graphs = result["graphs"].get(name) if compiled else "-"
+        recomp = result["recompiles"].get(name) if compiled else "-"
         print(f"{name:<18} {mode:<9} {ms:>9.2f} {ms / plain if plain else float('nan'):>8.2f} "
-              f"{_gib(result['peak_bytes'][key]):>10} {brk!s:>7}")
+              f"{ms / native if native else float('nan'):>8.2f} "
+              f"{_gib(result['peak_bytes'][key]):>10} {brk!s:>7} {graphs!s:>7} {recomp!s:>7}")
     for what, why in result["errors"].items():
         print(f"{what}: failed: {why}")
     rows = rows_from(result, size, args.compile_backend)

@@ -51,6 +51,8 @@ def note_inferred(local: torch.Tensor, mesh: Any, placements: tuple, source: str
 
 def verify_before_gather(local: torch.Tensor) -> None:
     """If ``local`` is recorded, check (once) on every rank that its pieces are even."""
+    if torch.compiler.is_compiling():  # a graph cannot read sizes out of a collective
+        return
     entry = _INFERRED.pop(id(local), None)
     if entry is None:
         return

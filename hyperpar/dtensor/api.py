@@ -34,6 +34,27 @@ from .redistribute import (
     redistribute_local,
 )
 
+_is_compiling = torch.compiler.is_compiling
+
+
+def _encode(placements: Sequence[Placement]) -> tuple:
+    """Placements as plain constants (Dynamo passes no dataclass instance to a constant
+    function)."""
+    return tuple(("S", p.dim) if type(p) is Shard else
+                 ("P", p.reduce_op) if type(p) is Partial else ("R", None) for p in placements)
+
+
+def _decode(codes: tuple) -> tuple[Placement, ...]:
+    return tuple(Shard(a) if k == "S" else Partial(a) if k == "P" else REPLICATE
+                 for k, a in codes)
+
+
+@torch._dynamo.assume_constant_result
+def _interned_spec(mesh: DeviceMesh, codes: tuple, shape: tuple) -> DTensorSpec:
+    """The interned spec, looked up outside the trace (Dynamo would otherwise guard on the
+    size of the intern table and recompile whenever eager code adds a spec)."""
+    return DTensorSpec._intern(mesh, _decode(codes), torch.Size(shape))
+
 
 class DTensorSpec:
     """Mesh, placements and global shape of a DTensor (a small immutable value).
@@ -47,6 +68,13 @@ class DTensorSpec:
     def __new__(cls, mesh: DeviceMesh, placements: tuple[Placement, ...],
                 shape: torch.Size | Sequence[int]) -> DTensorSpec:
         shape = shape if type(shape) is torch.Size else torch.Size(shape)
+        if _is_compiling():  # traced: the interned spec is a constant of the graph
+            return _interned_spec(mesh, _encode(placements), tuple(shape))
+        return cls._intern(mesh, placements, shape)
+
+    @classmethod
+    def _intern(cls, mesh: DeviceMesh, placements: tuple[Placement, ...],
+                shape: torch.Size) -> DTensorSpec:
         # keyed by mesh identity: an equal mesh built after a process-group restart carries
         # new group handles and must not get a spec holding the old mesh
         key = (id(mesh), placements, shape)
@@ -74,8 +102,20 @@ class DTensorSpec:
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
+def _wrap_traced(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    # a stand-in of the global shape (one element, expanded): Dynamo reads sizes from the
+    # Python overrides and strides from the tensor, so the two must describe one shape
+    r = local.new_zeros(()).expand(spec.shape).as_subclass(TracedDTensor)
+    r._local = local
+    r._spec = spec
+    return r
+
+
 def _wrap(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
-    r = _make_wrapper(DTensor, spec.shape, dtype=local.dtype, device=local.device)
+    if _is_compiling():
+        return _wrap_traced(local, spec)
+    r = _make_wrapper(_Shell, spec.shape, dtype=local.dtype, device=local.device)
+    r.__class__ = DTensor
     r._local = local
     r._spec = spec
     return r
@@ -270,7 +310,9 @@ class DTensor(torch.Tensor):
             if gp != want and local_tensor.requires_grad and torch.is_grad_enabled():
                 # backward: the gradient (laid out as `want`) is redistributed to `gp`
                 local_tensor = _ToLocal.apply(local_tensor, spec, want, gp)
-        if inferred:  # checked at its first gather, where the ranks communicate anyway
+        # checked at its first gather, where the ranks communicate anyway; not when compiled
+        # (a graph holds no per-tensor records; torch's DTensor trusts the shapes too)
+        if inferred and not _is_compiling():
             note_inferred(local_tensor, mesh, placements,
                           "DTensor.from_local(run_check=False) without shape=")
         return _wrap(local_tensor, spec)
@@ -349,6 +391,23 @@ class DTensor(torch.Tensor):
         return self.redistribute(spec.mesh, rep).to_local(grad_placements=grad_placements)
 
     __torch_function__: Any  # installed by hyperpar.dtensor._ops.dispatch
+
+
+class TracedDTensor(DTensor):
+    """A DTensor made inside ``torch.compile``: ``as_subclass`` of a one-element stand-in
+    expanded to the global shape (Dynamo can build that, not a wrapper), carrying ``_local``
+    and ``_spec`` like any DTensor. Eager code reads only those two, so it works everywhere a
+    DTensor does; its layout queries (strides, contiguity) describe the stand-in."""
+
+    __slots__ = ()
+
+
+class _Shell(DTensor):
+    """The class an eager DTensor is constructed as: ``_make_wrapper_subclass`` demands a
+    ``__torch_dispatch__``, while ``DTensor`` keeps torch's default one so that Dynamo traces
+    it as a ``__torch_function__`` tensor. ``_wrap`` re-classes the new object to DTensor."""
+
+    __slots__ = ()
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

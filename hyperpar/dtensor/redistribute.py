@@ -211,7 +211,8 @@ def redistribute_local(x: torch.Tensor, mesh: DeviceMesh, src: tuple[Placement, 
     """Non-differentiable redistribution of a local tensor."""
     if src == dst:
         return x
-    if _shape_check._INFERRED:  # pieces of an inferred global shape: check before gathering
+    # pieces of an inferred global shape: check before gathering (eager only: see from_local)
+    if not torch.compiler.is_compiling() and _shape_check._INFERRED:
         _shape_check.verify_before_gather(x)
     return run_plan(x, plan_redistribute(mesh, src, dst, shape), mesh, shape)
 
@@ -238,7 +239,8 @@ def redistribute_autograd(x: torch.Tensor, mesh: DeviceMesh, src: tuple[Placemen
     """Redistribute ``x``; differentiable when ``x`` requires grad."""
     if src == dst:
         return x
-    if _shape_check._INFERRED:  # pieces of an inferred global shape: check before gathering
+    # pieces of an inferred global shape: check before gathering (eager only: see from_local)
+    if not torch.compiler.is_compiling() and _shape_check._INFERRED:
         _shape_check.verify_before_gather(x)
     if x.requires_grad and torch.is_grad_enabled():
         return Redistribute.apply(x, mesh, src, dst, shape)

@@ -64,7 +64,9 @@ def note_inferred_output(out: Any, mesh: Any, placement: Any, module: nn.Module)
 def verify_dtensor_input(local: torch.Tensor) -> None:
     """A style's DTensor input whose global length was inferred: check it before the
     boundary gathers it (the gather would abort on uneven pieces)."""
-    if _shape_check._INFERRED:
+    # not when compiled: reading the record table would make Dynamo guard on its contents
+    # (one recompile per new input); a graph cannot run the size check anyway
+    if not torch.compiler.is_compiling() and _shape_check._INFERRED:
         _shape_check.verify_before_gather(local)
 
 

@@ -18,7 +18,7 @@ import torch
 
 from hyperpar.platform import get_platform
 
-from ..api import DTensor, DTensorSpec, _wrap
+from ..api import DTensor, DTensorSpec, TracedDTensor, _wrap
 from ..placement import REPLICATE, Replicate, Shard
 from ..redistribute import redistribute_autograd
 from .registry import (
@@ -34,6 +34,7 @@ from .registry import (
 )
 
 _EMPTY: dict = {}
+_is_compiling = torch.compiler.is_compiling
 
 
 class PlanCache(dict):
@@ -74,7 +75,10 @@ class InplaceOnCopyError(RuntimeError):
 
 def mark_copy(out: Any, note: str) -> Any:
     """Record that DTensor ``out`` is a copy made by ``note`` (e.g. ``x[0] of a DTensor
-    sharded on dim 0``); return ``out``."""
+    sharded on dim 0``); return ``out``. Not recorded inside ``torch.compile`` (a graph holds
+    no per-object records; torch's DTensor never raises here)."""
+    if torch.compiler.is_compiling():
+        return out
     key = id(out)
     _COPIES[key] = note
     weakref.finalize(out, _COPIES.pop, key, None)
@@ -137,11 +141,20 @@ def call_entry(entry: OpEntry | None, func: Any, args: Sequence, kwargs: dict) -
 
 # Attribute getters answered from the wrapper's metadata: every ``is_*`` flag plus these.
 _META_ATTRS = {"layout", "names", "itemsize", "nbytes", "_base", "output_nr", "_version",
-               "retains_grad", "_is_view"}
+               "retains_grad", "_is_view", "grad_dtype"}
+_INTROSPECTION = frozenset(getattr(torch.Tensor, name) for name in (
+    "_is_view", "untyped_storage", "storage_offset", "stride", "is_contiguous", "is_conj",
+    "is_neg", "is_inference", "dense_dim", "sparse_dim", "is_coalesced", "data_ptr",
+    "_is_zerotensor"))
 _FROM_LOCAL = ("_base", "output_nr", "_version", "retains_grad", "_is_view")
 
 
 def _fallback(func: Any, args: Sequence, kwargs: dict) -> Any:
+    if func in _INTROSPECTION or (args and type(args[0]) is TracedDTensor):
+        # torch.compile asks a DTensor about its storage and views while it builds the graph:
+        # the wrapper (or a traced DTensor, an alias of its local tensor) answers for itself
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
     if getattr(func, "__name__", "") == "__get__":
         attr = getattr(getattr(func, "__self__", None), "__name__", "")
         if attr in _META_ATTRS or attr.startswith("is_"):
@@ -183,9 +196,28 @@ def reduce_grad(x: torch.Tensor, reducer: GradReducer) -> torch.Tensor:
     """Identity whose backward sums the gradient over ``reducer``'s mesh dims: a replicated
     input of an op whose output is sharded or partial there gets one term of its gradient per
     rank. (A pre-hook on a view node costs half of an ``autograd.Function``.)"""
+    if torch.compiler.is_compiling():  # a graph cannot hold a hook on a grad_fn
+        return _ReduceGrad.apply(x, reducer.mesh, reducer.dims)
     y = x.view_as(x)
     y.grad_fn.register_prehook(reducer)
     return y
+
+
+class _ReduceGrad(torch.autograd.Function):
+    """:func:`reduce_grad` inside ``torch.compile``: identity, backward sums over mesh dims."""
+
+    @staticmethod
+    def forward(ctx, x, mesh, dims):  # type: ignore[override]
+        ctx.mesh, ctx.dims = mesh, dims
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        g = grad.clone(memory_format=torch.contiguous_format)
+        platform = get_platform()
+        for m in ctx.dims:
+            platform.all_reduce(g, "sum", ctx.mesh.get_group(m))
+        return g, None, None
 
 
 def localize(dt: DTensor, target: Placements | None, outs: Placements | None,
@@ -213,17 +245,38 @@ def replicated_local(dt: DTensor) -> torch.Tensor:
 
 
 def _swap_one(a: Any, table: dict[int, torch.Tensor]) -> Any:
-    if type(a) is DTensor:
+    if type(a) is DTensor or type(a) is TracedDTensor:
         return table[id(a)]
     if type(a) in (list, tuple) and any(isinstance(b, DTensor) for b in a):
         return type(a)(table[id(b)] if isinstance(b, DTensor) else b for b in a)
     return a
 
 
+def swap_by_identity(args: Sequence, kwargs: dict, dts: Sequence, xs: Sequence
+                     ) -> tuple[list, dict]:
+    """``args``/``kwargs`` with ``dts[k]`` replaced by ``xs[k]``, matched by identity: the
+    traced form of :func:`swap_locals` (``id()`` of a traced tensor would make Dynamo guard on
+    that very object, recompiling for every new input)."""
+    def find(a: Any) -> Any:
+        for d, x in zip(dts, xs, strict=True):
+            if d is a:
+                return x
+        return a
+
+    def one(a: Any) -> Any:
+        if isinstance(a, DTensor):
+            return find(a)
+        if type(a) in (list, tuple) and any(isinstance(b, DTensor) for b in a):
+            return type(a)(find(b) if isinstance(b, DTensor) else b for b in a)
+        return a
+
+    return [one(a) for a in args], {k: one(v) for k, v in kwargs.items()}
+
+
 def swap_locals(args: Sequence, kwargs: dict, table: dict[int, torch.Tensor]
                 ) -> tuple[list, dict]:
     """``args``/``kwargs`` with every DTensor replaced by ``table[id(dtensor)]``."""
-    largs = [table[id(a)] if type(a) is DTensor else _swap_one(a, table) for a in args]
+    largs = [_swap_one(a, table) for a in args]
     if not kwargs:
         return largs, kwargs
     return largs, {k: _swap_one(v, table) for k, v in kwargs.items()}
@@ -286,6 +339,7 @@ def run_prepared(prep: Prepared, func: Any, args: Sequence, kwargs: dict,
                  dts: list[DTensor]) -> Any:
     """Execute a cached decision: redistribute, run locally, wrap."""
     table: dict[int, torch.Tensor] = {}
+    xs = []
     grad = torch.is_grad_enabled()
     for dt, (tgt, reducer) in zip(dts, prep.steps, strict=False):
         x = dt._local
@@ -294,8 +348,14 @@ def run_prepared(prep: Prepared, func: Any, args: Sequence, kwargs: dict,
             x = redistribute_autograd(x, spec.mesh, spec.placements, tgt, tuple(spec.shape))
         if reducer is not None and grad and x.requires_grad:
             x = reduce_grad(x, reducer)
-        table[id(dt)] = x
-    largs, lkwargs = swap_locals(args, kwargs, table)
+        if _is_compiling():
+            xs.append(x)
+        else:
+            table[id(dt)] = x
+    if _is_compiling():
+        largs, lkwargs = swap_by_identity(args, kwargs, dts, xs)
+    else:
+        largs, lkwargs = swap_locals(args, kwargs, table)
     out = (prep.local or func)(*largs, **lkwargs)
     if not prep.multi:
         return _wrap(out, prep.out_specs)
@@ -318,6 +378,18 @@ def _decide(rule: Callable[[OpCall], Sharding], func: Any, args: Sequence, kwarg
     if not isinstance(sh, Sharding):
         return sh  # the rule computed the result itself
     return Prepared(call, sh)
+
+
+def _run_uncached(rule: Callable[[OpCall], Sharding], func: Any, args: Sequence,
+                  kwargs: dict) -> Any:
+    dts = collect_dtensors(args, kwargs)
+    if not dts:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    prep = _decide(rule, func, args, kwargs, dts)
+    if not isinstance(prep, Prepared):
+        return prep
+    return run_prepared(prep, func, args, kwargs, dts)
 
 
 class Unhashable(Exception):
@@ -359,6 +431,8 @@ def key_of(a: Any) -> Any:
 def run_rule(rule: Callable[[OpCall], Sharding], func: Any, args: Sequence,
              kwargs: dict) -> Any:
     """Run ``func`` under a Sharding ``rule``, deciding at most once per signature."""
+    if _is_compiling():  # traced: decide afresh (a constant of the graph), no cache
+        return _run_uncached(rule, func, args, kwargs)
     if not kwargs and len(args) == 2 and type(args[0]) is DTensor:
         # fastest paths: (DTensor, DTensor) as in mm, (DTensor, int) as in sum(x, 1)
         a, b = args

@@ -46,8 +46,12 @@ def einsum_sharding(mesh, operands: list[tuple[Placements, str, tuple[int, ...]]
             if cur[k] == P_SUM:
                 cands.append(([P_SUM if j == k else R for j in range(len(operands))], P_SUM))
         cands.append(([R] * len(operands), R))
-        best = min(cands, key=lambda c: sum(_cost(cu, t, n)
-                                            for cu, t, n in zip(cur, c[0], numels, strict=False)))
+        # first candidate of least cost (a plain loop: Dynamo cannot trace min(key=))
+        best, best_cost = cands[0], None
+        for c in cands:
+            cost = sum(_cost(cu, t, n) for cu, t, n in zip(cur, c[0], numels, strict=False))
+            if best_cost is None or cost < best_cost:
+                best, best_cost = c, cost
         for k, t in enumerate(best[0]):
             targets[k].append(t)
         outs.append(best[1])

@@ -17,7 +17,14 @@ import torch.nn.functional as F
 from ..api import DTensor, DTensorSpec, _wrap
 from ..placement import REPLICATE, Partial, Placement, Shard
 from ..redistribute import redistribute_autograd
-from .dispatch import PLAN_CACHE, GradReducer, reduce_dims, reduce_grad, swap_locals
+from .dispatch import (
+    PLAN_CACHE,
+    GradReducer,
+    reduce_dims,
+    reduce_grad,
+    swap_by_identity,
+    swap_locals,
+)
 from .registry import (
     P_SUM,
     OpCall,
@@ -172,6 +179,9 @@ def pointwise_sharding(call: OpCall, kind: str = "other") -> Sharding:
 
 
 # ---------------------------------------------------------------------------- execution
+_is_compiling = torch.compiler.is_compiling
+
+
 def run_pointwise(func: Any, args: Sequence, kwargs: dict, kind: str, inplace: bool) -> Any:
     """Run an elementwise op of ``kind``; layouts that need nothing take the fast paths."""
     a0 = args[0] if args else None
@@ -189,7 +199,7 @@ def run_pointwise(func: Any, args: Sequence, kwargs: dict, kind: str, inplace: b
                         out = func(a0._local, a1._local)
                         return a0 if inplace else _wrap(out, spec)
                     plan = PLAN_CACHE.get((kind, inplace, spec, a1._spec, True, False))
-                    if plan is not None:
+                    if plan is not None and not _is_compiling():
                         (ta, da), (tb, db) = plan[0]
                         if ta is None and tb is None and not (
                                 (da is not None or db is not None) and torch.is_grad_enabled()):
@@ -218,7 +228,8 @@ def _pointwise_slow(func: Any, args: Sequence, kwargs: dict, kind: str, inplace:
             has_scalar = has_scalar or i < len(args)
     first = bool(args) and args[0] is dts[0]
     key = (kind, inplace, *[d._spec for d in dts], first, has_scalar)
-    plan = PLAN_CACHE.get(key)
+    # traced: plan afresh (a constant of the graph), no cache
+    plan = None if _is_compiling() else PLAN_CACHE.get(key)
     if plan is None:
         mesh = dts[0]._spec.mesh
         for d in dts[1:]:
@@ -234,9 +245,12 @@ def _pointwise_slow(func: Any, args: Sequence, kwargs: dict, kind: str, inplace:
             tgt = None if t == m[0] or (inplace and k == 0) else t
             dims = tuple(d for d in reduce_dims(t, outs) if mesh.shape[d] > 1)
             steps.append((tgt, GradReducer(mesh, dims) if dims else None))
-        plan = PLAN_CACHE.put(key, (steps, spec))
+        plan = (steps, spec)
+        if not _is_compiling():
+            PLAN_CACHE.put(key, plan)
     steps, spec = plan
     table = {}
+    xs = []
     grad = torch.is_grad_enabled()
     for d, (tgt, reducer) in zip(dts, steps, strict=False):
         x = d._local
@@ -245,8 +259,14 @@ def _pointwise_slow(func: Any, args: Sequence, kwargs: dict, kind: str, inplace:
             x = redistribute_autograd(x, dspec.mesh, dspec.placements, tgt, tuple(dspec.shape))
         if reducer is not None and grad and x.requires_grad:
             x = reduce_grad(x, reducer)
-        table[id(d)] = x
-    largs, lkwargs = swap_locals(args, kwargs, table)
+        if _is_compiling():
+            xs.append(x)
+        else:
+            table[id(d)] = x
+    if _is_compiling():
+        largs, lkwargs = swap_by_identity(args, kwargs, dts, xs)
+    else:
+        largs, lkwargs = swap_locals(args, kwargs, table)
     out = func(*largs, **lkwargs)
     if inplace:
         return args[0]

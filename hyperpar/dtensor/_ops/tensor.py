@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..api import DTensor, DTensorSpec, _wrap
+from ..api import DTensor, DTensorSpec, TracedDTensor, _wrap
 from ..placement import REPLICATE, Partial
 from ..redistribute import redistribute_autograd
 from .dispatch import replicated_local
@@ -25,18 +25,32 @@ R = REPLICATE
              torch.Tensor.data_ptr, torch.Tensor.storage_offset, raw=True)
 def _local_query(func: Any, args: Sequence, kwargs: dict) -> Any:
     """Local metadata (dtype kind, device, pointers): asked of the local tensor."""
+    if type(args[0]) is TracedDTensor:
+        return _own(func, args, kwargs)
     return func(args[0]._local, *args[1:], **kwargs)
+
+
+def _own(func: Any, args: Sequence, kwargs: dict) -> Any:
+    """The answer of a DTensor made inside torch.compile about its own layout (a stand-in of
+    the global shape): what Dynamo reads when such a DTensor enters another compiled call
+    must match what its guards will check."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
 
 
 @register_op(torch.Tensor.is_contiguous, raw=True)
 def _is_contiguous(func, args, kwargs):
     """A DTensor is logically contiguous (its shards are laid out by the rule)."""
+    if type(args[0]) is TracedDTensor:
+        return _own(func, args, kwargs)
     return True
 
 
 @register_op(torch.Tensor.stride, raw=True)
 def _stride(func, args, kwargs):
     """Strides of the contiguous global shape."""
+    if type(args[0]) is TracedDTensor:
+        return _own(func, args, kwargs)
     shape = args[0]._spec.shape
     strides, acc = [], 1
     for s in reversed(shape):

@@ -113,6 +113,7 @@ def view_placements(mesh, src_shape: tuple, dst_shape: tuple, pl: Placements
     return tuple(tg), tuple(out)
 
 
+_is_compiling = torch.compiler.is_compiling
 _VIEW, _PERM = "view", "permute"  # key prefixes in the shared plan cache
 
 
@@ -121,7 +122,8 @@ def _view_plan(func, args, kwargs) -> tuple:
     spec = x._spec
     try:
         key = (_VIEW, func, spec, args_key(args[1:]), key_of(tuple(kwargs.items())))
-        plan = PLAN_CACHE.get(key)
+        # traced: plan afresh (a constant of the graph), no cache
+        plan = None if _is_compiling() else PLAN_CACHE.get(key)
     except Unhashable:
         key, plan = None, None
     if plan is None:
@@ -130,7 +132,7 @@ def _view_plan(func, args, kwargs) -> tuple:
         out_spec = DTensorSpec(spec.mesh, out, torch.Size(dst))
         local_shape, _ = out_spec.local_shape_and_offset()
         plan = (None if tg == spec.placements else tg, out, out_spec, local_shape)
-        if key is not None:
+        if key is not None and not _is_compiling():
             PLAN_CACHE.put(key, plan)
     return plan
 
@@ -165,12 +167,13 @@ def permute_rule(func, args, kwargs):
     spec = x._spec
     try:
         key = (_PERM, func, spec, args_key(args[1:]), key_of(tuple(kwargs.items())))
-        plan = PLAN_CACHE.get(key)
+        # traced: plan afresh (a constant of the graph), no cache
+        plan = None if _is_compiling() else PLAN_CACHE.get(key)
     except Unhashable:
         key, plan = None, None
     if plan is None:
         plan = _permute_plan(func, args, kwargs)
-        if key is not None:
+        if key is not None and not _is_compiling():
             PLAN_CACHE.put(key, plan)
     perm, out_spec = plan
     return _note_copy(_wrap(x._local.permute(perm) if perm else x._local, out_spec), x, None,
