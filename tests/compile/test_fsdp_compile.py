@@ -133,16 +133,31 @@ def _fsdp_case(recipe: str) -> dict[str, dict[str, int]]:
         torch.manual_seed(0)
         model = _shard(Model(), impl, compile_blocks=recipe == "per_block")
         run = torch.compile(model, backend="aot_eager") if recipe == "whole" else model
-        out[impl] = _train(model, rows, run)
+        try:
+            out[impl] = _train(model, rows, run)
+        except AttributeError as e:
+            # torch < 2.7's FSDP2 cannot run on the CPU at all (its hooks record events on a
+            # CPU Stream, which has no record_event): nothing to compare with there
+            if impl != "torch" or "record_event" not in str(e):
+                raise
+            out[impl] = None
     _reset()
     return out
+
+
+def _compare(counts: dict, *, breaks: int) -> tuple[dict, dict]:
+    """hyperpar's counts, and torch FSDP2's -- or, where torch cannot run FSDP2 on the CPU
+    (< 2.7), the figures torch 2.13 measures on this model: ``breaks`` breaks and a graph
+    per block."""
+    theirs = counts["torch"] or {"breaks": breaks, "graphs": N_BLOCKS}
+    return counts["hyperpar"], theirs
 
 
 def test_per_block_compile_then_fully_shard_has_no_break_and_no_recompile(run_on_ranks):
     """torchtitan's recipe: 0 breaks, <= one graph per block (torch FSDP2's count), and no
     graph compiled after the first step."""
     for counts in run_on_ranks(2, _fsdp_case, "per_block"):
-        ours, theirs = counts["hyperpar"], counts["torch"]
+        ours, theirs = _compare(counts, breaks=0)
         assert ours["breaks"] == 0, counts
         assert ours["graphs"] <= min(N_BLOCKS, theirs["graphs"]), counts
         assert ours["graphs"] == ours["graphs_first"], f"recompiled after step 0: {counts}"
@@ -152,7 +167,7 @@ def test_whole_model_compile_breaks_no_more_than_torch_fsdp2(run_on_ranks):
     """``torch.compile(fully_shard model)``: compiles (it used to fail in the backend), matches
     one process, no more breaks or graphs than FSDP2, no recompiles after step 0."""
     for counts in run_on_ranks(2, _fsdp_case, "whole"):
-        ours, theirs = counts["hyperpar"], counts["torch"]
+        ours, theirs = _compare(counts, breaks=1)
         assert ours["breaks"] <= theirs["breaks"], counts
         assert 0 < ours["graphs"] <= theirs["graphs"], counts
         assert ours["graphs"] == ours["graphs_first"], f"recompiled after step 0: {counts}"
