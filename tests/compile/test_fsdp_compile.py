@@ -137,7 +137,7 @@ def _fsdp_case(recipe: str) -> dict[str, dict[str, int]]:
         try:
             out[impl] = _train(model, rows, run)
         except AttributeError as e:
-            # torch < 2.7's FSDP2 cannot run on the CPU at all (its hooks record events on a
+            # torch 2.6's FSDP2 cannot run on the CPU at all (its hooks record events on a
             # CPU Stream, which has no record_event): nothing to compare with there
             if impl != "torch" or "record_event" not in str(e):
                 raise
@@ -148,7 +148,7 @@ def _fsdp_case(recipe: str) -> dict[str, dict[str, int]]:
 
 def _compare(counts: dict, *, breaks: int) -> tuple[dict, dict]:
     """hyperpar's counts, and torch FSDP2's -- or, where torch cannot run FSDP2 on the CPU
-    (< 2.7), the figures torch 2.13 measures on this model: ``breaks`` breaks and a graph
+    (2.6), the figures torch 2.13 measures on this model: ``breaks`` breaks and a graph
     per block."""
     theirs = counts["torch"] or {"breaks": breaks, "graphs": N_BLOCKS}
     return counts["hyperpar"], theirs
