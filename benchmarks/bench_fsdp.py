@@ -2,7 +2,8 @@
 (``torch.distributed.fsdp.fully_shard``, which runs on gloo) vs the replicated data_parallel.
 
     python benchmarks/bench_fsdp.py [--ranks 2] [--dim 128] [--layers 4] [--batch 8]
-                                    [--steps 6] [--json PATH]
+                                    [--steps 6] [--json PATH] [--compile-backend inductor]
+                                    [--no-compile]
 
 Spawns ``--ranks`` processes. Every variant trains the same Llama-style model (examples/llama)
 on the same per-rank batch with AdamW:
@@ -13,6 +14,17 @@ on the same per-rank batch with AdamW:
 * ``torch FSDP2`` -- ``torch.distributed.fsdp.fully_shard`` on the same model (outside the
   library, so this benchmark may use torch.distributed);
 * ``hyperpar dp`` -- the replicated :func:`hyperpar.parallel.data_parallel`.
+
+Compiled rows (unless ``--no-compile``), torchtitan's recipe -- ``block.compile()`` on every
+transformer block, then fully_shard each block and the root:
+
+* ``compiled hyperpar fsdp`` / ``compiled torch FSDP2`` -- the two fully_shards;
+* ``compiled plain`` -- the same compiled blocks without any sharding or gradient reduction
+  (each rank alone: the floor that sharding's communication adds to).
+
+Each compiled variant starts from ``torch._dynamo.reset()`` and counts dynamo's graph breaks
+(``graph_break`` counters plus frames it gave up on and ran eagerly), the graphs compiled by the
+end of the first step, and the recompiles after it (graphs compiled in later steps).
 
 Memory per rank: bytes of parameters + gradients + optimizer states after a step (local shards
 only), and the peak of live tensor bytes during a step, tracked by a ``TorchDispatchMode`` that
@@ -29,6 +41,7 @@ import sys
 import time
 import weakref
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -84,7 +97,17 @@ def _state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
     return params + states
 
 
-def worker(args: llama.ModelArgs, batch: int, steps: int, warmup: int) -> dict[str, dict]:
+def _dynamo_counts() -> tuple[int, int]:
+    """(graph breaks + frames run eagerly, unique graphs) since the last counters reset."""
+    from torch._dynamo.utils import counters
+
+    frames = counters["frames"]
+    skipped = frames["total"] - frames["ok"]
+    return sum(counters["graph_break"].values()) + skipped, counters["stats"]["unique_graphs"]
+
+
+def worker(args: llama.ModelArgs, batch: int, steps: int, warmup: int,
+           compile_backend: str | None = None) -> dict[str, dict]:
     from hyperpar import fully_shard
     from hyperpar.parallel.data_parallel import data_parallel
     from hyperpar.platform import get_platform
@@ -94,8 +117,10 @@ def worker(args: llama.ModelArgs, batch: int, steps: int, warmup: int) -> dict[s
 
     def run(model: torch.nn.Module) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        times, peak = [], 0
+        times, peak, graphs_first = [], 0, 0
         for i in range(warmup + steps):
+            if i == 1:
+                graphs_first = _dynamo_counts()[1]
             platform.barrier()
             t0 = time.perf_counter()
             tracker = LiveBytes(_state_bytes(model, opt)) if i == warmup else None
@@ -113,7 +138,9 @@ def worker(args: llama.ModelArgs, batch: int, steps: int, warmup: int) -> dict[s
             platform.synchronize()
             if i >= warmup and tracker is None:
                 times.append(time.perf_counter() - t0)
-        return {"times": times, "state_bytes": _state_bytes(model, opt), "peak_bytes": peak}
+        breaks, graphs = _dynamo_counts()
+        return {"times": times, "state_bytes": _state_bytes(model, opt), "peak_bytes": peak,
+                "breaks": breaks, "graphs": graphs_first, "recompiles": graphs - graphs_first}
 
     def ours(prefetch: bool) -> torch.nn.Module:
         model = llama.build(args, seed=0)
@@ -135,18 +162,49 @@ def worker(args: llama.ModelArgs, batch: int, steps: int, warmup: int) -> dict[s
         torch_fully_shard(model, mesh=mesh)
         return model
 
+    def compiled(shard: Any) -> Any:
+        def make() -> torch.nn.Module:
+            from torch._dynamo.utils import counters
+
+            torch._dynamo.reset()
+            counters.clear()
+            model = llama.build(args, seed=0)
+            for layer in model.layers:
+                layer.compile(backend=compile_backend)
+                if shard is not None:
+                    shard(layer)
+            if shard is not None:
+                shard(model)
+            return model
+        return make
+
+    def torch_shard() -> Any:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        mesh = init_device_mesh(platform.device().type, (platform.world_size(),))
+        return lambda module: torch_fully_shard(module, mesh=mesh)
+
+    variants = [("hyperpar fsdp", lambda: ours(True)),
+                ("hyperpar fsdp, no prefetch", lambda: ours(False)),
+                ("torch FSDP2", torch_fsdp2),
+                ("hyperpar dp", lambda: data_parallel(llama.build(args, seed=0)))]
+    if compile_backend:
+        variants += [("compiled hyperpar fsdp", compiled(fully_shard)),
+                     ("compiled torch FSDP2", compiled(torch_shard())),
+                     ("compiled plain", compiled(None))]
     out = {}
     # interleave the variants over two rounds so drift on a busy machine hits all of them
     for _ in range(2):
-        for name, make in (("hyperpar fsdp", lambda: ours(True)),
-                           ("hyperpar fsdp, no prefetch", lambda: ours(False)),
-                           ("torch FSDP2", torch_fsdp2),
-                           ("hyperpar dp", lambda: data_parallel(llama.build(args, seed=0)))):
+        for name, make in variants:
             res = run(make())
             if name in out:
                 out[name]["times"] += res["times"]
+                for key in ("breaks", "recompiles"):  # the worse of the two rounds
+                    out[name][key] = max(out[name][key], res[key])
             else:
                 out[name] = res
+    torch._dynamo.reset()
     return out
 
 
@@ -159,14 +217,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile backend of the compiled rows (inductor, aot_eager)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the compiled rows")
     args = parser.parse_args()
     from hyperpar.testing import run_distributed
 
     margs = llama.ModelArgs(vocab_size=512, dim=args.dim, n_layers=args.layers,
                             n_heads=max(1, args.dim // 32), ffn_hidden=4 * args.dim,
                             max_seq_len=64)
+    backend = None if args.no_compile else args.compile_backend
     results = run_distributed(worker, args.ranks, margs, args.batch, args.steps, args.warmup,
-                              timeout_s=600)
+                              backend, timeout_s=1800)
     n_params = sum(p.numel() for p in llama.build(margs).parameters())
     case = (f"Llama {args.layers} layers dim {args.dim} ({n_params / 1e6:.2f}M params), "
             f"batch {args.batch}x64/rank, {args.ranks} ranks, AdamW")
@@ -177,8 +239,15 @@ def main() -> None:
         med[name] = statistics.median(per_step) * 1e3
         state[name] = max(r[name]["state_bytes"] for r in results) / 2**20
         peak[name] = max(r[name]["peak_bytes"] for r in results) / 2**20
+        compiled = ""
+        if name.startswith("compiled"):
+            r0 = results[0][name]
+            breaks = max(r[name]["breaks"] for r in results)
+            recompiles = max(r[name]["recompiles"] for r in results)
+            compiled = (f"   {breaks} breaks, {r0['graphs']} graphs, {recompiles} recompiles "
+                        f"({backend})")
         print(f"  {name:<28} {med[name]:>9.1f} ms   params+grads+optim {state[name]:>7.2f} MiB"
-              f"   peak {peak[name]:>7.2f} MiB")
+              f"   peak {peak[name]:>7.2f} MiB{compiled}")
     ours, theirs = "hyperpar fsdp", "torch FSDP2"
     rows = [
         {"benchmark": "fsdp", "case": case, "hyperpar_ms": med[ours], "reference": theirs,
@@ -195,6 +264,18 @@ def main() -> None:
          "reference_state_mib": state["hyperpar dp"], "peak_mib": peak[ours],
          "reference_peak_mib": peak["hyperpar dp"]},
     ]
+    if backend:
+        ours_c = "compiled hyperpar fsdp"
+        for ref in ("compiled plain", "compiled torch FSDP2"):
+            ratio = med[ours_c] / med[ref]
+            print(f"  {ours_c} / {ref}: {ratio:.2f}x")
+            rows.append({"benchmark": "fsdp", "case": f"{case}, compiled ({backend})",
+                         "hyperpar_ms": med[ours_c], "reference": ref, "reference_ms": med[ref],
+                         "ratio": ratio,
+                         "graph_breaks": max(r[ours_c]["breaks"] for r in results),
+                         "recompiles": max(r[ours_c]["recompiles"] for r in results),
+                         "reference_graph_breaks": max(r[ref]["breaks"] for r in results)})
+        print(f"  hyperpar fsdp / torch FSDP2 (eager): {med[ours] / med[theirs]:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -8,6 +8,7 @@ end-of-backward callback that waits for them, writes the sharded gradients and r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -115,14 +116,29 @@ def _cast(tree: Any, dtype: torch.dtype | None) -> Any:
     return tree_map(cast, tree)
 
 
+def outside_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, run eagerly even when called from code that ``torch.compile`` traces.
+
+    fully_shard's hooks swap parameters, launch and wait on collectives and keep Python state
+    across modules: tracing them breaks graphs, builds ``nn.Parameter`` inside the graph and
+    recompiles on every step. Kept out of the trace (as torch FSDP2 keeps its hooks), a
+    compiled module's ``_call_impl`` runs them eagerly and its ``forward`` compiles as a frame
+    of its own: one graph per block, no graph break, the same parameter objects every step.
+    Importing dynamo here costs nothing extra in training: ``torch.optim`` imports it too."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
 class Hooks:
-    """Forward pre/post hooks of one fully_shard module."""
+    """Forward pre/post hooks of one fully_shard module (``pre_forward`` and
+    ``post_forward`` are the versions kept out of ``torch.compile``'s trace)."""
 
     def __init__(self, module: nn.Module, group: ParamGroup) -> None:
         self.module = module
         self.group = group
+        self.pre_forward = outside_compile(self._pre_forward)
+        self.post_forward = outside_compile(self._post_forward)
 
-    def pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+    def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
         group = self.group
         ctx = group.ctx
         if group is ctx.root and ctx.reductions and _graph_task_id() == -1:
@@ -134,7 +150,7 @@ class Hooks:
             args, kwargs = _cast((args, kwargs), group.mp.param_dtype)
         return args, kwargs
 
-    def post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+    def _post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         group = self.group
         ctx = group.ctx
         if group is ctx.root:
