@@ -247,7 +247,10 @@ def _require_fsdp(m: nn.Module) -> FSDPModule:
 
 def _dp_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
     if mesh is None:
-        world = get_platform().world_size()
+        platform = get_platform()
+        if not platform.is_initialized():  # as torch: join the launcher's world (or be one)
+            platform.init_process_group()
+        world = platform.world_size()
         return init_device_mesh((world,), mesh_dim_names=("dp",))
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard: mesh must be a hyperpar DeviceMesh, got "

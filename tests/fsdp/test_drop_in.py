@@ -488,3 +488,38 @@ def test_mixed_precision_policy_needs_a_floating_dtype():
     with pytest.raises(ValueError, match="reduce_dtype"):
         MixedPrecisionPolicy(reduce_dtype=torch.int64)
     MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # fine
+
+
+LONE_SCRIPT = '''
+import copy
+import torch
+from torch import nn
+from hyperpar import fully_shard
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+reference = copy.deepcopy(model)
+for layer in (model[0], model[2]):
+    fully_shard(layer)  # no mesh, no init_process_group: torch joins a world of one
+fully_shard(model)
+x = torch.randn(3, 4)
+torch.testing.assert_close(model(x), reference(x), atol=0, rtol=0)
+print("lone fully_shard OK")
+'''
+
+
+def test_fully_shard_without_a_mesh_or_process_group_joins_the_world(tmp_path) -> None:
+    """torch's fully_shard() with no mesh initialises the default group itself; hyperpar's
+    raised torch's raw 'Default process group has not been initialized'."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "lone.py"
+    script.write_text(LONE_SCRIPT)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["HYPERPAR_BACKEND"] = "cpu"
+    proc = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "lone fully_shard OK" in proc.stdout
