@@ -1,7 +1,9 @@
-"""hyperpar: hardware-agnostic tensor, sequence, pipeline and data parallelism for PyTorch.
+"""hyperpar: hardware-agnostic tensor, sequence, pipeline and data parallelism for PyTorch
+and MindSpore.
 
 Public names are re-exported lazily (PEP 562) so ``import hyperpar`` stays cheap and never
-resolves a backend at import time.
+resolves a backend. Importing a framework-bound name (``from hyperpar import
+parallelize_module``) does: it is taken from the selected platform's framework.
 """
 
 from __future__ import annotations
@@ -103,8 +105,15 @@ _SUBMODULES = ("checkpoint", "dtensor", "fsdp", "inspect", "parallel", "pipeline
 #: library's ``inspect`` and ``platform`` modules in the importing namespace.
 _NOT_STARRED = ("inspect", "platform")
 
-__all__ = sorted(_EXPORTS) + ["__version__",
-                              *(name for name in _SUBMODULES if name not in _NOT_STARRED)]
+#: modules that import no framework: what ``from hyperpar import *`` offers without torch
+_FRAMEWORK_FREE = ("hyperpar.platform",)
+
+if importlib.util.find_spec("torch") is not None:
+    __all__ = sorted(_EXPORTS) + ["__version__",
+                                  *(name for name in _SUBMODULES if name not in _NOT_STARRED)]
+else:  # e.g. a MindSpore venv: the torch stack (DTensor, fully_shard, ...) is not importable
+    __all__ = sorted(name for name, module in _EXPORTS.items()
+                     if module in _FRAMEWORK_FREE or name in _FRAMEWORK_BOUND) + ["__version__"]
 
 
 def __getattr__(name: str) -> Any:

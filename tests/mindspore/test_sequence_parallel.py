@@ -245,6 +245,10 @@ import hyperpar, hyperpar_mindspore
 for name in ("init_device_mesh", "parallelize_module", "ColwiseParallel", "RowwiseParallel",
              "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput"):
     assert getattr(hyperpar, name) is getattr(hyperpar_mindspore, name), name
+namespace = {}
+exec("from hyperpar import *", namespace)  # the torch stack's names are left out, not broken
+assert namespace["parallelize_module"] is hyperpar_mindspore.parallelize_module
+assert "fully_shard" not in namespace and "get_platform" in namespace
 assert "torch" not in sys.modules, "the MindSpore path imported torch"
 print("ok")
 """
