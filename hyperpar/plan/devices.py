@@ -11,7 +11,7 @@ Give a measured profile with ``--profile FILE`` (JSON with the same keys); ``hyp
 from __future__ import annotations
 
 import json
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +25,28 @@ class DeviceProfile:
 
     ``intra_*`` describe links inside a node (NVLink, HCCS, shared memory), ``inter_*`` the
     network between nodes, per device. ``alpha`` is the fixed latency of one ring step.
-    ``layer_overhead_s`` is what one decoder layer's forward + backward costs beyond its FLOPs
-    (kernel launches, Python, hooks): negligible for large models on accelerators, dominant for
-    the tiny models ``--measure`` runs on a cpu."""
+
+    The fixed costs below are 0 in the datasheet profiles (negligible next to a large model's
+    FLOPs on an accelerator) and measured by ``hyperpar bench --write-profile`` /
+    ``hyperpar plan --calibrate``, where they dominate (small models, a cpu):
+
+    * ``layer_overhead_s``: one decoder layer's forward + backward beyond its FLOPs (op
+      launches, autograd, Python);
+    * ``root_overhead_s``: the embedding, final norm, head and loss, forward + backward, per
+      microbatch;
+    * ``tp_layer_overhead_s``: what tensor parallelism adds to one layer per microbatch beyond
+      its collectives (DTensor dispatch, redistributions);
+    * ``fsdp_unit_overhead_s``: what one fully_shard unit adds per microbatch beyond its
+      collectives (hooks, copies into and out of the flat buffers);
+    * ``pp_action_overhead_s``: one pipeline action (a stage's forward or backward of one
+      microbatch) beyond its compute: the executor and the message's fixed cost;
+    * ``optimizer_tensor_overhead_s``: the optimizer step and ``zero_grad`` per local
+      parameter tensor (``sharded_``: per DTensor parameter, fully_shard or tensor parallel);
+    * ``collective_latency_s``: the fixed cost of one collective by group size (``{"2": s}``),
+      measured; where given it replaces the ring's ``(n - 1) * alpha``;
+    * ``comm_overlap``: the fraction of fully_shard / data-parallel communication that can hide
+      behind compute (1 on accelerators with their own copy engines; 0 on a cpu, where gloo and
+      the compute share the cores)."""
 
     name: str
     flops_bf16: float          # peak dense FLOP/s in bf16/fp16
@@ -40,9 +59,21 @@ class DeviceProfile:
     inter_alpha_s: float = 15e-6
     compute_efficiency: float = 0.45
     link_efficiency: float = 0.7
-    layer_overhead_s: float = 0.0  # fixed cost of one layer's forward+backward (launches,
-    #                                Python); 0 for the datasheet profiles, measured on cpu
+    layer_overhead_s: float = 0.0
+    root_overhead_s: float = 0.0
+    tp_layer_overhead_s: float = 0.0
+    fsdp_unit_overhead_s: float = 0.0
+    pp_action_overhead_s: float = 0.0
+    optimizer_tensor_overhead_s: float = 0.0
+    sharded_optimizer_tensor_overhead_s: float = 0.0
+    collective_latency_s: dict[str, float] = field(default_factory=dict, hash=False)
+    comm_overlap: float = 1.0
     source: str = "datasheet"
+
+    def latency(self, n: int) -> float | None:
+        """Measured fixed cost of one collective over ``n`` ranks (``None``: not measured)."""
+        value = self.collective_latency_s.get(str(n))
+        return None if value is None else float(value)
 
     def flops(self, dtype: str) -> float:
         """Achievable FLOP/s for matmuls in ``dtype`` (peak x efficiency)."""
