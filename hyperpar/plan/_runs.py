@@ -35,12 +35,18 @@ def _examples() -> Any:
     return llama
 
 
-class Embed(nn.Module):
-    """Pipeline layer 0: the token embedding."""
+def _on(device: str | None) -> Any:
+    return torch.device(device) if device else contextlib.nullcontext()
 
-    def __init__(self, args: Any) -> None:
+
+class Embed(nn.Module):
+    """Pipeline layer 0: the token embedding. ``device="meta"`` builds it without memory (the
+    simulation backend)."""
+
+    def __init__(self, args: Any, device: str | None = None) -> None:
         super().__init__()
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        with _on(device):
+            self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.tok_embeddings(tokens)
@@ -49,11 +55,12 @@ class Embed(nn.Module):
 class Block(nn.Module):
     """A decoder layer that owns its rotary tables, so it is called as ``layer(h)``."""
 
-    def __init__(self, args: Any) -> None:
+    def __init__(self, args: Any, device: str | None = None) -> None:
         super().__init__()
         llama = _examples()
-        self.block = llama.TransformerBlock(args)
-        cos, sin = llama.rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        with _on(device):
+            self.block = llama.TransformerBlock(args)
+            cos, sin = llama.rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
@@ -64,11 +71,12 @@ class Block(nn.Module):
 class Head(nn.Module):
     """The last pipeline layer: final norm and output projection."""
 
-    def __init__(self, args: Any) -> None:
+    def __init__(self, args: Any, device: str | None = None) -> None:
         super().__init__()
         llama = _examples()
-        self.norm = llama.RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        with _on(device):
+            self.norm = llama.RMSNorm(args.dim, args.norm_eps)
+            self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.output(self.norm(h))
@@ -101,6 +109,32 @@ def _checkpointed(block: nn.Module) -> None:
     block.forward = run  # type: ignore[method-assign]
 
 
+def pipeline(args: Any, mesh: Any, pp: int, device: str | None = None) -> nn.Module:
+    """The example Llama as a ``PipelineModule`` over ``mesh["pp"]``: the embedding with the
+    first ``n_layers / pp`` layers on stage 0, the final norm and head with the last layers on
+    the last stage (the split the planner assumes)."""
+    from hyperpar.pipeline import LayerSpec, PipelineModule
+
+    per = args.n_layers // pp
+    bounds = [0] + [1 + per * (s + 1) for s in range(pp - 1)] + [args.n_layers + 2]
+    layers = ([LayerSpec(Embed, args, device)]
+              + [LayerSpec(Block, args, device) for _ in range(args.n_layers)]
+              + [LayerSpec(Head, args, device)])
+    return PipelineModule(layers, mesh=mesh, mesh_dim="pp", loss_fn=_loss, seed_layers=True,
+                          partition_method=bounds)
+
+
+def shard_pipeline_ends(model: nn.Module, dp_mesh: Any) -> None:
+    """A pipeline's schedule calls its layers, not the module's ``forward``, so the root unit's
+    hooks never run: the embedding and head get their own fully_shard units, kept gathered from
+    forward to backward as the root unit would be."""
+    from hyperpar import fully_shard
+
+    for m in model.modules():
+        if isinstance(m, (Embed, Head)):
+            fully_shard(m, mesh=dp_mesh, reshard_after_forward=False)
+
+
 def build(sizes: dict[str, int], lay: Layout, seq_len: int) -> tuple[nn.Module, Any, Any]:
     """The laid-out model on this rank, its mesh, and (pp > 1) the pipeline schedule."""
     from hyperpar import fully_shard, init_device_mesh, parallelize_module
@@ -115,14 +149,7 @@ def build(sizes: dict[str, int], lay: Layout, seq_len: int) -> tuple[nn.Module, 
         if lay.tp > 1:
             raise ValueError("hyperpar plan --measure: pp x tp is not measured (the example's "
                              "tensor-parallel plan is written for the whole Transformer)")
-        from hyperpar.pipeline import LayerSpec, PipelineModule, get_schedule_class
-
-        per = args.n_layers // lay.pp
-        bounds = [0] + [1 + per * (s + 1) for s in range(lay.pp - 1)] + [args.n_layers + 2]
-        layers = ([LayerSpec(Embed, args)] + [LayerSpec(Block, args)] * args.n_layers
-                  + [LayerSpec(Head, args)])
-        model: nn.Module = PipelineModule(layers, mesh=mesh, mesh_dim="pp", loss_fn=_loss,
-                                          seed_layers=True, partition_method=bounds)
+        model: nn.Module = pipeline(args, mesh, lay.pp)
         blocks = [m for m in model.modules() if isinstance(m, Block)]
     else:
         model = llama.build(args, seed=0)
@@ -137,6 +164,7 @@ def build(sizes: dict[str, int], lay: Layout, seq_len: int) -> tuple[nn.Module, 
     if lay.dp_shard > 1:
         dp_mesh = (mesh["dp_replicate", "dp_shard"] if lay.dp_replicate > 1
                    else mesh["dp_shard"])
+        shard_pipeline_ends(model, dp_mesh)
         for b in blocks:
             fully_shard(b, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
