@@ -46,7 +46,10 @@ MODELS = {
 }
 
 
-def validate(model: str) -> None:
+def validate(model: str, rounds: int) -> None:
+    import os
+    import statistics
+
     from hyperpar.plan.calibrate import describe
     from hyperpar.plan.measure import calibrate_cpu, compare
     from hyperpar.plan.model import spec_from_model_args
@@ -55,30 +58,39 @@ def validate(model: str) -> None:
     sizes, seq_len, global_batch = MODELS[model]
     spec = spec_from_model_args(sizes)
     print(f"## predicted vs measured: {model} {sizes} ({spec.parameters:,} parameters), seq "
-          f"{seq_len}, global batch {global_batch}, fp32, AdamW\n")
+          f"{seq_len}, global batch {global_batch}, fp32, AdamW; {rounds} rounds of "
+          "(calibrate, run every layout), medians\n")
     print("| ranks | layout | states predicted (B) | states measured (B) | peak predicted (B) "
           "| peak measured (B) | peak error | step ms predicted | step ms measured "
-          "| time error |")
+          "(min-max) | time error |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     notes = []
     for world, layouts in LAYOUTS.items():
+        layouts = [lay for lay in layouts if sizes["n_layers"] % lay.pp == 0]
         run = Run(world=world, seq_len=seq_len, global_batch=global_batch,
                   param_dtype="float32", gpus_per_node=world)
+        rows: dict[Layout, list[dict]] = {lay: [] for lay in layouts}
         with WorkerPool(world, collective_timeout_s=600) as pool:
-            start = time.perf_counter()
-            profile = calibrate_cpu(world, pool=pool)
-            notes.append(f"calibration, {world} ranks ({time.perf_counter() - start:.0f} s): "
-                         f"{describe(profile)}")
-            for lay in layouts:
-                if lay.pp > 1 and sizes["n_layers"] % lay.pp:
-                    continue
-                r = compare(sizes, lay, run, profile, pool=pool)
-                pe = (r["peak_predicted"] - r["peak_measured"]) / r["peak_measured"]
-                te = (r["step_ms_predicted"] - r["step_ms_measured"]) / r["step_ms_measured"]
-                print(f"| {world} | {lay.name} | {r['states_predicted']:,} | "
-                      f"{r['states_measured']:,} | {r['peak_predicted']:,} | "
-                      f"{r['peak_measured']:,} | {pe:+.0%} | {r['step_ms_predicted']:.2f} | "
-                      f"{r['step_ms_measured']:.2f} | {te:+.0%} |", flush=True)
+            for i in range(rounds):
+                start = time.perf_counter()
+                profile = calibrate_cpu(world, pool=pool)
+                notes.append(f"calibration, {world} ranks, round {i + 1} "
+                             f"({time.perf_counter() - start:.0f} s, load average "
+                             f"{os.getloadavg()[0]:.1f}): {describe(profile)}")
+                for lay in layouts:
+                    rows[lay].append(compare(sizes, lay, run, profile, pool=pool,
+                                             peak=i == 0))
+        for lay in layouts:
+            r = rows[lay][0]
+            pred = statistics.median(x["step_ms_predicted"] for x in rows[lay])
+            meas = [x["step_ms_measured"] for x in rows[lay]]
+            med = statistics.median(meas)
+            pe = (r["peak_predicted"] - r["peak_measured"]) / r["peak_measured"]
+            print(f"| {world} | {lay.name} | {r['states_predicted']:,} | "
+                  f"{r['states_measured']:,} | {r['peak_predicted']:,} | "
+                  f"{r['peak_measured']:,} | {pe:+.0%} | {pred:.1f} | {med:.1f} "
+                  f"({min(meas):.0f}-{max(meas):.0f}) | {(pred - med) / med:+.0%} |",
+                  flush=True)
     print()
     for n in notes:
         print(n + "\n")
@@ -110,11 +122,13 @@ def planner_speed() -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", choices=sorted(MODELS))
+    p.add_argument("--rounds", type=int, default=3,
+                   help="calibrate + measure rounds (the medians damp a shared machine's load)")
     p.add_argument("--skip-measure", action="store_true")
     p.add_argument("--skip-speed", action="store_true")
     args = p.parse_args()
     if not args.skip_measure:
-        validate(args.model)
+        validate(args.model, args.rounds)
     if not args.skip_speed:
         planner_speed()
 

@@ -46,19 +46,25 @@ def _micro_worker(size: int, repeats: int) -> dict[str, Any]:
 
     pf = get_platform()
     world, rank = pf.world_size(), pf.rank()
+    # per-call medians: a shared machine's preemptions fall out, this run's own ranks
+    # (all multiplying at once) stay in
     a, b = torch.randn(size, size), torch.randn(size, size)
     for _ in range(3):
         a @ b
     pf.barrier()
-    start = time.perf_counter()
+    times = []
     for _ in range(repeats):
+        start = time.perf_counter()
         a @ b
-    flops = 2 * size**3 * repeats / (time.perf_counter() - start)
+        times.append(time.perf_counter() - start)
+    flops = 2 * size**3 / statistics.median(times)
     big = torch.randn(2**22)
-    start = time.perf_counter()
+    times = []
     for _ in range(5):
+        start = time.perf_counter()
         big.mul_(1.0)
-    mem_bw = 2 * big.numel() * 4 * 5 / (time.perf_counter() - start)
+        times.append(time.perf_counter() - start)
+    mem_bw = 2 * big.numel() * 4 / statistics.median(times)
 
     def timed(fn: Any, n: int) -> float:
         fn()
@@ -110,7 +116,7 @@ def _predicted_fb_s(profile: DeviceProfile, layout: Layout, sizes: dict[str, int
     return t.step_s - t.optimizer_s
 
 
-def calibrate(ranks: int = 2, *, steps: int = 5, warmup: int = 2, pool: Any = None,
+def calibrate(ranks: int = 2, *, steps: int = 8, warmup: int = 2, pool: Any = None,
               log: Any = None) -> DeviceProfile:
     """Measure a profile on ``ranks`` processes (see the module docstring). ``pool``: a
     :class:`hyperpar.testing.WorkerPool` of ``ranks`` processes to reuse."""
@@ -129,7 +135,7 @@ def calibrate(ranks: int = 2, *, steps: int = 5, warmup: int = 2, pool: Any = No
             return pool.run(run_layout, sizes, fields, MICRO_SEQ, batch, steps, warmup,
                             False, alone, timeout_s=300)
 
-        micro = pool.run(_micro_worker, 256, 20, timeout_s=300)[0]
+        micro = pool.run(_micro_worker, 384, 20, timeout_s=300)[0]
         prof = DeviceProfile(
             name=f"this machine, {ranks} processes (measured)", flops_bf16=micro["flops"],
             flops_fp32=micro["flops"], memory_bytes=16 * 2**30,

@@ -85,15 +85,16 @@ def calibrate_cpu(ranks: int, pool: Any = None) -> DeviceProfile:
 
 
 def compare(example: str | dict[str, int], layout: Layout, run: Run, profile: DeviceProfile,
-            pool: Any = None) -> dict[str, Any]:
-    """Predicted vs measured for one layout: a row of the ``--measure`` table."""
+            pool: Any = None, peak: bool = True) -> dict[str, Any]:
+    """Predicted vs measured for one layout: a row of the ``--measure`` table
+    (``peak_measured`` is 0 with ``peak=False``)."""
     spec = spec_from_model_args(_sizes(example))
     mem = memory_per_rank(spec, run, layout)
     pred = step_time(spec, run, layout, profile, mem)
-    got = measure_layout(example, layout, run, pool=pool)
+    got = measure_layout(example, layout, run, pool=pool, peak=peak)
     return {"world": layout.world, "layout": layout.name, "stage": mem.stage,
             "states_predicted": mem.states, "states_measured": int(got["states"]),
-            "peak_predicted": mem.peak, "peak_measured": int(got["peak"]),
+            "peak_predicted": mem.peak, "peak_measured": int(got.get("peak", 0)),
             "step_ms_predicted": pred.step_ms, "step_ms_measured": got["step_ms"]}
 
 
