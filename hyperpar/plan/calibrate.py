@@ -181,6 +181,23 @@ def calibrate(ranks: int = 2, *, steps: int = 8, warmup: int = 2, pool: Any = No
     return prof
 
 
+def write_profile(path: str, ranks: int = 2) -> int:
+    """``hyperpar bench --write-profile PATH``: measure, write, say what was measured."""
+    from .devices import save_profile
+
+    if ranks < 2:
+        print(f"hyperpar bench --write-profile: --ranks must be >= 2 (collectives are part of "
+              f"the profile), got {ranks}")
+        return 2
+    start = time.perf_counter()
+    profile = calibrate(ranks)
+    save_profile(profile, path)
+    print(describe(profile))
+    print(f"measured in {time.perf_counter() - start:.0f} s; wrote {path} (use it with "
+          f"hyperpar plan --profile {path})")
+    return 0
+
+
 def describe(p: DeviceProfile) -> str:
     """One paragraph of a measured profile's figures."""
     lat = ", ".join(f"{n} ranks {s * 1e6:.0f} us" for n, s in p.collective_latency_s.items())

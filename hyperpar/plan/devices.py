@@ -4,8 +4,8 @@ The shipped profiles are **datasheet peaks times an assumed efficiency**, not me
 dense bf16/fp16 tensor-core FLOP/s, HBM bandwidth and link bandwidths as the vendors publish
 them, with ``compute_efficiency`` (fraction of peak FLOP/s a well-tuned transformer step
 reaches) and ``link_efficiency`` (fraction of link bandwidth a ring collective reaches) assumed.
-Give a measured profile with ``--profile FILE`` (JSON with the same keys); ``hyperpar plan
---measure`` writes one for this machine's cpu.
+Give a measured profile with ``--profile FILE`` (JSON with the same keys); ``hyperpar bench
+--write-profile FILE`` measures one on this machine (:mod:`.calibrate`).
 """
 
 from __future__ import annotations
@@ -123,6 +123,11 @@ def load_profile(path: str | Path) -> DeviceProfile:
     if unknown or missing:
         raise ValueError(f"hyperpar plan: profile {str(path)!r}: unknown keys {unknown}, "
                          f"missing keys {missing}; accepted keys: {sorted(names)}")
+    lat = data.get("collective_latency_s", {})
+    if not isinstance(lat, dict) or not all(
+            str(k).isdigit() and isinstance(v, (int, float)) for k, v in lat.items()):
+        raise ValueError(f"hyperpar plan: profile {str(path)!r}: collective_latency_s must map "
+                         f"group sizes to seconds, e.g. {{\"2\": 0.0002}}, got {lat!r}")
     return DeviceProfile(**data)
 
 

@@ -82,3 +82,36 @@ def test_uneven_fully_shard_padding_is_exact_on_2_ranks(pool2) -> None:
     assert predicted > 16 * spec.parameters // 2  # the padding is really there
     assert int(got["states"]) == predicted
     assert int(got["per_rank"][1]["states"]) < predicted  # the last rank holds fewer rows
+
+
+def test_calibrated_profile_round_trips_and_plans(pool2, tmp_path) -> None:
+    from hyperpar.plan.calibrate import calibrate
+    from hyperpar.plan.devices import load_profile, save_profile
+    from hyperpar.plan.search import plan
+
+    prof = calibrate(2, steps=1, warmup=0, pool=pool2)
+    assert set(prof.collective_latency_s) == {"2"} and prof.latency(2) > 0
+    assert prof.flops_fp32 > 0 and prof.intra_bytes_per_s > 0 and prof.comm_overlap == 0.0
+    for key in ("layer_overhead_s", "root_overhead_s", "tp_layer_overhead_s",
+                "fsdp_unit_overhead_s", "pp_action_overhead_s",
+                "optimizer_tensor_overhead_s", "sharded_optimizer_tensor_overhead_s"):
+        assert getattr(prof, key) >= 0, key
+    path = tmp_path / "cpu.json"
+    save_profile(prof, path)
+    assert load_profile(path) == prof
+    run = Run(world=2, seq_len=16, global_batch=4, param_dtype="float32")
+    result = plan(SPEC, run, load_profile(path))
+    assert result.ranked and all(c.time.step_s > 0 for c in result.ranked)
+
+
+def test_bad_collective_latency_in_a_profile_is_named(tmp_path) -> None:
+    import json
+
+    from hyperpar.plan.devices import PROFILES, load_profile
+
+    data = PROFILES["h100"].to_json()
+    data["collective_latency_s"] = {"two": 1e-4}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="collective_latency_s must map group sizes"):
+        load_profile(path)
