@@ -116,7 +116,7 @@ def _predicted_fb_s(profile: DeviceProfile, layout: Layout, sizes: dict[str, int
     return t.step_s - t.optimizer_s
 
 
-def calibrate(ranks: int = 2, *, steps: int = 8, warmup: int = 2, pool: Any = None,
+def calibrate(ranks: int = 2, *, steps: int = 30, warmup: int = 3, pool: Any = None,
               log: Any = None) -> DeviceProfile:
     """Measure a profile on ``ranks`` processes (see the module docstring). ``pool``: a
     :class:`hyperpar.testing.WorkerPool` of ``ranks`` processes to reuse."""

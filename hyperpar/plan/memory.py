@@ -175,7 +175,12 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
     if stage == layout.pp - 1:
         # logits in the compute dtype + fp32 log-softmax and its gradient, per microbatch held
         held = layout.microbatches if layout.pp > 1 and layout.schedule == "gpipe" else 1
-        act += held * tokens * _cdiv(spec.vocab_size, tp) * (cb + 8)
+        vocab = spec.vocab_size
+        if tp > 1:
+            # the head's local vocabulary shard, then the logits all-gathered to replicate
+            # (the plan without loss_parallel): the loss sees every rank's full vocabulary
+            act += held * tokens * _cdiv(vocab, tp) * cb
+        act += held * tokens * vocab * (cb + 8)
     if layout.dp_replicate > 1 and ds == 1:
         act += local * MASTER_BYTES  # data_parallel's flat gradient buckets
     return Memory(params=params, grads=grads, optimizer=optimizer, fsdp_buffers=int(buffers),
