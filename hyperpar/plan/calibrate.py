@@ -15,6 +15,7 @@ On ``ranks`` processes of the selected backend (all busy at once, as in a real r
    * fully_shard over all ranks: ``fsdp_unit_overhead_s`` (per unit),
      ``sharded_optimizer_tensor_overhead_s``;
    * tensor parallel over all ranks: ``tp_layer_overhead_s`` (per layer);
+   * data_parallel over all ranks: ``dp_overhead_s`` (per step);
    * a pipeline over all ranks: ``pp_action_overhead_s`` (per forward or backward action).
 
 The micro model's FLOPs are negligible, so what is measured is fixed cost, not compute; the
@@ -166,6 +167,11 @@ def calibrate(ranks: int = 2, *, steps: int = 30, warmup: int = 3, pool: Any = N
         got = run(lay, MICRO, 1)
         tp_layer = _fb_s(got) - _predicted_fb_s(prof, lay, MICRO, 1)
         prof = replace(prof, tp_layer_overhead_s=max(0.0, tp_layer))
+        # data_parallel over every rank
+        lay = Layout(dp_replicate=ranks)
+        got = run(lay, MICRO, ranks)
+        dp = _fb_s(got) - _predicted_fb_s(prof, lay, MICRO, ranks)
+        prof = replace(prof, dp_overhead_s=max(0.0, dp))
         # a pipeline over every rank, one layer per stage
         lay = Layout(pp=ranks, microbatches=ranks)
         sizes = {**MICRO, "n_layers": ranks}
@@ -206,7 +212,8 @@ def describe(p: DeviceProfile) -> str:
             f"{p.intra_bytes_per_s / 1e9:.2f} GB/s, collective fixed cost {lat}; per layer "
             f"{p.layer_overhead_s * 1e3:.2f} ms, root {p.root_overhead_s * 1e3:.2f} ms, "
             f"tp per layer {p.tp_layer_overhead_s * 1e3:.2f} ms, fully_shard per unit "
-            f"{p.fsdp_unit_overhead_s * 1e3:.2f} ms, pipeline per action "
+            f"{p.fsdp_unit_overhead_s * 1e3:.2f} ms, data_parallel per step "
+            f"{p.dp_overhead_s * 1e3:.2f} ms, pipeline per action "
             f"{p.pp_action_overhead_s * 1e3:.2f} ms, optimizer per tensor "
             f"{p.optimizer_tensor_overhead_s * 1e6:.0f} us (sharded "
             f"{p.sharded_optimizer_tensor_overhead_s * 1e6:.0f} us)")

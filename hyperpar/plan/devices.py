@@ -38,6 +38,8 @@ class DeviceProfile:
       its collectives (DTensor dispatch, redistributions);
     * ``fsdp_unit_overhead_s``: what one fully_shard unit adds per microbatch beyond its
       collectives (hooks, copies into and out of the flat buffers);
+    * ``dp_overhead_s``: what ``data_parallel`` adds to a step beyond its all-reduce (gradient
+      hooks, copies into and out of the buckets);
     * ``pp_action_overhead_s``: one pipeline action (a stage's forward or backward of one
       microbatch) beyond its compute: the executor and the message's fixed cost;
     * ``optimizer_tensor_overhead_s``: the optimizer step and ``zero_grad`` per local
@@ -64,6 +66,7 @@ class DeviceProfile:
     tp_layer_overhead_s: float = 0.0
     fsdp_unit_overhead_s: float = 0.0
     pp_action_overhead_s: float = 0.0
+    dp_overhead_s: float = 0.0
     optimizer_tensor_overhead_s: float = 0.0
     sharded_optimizer_tensor_overhead_s: float = 0.0
     collective_latency_s: dict[str, float] = field(default_factory=dict, hash=False)

@@ -234,6 +234,8 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
     per_tensor = (profile.sharded_optimizer_tensor_overhead_s if tp_on or layout.dp_shard > 1
                   else profile.optimizer_tensor_overhead_s)
     optimizer = 2 * memory.states / profile.hbm_bytes_per_s + n_tensors * per_tensor
+    if layout.dp_replicate > 1 and layout.dp_shard == 1:
+        dp_exposed += profile.dp_overhead_s
     total = pipe + tp_step + dp_exposed + optimizer
     return StepTime(step_s=total, compute_s=compute_step, bubble_s=bubble, tp_s=tp_mb * m,
                     pp_s=pp_mb * m, fsdp_exposed_s=fsdp_mb_exposed * m, dp_exposed_s=dp_exposed,
