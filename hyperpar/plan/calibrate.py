@@ -14,7 +14,8 @@ On ``ranks`` processes of the selected backend (all busy at once, as in a real r
      ``root_overhead_s`` (the rest), ``optimizer_tensor_overhead_s``;
    * fully_shard over all ranks: ``fsdp_unit_overhead_s`` (per unit),
      ``sharded_optimizer_tensor_overhead_s``;
-   * tensor parallel over all ranks: ``tp_layer_overhead_s`` (per layer);
+   * tensor parallel over all ranks, 1 and 3 layers: ``tp_layer_overhead_s`` (per layer, the
+     slope), ``tp_root_overhead_s`` (the embedding, head and loss under tp);
    * data_parallel over all ranks: ``dp_overhead_s`` (per step);
    * a pipeline over all ranks: ``pp_action_overhead_s`` (per forward or backward action).
 
@@ -162,11 +163,15 @@ def calibrate(ranks: int = 2, *, steps: int = 30, warmup: int = 3, pool: Any = N
         opt_sharded = max(r["opt_ms"] for r in got) / 1e3 / (9 + 3)
         prof = replace(prof, fsdp_unit_overhead_s=max(0.0, unit),
                        sharded_optimizer_tensor_overhead_s=opt_sharded)
-        # tensor parallel over every rank
+        # tensor parallel over every rank, 1 and 3 layers: per layer (the slope) and at the
+        # embedding / head / loss (the rest)
         lay = Layout(tp=ranks)
-        got = run(lay, MICRO, 1)
-        tp_layer = _fb_s(got) - _predicted_fb_s(prof, lay, MICRO, 1)
-        prof = replace(prof, tp_layer_overhead_s=max(0.0, tp_layer))
+        three_l = {**MICRO, "n_layers": 3}
+        res1 = _fb_s(run(lay, MICRO, 1)) - _predicted_fb_s(prof, lay, MICRO, 1)
+        res3 = _fb_s(run(lay, three_l, 1)) - _predicted_fb_s(prof, lay, three_l, 1)
+        tp_layer = max(0.0, (res3 - res1) / 2)
+        prof = replace(prof, tp_layer_overhead_s=tp_layer,
+                       tp_root_overhead_s=max(0.0, res1 - tp_layer))
         # data_parallel over every rank
         lay = Layout(dp_replicate=ranks)
         got = run(lay, MICRO, ranks)
@@ -211,7 +216,8 @@ def describe(p: DeviceProfile) -> str:
             f"{p.hbm_bytes_per_s / 1e9:.1f} GB/s, collective bandwidth "
             f"{p.intra_bytes_per_s / 1e9:.2f} GB/s, collective fixed cost {lat}; per layer "
             f"{p.layer_overhead_s * 1e3:.2f} ms, root {p.root_overhead_s * 1e3:.2f} ms, "
-            f"tp per layer {p.tp_layer_overhead_s * 1e3:.2f} ms, fully_shard per unit "
+            f"tp per layer {p.tp_layer_overhead_s * 1e3:.2f} ms, tp root "
+            f"{p.tp_root_overhead_s * 1e3:.2f} ms, fully_shard per unit "
             f"{p.fsdp_unit_overhead_s * 1e3:.2f} ms, data_parallel per step "
             f"{p.dp_overhead_s * 1e3:.2f} ms, pipeline per action "
             f"{p.pp_action_overhead_s * 1e3:.2f} ms, optimizer per tensor "

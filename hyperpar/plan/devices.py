@@ -35,7 +35,8 @@ class DeviceProfile:
     * ``root_overhead_s``: the embedding, final norm, head and loss, forward + backward, per
       microbatch;
     * ``tp_layer_overhead_s``: what tensor parallelism adds to one layer per microbatch beyond
-      its collectives (DTensor dispatch, redistributions);
+      its collectives (DTensor dispatch, redistributions); ``tp_root_overhead_s`` the same for
+      the embedding, head and loss;
     * ``fsdp_unit_overhead_s``: what one fully_shard unit adds per microbatch beyond its
       collectives (hooks, copies into and out of the flat buffers);
     * ``dp_overhead_s``: what ``data_parallel`` adds to a step beyond its all-reduce (gradient
@@ -64,6 +65,7 @@ class DeviceProfile:
     layer_overhead_s: float = 0.0
     root_overhead_s: float = 0.0
     tp_layer_overhead_s: float = 0.0
+    tp_root_overhead_s: float = 0.0
     fsdp_unit_overhead_s: float = 0.0
     pp_action_overhead_s: float = 0.0
     dp_overhead_s: float = 0.0

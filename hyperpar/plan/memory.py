@@ -86,10 +86,11 @@ def stage_params(spec: ModelSpec, tp: int, dp_shard: int, pp: int, stage: int) -
 @dataclass(frozen=True)
 class Memory:
     """Bytes on one rank. ``peak``: parameters, optimizer states, FSDP buffers, activations
-    (which include data_parallel's gradient buckets), and the gradients when they exist at the
-    moment the most activations are held (``grads_at_peak``): only when a backward finished
-    before it, i.e. with more microbatches than a stage holds in flight. With one microbatch
-    the gradients grow while the activations are freed, so they do not add to the peak."""
+    (which include data_parallel's gradient buckets), and the gradients when they exist while
+    the most activations are held (``grads_at_peak``): with more than one microbatch, the first
+    backward makes them while other microbatches' activations are held (gradient accumulation,
+    every pipeline schedule). With one microbatch the gradients grow while backward frees the
+    activations, so they do not add to the peak."""
 
     params: int
     grads: int
@@ -184,7 +185,7 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
     if layout.dp_replicate > 1 and ds == 1:
         act += local * MASTER_BYTES  # data_parallel's flat gradient buckets
     return Memory(params=params, grads=grads, optimizer=optimizer, fsdp_buffers=int(buffers),
-                  activations=int(act), stage=stage, grads_at_peak=layout.microbatches > k)
+                  activations=int(act), stage=stage, grads_at_peak=layout.microbatches > 1)
 
 
 def memory_per_rank(spec: ModelSpec, run: Run, layout: Layout) -> Memory:

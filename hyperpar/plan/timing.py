@@ -213,6 +213,8 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
     if layout.dp_shard > 1:
         overhead_mb += (layers + 1) * profile.fsdp_unit_overhead_s
     overhead_mb += profile.root_overhead_s  # the embedding / head stage dominates the pipe
+    if tp_on:
+        overhead_mb += profile.tp_root_overhead_s
     if pp > 1:
         overhead_mb += 2 * profile.pp_action_overhead_s
     tau = compute_mb + overhead_mb + tp_mb + pp_mb + fsdp_mb_exposed

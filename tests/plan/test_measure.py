@@ -92,7 +92,7 @@ def test_calibrated_profile_round_trips_and_plans(pool2, tmp_path) -> None:
     prof = calibrate(2, steps=1, warmup=0, pool=pool2)
     assert set(prof.collective_latency_s) == {"2"} and prof.latency(2) > 0
     assert prof.flops_fp32 > 0 and prof.intra_bytes_per_s > 0 and prof.comm_overlap == 0.0
-    for key in ("layer_overhead_s", "root_overhead_s", "tp_layer_overhead_s",
+    for key in ("layer_overhead_s", "root_overhead_s", "tp_layer_overhead_s", "tp_root_overhead_s",
                 "fsdp_unit_overhead_s", "pp_action_overhead_s", "dp_overhead_s",
                 "optimizer_tensor_overhead_s", "sharded_optimizer_tensor_overhead_s"):
         assert getattr(prof, key) >= 0, key
