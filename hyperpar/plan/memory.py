@@ -85,9 +85,9 @@ def stage_params(spec: ModelSpec, tp: int, dp_shard: int, pp: int, stage: int) -
 
 @dataclass(frozen=True)
 class Memory:
-    """Bytes on one rank. ``peak``: parameters, optimizer states, FSDP buffers, activations
-    (which include data_parallel's gradient buckets), and the gradients when they exist while
-    the most activations are held (``grads_at_peak``): with more than one microbatch, the first
+    """Bytes on one rank. ``peak``: parameters, optimizer states, FSDP buffers, activations,
+    and the gradients when they exist while the most activations are held (``grads_at_peak``):
+    under data_parallel (its buckets hold them), and with more than one microbatch, the first
     backward makes them while other microbatches' activations are held (gradient accumulation,
     every pipeline schedule). With one microbatch the gradients grow while backward frees the
     activations, so they do not add to the peak."""
@@ -182,10 +182,11 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
             # (the plan without loss_parallel): the loss sees every rank's full vocabulary
             act += held * tokens * _cdiv(vocab, tp) * cb
         act += held * tokens * vocab * (cb + 8)
-    if layout.dp_replicate > 1 and ds == 1:
-        act += local * MASTER_BYTES  # data_parallel's flat gradient buckets
+    # data_parallel keeps the gradients in its flat buckets from the first backward on
+    ddp = layout.dp_replicate > 1 and ds == 1
     return Memory(params=params, grads=grads, optimizer=optimizer, fsdp_buffers=int(buffers),
-                  activations=int(act), stage=stage, grads_at_peak=layout.microbatches > 1)
+                  activations=int(act), stage=stage,
+                  grads_at_peak=ddp or layout.microbatches > 1)
 
 
 def memory_per_rank(spec: ModelSpec, run: Run, layout: Layout) -> Memory:
