@@ -1,11 +1,12 @@
 """Measure this machine's device profile (``hyperpar bench --write-profile FILE``,
-``hyperpar plan --calibrate FILE``): the rates *and* the fixed costs that dominate small models.
+``hyperpar plan --measure --save-profile FILE``): the rates *and* the fixed costs that dominate
+small models.
 
 On ``ranks`` processes of the selected backend (all busy at once, as in a real run):
 
-1. microbenchmarks: matmul FLOP/s, memory bandwidth, a large all-reduce's bandwidth, and the
-   fixed cost of one collective (all-gather, reduce-scatter, all-reduce of one element per
-   rank; their median) for every group size dividing ``ranks``;
+1. microbenchmarks: matmul FLOP/s (also per width, 8 to 1024), memory bandwidth, a large
+   all-reduce's bandwidth, and the fixed cost of one collective (all-gather, reduce-scatter,
+   all-reduce of one element per rank; their median) for every group size dividing ``ranks``;
 2. a micro model -- the example Llama at width 8 -- run for real in a few layouts, each fixed
    cost taken as what is left of the measured forward + backward once the planner's own
    prediction *without* that cost is subtracted, divided by how often it occurs:
@@ -39,6 +40,8 @@ from .timing import step_time
 #: The micro model: FLOPs negligible, every component present (heads divisible up to 4 ranks).
 MICRO = {"vocab_size": 8, "dim": 8, "n_layers": 1, "n_heads": 4, "ffn_hidden": 8}
 MICRO_SEQ = 4
+#: Matmul widths whose FLOP/s are measured (small ones run far below the peak).
+MATMUL_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 def _micro_worker(size: int, repeats: int) -> dict[str, Any]:
@@ -50,16 +53,20 @@ def _micro_worker(size: int, repeats: int) -> dict[str, Any]:
     world, rank = pf.world_size(), pf.rank()
     # per-call medians: a shared machine's preemptions fall out, this run's own ranks
     # (all multiplying at once) stay in
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    for _ in range(3):
-        a @ b
+    def matmul_rate(n: int, reps: int) -> float:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        for _ in range(3):
+            a @ b
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - start)
+        return 2 * n**3 / statistics.median(times)
+
     pf.barrier()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - start)
-    flops = 2 * size**3 / statistics.median(times)
+    flops = matmul_rate(size, repeats)
+    by_size = {str(n): matmul_rate(n, repeats) for n in MATMUL_SIZES}
     big = torch.randn(2**22)
     times = []
     for _ in range(5):
@@ -88,7 +95,8 @@ def _micro_worker(size: int, repeats: int) -> dict[str, Any]:
     t_large = timed(lambda: pf.all_reduce(large), 5)
     wire = 2 * (world - 1) / world * large.numel() * 4
     bw = wire / max(t_large - latency[str(world)], 1e-9)
-    return {"flops": flops, "mem_bw": mem_bw, "bw": bw, "latency": latency}
+    return {"flops": flops, "mem_bw": mem_bw, "bw": bw, "latency": latency,
+            "by_size": by_size}
 
 
 def _latency(pf: Any, timed: Any, group: Any, n: int, repeats: int) -> float:
@@ -144,7 +152,8 @@ def calibrate(ranks: int = 2, *, steps: int = 30, warmup: int = 3, pool: Any = N
             hbm_bytes_per_s=micro["mem_bw"], intra_bytes_per_s=micro["bw"],
             inter_bytes_per_s=micro["bw"], intra_alpha_s=micro["latency"][str(ranks)],
             inter_alpha_s=micro["latency"][str(ranks)], compute_efficiency=1.0,
-            link_efficiency=1.0, collective_latency_s=micro["latency"], comm_overlap=0.0,
+            link_efficiency=1.0, collective_latency_s=micro["latency"],
+            matmul_flops_by_size=micro["by_size"], comm_overlap=0.0,
             source="measured by hyperpar calibrate")
         # alone: 1 and 3 layers -> per-layer slope and the root's fixed cost
         one = run(Layout(), MICRO, 1, alone=True)
@@ -212,7 +221,9 @@ def write_profile(path: str, ranks: int = 2) -> int:
 def describe(p: DeviceProfile) -> str:
     """One paragraph of a measured profile's figures."""
     lat = ", ".join(f"{n} ranks {s * 1e6:.0f} us" for n, s in p.collective_latency_s.items())
-    return (f"{p.name}: {p.flops_fp32 / 1e9:.1f} GFLOP/s per process, memory "
+    sizes = ", ".join(f"{n}: {f / 1e9:.1f}" for n, f in p.matmul_flops_by_size.items())
+    return (f"{p.name}: {p.flops_fp32 / 1e9:.1f} GFLOP/s per process (by matmul width "
+            f"{sizes}), memory "
             f"{p.hbm_bytes_per_s / 1e9:.1f} GB/s, collective bandwidth "
             f"{p.intra_bytes_per_s / 1e9:.2f} GB/s, collective fixed cost {lat}; per layer "
             f"{p.layer_overhead_s * 1e3:.2f} ms, root {p.root_overhead_s * 1e3:.2f} ms, "

@@ -47,6 +47,9 @@ class DeviceProfile:
       parameter tensor (``sharded_``: per DTensor parameter, fully_shard or tensor parallel);
     * ``collective_latency_s``: the fixed cost of one collective by group size (``{"2": s}``),
       measured; where given it replaces the ring's ``(n - 1) * alpha``;
+    * ``matmul_flops_by_size``: FLOP/s of an ``n x n x n`` matmul by ``n`` (``{"32": f}``),
+      measured; small matmuls run far below the peak, so where given the compute of a model
+      runs at the rate of its per-rank matmul width (:meth:`flops_at`);
     * ``comm_overlap``: the fraction of fully_shard / data-parallel communication that can hide
       behind compute (1 on accelerators with their own copy engines; 0 on a cpu, where gloo and
       the compute share the cores)."""
@@ -72,6 +75,7 @@ class DeviceProfile:
     optimizer_tensor_overhead_s: float = 0.0
     sharded_optimizer_tensor_overhead_s: float = 0.0
     collective_latency_s: dict[str, float] = field(default_factory=dict, hash=False)
+    matmul_flops_by_size: dict[str, float] = field(default_factory=dict, hash=False)
     comm_overlap: float = 1.0
     source: str = "datasheet"
 
@@ -84,6 +88,15 @@ class DeviceProfile:
         """Achievable FLOP/s for matmuls in ``dtype`` (peak x efficiency)."""
         peak = self.flops_fp32 if dtype == "float32" else self.flops_bf16
         return peak * self.compute_efficiency
+
+    def flops_at(self, dtype: str, n: int) -> float:
+        """Achievable FLOP/s for matmuls about ``n`` wide: the measured rate of the largest
+        measured size <= ``n`` (the smallest one below all), else :meth:`flops`."""
+        if not self.matmul_flops_by_size:
+            return self.flops(dtype)
+        sizes = sorted(int(k) for k in self.matmul_flops_by_size)
+        fit = [k for k in sizes if k <= n] or sizes[:1]
+        return float(self.matmul_flops_by_size[str(fit[-1])])
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -128,11 +141,13 @@ def load_profile(path: str | Path) -> DeviceProfile:
     if unknown or missing:
         raise ValueError(f"hyperpar plan: profile {str(path)!r}: unknown keys {unknown}, "
                          f"missing keys {missing}; accepted keys: {sorted(names)}")
-    lat = data.get("collective_latency_s", {})
-    if not isinstance(lat, dict) or not all(
-            str(k).isdigit() and isinstance(v, (int, float)) for k, v in lat.items()):
-        raise ValueError(f"hyperpar plan: profile {str(path)!r}: collective_latency_s must map "
-                         f"group sizes to seconds, e.g. {{\"2\": 0.0002}}, got {lat!r}")
+    for key, example in (("collective_latency_s", '{"2": 0.0002}'),
+                         ("matmul_flops_by_size", '{"64": 2e10}')):
+        table = data.get(key, {})
+        if not isinstance(table, dict) or not all(
+                str(k).isdigit() and isinstance(v, (int, float)) for k, v in table.items()):
+            raise ValueError(f"hyperpar plan: profile {str(path)!r}: {key} must map sizes to "
+                             f"numbers, e.g. {example}, got {table!r}")
     return DeviceProfile(**data)
 
 

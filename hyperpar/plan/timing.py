@@ -169,7 +169,9 @@ class StepTime:
 def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
               memory: Memory) -> StepTime:
     m, pp = layout.microbatches, layout.pp
-    rate = profile.flops(run.param_dtype)
+    # a rank's matmuls are about hidden / tp wide (and no wider than a microbatch's tokens)
+    width = min(spec.hidden_size // layout.tp, microbatch_tokens(run, layout))
+    rate = profile.flops_at(run.param_dtype, width)
     compute_step = step_flops(spec, run, layout.activation_checkpointing) / run.world / rate
     compute_mb = compute_step / m
     layers = spec.num_layers // pp

@@ -113,5 +113,5 @@ def test_bad_collective_latency_in_a_profile_is_named(tmp_path) -> None:
     data["collective_latency_s"] = {"two": 1e-4}
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="collective_latency_s must map group sizes"):
+    with pytest.raises(ValueError, match="collective_latency_s must map sizes"):
         load_profile(path)
