@@ -121,3 +121,20 @@ def test_measured_collective_latency_replaces_the_ring_alpha() -> None:
     # critical path (all of tp's are) costs exactly that much more
     assert _t(layout, intra_alpha_s=0.0, collective_latency_s={"8": 1e-3}) - ring == \
         pytest.approx(n * 1e-3, rel=1e-9)
+
+
+def test_compute_runs_at_the_measured_rate_of_the_matmul_width() -> None:
+    from dataclasses import replace
+
+    prof = replace(get_profile("h100"), matmul_flops_by_size={"32": 1e9, "1024": 1e12})
+    assert prof.flops_at("float32", 16) == 1e9      # below every size: the smallest
+    assert prof.flops_at("float32", 512) == 1e9     # the largest measured size <= 512
+    assert prof.flops_at("float32", 4096) == 1e12
+    assert get_profile("h100").flops_at("bfloat16", 64) == get_profile("h100").flops("bfloat16")
+    # Llama-2-7B under tp 8: a rank's matmuls are 4096 / 8 = 512 wide -> 1e9 FLOP/s
+    run = Run(world=8, seq_len=64, global_batch=8)
+    lay = Layout(tp=8)
+    t = step_time(SPEC, run, lay, prof, memory_per_rank(SPEC, run, lay))
+    from hyperpar.plan.timing import step_flops
+
+    assert t.compute_s == pytest.approx(step_flops(SPEC, run, False) / 8 / 1e9, rel=1e-12)
