@@ -13,6 +13,8 @@ On ``ranks`` processes of the selected backend (all busy at once, as in a real r
 
    * alone (every rank its own model, 1 and 3 layers): ``layer_overhead_s`` (the slope),
      ``root_overhead_s`` (the rest), ``optimizer_tensor_overhead_s``;
+   * alone, a 128-wide model (the one run whose FLOPs count): ``compute_efficiency``, the
+     share of the matmul microbenchmark's rate a training step reaches;
    * fully_shard over all ranks: ``fsdp_unit_overhead_s`` (per unit),
      ``sharded_optimizer_tensor_overhead_s``;
    * tensor parallel over all ranks, 1 and 3 layers: ``tp_layer_overhead_s`` (per layer, the
@@ -20,8 +22,9 @@ On ``ranks`` processes of the selected backend (all busy at once, as in a real r
    * data_parallel over all ranks: ``dp_overhead_s`` (per step);
    * a pipeline over all ranks: ``pp_action_overhead_s`` (per forward or backward action).
 
-The micro model's FLOPs are negligible, so what is measured is fixed cost, not compute; the
-sizes ``--measure`` validates against are different models. Imports torch when it runs.
+The micro model's FLOPs are negligible, so what is measured there is fixed cost, not compute;
+the models ``--measure`` and benchmarks/plan_validation.py validate against are different
+(32 and 256 wide). Imports torch when it runs.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ from .timing import step_time
 #: The micro model: FLOPs negligible, every component present (heads divisible up to 4 ranks).
 MICRO = {"vocab_size": 8, "dim": 8, "n_layers": 1, "n_heads": 4, "ffn_hidden": 8}
 MICRO_SEQ = 4
+#: A model wide enough to compute (between the examples' tiny and wide validation models).
+MID = {"vocab_size": 512, "dim": 128, "n_layers": 2, "n_heads": 4, "ffn_hidden": 512}
+MID_SEQ, MID_BATCH = 64, 2
 #: Matmul widths whose FLOP/s are measured (small ones run far below the peak).
 MATMUL_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -138,11 +144,11 @@ def calibrate(ranks: int = 2, *, steps: int = 30, warmup: int = 3, pool: Any = N
     if own:
         pool = WorkerPool(ranks, collective_timeout_s=300).__enter__()
     try:
-        def run(lay: Layout, sizes: dict[str, int], batch: int, alone: bool = False
-                ) -> list[dict[str, float]]:
+        def run(lay: Layout, sizes: dict[str, int], batch: int, alone: bool = False,
+                seq: int = MICRO_SEQ) -> list[dict[str, float]]:
             fields = {k: getattr(lay, k) for k in ("dp_replicate", "dp_shard", "tp", "pp",
                                                     "microbatches", "schedule")}
-            return pool.run(run_layout, sizes, fields, MICRO_SEQ, batch, steps, warmup,
+            return pool.run(run_layout, sizes, fields, seq, batch, steps, warmup,
                             False, alone, timeout_s=300)
 
         micro = pool.run(_micro_worker, 384, 20, timeout_s=300)[0]
@@ -165,6 +171,18 @@ def calibrate(ranks: int = 2, *, steps: int = 30, warmup: int = 3, pool: Any = N
         tensors_3 = 3 * 9 + 3
         prof = replace(prof, root_overhead_s=root,
                        optimizer_tensor_overhead_s=opt_plain / tensors_3)
+        # a model wide enough to compute: which share of the matmul microbenchmark's rate a
+        # training step reaches (the rest: attention scores, elementwise ops, the optimizer)
+        zero = replace(prof, compute_efficiency=1.0)
+        got = run(Layout(), MID, MID_BATCH, alone=True, seq=MID_SEQ)
+        spec = spec_from_model_args(MID)
+        mid_run = Run(world=1, seq_len=MID_SEQ, global_batch=MID_BATCH, param_dtype="float32")
+        mem = memory_per_rank(spec, mid_run, Layout())
+        t = step_time(spec, mid_run, Layout(), zero, mem)
+        compute = t.compute_s
+        fixed = t.step_s - t.optimizer_s - compute
+        eff = compute / max(_fb_s(got) - fixed, compute)
+        prof = replace(prof, compute_efficiency=eff)
         # fully_shard over every rank
         lay = Layout(dp_shard=ranks)
         got = run(lay, MICRO, ranks)
@@ -222,7 +240,8 @@ def describe(p: DeviceProfile) -> str:
     """One paragraph of a measured profile's figures."""
     lat = ", ".join(f"{n} ranks {s * 1e6:.0f} us" for n, s in p.collective_latency_s.items())
     sizes = ", ".join(f"{n}: {f / 1e9:.1f}" for n, f in p.matmul_flops_by_size.items())
-    return (f"{p.name}: {p.flops_fp32 / 1e9:.1f} GFLOP/s per process (by matmul width "
+    return (f"{p.name}: {p.flops_fp32 / 1e9:.1f} GFLOP/s per process, {p.compute_efficiency:.0%} "
+            f"of it in a training step (by matmul width "
             f"{sizes}), memory "
             f"{p.hbm_bytes_per_s / 1e9:.1f} GB/s, collective bandwidth "
             f"{p.intra_bytes_per_s / 1e9:.2f} GB/s, collective fixed cost {lat}; per layer "

@@ -91,12 +91,13 @@ class DeviceProfile:
 
     def flops_at(self, dtype: str, n: int) -> float:
         """Achievable FLOP/s for matmuls about ``n`` wide: the measured rate of the largest
-        measured size <= ``n`` (the smallest one below all), else :meth:`flops`."""
+        measured size <= ``n`` (the smallest one below all) times ``compute_efficiency``,
+        else :meth:`flops`."""
         if not self.matmul_flops_by_size:
             return self.flops(dtype)
         sizes = sorted(int(k) for k in self.matmul_flops_by_size)
         fit = [k for k in sizes if k <= n] or sizes[:1]
-        return float(self.matmul_flops_by_size[str(fit[-1])])
+        return float(self.matmul_flops_by_size[str(fit[-1])]) * self.compute_efficiency
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
