@@ -126,7 +126,9 @@ def test_measured_collective_latency_replaces_the_ring_alpha() -> None:
 def test_compute_runs_at_the_measured_rate_of_the_matmul_width() -> None:
     from dataclasses import replace
 
-    prof = replace(get_profile("h100"), matmul_flops_by_size={"32": 1e9, "1024": 1e12})
+    # measured rates, times the share of them a training step reaches
+    prof = replace(get_profile("h100"), matmul_flops_by_size={"32": 2e9, "1024": 2e12},
+                   compute_efficiency=0.5)
     assert prof.flops_at("float32", 16) == 1e9      # below every size: the smallest
     assert prof.flops_at("float32", 512) == 1e9     # the largest measured size <= 512
     assert prof.flops_at("float32", 4096) == 1e12
