@@ -1,14 +1,16 @@
-"""Validation of ``hyperpar plan`` against real runs on this machine's cpu, and the planner's own
-speed at scale. Prints two reports (no assertions; the figures go to docs/planning.md):
+"""Validation of ``hyperpar plan`` against real runs on this machine, and the planner's own speed
+at scale. Prints two reports (no assertions; the figures go to docs/planning.md):
 
-1. predicted vs measured, for layouts of the examples' Llama on 2 and 4 gloo ranks laid out
-   with the real fully_shard / parallelize_module: params + grads + optimizer bytes on rank 0
-   (the model claims exact) and step time (goal: within 30% on cpu) under a cpu profile
-   calibrated on the spot (matmul FLOP/s, per-layer fixed cost, gloo alpha/beta);
+1. predicted vs measured, for layouts of the examples' Llama (and a wider one, where compute
+   counts) on 2 and 4 ranks of the selected backend, laid out with the real fully_shard /
+   parallelize_module / data_parallel / PipelineModule: params + grads + optimizer bytes (the
+   model claims exact), peak live tensor bytes (goal: within 10%) and step time (goal: within
+   30% on cpu) under a profile measured on the spot (hyperpar.plan.calibrate: rates and fixed
+   costs, on a micro model);
 2. planner time: Llama-2-7B and Llama-3-70B over growing world sizes, and a model with more
    layers, searched in full.
 
-    python benchmarks/plan_validation.py [--example tiny|llama] [--skip-measure]
+    python benchmarks/plan_validation.py [--model tiny|wide] [--skip-measure] [--skip-speed]
 """
 
 from __future__ import annotations
@@ -21,41 +23,77 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hyperpar.plan import example_spec, from_hf_config, get_profile, memory_per_rank  # noqa: E402
+from hyperpar.plan import from_hf_config, get_profile  # noqa: E402
 from hyperpar.plan.layout import Layout, Run  # noqa: E402
 from hyperpar.plan.search import plan  # noqa: E402
-from hyperpar.plan.timing import step_time  # noqa: E402
 
 CONFIGS = ROOT / "examples" / "configs"
-LAYOUTS = {2: [Layout(dp_shard=2), Layout(tp=2), Layout(dp_shard=2, microbatches=2),
+LAYOUTS = {2: [Layout(dp_shard=2), Layout(tp=2), Layout(dp_replicate=2),
+               Layout(pp=2, microbatches=2), Layout(pp=2, microbatches=4, schedule="gpipe"),
+               Layout(dp_shard=2, microbatches=2),
                Layout(dp_shard=2, activation_checkpointing=True)],
-           4: [Layout(dp_shard=4), Layout(dp_shard=2, tp=2), Layout(tp=4)]}
+           4: [Layout(dp_shard=4), Layout(dp_shard=2, tp=2), Layout(tp=4),
+               Layout(dp_replicate=2, dp_shard=2), Layout(dp_replicate=2, tp=2),
+               Layout(pp=2, dp_shard=2, microbatches=2),
+               Layout(pp=2, dp_replicate=2, microbatches=2)]}
+MODELS = {
+    # examples/llama ModelArgs.tiny(): all fixed costs
+    "tiny": ({"vocab_size": 64, "dim": 32, "n_layers": 2, "n_heads": 4, "ffn_hidden": 64},
+             16, 8),
+    # 4.2M parameters, seq 128: compute is a real share of the step
+    "wide": ({"vocab_size": 1024, "dim": 256, "n_layers": 4, "n_heads": 8, "ffn_hidden": 1024},
+             128, 8),
+}
 
 
-def validate(example: str, seq_len: int, global_batch: int) -> None:
-    from hyperpar.plan.measure import calibrate_cpu, measure_layout
+def validate(model: str, rounds: int) -> None:
+    import os
+    import statistics
 
-    spec = example_spec(example)
-    print(f"## predicted vs measured: {spec.name} ({spec.parameters:,} parameters), seq "
-          f"{seq_len}, global batch {global_batch}, fp32, AdamW, cpu (gloo)\n")
-    print("| ranks | layout | states predicted (B) | states measured (B) | step ms predicted "
-          "| step ms measured | time error |")
-    print("|---|---|---|---|---|---|---|")
+    from hyperpar.plan.calibrate import describe
+    from hyperpar.plan.measure import calibrate_cpu, compare
+    from hyperpar.plan.model import spec_from_model_args
+    from hyperpar.testing import WorkerPool
+
+    sizes, seq_len, global_batch = MODELS[model]
+    spec = spec_from_model_args(sizes)
+    print(f"## predicted vs measured: {model} {sizes} ({spec.parameters:,} parameters), seq "
+          f"{seq_len}, global batch {global_batch}, fp32, AdamW; {rounds} rounds of "
+          "(calibrate, run every layout), medians\n")
+    print("| ranks | layout | states predicted (B) | states measured (B) | peak predicted (B) "
+          "| peak measured (B) | peak error | step ms predicted | step ms measured "
+          "(min-max) | time error |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    notes = []
     for world, layouts in LAYOUTS.items():
+        layouts = [lay for lay in layouts if sizes["n_layers"] % lay.pp == 0]
         run = Run(world=world, seq_len=seq_len, global_batch=global_batch,
                   param_dtype="float32", gpus_per_node=world)
-        profile = calibrate_cpu(world)
+        rows: dict[Layout, list[dict]] = {lay: [] for lay in layouts}
+        with WorkerPool(world, collective_timeout_s=600) as pool:
+            for i in range(rounds):
+                start = time.perf_counter()
+                profile = calibrate_cpu(world, pool=pool)
+                notes.append(f"calibration, {world} ranks, round {i + 1} "
+                             f"({time.perf_counter() - start:.0f} s, load average "
+                             f"{os.getloadavg()[0]:.1f}): {describe(profile)}")
+                for lay in layouts:
+                    rows[lay].append(compare(sizes, lay, run, profile, pool=pool,
+                                             peak=i == 0))
         for lay in layouts:
-            mem = memory_per_rank(spec, run, lay)
-            pred = step_time(spec, run, lay, profile, mem)
-            got = measure_layout(example, lay, run)
-            err = (pred.step_ms - got["step_ms"]) / got["step_ms"]
-            print(f"| {world} | {lay.name} | {mem.states:,} | {int(got['states']):,} | "
-                  f"{pred.step_ms:.2f} | {got['step_ms']:.2f} | {err:+.0%} |", flush=True)
-        print(f"\ncalibrated profile ({world} ranks): {profile.flops_fp32 / 1e9:.1f} GFLOP/s "
-              f"per process, layer fixed cost {profile.layer_overhead_s * 1e3:.2f} ms, "
-              f"alpha {profile.intra_alpha_s * 1e6:.0f} us, "
-              f"{profile.intra_bytes_per_s / 1e9:.2f} GB/s\n")
+            r = rows[lay][0]
+            pred = statistics.median(x["step_ms_predicted"] for x in rows[lay])
+            meas = [x["step_ms_measured"] for x in rows[lay]]
+            med = statistics.median(meas)
+            pe = (r["peak_predicted"] - r["peak_measured"]) / r["peak_measured"]
+            print(f"| {world} | {lay.name} | {r['states_predicted']:,} | "
+                  f"{r['states_measured']:,} | {r['peak_predicted']:,} | "
+                  f"{r['peak_measured']:,} | {pe:+.0%} | {pred:.1f} | {med:.1f} "
+                  f"({min(meas):.0f}-{max(meas):.0f}) | {(pred - med) / med:+.0%} |",
+                  flush=True)
+    print()
+    for n in notes:
+        print(n + "\n")
 
 
 def planner_speed() -> None:
@@ -83,14 +121,14 @@ def planner_speed() -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--example", default="tiny", choices=("tiny", "llama"))
-    p.add_argument("--seq-len", type=int, default=16)
-    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--model", default="tiny", choices=sorted(MODELS))
+    p.add_argument("--rounds", type=int, default=3,
+                   help="calibrate + measure rounds (the medians damp a shared machine's load)")
     p.add_argument("--skip-measure", action="store_true")
     p.add_argument("--skip-speed", action="store_true")
     args = p.parse_args()
     if not args.skip_measure:
-        validate(args.example, args.seq_len, args.global_batch)
+        validate(args.model, args.rounds)
     if not args.skip_speed:
         planner_speed()
 

@@ -106,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     bench.add_argument("--update-doc", default=None, metavar="FILE",
                        help="also replace the results block of FILE (docs/performance.md)")
+    bench.add_argument("--write-profile", default=None, metavar="FILE",
+                       help="instead of the benchmarks: measure this machine's device profile "
+                            "(rates and fixed costs, under a minute) and write it as JSON for "
+                            "'hyperpar plan --profile FILE'")
+    bench.add_argument("--ranks", type=int, default=2, metavar="N",
+                       help="with --write-profile: processes to measure with (default 2)")
     plan = sub.add_parser("plan", parents=[common], help="rank parallel layouts of a model",
                           description="Enumerate every dp_replicate x dp_shard x tp x pp layout "
                                       "of a model on N devices, rule out those that do not fit "
@@ -198,6 +204,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.write_profile:
+        from hyperpar.plan.calibrate import write_profile
+
+        if args.backend:
+            os.environ[BACKEND_ENV] = args.backend
+        return write_profile(args.write_profile, args.ranks)
     from hyperpar import bench
 
     return bench.main(names=args.names, out_dir=args.out, bench_dir=args.dir,

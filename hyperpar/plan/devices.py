@@ -4,14 +4,14 @@ The shipped profiles are **datasheet peaks times an assumed efficiency**, not me
 dense bf16/fp16 tensor-core FLOP/s, HBM bandwidth and link bandwidths as the vendors publish
 them, with ``compute_efficiency`` (fraction of peak FLOP/s a well-tuned transformer step
 reaches) and ``link_efficiency`` (fraction of link bandwidth a ring collective reaches) assumed.
-Give a measured profile with ``--profile FILE`` (JSON with the same keys); ``hyperpar plan
---measure`` writes one for this machine's cpu.
+Give a measured profile with ``--profile FILE`` (JSON with the same keys); ``hyperpar bench
+--write-profile FILE`` measures one on this machine (:mod:`.calibrate`).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +25,34 @@ class DeviceProfile:
 
     ``intra_*`` describe links inside a node (NVLink, HCCS, shared memory), ``inter_*`` the
     network between nodes, per device. ``alpha`` is the fixed latency of one ring step.
-    ``layer_overhead_s`` is what one decoder layer's forward + backward costs beyond its FLOPs
-    (kernel launches, Python, hooks): negligible for large models on accelerators, dominant for
-    the tiny models ``--measure`` runs on a cpu."""
+
+    The fixed costs below are 0 in the datasheet profiles (negligible next to a large model's
+    FLOPs on an accelerator) and measured by ``hyperpar bench --write-profile`` /
+    ``hyperpar plan --calibrate``, where they dominate (small models, a cpu):
+
+    * ``layer_overhead_s``: one decoder layer's forward + backward beyond its FLOPs (op
+      launches, autograd, Python);
+    * ``root_overhead_s``: the embedding, final norm, head and loss, forward + backward, per
+      microbatch;
+    * ``tp_layer_overhead_s``: what tensor parallelism adds to one layer per microbatch beyond
+      its collectives (DTensor dispatch, redistributions); ``tp_root_overhead_s`` the same for
+      the embedding, head and loss;
+    * ``fsdp_unit_overhead_s``: what one fully_shard unit adds per microbatch beyond its
+      collectives (hooks, copies into and out of the flat buffers);
+    * ``dp_overhead_s``: what ``data_parallel`` adds to a step beyond its all-reduce (gradient
+      hooks, copies into and out of the buckets);
+    * ``pp_action_overhead_s``: one pipeline action (a stage's forward or backward of one
+      microbatch) beyond its compute: the executor and the message's fixed cost;
+    * ``optimizer_tensor_overhead_s``: the optimizer step and ``zero_grad`` per local
+      parameter tensor (``sharded_``: per DTensor parameter, fully_shard or tensor parallel);
+    * ``collective_latency_s``: the fixed cost of one collective by group size (``{"2": s}``),
+      measured; where given it replaces the ring's ``(n - 1) * alpha``;
+    * ``matmul_flops_by_size``: FLOP/s of an ``n x n x n`` matmul by ``n`` (``{"32": f}``),
+      measured; small matmuls run far below the peak, so where given the compute of a model
+      runs at the rate of its per-rank matmul width (:meth:`flops_at`);
+    * ``comm_overlap``: the fraction of fully_shard / data-parallel communication that can hide
+      behind compute (1 on accelerators with their own copy engines; 0 on a cpu, where gloo and
+      the compute share the cores)."""
 
     name: str
     flops_bf16: float          # peak dense FLOP/s in bf16/fp16
@@ -40,14 +65,39 @@ class DeviceProfile:
     inter_alpha_s: float = 15e-6
     compute_efficiency: float = 0.45
     link_efficiency: float = 0.7
-    layer_overhead_s: float = 0.0  # fixed cost of one layer's forward+backward (launches,
-    #                                Python); 0 for the datasheet profiles, measured on cpu
+    layer_overhead_s: float = 0.0
+    root_overhead_s: float = 0.0
+    tp_layer_overhead_s: float = 0.0
+    tp_root_overhead_s: float = 0.0
+    fsdp_unit_overhead_s: float = 0.0
+    pp_action_overhead_s: float = 0.0
+    dp_overhead_s: float = 0.0
+    optimizer_tensor_overhead_s: float = 0.0
+    sharded_optimizer_tensor_overhead_s: float = 0.0
+    collective_latency_s: dict[str, float] = field(default_factory=dict, hash=False)
+    matmul_flops_by_size: dict[str, float] = field(default_factory=dict, hash=False)
+    comm_overlap: float = 1.0
     source: str = "datasheet"
+
+    def latency(self, n: int) -> float | None:
+        """Measured fixed cost of one collective over ``n`` ranks (``None``: not measured)."""
+        value = self.collective_latency_s.get(str(n))
+        return None if value is None else float(value)
 
     def flops(self, dtype: str) -> float:
         """Achievable FLOP/s for matmuls in ``dtype`` (peak x efficiency)."""
         peak = self.flops_fp32 if dtype == "float32" else self.flops_bf16
         return peak * self.compute_efficiency
+
+    def flops_at(self, dtype: str, n: int) -> float:
+        """Achievable FLOP/s for matmuls about ``n`` wide: the measured rate of the largest
+        measured size <= ``n`` (the smallest one below all) times ``compute_efficiency``,
+        else :meth:`flops`."""
+        if not self.matmul_flops_by_size:
+            return self.flops(dtype)
+        sizes = sorted(int(k) for k in self.matmul_flops_by_size)
+        fit = [k for k in sizes if k <= n] or sizes[:1]
+        return float(self.matmul_flops_by_size[str(fit[-1])]) * self.compute_efficiency
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,6 +142,13 @@ def load_profile(path: str | Path) -> DeviceProfile:
     if unknown or missing:
         raise ValueError(f"hyperpar plan: profile {str(path)!r}: unknown keys {unknown}, "
                          f"missing keys {missing}; accepted keys: {sorted(names)}")
+    for key, example in (("collective_latency_s", '{"2": 0.0002}'),
+                         ("matmul_flops_by_size", '{"64": 2e10}')):
+        table = data.get(key, {})
+        if not isinstance(table, dict) or not all(
+                str(k).isdigit() and isinstance(v, (int, float)) for k, v in table.items()):
+            raise ValueError(f"hyperpar plan: profile {str(path)!r}: {key} must map sizes to "
+                             f"numbers, e.g. {example}, got {table!r}")
     return DeviceProfile(**data)
 
 

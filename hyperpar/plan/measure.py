@@ -1,204 +1,127 @@
-"""``hyperpar plan --measure``: run layouts for real on this machine's cpu and compare.
+"""``hyperpar plan --measure``: run layouts for real on this machine and compare.
 
 Each measured layout runs the example Llama (``examples/llama``) on real processes of the
 selected backend (``HYPERPAR_BACKEND``; the cpu backend, gloo, on a machine without
-accelerators) through :func:`hyperpar.testing.run_distributed`, laid out with the real
-``parallelize_module`` (the tensor + sequence parallel plan) and ``fully_shard`` (every block,
-then the root), trains with AdamW, and reports:
+accelerators) through a :class:`hyperpar.testing.WorkerPool`, laid out as
+:mod:`hyperpar.plan._runs` does it with the real ``parallelize_module``, ``fully_shard`` (HSDP
+with ``dp_replicate``), ``data_parallel`` and ``PipelineModule`` + schedule, trains with AdamW,
+and reports for the rank holding the stage the planner reports (the one with the highest
+predicted peak):
 
 * ``states``: bytes of the local parameter shards, their gradients and the optimizer states
-  (``exp_avg``, ``exp_avg_sq``) on rank 0 -- the figure the memory model gives exactly;
-* ``step_ms``: the median of timed steps (forward, backward, optimizer) after warm-up.
+  (``exp_avg``, ``exp_avg_sq``) -- the figure the memory model gives exactly;
+* ``peak``: the most bytes of live tensor storage during one step, the highest of any rank
+  (:class:`hyperpar.plan.live_bytes.LiveBytes`);
+* ``step_ms``: the median of timed steps (forward, backward, optimizer) after warm-up, the
+  slowest rank.
 
-Peak memory is not measured on cpu (no allocator statistics a process can trust there); the
-``peak`` field stays ``None``. Only layouts with ``pp == 1`` and ``dp_replicate == 1``
-(fully_shard x tp) are measured. This module imports torch; nothing else in the planner does.
+Before measuring a world size, the profile of this machine for that many processes is measured
+(:func:`hyperpar.plan.calibrate.calibrate`). This module imports torch when it runs; nothing
+else of the planner does.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
-import time
-from pathlib import Path
 from typing import Any
 
+from .calibrate import calibrate, describe
 from .devices import DeviceProfile, save_profile
 from .layout import Layout, Run
-from .model import EXAMPLES, ModelSpec
+from .memory import memory_per_rank
+from .model import EXAMPLES, ModelSpec, spec_from_model_args
 from .search import PlanResult, plan
+from .timing import step_time
 
 MEASURABLE_WORLDS = (2, 4)
 
 
-def _examples_path() -> None:
-    root = Path(__file__).resolve().parents[2]
-    if (root / "examples" / "llama").is_dir() and str(root) not in sys.path:
-        sys.path.insert(0, str(root))
+def measurable(layout: Layout, spec: ModelSpec | None = None) -> bool:
+    """Whether ``--measure`` can run ``layout`` (2 or 4 ranks; a pipeline without tp)."""
+    if layout.world not in MEASURABLE_WORLDS or layout.cp != 1:
+        return False
+    return not (layout.pp > 1 and layout.tp > 1)
 
 
-def measurable(layout: Layout) -> bool:
-    return layout.pp == 1 and layout.dp_replicate == 1 and layout.world in MEASURABLE_WORLDS
-
-
-def _worker(example: str | dict[str, int], layout: dict[str, Any], seq_len: int, global_batch: int,
-            steps: int, warmup: int) -> dict[str, float]:
-    import torch
-    import torch.nn.functional as F
-
-    _examples_path()
-    from examples.llama import model as llama
-    from examples.llama import plan as plans
-    from hyperpar import fully_shard, init_device_mesh, parallelize_module
-    from hyperpar.dtensor import DTensor
-    from hyperpar.platform import get_platform
-
-    pf = get_platform()
-    lay = Layout(**layout)
+def _sizes(example: str | dict[str, int]) -> dict[str, int]:
     sizes = EXAMPLES[example] if isinstance(example, str) else example
-    args = llama.ModelArgs(**{**sizes, "max_seq_len": seq_len})
-    mesh = init_device_mesh((lay.dp_shard, lay.tp), mesh_dim_names=("dp_shard", "tp"))
-    model = llama.build(args, seed=0)
-    if lay.tp > 1:
-        parallelize_module(model, mesh["tp"], plans.tp_sp_plan())
-    if lay.dp_shard > 1:
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh["dp_shard"])
-        fully_shard(model, mesh=mesh["dp_shard"])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    per = global_batch // lay.dp_shard
-    micro = per // lay.microbatches
-    dp_rank = mesh.get_local_rank("dp_shard")
-    times = []
-    for step in range(warmup + steps):
-        tokens, labels = llama.batch(args, batch_size=global_batch, seq_len=seq_len, seed=step)
-        tokens = tokens[dp_rank * per:(dp_rank + 1) * per]
-        labels = labels[dp_rank * per:(dp_rank + 1) * per]
-        pf.barrier()
-        start = time.perf_counter()
-        for i in range(lay.microbatches):
-            rows = slice(i * micro, (i + 1) * micro)
-            logits = model(tokens[rows])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), labels[rows].flatten())
-            (loss / lay.microbatches).backward()
-        opt.step()
-        pf.barrier()
-        if step >= warmup:
-            times.append(time.perf_counter() - start)
-        if step < warmup + steps - 1:
-            opt.zero_grad()
-
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if isinstance(t, DTensor) else t
-
-    def nbytes(t: torch.Tensor) -> int:
-        loc = local(t)
-        return loc.numel() * loc.element_size()
-
-    params = [p for p in model.parameters()]
-    states = sum(nbytes(p) for p in params)
-    states += sum(nbytes(p.grad) for p in params if p.grad is not None)
-    states += sum(nbytes(v) for p in params for k, v in opt.state[p].items()
-                  if k in ("exp_avg", "exp_avg_sq"))
-    return {"states": float(states), "step_ms": statistics.median(times) * 1e3}
+    return {k: v for k, v in sizes.items() if k != "max_seq_len"}
 
 
 def measure_layout(example: str | dict[str, int], layout: Layout, run: Run, *,
-                   steps: int = 5, warmup: int = 2) -> dict[str, float]:
-    """Run ``layout`` for real on ``layout.world`` cpu processes; rank 0's figures.
-    ``example``: ``tiny``/``llama``, or a dict of ``examples/llama`` ``ModelArgs`` sizes."""
-    from hyperpar.testing import run_distributed
+                   steps: int = 5, warmup: int = 2, peak: bool = True,
+                   pool: Any = None) -> dict[str, float]:
+    """Run ``layout`` for real on ``layout.world`` processes. ``example``: ``tiny``/``llama``,
+    or a dict of ``examples/llama`` ``ModelArgs`` sizes. Returns ``states`` of the first rank
+    of the stage with the highest predicted peak, ``peak`` (the highest of any rank),
+    ``step_ms`` (the slowest rank's median), ``fb_ms``/``opt_ms`` and ``stage``; and
+    ``per_rank``, every rank's figures."""
+    from hyperpar.testing import WorkerPool
+
+    from ._runs import run_layout
 
     fields = {k: getattr(layout, k) for k in ("dp_replicate", "dp_shard", "tp", "pp",
-                                               "microbatches", "activation_checkpointing")}
-    out = run_distributed(_worker, layout.world, example, fields, run.seq_len,
-                          run.global_batch, steps, warmup, timeout_s=300)
-    return out[0]
+                                               "microbatches", "activation_checkpointing",
+                                               "schedule")}
+    args = (_sizes(example), fields, run.seq_len, run.global_batch, steps, warmup, peak)
+    if pool is None:
+        with WorkerPool(layout.world, collective_timeout_s=300) as own:
+            got = own.run(run_layout, *args, timeout_s=300)
+    else:
+        got = pool.run(run_layout, *args, timeout_s=300)
+    stage = memory_per_rank(spec_from_model_args(_sizes(example)), run, layout).stage
+    mine = next(r for r in got if int(r["stage"]) == stage)
+    out = {"states": mine["states"], "stage": float(stage),
+           "step_ms": max(r["step_ms"] for r in got), "fb_ms": max(r["fb_ms"] for r in got),
+           "opt_ms": max(r["opt_ms"] for r in got), "per_rank": got}
+    if peak:
+        out["peak"] = max(r["peak"] for r in got)
+    return out
 
 
-def calibrate_cpu(ranks: int, size: int = 256, repeats: int = 20) -> DeviceProfile:
-    """A cpu profile from this machine: matmul FLOP/s of one process while ``ranks`` run at
-    once (they share the cores), one tiny layer's forward + backward (the fixed cost per
-    layer), and gloo all-reduce latency and bandwidth (alpha, beta)."""
-    from hyperpar.testing import run_distributed
-
-    res = run_distributed(_calibrate_worker, ranks, size, repeats,
-                          timeout_s=300)[0]
-    return DeviceProfile(
-        name=f"this cpu, {ranks} processes (measured)", flops_bf16=res["flops"],
-        flops_fp32=res["flops"], memory_bytes=16 * 2**30, hbm_bytes_per_s=res["mem_bw"],
-        intra_bytes_per_s=res["bw"], inter_bytes_per_s=res["bw"], intra_alpha_s=res["alpha"],
-        inter_alpha_s=res["alpha"], compute_efficiency=1.0, link_efficiency=1.0,
-        layer_overhead_s=res["overhead"],
-        source="measured by hyperpar plan --measure")
+def calibrate_cpu(ranks: int, pool: Any = None) -> DeviceProfile:
+    """This machine's profile for ``ranks`` processes (:func:`calibrate.calibrate`)."""
+    return calibrate(ranks, pool=pool)
 
 
-def _layer_overhead_s(repeats: int) -> float:
-    """Forward + backward of one example decoder layer so small that its FLOPs are nothing:
-    what a layer costs in op dispatch, autograd and Python on this machine."""
-    import torch
-
-    _examples_path()
-    from examples.llama import model as llama
-
-    args = llama.ModelArgs(vocab_size=8, dim=8, n_layers=1, n_heads=2, ffn_hidden=8,
-                           max_seq_len=4)
-    block = llama.TransformerBlock(args)
-    cos, sin = llama.rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
-    x = torch.randn(1, 4, 8, requires_grad=True)
-    times = []
-    for i in range(repeats + 3):
-        start = time.perf_counter()
-        block(x, cos, sin).sum().backward()
-        if i >= 3:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def compare(example: str | dict[str, int], layout: Layout, run: Run, profile: DeviceProfile,
+            pool: Any = None, peak: bool = True) -> dict[str, Any]:
+    """Predicted vs measured for one layout: a row of the ``--measure`` table
+    (``peak_measured`` is 0 with ``peak=False``)."""
+    spec = spec_from_model_args(_sizes(example))
+    mem = memory_per_rank(spec, run, layout)
+    pred = step_time(spec, run, layout, profile, mem)
+    got = measure_layout(example, layout, run, pool=pool, peak=peak)
+    return {"world": layout.world, "layout": layout.name, "stage": mem.stage,
+            "states_predicted": mem.states, "states_measured": int(got["states"]),
+            "peak_predicted": mem.peak, "peak_measured": int(got.get("peak", 0)),
+            "step_ms_predicted": pred.step_ms, "step_ms_measured": got["step_ms"]}
 
 
-def _calibrate_worker(size: int, repeats: int) -> dict[str, float]:
-    import torch
+def print_rows(rows: list[dict[str, Any]]) -> None:
+    print(f"{'world':>5}  {'layout':<22} {'states pred':>12} {'states meas':>12} "
+          f"{'peak pred':>10} {'peak meas':>10} {'err':>5} {'step ms pred':>12} "
+          f"{'step ms meas':>12} {'err':>5}")
+    for r in rows:
+        pe = (r["peak_predicted"] - r["peak_measured"]) / r["peak_measured"]
+        te = (r["step_ms_predicted"] - r["step_ms_measured"]) / r["step_ms_measured"]
+        print(f"{r['world']:>5}  {r['layout']:<22} {r['states_predicted']:>12,} "
+              f"{r['states_measured']:>12,} {r['peak_predicted']:>10,} "
+              f"{r['peak_measured']:>10,} {pe:>+5.0%} {r['step_ms_predicted']:>12.2f} "
+              f"{r['step_ms_measured']:>12.2f} {te:>+5.0%}")
 
-    from hyperpar.platform import get_platform
 
-    pf = get_platform()
-    overhead = _layer_overhead_s(repeats)
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    for _ in range(3):
-        a @ b
-    pf.barrier()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    flops = 2 * size**3 * repeats / (time.perf_counter() - start)
-    big = torch.randn(2**22)
-    start = time.perf_counter()
-    for _ in range(5):
-        big.mul_(1.0)
-    mem_bw = 2 * big.numel() * 4 * 5 / (time.perf_counter() - start)
-
-    def allreduce_s(t: torch.Tensor, n: int) -> float:
-        pf.all_reduce(t)
-        pf.barrier()
-        start = time.perf_counter()
-        for _ in range(n):
-            pf.all_reduce(t)
-        return (time.perf_counter() - start) / n
-
-    world = pf.world_size()
-    small = allreduce_s(torch.zeros(1), 20)
-    large_t = torch.zeros(2**20)
-    large = allreduce_s(large_t, 5)
-    ring = 2 * (world - 1)
-    alpha = small / ring
-    bw = 2 * (world - 1) / world * large_t.numel() * 4 / max(large - small, 1e-9)
-    return {"flops": flops, "mem_bw": mem_bw, "alpha": alpha, "bw": bw, "overhead": overhead}
+def _family(layout: Layout) -> tuple[bool, ...]:
+    return tuple(layout.size(d) > 1 for d in ("dp_replicate", "dp_shard", "tp", "pp"))
 
 
 def measure_top(result: PlanResult, spec: ModelSpec, args: argparse.Namespace,
-                per_world: int = 2) -> list[dict[str, Any]]:
-    """Measure up to ``per_world`` of the best measurable layouts at 2 and 4 ranks; fills
-    ``candidate.measured`` in ``result`` for those of its world and prints a comparison."""
+                per_world: int = 4) -> list[dict[str, Any]]:
+    """Measure the best measurable layout of up to ``per_world`` families (which of
+    dp_replicate, dp_shard, tp, pp are > 1) at 2 and 4 ranks; fills ``candidate.measured`` in
+    ``result`` for those of its world and prints a comparison."""
+    from hyperpar.testing import WorkerPool
+
     if not getattr(args, "example", None):
         raise SystemExit("hyperpar plan --measure runs the examples' models: give --example "
                          "tiny or --example llama")
@@ -207,28 +130,29 @@ def measure_top(result: PlanResult, spec: ModelSpec, args: argparse.Namespace,
         run = Run(world=world, seq_len=args.seq_len, global_batch=args.global_batch,
                   param_dtype="float32", optimizer="adamw", gpus_per_node=world,
                   device_memory=result.run.device_memory)
-        profile = calibrate_cpu(world)
-        if world == MEASURABLE_WORLDS[0] and getattr(args, "save_profile", None):
-            save_profile(profile, args.save_profile)
-            print(f"wrote {args.save_profile}")
-        local = plan(spec, run, profile)
-        picked = [c for c in local.ranked if measurable(c.layout)][:per_world]
-        for c in picked:
-            got = measure_layout(args.example, c.layout, run)
-            c.measured = {"peak": None, "step_ms": got["step_ms"]}
-            rows.append({"world": world, "layout": c.layout.name,
-                         "states_predicted": c.memory.states, "states_measured": got["states"],
-                         "step_ms_predicted": c.time.step_ms, "step_ms_measured": got["step_ms"]})
-            if world == result.run.world:
-                for mine in result.ranked:
-                    if mine.layout == c.layout:
-                        mine.measured = c.measured
-    print("predicted vs measured on this cpu (fp32, AdamW; rank 0):")
-    print(f"{'world':>5}  {'layout':<22} {'states pred':>12} {'states meas':>12} "
-          f"{'step ms pred':>12} {'step ms meas':>12}")
-    for r in rows:
-        print(f"{r['world']:>5}  {r['layout']:<22} {r['states_predicted']:>12,} "
-              f"{int(r['states_measured']):>12,} {r['step_ms_predicted']:>12.2f} "
-              f"{r['step_ms_measured']:>12.2f}")
+        with WorkerPool(world, collective_timeout_s=300) as pool:
+            profile = calibrate_cpu(world, pool=pool)
+            print(describe(profile))
+            if world == MEASURABLE_WORLDS[0] and getattr(args, "save_profile", None):
+                save_profile(profile, args.save_profile)
+                print(f"wrote {args.save_profile}")
+            local = plan(spec, run, profile, schedule=args.schedule)
+            picked, seen = [], set()
+            for c in local.ranked:
+                if measurable(c.layout) and _family(c.layout) not in seen:
+                    seen.add(_family(c.layout))
+                    picked.append(c)
+            for c in picked[:per_world]:
+                row = compare(args.example, c.layout, run, profile, pool=pool)
+                rows.append(row)
+                c.measured = {"peak": row["peak_measured"],
+                              "step_ms": row["step_ms_measured"]}
+                if world == result.run.world:
+                    for mine in result.ranked:
+                        if mine.layout == c.layout:
+                            mine.measured = c.measured
+    print("predicted vs measured on this machine (fp32, AdamW; states: the reported stage's "
+          "first rank, peak: the highest rank, step: the slowest rank):")
+    print_rows(rows)
     print()
     return rows

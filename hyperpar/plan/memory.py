@@ -85,8 +85,12 @@ def stage_params(spec: ModelSpec, tp: int, dp_shard: int, pp: int, stage: int) -
 
 @dataclass(frozen=True)
 class Memory:
-    """Bytes on one rank. ``peak`` is the sum of the others (conservative: gradients and the
-    activations of the last backward coexist only briefly)."""
+    """Bytes on one rank. ``peak``: parameters, optimizer states, FSDP buffers, activations,
+    and the gradients when they exist while the most activations are held (``grads_at_peak``):
+    under data_parallel (its buckets hold them), and with more than one microbatch, the first
+    backward makes them while other microbatches' activations are held (gradient accumulation,
+    every pipeline schedule). With one microbatch the gradients grow while backward frees the
+    activations, so they do not add to the peak."""
 
     params: int
     grads: int
@@ -94,19 +98,22 @@ class Memory:
     fsdp_buffers: int
     activations: int
     stage: int
+    grads_at_peak: bool = True
 
     @property
     def peak(self) -> int:
-        return self.params + self.grads + self.optimizer + self.fsdp_buffers + self.activations
+        grads = self.grads if self.grads_at_peak else 0
+        return self.params + grads + self.optimizer + self.fsdp_buffers + self.activations
 
     @property
     def states(self) -> int:
         """params + grads + optimizer: the part the model gives exactly."""
         return self.params + self.grads + self.optimizer
 
-    def to_json(self) -> dict[str, int]:
+    def to_json(self) -> dict[str, int | bool]:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
-                "activations": self.activations + self.fsdp_buffers, "peak": self.peak}
+                "activations": self.activations + self.fsdp_buffers, "peak": self.peak,
+                "grads_at_peak": self.grads_at_peak}
 
 
 def in_flight(layout: Layout, stage: int) -> int:
@@ -169,9 +176,17 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
     if stage == layout.pp - 1:
         # logits in the compute dtype + fp32 log-softmax and its gradient, per microbatch held
         held = layout.microbatches if layout.pp > 1 and layout.schedule == "gpipe" else 1
-        act += held * tokens * _cdiv(spec.vocab_size, tp) * (cb + 8)
+        vocab = spec.vocab_size
+        if tp > 1:
+            # the head's local vocabulary shard, then the logits all-gathered to replicate
+            # (the plan without loss_parallel): the loss sees every rank's full vocabulary
+            act += held * tokens * _cdiv(vocab, tp) * cb
+        act += held * tokens * vocab * (cb + 8)
+    # data_parallel keeps the gradients in its flat buckets from the first backward on
+    ddp = layout.dp_replicate > 1 and ds == 1
     return Memory(params=params, grads=grads, optimizer=optimizer, fsdp_buffers=int(buffers),
-                  activations=int(act), stage=stage)
+                  activations=int(act), stage=stage,
+                  grads_at_peak=ddp or layout.microbatches > 1)
 
 
 def memory_per_rank(spec: ModelSpec, run: Run, layout: Layout) -> Memory:

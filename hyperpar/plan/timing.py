@@ -123,9 +123,28 @@ def collectives(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> list[C
         for r in root:
             out += [Collective("dp_shard", "ag", r * cb, 1, "microbatch", "root"),
                     Collective("dp_shard", "rs", r * cb, 1, "microbatch", "root grads")]
-    if dr > 1:
+    if dr > 1 and ds > 1:
+        # HSDP: every unit's reduce-scattered gradient shard is all-reduced over the replicas
+        block, *root = sp.unit_gathered
+        out.append(Collective("dp_replicate", "ar", block // ds * cb, layers, "microbatch",
+                              "layer grad shards"))
+        for r in root:
+            out.append(Collective("dp_replicate", "ar", r // ds * cb, 1, "microbatch",
+                                  "root grad shards"))
+    elif dr > 1:
+        # data_parallel: the gradients accumulate locally (no_sync), one all-reduce per step
         out.append(Collective("dp_replicate", "ar", sp.local * cb, 1, "step", "grads"))
     return out
+
+
+def local_tensors(spec: ModelSpec, layout: Layout, stage: int) -> int:
+    """Parameter tensors a rank of ``stage`` holds (what the optimizer loops over)."""
+    n = spec.num_layers // layout.pp * len(spec.block_tensors())
+    if stage == 0:
+        n += len(spec.embed_tensors())
+    if stage == layout.pp - 1:
+        n += len(spec.final_tensors(pipeline=layout.pp > 1))
+    return n
 
 
 @dataclass
@@ -150,11 +169,14 @@ class StepTime:
 def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
               memory: Memory) -> StepTime:
     m, pp = layout.microbatches, layout.pp
-    rate = profile.flops(run.param_dtype)
+    # a rank's matmuls are about hidden / tp wide (and no wider than a microbatch's tokens)
+    width = min(spec.hidden_size // layout.tp, microbatch_tokens(run, layout))
+    rate = profile.flops_at(run.param_dtype, width)
     compute_step = step_flops(spec, run, layout.activation_checkpointing) / run.world / rate
     compute_mb = compute_step / m
     layers = spec.num_layers // pp
     colls = collectives(spec, run, layout, memory.stage)
+    tp_on = layout.tp > 1
     comm: dict[str, float] = {"tp": 0.0, "dp_shard": 0.0, "dp_replicate": 0.0, "pp": 0.0}
     for c in colls:
         comm[c.dim] += c.per_step(m) * (c.nbytes if c.kind == "p2p"
@@ -162,39 +184,62 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
 
     def seconds(c: Collective) -> float:
         link = link_for(c.dim, layout, run, profile)
-        return link.p2p(c.nbytes) if c.kind == "p2p" else link.ring(layout.size(c.dim),
-                                                                    c.nbytes, c.kind)
+        if c.kind == "p2p":
+            return link.p2p(c.nbytes)
+        n = layout.size(c.dim)
+        fixed = profile.latency(n)
+        if fixed is None or n <= 1:
+            return link.ring(n, c.nbytes, c.kind)
+        return fixed + wire_bytes(n, c.nbytes, c.kind) / link.bytes_per_s
 
+    overlap = profile.comm_overlap
     # on the critical path, per microbatch: tensor-parallel and pipeline messages
     tp_mb = sum(seconds(c) * c.count for c in colls if c.dim == "tp" and c.per == "microbatch")
     tp_step = sum(seconds(c) * c.count for c in colls if c.dim == "tp" and c.per == "step")
     # pipeline: a stage waits for one activation forward and one gradient backward
     pp_mb = sum(2 * seconds(c) for c in colls if c.dim == "pp")
-    # fully_shard: prefetching one unit ahead hides its collectives behind compute, all but
-    # the first all-gather and whatever exceeds the compute
-    fsdp = [c for c in colls if c.dim == "dp_shard"]
+    # fully_shard (and HSDP's replica all-reduces): prefetching one unit ahead hides the
+    # collectives behind compute (the part ``comm_overlap`` allows), all but the first
+    # all-gather and whatever exceeds the compute
+    fsdp = [c for c in colls if c.dim == "dp_shard"
+            or (c.dim == "dp_replicate" and c.per == "microbatch")]
     fsdp_mb_exposed = 0.0
     if fsdp:
         per_mb = sum(seconds(c) * c.count for c in fsdp)
         first = seconds(fsdp[0])
-        fsdp_mb_exposed = max(0.0, per_mb - compute_mb) + first
+        fsdp_mb_exposed = first + max(0.0, per_mb - first - overlap * compute_mb)
 
     ac_factor = 4 / 3 if layout.activation_checkpointing else 1.0  # one more forward
-    overhead_mb = layers * profile.layer_overhead_s * ac_factor
+    overhead_mb = layers * ac_factor * (profile.layer_overhead_s
+                                        + (profile.tp_layer_overhead_s if tp_on else 0.0))
+    if layout.dp_shard > 1:
+        overhead_mb += (layers + 1) * profile.fsdp_unit_overhead_s
+    overhead_mb += profile.root_overhead_s  # the embedding / head stage dominates the pipe
+    if tp_on:
+        overhead_mb += profile.tp_root_overhead_s
+    if pp > 1:
+        overhead_mb += 2 * profile.pp_action_overhead_s
     tau = compute_mb + overhead_mb + tp_mb + pp_mb + fsdp_mb_exposed
     slots = m + pp - 1
     pipe = slots * tau
     bubble = (pp - 1) * tau
 
-    # data-parallel replicas: one all-reduce of the (sharded) gradients per step, in buckets
-    # launched during the last microbatch's backward (2/3 of its compute).
+    # data_parallel replicas: one all-reduce of the gradients per step, in buckets launched
+    # during the last microbatch's backward (2/3 of its compute, as far as overlap allows)
     dp_exposed = 0.0
-    if layout.dp_replicate > 1:
-        t_ar = sum(seconds(c) * c.count for c in colls if c.dim == "dp_replicate")
-        dp_exposed = max(0.0, t_ar - 2 / 3 * compute_mb)
+    t_ar = sum(seconds(c) * c.count for c in colls if c.dim == "dp_replicate"
+               and c.per == "step")
+    if t_ar:
+        dp_exposed = max(0.0, t_ar - overlap * 2 / 3 * compute_mb)
 
-    # optimizer: memory-bound, reads and writes params, grads and states once
-    optimizer = 2 * memory.states / profile.hbm_bytes_per_s
+    # optimizer: memory-bound (reads and writes params, grads and states once) plus a fixed
+    # cost per local parameter tensor
+    n_tensors = local_tensors(spec, layout, memory.stage)
+    per_tensor = (profile.sharded_optimizer_tensor_overhead_s if tp_on or layout.dp_shard > 1
+                  else profile.optimizer_tensor_overhead_s)
+    optimizer = 2 * memory.states / profile.hbm_bytes_per_s + n_tensors * per_tensor
+    if layout.dp_replicate > 1 and layout.dp_shard == 1:
+        dp_exposed += profile.dp_overhead_s
     total = pipe + tp_step + dp_exposed + optimizer
     return StepTime(step_s=total, compute_s=compute_step, bubble_s=bubble, tp_s=tp_mb * m,
                     pp_s=pp_mb * m, fsdp_exposed_s=fsdp_mb_exposed * m, dp_exposed_s=dp_exposed,

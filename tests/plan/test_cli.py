@@ -15,7 +15,7 @@ from ._common import LLAMA2_7B, ROOT
 
 LAYOUT_KEYS = {"name", "dp_replicate", "dp_shard", "tp", "pp", "cp", "microbatches",
                "activation_checkpointing", "memory", "predicted_step_ms"}
-MEMORY_KEYS = {"params", "grads", "optimizer", "activations", "peak"}
+MEMORY_KEYS = {"params", "grads", "optimizer", "activations", "peak", "grads_at_peak"}
 
 
 def _plan(*extra: str) -> list[str]:
@@ -33,8 +33,11 @@ def test_json_schema(tmp_path, capsys) -> None:
     for lay in doc["layouts"]:
         assert set(lay) == LAYOUT_KEYS
         assert set(lay["memory"]) == MEMORY_KEYS
-        assert all(isinstance(v, int) for v in lay["memory"].values())
-        assert lay["memory"]["peak"] == sum(lay["memory"][k] for k in MEMORY_KEYS - {"peak"})
+        mem = lay["memory"]
+        assert all(isinstance(v, int) for v in mem.values())
+        assert isinstance(mem["grads_at_peak"], bool)
+        grads = mem["grads"] if mem["grads_at_peak"] else 0
+        assert mem["peak"] == mem["params"] + mem["optimizer"] + mem["activations"] + grads
         assert lay["dp_replicate"] * lay["dp_shard"] * lay["tp"] * lay["pp"] * lay["cp"] == 64
     steps = [lay["predicted_step_ms"] for lay in doc["layouts"]]
     assert steps == sorted(steps)

@@ -1,6 +1,8 @@
-"""``--measure``: the planner's exact bytes (local parameter shards + gradients + AdamW states on
-rank 0) equal what the real fully_shard / parallelize_module leave on real gloo ranks. Step
-times are measured too but not asserted (no timing thresholds in tests)."""
+"""``--measure``: the planner's exact bytes (local parameter shards + gradients + AdamW states)
+equal what the real fully_shard / parallelize_module / data_parallel / PipelineModule leave on real
+gloo ranks, for fsdp, tp, dp, pp, dp x tp, pp x fsdp, pp x dp and HSDP, on every rank of every
+pipeline stage. Step times and peaks are measured too but not asserted against the model (no
+timing thresholds in tests; the peak is an estimate): only that they were measured."""
 
 from __future__ import annotations
 
@@ -10,35 +12,106 @@ pytest.importorskip("torch")
 
 from hyperpar.plan.layout import Layout, Run  # noqa: E402
 from hyperpar.plan.measure import measure_layout  # noqa: E402
-from hyperpar.plan.memory import memory_per_rank  # noqa: E402
+from hyperpar.plan.memory import memory_per_rank, stage_memory  # noqa: E402
 from hyperpar.plan.model import example_spec  # noqa: E402
+from hyperpar.testing import WorkerPool  # noqa: E402
+
+from ._common import ROOT  # noqa: E402, F401  (puts the repository on sys.path)
+
+SPEC = example_spec("tiny")  # every row count divides by 2 and 4: all ranks of a stage equal
 
 
-@pytest.mark.parametrize("layout", [Layout(dp_shard=2), Layout(tp=2)], ids=lambda x: x.name)
-def test_predicted_state_bytes_equal_measured_on_2_ranks(layout: Layout) -> None:
-    run = Run(world=2, seq_len=16, global_batch=4, param_dtype="float32")
-    got = measure_layout("tiny", layout, run, steps=1, warmup=0)
-    predicted = memory_per_rank(example_spec("tiny"), run, layout).states
-    assert int(got["states"]) == predicted
-    assert got["step_ms"] > 0
+@pytest.fixture(scope="module")
+def pool2():
+    with WorkerPool(2, collective_timeout_s=300) as pool:
+        yield pool
 
 
-def test_predicted_state_bytes_equal_measured_fsdp_x_tp_on_4_ranks() -> None:
-    layout = Layout(dp_shard=2, tp=2)
-    run = Run(world=4, seq_len=16, global_batch=4, param_dtype="float32")
-    got = measure_layout("tiny", layout, run, steps=1, warmup=0)
-    assert int(got["states"]) == memory_per_rank(example_spec("tiny"), run, layout).states
+@pytest.fixture(scope="module")
+def pool4():
+    with WorkerPool(4, collective_timeout_s=300) as pool:
+        yield pool
 
 
-def test_uneven_fully_shard_padding_is_exact_on_2_ranks() -> None:
+def _check_every_rank(layout: Layout, pool, *, peak: bool = False) -> dict:
+    run = Run(world=layout.world, seq_len=16, global_batch=4, param_dtype="float32")
+    got = measure_layout("tiny", layout, run, steps=1, warmup=0, peak=peak, pool=pool)
+    stages = [int(r["stage"]) for r in got["per_rank"]]
+    assert sorted(set(stages)) == list(range(layout.pp))
+    for rank, r in enumerate(got["per_rank"]):
+        predicted = stage_memory(SPEC, run, layout, int(r["stage"])).states
+        assert int(r["states"]) == predicted, (rank, r["stage"])
+        assert r["step_ms"] > 0
+    assert int(got["states"]) == memory_per_rank(SPEC, run, layout).states
+    return got
+
+
+@pytest.mark.parametrize("layout", [Layout(dp_shard=2), Layout(tp=2), Layout(dp_replicate=2),
+                                    Layout(pp=2, microbatches=2),
+                                    Layout(pp=2, microbatches=2, schedule="gpipe")],
+                         ids=lambda x: x.name)
+def test_state_bytes_equal_measured_on_2_ranks(layout: Layout, pool2) -> None:
+    _check_every_rank(layout, pool2)
+
+
+@pytest.mark.parametrize("layout", [Layout(dp_shard=2, tp=2), Layout(dp_replicate=2, tp=2),
+                                    Layout(pp=2, dp_shard=2, microbatches=2),
+                                    Layout(pp=2, dp_replicate=2, microbatches=2),
+                                    Layout(dp_replicate=2, dp_shard=2)],
+                         ids=lambda x: x.name)
+def test_state_bytes_equal_measured_on_4_ranks(layout: Layout, pool4) -> None:
+    _check_every_rank(layout, pool4)
+
+
+def test_peak_is_measured_and_holds_the_states(pool2) -> None:
+    got = _check_every_rank(Layout(dp_shard=2), pool2, peak=True)
+    # the peak step holds parameters, optimizer states, gradients and activations at once
+    assert got["peak"] > got["states"]
+
+
+def test_uneven_fully_shard_padding_is_exact_on_2_ranks(pool2) -> None:
     from hyperpar.plan.model import spec_from_model_args
 
     # odd row counts: rank 0 holds ceil(rows / 2) of the embedding (65), w1/w3 (71)
     sizes = {"vocab_size": 65, "dim": 40, "n_layers": 2, "n_heads": 4, "ffn_hidden": 71}
     layout = Layout(dp_shard=2)
     run = Run(world=2, seq_len=8, global_batch=2, param_dtype="float32")
-    got = measure_layout(sizes, layout, run, steps=1, warmup=0)
+    got = measure_layout(sizes, layout, run, steps=1, warmup=0, peak=False, pool=pool2)
     spec = spec_from_model_args(sizes)
     predicted = memory_per_rank(spec, run, layout).states
     assert predicted > 16 * spec.parameters // 2  # the padding is really there
     assert int(got["states"]) == predicted
+    assert int(got["per_rank"][1]["states"]) < predicted  # the last rank holds fewer rows
+
+
+def test_calibrated_profile_round_trips_and_plans(pool2, tmp_path) -> None:
+    from hyperpar.plan.calibrate import calibrate
+    from hyperpar.plan.devices import load_profile, save_profile
+    from hyperpar.plan.search import plan
+
+    prof = calibrate(2, steps=1, warmup=0, pool=pool2)
+    assert set(prof.collective_latency_s) == {"2"} and prof.latency(2) > 0
+    assert prof.flops_fp32 > 0 and prof.intra_bytes_per_s > 0 and prof.comm_overlap == 0.0
+    for key in ("layer_overhead_s", "root_overhead_s", "tp_layer_overhead_s", "tp_root_overhead_s",
+                "fsdp_unit_overhead_s", "pp_action_overhead_s", "dp_overhead_s",
+                "optimizer_tensor_overhead_s", "sharded_optimizer_tensor_overhead_s"):
+        assert getattr(prof, key) >= 0, key
+    path = tmp_path / "cpu.json"
+    save_profile(prof, path)
+    assert load_profile(path) == prof
+    run = Run(world=2, seq_len=16, global_batch=4, param_dtype="float32")
+    result = plan(SPEC, run, load_profile(path))
+    assert result.ranked and all(c.time.step_s > 0 for c in result.ranked)
+
+
+def test_bad_collective_latency_in_a_profile_is_named(tmp_path) -> None:
+    import json
+
+    from hyperpar.plan.devices import PROFILES, load_profile
+
+    data = PROFILES["h100"].to_json()
+    data["collective_latency_s"] = {"two": 1e-4}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="collective_latency_s must map sizes"):
+        load_profile(path)

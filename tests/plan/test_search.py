@@ -82,3 +82,61 @@ def test_pipeline_time_matches_the_schedule_simulator(schedule: str, pp: int, m:
     spans = timeline(plans, pp, lambda r, a: tau / 3 if a.kind == "F" else 2 * tau / 3)
     makespan = max(end for _, end in spans.values())
     assert t.step_s - t.optimizer_s == pytest.approx(makespan, rel=1e-9)
+
+
+def _t(layout, **costs) -> float:
+    from dataclasses import replace
+
+    run = Run(world=layout.world, seq_len=64, global_batch=8)
+    prof = replace(get_profile("h100"), **costs)
+    return step_time(SPEC, run, layout, prof, memory_per_rank(SPEC, run, layout)).step_s
+
+
+@pytest.mark.parametrize("layout,key,times", [
+    # a pipeline repeats a microbatch's fixed costs in every one of its m + pp - 1 slots
+    (Layout(pp=2, microbatches=4), "layer_overhead_s", (4 + 2 - 1) * 16),
+    (Layout(pp=2, microbatches=4), "pp_action_overhead_s", (4 + 2 - 1) * 2),
+    (Layout(pp=2, microbatches=4), "root_overhead_s", 4 + 2 - 1),
+    # fully_shard: every layer's unit and the root unit, every microbatch
+    (Layout(dp_shard=8, microbatches=2), "fsdp_unit_overhead_s", 2 * (32 + 1)),
+    (Layout(tp=8), "tp_layer_overhead_s", 32),
+    (Layout(tp=8), "tp_root_overhead_s", 1),
+    (Layout(dp_replicate=8), "dp_overhead_s", 1),
+    # the optimizer loops over the local tensors: 9 per layer, embedding, norm and head
+    (Layout(dp_replicate=8), "optimizer_tensor_overhead_s", 32 * 9 + 3),
+    (Layout(dp_shard=8), "sharded_optimizer_tensor_overhead_s", 32 * 9 + 3),
+], ids=lambda x: x if isinstance(x, str) else None)
+def test_fixed_costs_add_where_they_occur(layout, key, times) -> None:
+    assert _t(layout, **{key: 1e-3}) - _t(layout) == pytest.approx(times * 1e-3, rel=1e-9)
+
+
+def test_measured_collective_latency_replaces_the_ring_alpha() -> None:
+    from hyperpar.plan.timing import collectives
+
+    layout = Layout(tp=8)
+    run = Run(world=8, seq_len=64, global_batch=8)
+    n = sum(c.per_step(1) for c in collectives(SPEC, run, layout, 0))
+    ring = _t(layout, intra_alpha_s=0.0)
+    # with a measured fixed cost of 1 ms per collective over 8 ranks, every collective on the
+    # critical path (all of tp's are) costs exactly that much more
+    assert _t(layout, intra_alpha_s=0.0, collective_latency_s={"8": 1e-3}) - ring == \
+        pytest.approx(n * 1e-3, rel=1e-9)
+
+
+def test_compute_runs_at_the_measured_rate_of_the_matmul_width() -> None:
+    from dataclasses import replace
+
+    # measured rates, times the share of them a training step reaches
+    prof = replace(get_profile("h100"), matmul_flops_by_size={"32": 2e9, "1024": 2e12},
+                   compute_efficiency=0.5)
+    assert prof.flops_at("float32", 16) == 1e9      # below every size: the smallest
+    assert prof.flops_at("float32", 512) == 1e9     # the largest measured size <= 512
+    assert prof.flops_at("float32", 4096) == 1e12
+    assert get_profile("h100").flops_at("bfloat16", 64) == get_profile("h100").flops("bfloat16")
+    # Llama-2-7B under tp 8: a rank's matmuls are 4096 / 8 = 512 wide -> 1e9 FLOP/s
+    run = Run(world=8, seq_len=64, global_batch=8)
+    lay = Layout(tp=8)
+    t = step_time(SPEC, run, lay, prof, memory_per_rank(SPEC, run, lay))
+    from hyperpar.plan.timing import step_flops
+
+    assert t.compute_s == pytest.approx(step_flops(SPEC, run, False) / 8 / 1e9, rel=1e-12)

@@ -119,3 +119,64 @@ def test_sim_rank_outside_the_world_is_an_error() -> None:
     with pytest.raises(ValueError, match="rank 8 of world 8 is impossible"):
         with hyperpar_sim.simulate(world=8, rank=8):
             pass
+
+
+# -- pipelines: the real PipelineModule + Schedule1F1B for one stage of a 1024-rank pp x fsdp mesh
+
+PP, DS, MB = 4, 256, 4
+
+
+def _simulate_pipeline(rank: int) -> dict:
+    from examples.llama import model as llama
+    from hyperpar import fully_shard, init_device_mesh
+    from hyperpar.pipeline import get_schedule_class
+    from hyperpar.pipeline.p2p import Meta, TensorMeta
+    from hyperpar.plan._runs import Block, pipeline, shard_pipeline_ends
+
+    with hyperpar_sim.simulate(world=PP * DS, rank=rank) as sim:
+        mesh = init_device_mesh((PP, DS), mesh_dim_names=("pp", "dp_shard"))
+        args = llama.ModelArgs(**SIZES, max_seq_len=SEQ)
+        pipe = pipeline(args, mesh, PP, device="meta")
+        shard_pipeline_ends(pipe, mesh["dp_shard"])
+        for block in [m for m in pipe.modules() if isinstance(m, Block)]:
+            fully_shard(block, mesh=mesh["dp_shard"])
+        fully_shard(pipe, mesh=mesh["dp_shard"])
+        local = sum(p.to_local().numel() for p in pipe.parameters())
+        schedule = get_schedule_class("1f1b")(pipe, n_microbatches=MB)
+        # meta tensors hold no values, so the shape header a previous stage sends cannot be
+        # read: give the receiving side the shapes it would decode (one microbatch of hidden
+        # states), as the cache holds them after a real first step
+        act = Meta(True, (TensorMeta((1, SEQ, SIZES["dim"]), torch.float32, True),))
+        for step in schedule.program:
+            for c in step.comms:
+                if c.kind == "recv" and c.what == "act":
+                    schedule._train_p2p._recv_meta[(c.what, c.stage, c.mb)] = act
+        tokens = torch.zeros(MB, SEQ, dtype=torch.long, device="meta")
+        schedule.step(tokens, target=tokens)   # first step: shape headers travel once
+        sim.records.clear()
+        schedule.step(tokens, target=tokens)
+        return {"local": local, "stage": pipe.stage_id,
+                "collectives": sim.volume_by_dim(mesh, ops=("all_gather", "reduce_scatter",
+                                                            "all_reduce")),
+                "sent": sim.volume_by_dim(mesh, ops=("send",))}
+
+
+@pytest.mark.parametrize("rank", [0, 256, 1023], ids=["stage0", "stage1", "stage3"])
+def test_sim_pipeline_stage_bytes_and_volumes_equal_the_model(rank: int) -> None:
+    got = _simulate_pipeline(rank)
+    layout = Layout(pp=PP, dp_shard=DS, microbatches=MB)
+    spec = spec_from_model_args(SIZES)
+    run = Run(world=PP * DS, seq_len=SEQ, global_batch=DS * MB, param_dtype="float32")
+    assert got["stage"] == rank // DS
+    from hyperpar.plan.memory import stage_memory
+
+    mem = stage_memory(spec, run, layout, got["stage"])
+    if rank % DS == 0:   # rank 0 of its dp group: the ceil(rows / n) shard the model reports
+        assert 4 * got["local"] == mem.params
+    else:
+        assert 0 < 4 * got["local"] <= mem.params
+    planned: dict[str, float] = {}
+    for c in collectives(spec, run, layout, stage=got["stage"]):
+        planned[c.dim] = planned.get(c.dim, 0) + c.nbytes * c.per_step(layout.microbatches)
+    assert got["collectives"] == {"dp_shard": int(planned["dp_shard"])}
+    assert got["sent"] == {"pp": int(planned["pp"])}

@@ -224,8 +224,10 @@ class SimPlatform(HostDevicePlatform):
 
     # ------------------------------------------------------------------ reading the records
     def volume_by_dim(self, mesh: Any, ops: Sequence[str] | None = None) -> dict[str, int]:
-        """Recorded bytes per mesh dim name of ``mesh`` (a group matching no single dim is
-        reported under its rank tuple's repr). ``ops`` filters by op name."""
+        """Recorded bytes per mesh dim name of ``mesh``. A collective belongs to the dim whose
+        group it ran on; a send or receive to the dim whose group holds both ends (pipeline
+        messages: ``pp``). Anything else is reported under its rank tuple's repr. ``ops``
+        filters by op name (``"send"``: what this rank sends)."""
         names = {}
         for i, name in enumerate(mesh.mesh_dim_names or ()):
             names[tuple(mesh._group_ranks[i])] = name
@@ -233,7 +235,11 @@ class SimPlatform(HostDevicePlatform):
         for r in self.records:
             if ops is not None and r.op not in ops:
                 continue
-            key = names.get(r.group, repr(SimGroup(r.group)))
+            key = names.get(r.group)
+            if key is None and r.op in ("send", "recv"):
+                key = next((n for g, n in names.items() if set(r.group) <= set(g)), None)
+            if key is None:
+                key = repr(SimGroup(r.group))
             out[key] = out.get(key, 0) + r.nbytes
         return out
 
