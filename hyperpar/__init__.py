@@ -108,7 +108,16 @@ _NOT_STARRED = ("inspect", "platform")
 #: modules that import no framework: what ``from hyperpar import *`` offers without torch
 _FRAMEWORK_FREE = ("hyperpar.platform",)
 
-if importlib.util.find_spec("torch") is not None:
+
+
+def _torch_installed() -> bool:
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except ImportError:  # an import hook that refuses torch: not usable here either
+        return False
+
+
+if _torch_installed():
     __all__ = sorted(_EXPORTS) + ["__version__",
                                   *(name for name in _SUBMODULES if name not in _NOT_STARRED)]
 else:  # e.g. a MindSpore venv: the torch stack (DTensor, fully_shard, ...) is not importable
