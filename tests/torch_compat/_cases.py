@@ -766,6 +766,10 @@ def run_side_by_side(cases: dict[str, Callable[[Any, int], Any]], apis: dict[str
     import warnings
 
     n = n or torch.distributed.get_world_size()
+    # Keep ranks in step on a group of its own: barrier() on the world also waits on the world's
+    # earlier works and can re-raise, on one rank only, a failure a case already reported (torch
+    # 2.6's gloo 'avg': "Cannot use ReduceOp.AVG with Gloo"), leaving the ranks out of step.
+    in_step = torch.distributed.new_group()
     results: dict[str, dict[str, Any]] = {}
     for name in names:
         results[name] = {}
@@ -777,7 +781,8 @@ def run_side_by_side(cases: dict[str, Callable[[Any, int], Any]], apis: dict[str
                     results[name][label] = ("ok", plain(cases[name](api, n)))
             except Exception as exc:  # noqa: BLE001 -- the comparison decides
                 results[name][label] = ("raised", f"{type(exc).__name__}: {exc}")
-            torch.distributed.barrier()
+            torch.distributed.barrier(group=in_step)
+    torch.distributed.destroy_process_group(in_step)
     return results
 
 
