@@ -28,7 +28,7 @@ TEST_DEPS=("pluggy>=1.3" "pytest>=8" "pytest-timeout>=2.2" "hypothesis>=6" "nump
 # own TP/DTensor on the same script.
 PARITY=(tests/parallel/test_tp_parity.py tests/fsdp/test_fully_shard.py
         tests/pipeline/test_pipeline_parity.py tests/checkpoint/test_checkpoint.py
-        tests/torch_compat/test_compat.py)
+        tests/torch_compat/test_compat.py tests/torch_compat/test_tp_dropin.py)
 
 now() { date +%s; }
 FAILED=()

@@ -30,6 +30,7 @@ KNOWN_DIFFERENCES: dict[str, tuple[str, str]] = {
 NEWER_TORCH_BEHAVIOUR: dict[str, tuple[tuple[int, int], str]] = {
     "root_key": ((2, 13), "torch 2.6 ignores plan key '' (the root module)"),
     "error_from_local_of_dtensor": ((2, 13), "torch 2.6 accepts a DTensor in from_local"),
+    "error_distribute_module_twice": ((2, 13), "torch 2.6 lets distribute_module run twice"),
 }
 
 
