@@ -335,13 +335,14 @@ class Prepared:
             len(steps) == 2 and self.no_redistribute and not multi) else None
 
 
-def run_prepared(prep: Prepared, func: Any, args: Sequence, kwargs: dict,
-                 dts: list[DTensor]) -> Any:
-    """Execute a cached decision: redistribute, run locally, wrap."""
+def local_arguments(args: Sequence, kwargs: dict, dts: Sequence[DTensor],
+                    steps: Sequence[tuple[Any, Any]]) -> tuple[list, dict]:
+    """``args``/``kwargs`` with each DTensor of ``dts`` replaced by its local tensor, first
+    redistributed to the step's target placements and given the step's gradient reducer."""
     table: dict[int, torch.Tensor] = {}
     xs = []
     grad = torch.is_grad_enabled()
-    for dt, (tgt, reducer) in zip(dts, prep.steps, strict=False):
+    for dt, (tgt, reducer) in zip(dts, steps, strict=False):
         x = dt._local
         if tgt is not None:
             spec = dt._spec
@@ -353,9 +354,14 @@ def run_prepared(prep: Prepared, func: Any, args: Sequence, kwargs: dict,
         else:
             table[id(dt)] = x
     if _is_compiling():
-        largs, lkwargs = swap_by_identity(args, kwargs, dts, xs)
-    else:
-        largs, lkwargs = swap_locals(args, kwargs, table)
+        return swap_by_identity(args, kwargs, dts, xs)
+    return swap_locals(args, kwargs, table)
+
+
+def run_prepared(prep: Prepared, func: Any, args: Sequence, kwargs: dict,
+                 dts: list[DTensor]) -> Any:
+    """Execute a cached decision: redistribute, run locally, wrap."""
+    largs, lkwargs = local_arguments(args, kwargs, dts, prep.steps)
     out = (prep.local or func)(*largs, **lkwargs)
     if not prep.multi:
         return _wrap(out, prep.out_specs)

@@ -16,14 +16,11 @@ import torch.nn.functional as F
 
 from ..api import DTensor, DTensorSpec, _wrap
 from ..placement import REPLICATE, Partial, Placement, Shard
-from ..redistribute import redistribute_autograd
 from .dispatch import (
     PLAN_CACHE,
     GradReducer,
+    local_arguments,
     reduce_dims,
-    reduce_grad,
-    swap_by_identity,
-    swap_locals,
 )
 from .registry import (
     P_SUM,
@@ -249,24 +246,7 @@ def _pointwise_slow(func: Any, args: Sequence, kwargs: dict, kind: str, inplace:
         if not _is_compiling():
             PLAN_CACHE.put(key, plan)
     steps, spec = plan
-    table = {}
-    xs = []
-    grad = torch.is_grad_enabled()
-    for d, (tgt, reducer) in zip(dts, steps, strict=False):
-        x = d._local
-        if tgt is not None:
-            dspec = d._spec
-            x = redistribute_autograd(x, dspec.mesh, dspec.placements, tgt, tuple(dspec.shape))
-        if reducer is not None and grad and x.requires_grad:
-            x = reduce_grad(x, reducer)
-        if _is_compiling():
-            xs.append(x)
-        else:
-            table[id(d)] = x
-    if _is_compiling():
-        largs, lkwargs = swap_by_identity(args, kwargs, dts, xs)
-    else:
-        largs, lkwargs = swap_locals(args, kwargs, table)
+    largs, lkwargs = local_arguments(args, kwargs, dts, steps)
     out = func(*largs, **lkwargs)
     if inplace:
         return args[0]
