@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from _dynamo_counts import check_grads_then_step, dynamo_counts, reset_dynamo
 from torch import nn
 
 from hyperpar.testing import assert_close_to_reference
@@ -59,23 +60,6 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _reset() -> None:
-    """Forget compiled code and dynamo's counters (``reset`` alone keeps the counters)."""
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
-
-
-def _counts() -> tuple[int, int]:
-    """(graph breaks, unique graphs) dynamo has counted since the last reset."""
-    from torch._dynamo.utils import counters
-
-    frames = counters["frames"]
-    skipped = frames["total"] - frames["ok"]
-    return sum(counters["graph_break"].values()) + skipped, counters["stats"]["unique_graphs"]
-
-
 def _train(model: nn.Module, rows: slice, run=None) -> dict[str, int]:
     """Train ``model`` (whatever made it parallel/compiled), called through ``run`` (default:
     itself), next to the one-process reference; returns dynamo's counts after the first and
@@ -92,14 +76,10 @@ def _train(model: nn.Module, rows: slice, run=None) -> dict[str, int]:
         F.mse_loss(run(x[rows]), y[rows]).backward()
         grads = {n: _full(p.grad) for n, p in model.named_parameters()}
         ref_grads = {n: p.grad for n, p in reference.named_parameters()}
-        assert_close_to_reference(grads, ref_grads, what=f"step {step} grads")
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        check_grads_then_step(grads, ref_grads, step, opt, ref_opt)
         if step == 0:
-            counts["breaks_first"], counts["graphs_first"] = _counts()
-    counts["breaks"], counts["graphs"] = _counts()
+            counts["breaks_first"], counts["graphs_first"] = dynamo_counts()
+    counts["breaks"], counts["graphs"] = dynamo_counts()
     params = {n: _full(p).detach() for n, p in model.named_parameters()}
     assert_close_to_reference(params, dict(reference.named_parameters()), what="params")
     return counts
@@ -130,7 +110,7 @@ def _fsdp_case(recipe: str) -> dict[str, dict[str, int]]:
     rows = slice(rank * BATCH // n, (rank + 1) * BATCH // n)
     out = {}
     for impl in ("hyperpar", "torch"):
-        _reset()
+        reset_dynamo()
         torch.manual_seed(0)
         model = _shard(Model(), impl, compile_blocks=recipe == "per_block")
         run = torch.compile(model, backend="aot_eager") if recipe == "whole" else model
@@ -142,7 +122,7 @@ def _fsdp_case(recipe: str) -> dict[str, dict[str, int]]:
             if impl != "torch" or "record_event" not in str(e):
                 raise
             out[impl] = None
-    _reset()
+    reset_dynamo()
     return out
 
 
@@ -181,7 +161,7 @@ def _tp_fsdp_case() -> dict[str, int]:
 
     mesh = init_device_mesh((2, 2), mesh_dim_names=("dp", "tp"))
     dp = mesh.get_local_rank("dp")
-    _reset()
+    reset_dynamo()
     torch.manual_seed(0)
     model = Model()
     for block in model.layers:
@@ -190,7 +170,7 @@ def _tp_fsdp_case() -> dict[str, int]:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     counts = _train(model, slice(dp * BATCH // 2, (dp + 1) * BATCH // 2))
-    _reset()
+    reset_dynamo()
     return counts
 
 

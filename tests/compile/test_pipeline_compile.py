@@ -23,31 +23,21 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from _dynamo_counts import check_grads_then_step, dynamo_counts, reset_dynamo  # noqa: E402
+
 from hyperpar.testing.parity import assert_close_to_reference  # noqa: E402
 from tests._pipeline_mlp import BATCH, N_BLOCKS, SEED, Block, _data, _full, _loss, _reference  # noqa: E402
 
 STEPS = 3
 
 
-def _counts() -> tuple[int, int]:
-    """(graph breaks + frames dynamo gave up on, unique graphs) since the last reset."""
-    from torch._dynamo.utils import counters
-
-    frames = counters["frames"]
-    skipped = frames["total"] - frames["ok"]
-    return sum(counters["graph_break"].values()) + skipped, counters["stats"]["unique_graphs"]
-
-
 def _compiled_stage(dims: tuple[str, ...]) -> dict[str, int]:
     """``("pp",)``: 2 stages; ``("pp", "dp")``: 2 stages, each fully_shard-ed over 2 ranks
     (gradients accumulated over the microbatches, reduce-scattered once per step)."""
-    from torch._dynamo.utils import counters
-
     from hyperpar import fully_shard, init_device_mesh
     from hyperpar.pipeline import LayerSpec, PipelineModule, Schedule1F1B
 
-    torch._dynamo.reset()
-    counters.clear()
+    reset_dynamo()
     mesh = init_device_mesh((2,) * len(dims), mesh_dim_names=dims)
     pipe = PipelineModule([LayerSpec(Block) for _ in range(N_BLOCKS)], mesh=mesh,
                           mesh_dim="pp", loss_fn=_loss, seed_layers=True, base_seed=SEED,
@@ -80,19 +70,14 @@ def _compiled_stage(dims: tuple[str, ...]) -> dict[str, int]:
         grads = {n: _full(p.grad) for n, p in pipe.named_parameters()}
         ref_grads = {n: p.grad for n, p in reference.named_parameters() if n in grads}
         assert grads and len(grads) == len(ref_grads), (sorted(grads), sorted(ref_grads))
-        assert_close_to_reference(grads, ref_grads, what=f"step {step} grads")
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        check_grads_then_step(grads, ref_grads, step, opt, ref_opt)
         if step == 0:
-            counts["graphs_first"] = _counts()[1]
-    counts["breaks"], counts["graphs"] = _counts()
+            counts["graphs_first"] = dynamo_counts()[1]
+    counts["breaks"], counts["graphs"] = dynamo_counts()
     params = {n: _full(p).detach() for n, p in pipe.named_parameters()}
     ref = {n: p.detach() for n, p in reference.named_parameters() if n in params}
     assert_close_to_reference(params, ref, what="params after AdamW")
-    torch._dynamo.reset()
-    counters.clear()
+    reset_dynamo()
     return counts
 
 
