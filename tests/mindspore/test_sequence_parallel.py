@@ -37,6 +37,8 @@ import numpy as np
 import pytest
 from mindspore import nn
 
+from tests.mindspore._cells import set_weights, train_sgd
+
 STEPS = 3
 LR = 0.1
 D, H, BATCH, SEQ, VOCAB = 8, 16, 2, 8, 12
@@ -74,23 +76,6 @@ class EmbedModel(Model):
 
     def construct(self, ids):
         return self.norm_f(self.block(self.emb(ids)))
-
-
-def _weights(model: nn.Cell, seed: int = 0) -> None:
-    rng = np.random.default_rng(seed)
-    for _name, param in sorted(model.parameters_and_names()):
-        param.set_data(ms.Tensor((rng.standard_normal(param.shape) * 0.5).astype(np.float32)))
-
-
-def _train(model: nn.Cell, x: ms.Tensor, y: ms.Tensor) -> tuple[list[float], np.ndarray]:
-    opt = nn.SGD(model.trainable_params(), learning_rate=LR)
-    step = ms.value_and_grad(lambda a, b: ((model(a) - b) ** 2).mean(), None, opt.parameters)
-    losses = []
-    for _ in range(STEPS):
-        loss, grads = step(x, y)
-        opt(grads)
-        losses.append(float(loss.asnumpy()))
-    return losses, model(x).asnumpy()
 
 
 def _sp_plan(boundaries: str = "separate") -> dict:
@@ -145,12 +130,12 @@ def _run_sp_parity(boundaries: str = "separate") -> dict:
         make = EmbedModel
         x = ms.Tensor(rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32))
     reference, model = make(), make()
-    _weights(reference)
-    _weights(model, seed=0 if get_platform().rank() == 0 else 7)  # rank 0's values must win
+    set_weights(reference)
+    set_weights(model, seed=0 if get_platform().rank() == 0 else 7)  # rank 0's values must win
     mesh = init_device_mesh((get_platform().world_size(),), mesh_dim_names=("tp",))
     parallelize_module(model, mesh, _sp_plan(boundaries))
-    ref_losses, ref_out = _train(reference, x, y)
-    losses, out = _train(model, x, y)
+    ref_losses, ref_out = train_sgd(reference, x, y, STEPS, LR)
+    losses, out = train_sgd(model, x, y, STEPS, LR)
     return {"tp_rank": mesh.get_local_rank(), "tp_size": mesh.size(), "ref_losses": ref_losses,
             "losses": losses, "ref_out": ref_out, "out": out,
             "ref": {n: p.asnumpy() for n, p in reference.parameters_and_names()},
@@ -195,7 +180,7 @@ def _odd_sequence(seq: int) -> dict:
     platform = get_platform()
     mesh = init_device_mesh((platform.world_size(),), mesh_dim_names=("tp",))
     model = Model()
-    _weights(model)
+    set_weights(model)
     parallelize_module(model, mesh, _sp_plan())
     x = ms.Tensor(np.ones((BATCH, seq, D), np.float32))
     try:

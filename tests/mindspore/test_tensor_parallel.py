@@ -28,6 +28,7 @@ from mindspore import nn
 
 from hyperpar.dtensor.placement import Replicate, Shard
 from hyperpar.platform import get_platform
+from tests.mindspore._cells import param_arrays, set_weights, train_sgd
 
 STEPS = 3
 LR = 0.1
@@ -55,31 +56,6 @@ class EmbedMLP(nn.Cell):
         return self.mlp(self.emb(ids))
 
 
-def _weights(model: nn.Cell, seed: int = 0) -> None:
-    rng = np.random.default_rng(seed)
-    for _name, param in sorted(model.parameters_and_names()):
-        param.set_data(ms.Tensor((rng.standard_normal(param.shape) * 0.5).astype(np.float32)))
-
-
-def _train(model: nn.Cell, x: ms.Tensor, y: ms.Tensor) -> tuple[list[float], np.ndarray]:
-    opt = nn.SGD(model.trainable_params(), learning_rate=LR)
-
-    def loss_fn(inp, target):
-        return ((model(inp) - target) ** 2).mean()
-
-    step = ms.value_and_grad(loss_fn, None, opt.parameters)
-    losses = []
-    for _ in range(STEPS):
-        loss, grads = step(x, y)
-        opt(grads)
-        losses.append(float(loss.asnumpy()))
-    return losses, model(x).asnumpy()
-
-
-def _params(model: nn.Cell) -> dict[str, np.ndarray]:
-    return {name: p.asnumpy() for name, p in model.parameters_and_names()}
-
-
 def _run_parity(model_kind: str, plan_name: str, mesh_shape: tuple[int, ...],
                 names: tuple[str, ...]) -> dict:
     rng = np.random.default_rng(1)
@@ -91,8 +67,8 @@ def _run_parity(model_kind: str, plan_name: str, mesh_shape: tuple[int, ...],
         x = ms.Tensor(rng.integers(0, VOCAB, (4, 5)).astype(np.int32))
     y = ms.Tensor(rng.standard_normal((*x.shape[:2], D_IN)).astype(np.float32))
     reference, model = make(), make()
-    _weights(reference)
-    _weights(model)
+    set_weights(reference)
+    set_weights(model)
     plans = {
         "colrow": {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()},
         "wildcard": {"fc*": ColwiseParallel(output_layouts=Replicate())},
@@ -105,12 +81,12 @@ def _run_parity(model_kind: str, plan_name: str, mesh_shape: tuple[int, ...],
     }
     mesh = init_device_mesh(mesh_shape, mesh_dim_names=names)
     parallelize_module(model, mesh, plans[plan_name])
-    ref_losses, ref_out = _train(reference, x, y)
-    losses, out = _train(model, x, y)
+    ref_losses, ref_out = train_sgd(reference, x, y, STEPS, LR)
+    losses, out = train_sgd(model, x, y, STEPS, LR)
     tp = mesh["tp"] if len(mesh_shape) > 1 else mesh
     return {"tp_rank": tp.get_local_rank(), "tp_size": tp.size(), "ref_losses": ref_losses,
-            "losses": losses, "ref_out": ref_out, "out": out, "ref": _params(reference),
-            "mine": _params(model)}
+            "losses": losses, "ref_out": ref_out, "out": out, "ref": param_arrays(reference),
+            "mine": param_arrays(model)}
 
 
 # Which dim of each parameter a plan splits (None: whole), written out independently of the
@@ -169,36 +145,27 @@ def test_the_tp_slice_of_a_2d_dp_tp_mesh(pool4):
     _assert_parity(results, "colrow")
 
 
-def _train_sum_loss(model: nn.Cell, x: ms.Tensor, y: ms.Tensor, total: int
-                    ) -> tuple[list[float], np.ndarray]:
-    """SGD on sum(squared error) / total: with a sharded output each rank's loss is its share,
-    and the sum over ranks is the one-process loss."""
-    opt = nn.SGD(model.trainable_params(), learning_rate=LR)
-    step = ms.value_and_grad(lambda a, b: ((model(a) - b) ** 2).sum() / total, None,
-                             opt.parameters)
-    losses = []
-    for _ in range(STEPS):
-        loss, grads = step(x, y)
-        opt(grads)
-        losses.append(float(loss.asnumpy()))
-    return losses, model(x).asnumpy()
-
-
 def _run_sharded_output() -> dict:
     rng = np.random.default_rng(1)
     x = ms.Tensor(rng.standard_normal((4, 3, D_IN)).astype(np.float32))
     y = rng.standard_normal((4, 3, D_IN)).astype(np.float32)
     reference, model = MLP(), MLP()
-    _weights(reference)
-    _weights(model)
+    set_weights(reference)
+    set_weights(model)
     mesh = init_device_mesh((get_platform().world_size(),), mesh_dim_names=("tp",))
     parallelize_module(model, mesh, {"fc1": ColwiseParallel(),
                                      "fc2": RowwiseParallel(output_layouts=Shard(0))})
     n, r = mesh.size(), mesh.get_local_rank()
-    ref_losses, ref_out = _train_sum_loss(reference, x, ms.Tensor(y), y.size)
-    losses, out = _train_sum_loss(model, x, ms.Tensor(np.split(y, n)[r]), y.size)
+
+    def share_of_loss(out: ms.Tensor, target: ms.Tensor) -> ms.Tensor:
+        # with a sharded output each rank's loss is its share; their sum is the one-process loss
+        return ((out - target) ** 2).sum() / y.size
+
+    ref_losses, ref_out = train_sgd(reference, x, ms.Tensor(y), STEPS, LR, share_of_loss)
+    losses, out = train_sgd(model, x, ms.Tensor(np.split(y, n)[r]), STEPS, LR, share_of_loss)
     return {"tp_rank": r, "tp_size": n, "ref_losses": ref_losses, "losses": losses,
-            "ref_out": ref_out, "out": out, "ref": _params(reference), "mine": _params(model)}
+            "ref_out": ref_out, "out": out, "ref": param_arrays(reference),
+            "mine": param_arrays(model)}
 
 
 @pytest.mark.parametrize("n", [2, 4])
