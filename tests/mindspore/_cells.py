@@ -21,13 +21,13 @@ def mean_squared_error(out: ms.Tensor, target: ms.Tensor) -> ms.Tensor:
 
 
 def train_sgd(model: nn.Cell, x: ms.Tensor, y: ms.Tensor, steps: int, lr: float,
-              loss: Callable[[ms.Tensor, ms.Tensor], ms.Tensor] = mean_squared_error,
+              criterion: Callable[[ms.Tensor, ms.Tensor], ms.Tensor] = mean_squared_error,
               ) -> tuple[list[float], np.ndarray]:
-    """``steps`` SGD steps on ``loss(model(x), y)``; the losses and the final output."""
+    """``steps`` SGD steps on ``criterion(model(x), y)``; the losses and the final output."""
     opt = nn.SGD(model.trainable_params(), learning_rate=lr)
 
     def loss_fn(inp, target):
-        return loss(model(inp), target)
+        return criterion(model(inp), target)
 
     step = ms.value_and_grad(loss_fn, None, opt.parameters)
     losses = []
