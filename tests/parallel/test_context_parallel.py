@@ -263,3 +263,30 @@ def test_bad_input_raises_on_every_rank_with_the_fix(run_on_ranks, case, says):
     assert len(messages) == 2 and messages[0] == messages[1], messages
     for words in says:
         assert words in messages[0], (words, messages[0])
+
+
+# ------------------------------------------------------------------ torch's shard order
+
+def _gathered_positions(load_balance: bool) -> list[int]:
+    """Which positions each rank holds inside the context, concatenated in rank order."""
+    mesh = _cp_mesh()
+    positions = torch.arange(16)
+    with context_parallel(mesh, buffers=[positions], buffer_seq_dims=[0],
+                          load_balance=load_balance):
+        return get_platform().all_gather_along(positions, 0, mesh.get_group()).tolist()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_head_tail_order_is_torchs_default_order(run_on_ranks, world_size):
+    """torch's context_parallel cannot run on CPU (no sharding rule for the CPU flash-attention
+    op in 2.13), so the shard *order* is compared with torch's own load balancer."""
+    balancer_module = pytest.importorskip(
+        "torch.distributed.tensor.experimental._context_parallel._load_balancer",
+        reason="this torch has no context-parallel load balancer to compare with")
+    head_tail = getattr(balancer_module, "_HeadTailLoadBalancer", None)
+    if head_tail is None:
+        pytest.skip("this torch's context-parallel module has no _HeadTailLoadBalancer")
+    balancer = head_tail(16, world_size, torch.device("cpu"))
+    torch_order = balancer._generate_indices()[0].tolist()
+    assert run_on_ranks(world_size, _gathered_positions, True)[0] == torch_order
+    assert run_on_ranks(world_size, _gathered_positions, False)[0] == list(range(16))
