@@ -130,6 +130,11 @@ def _check_buffers(buffers: Sequence[torch.Tensor], dims: Sequence[int],
                 f"context_parallel: buffers[{i}] is a parameter or requires grad; buffers are "
                 f"resized in place, so pass only inputs, labels and position tables (buffers "
                 f"of the module), never parameters or tensors autograd tracks")
+        if not buf.is_contiguous():
+            raise ContextParallelError(
+                f"context_parallel: buffers[{i}] (shape {tuple(buf.shape)}) is not contiguous; "
+                f"resizing it in place would scramble the tensor it is a view of -- pass a "
+                f"contiguous tensor (.contiguous() before the context, and use that one)")
         if not -buf.dim() <= dim < buf.dim():
             raise ContextParallelError(
                 f"context_parallel: buffer_seq_dims[{i}] = {dim} is out of range for buffers[{i}]"
@@ -172,7 +177,8 @@ def context_parallel(mesh: Any, *, buffers: Sequence[torch.Tensor] | None = None
             ``2cp``), torch's default; ``False``: contiguous pieces in rank order.
 
     Raises :class:`ContextParallelError` on every rank, before any collective, for a mesh that
-    is not 1-D, mismatched or out-of-range dims, buffers of different sequence lengths or a
+    is not 1-D, mismatched or out-of-range dims, a parameter or non-contiguous buffer, buffers
+    of different sequence lengths or a
     length that does not split evenly, and (at the attention call) unsupported arguments.
     """
     global _ACTIVE
@@ -188,14 +194,14 @@ def context_parallel(mesh: Any, *, buffers: Sequence[torch.Tensor] | None = None
     local_len = buffers[0].shape[dims[0]] // size if buffers else None
 
     originals = [None if any(b is x for x in no_restore) else b.clone() for b in buffers]
-    with torch.no_grad():
-        for buf, dim in zip(buffers, dims, strict=True):
-            shard = _shard(buf, dim, rank, size, load_balance)
-            buf.resize_(shard.shape)
-            buf.copy_(shard)
     _ACTIVE = _State(group, rank, size, load_balance, local_len, F.scaled_dot_product_attention)
     F.scaled_dot_product_attention = _context_parallel_sdpa
     try:
+        with torch.no_grad():
+            for buf, dim in zip(buffers, dims, strict=True):
+                shard = _shard(buf, dim, rank, size, load_balance)
+                buf.resize_(shard.shape)
+                buf.copy_(shard)
         yield
     finally:
         F.scaled_dot_product_attention = _ACTIVE.sdpa

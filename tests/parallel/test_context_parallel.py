@@ -218,6 +218,9 @@ def _bad_input(case: str) -> str:
             with context_parallel(mesh, buffers=[x], buffer_seq_dims=[1],
                                   no_restore_buffers={torch.zeros(1)}):
                 pass
+        elif case == "not_contiguous":
+            with context_parallel(mesh, buffers=[torch.zeros(16, 2).t()], buffer_seq_dims=[1]):
+                pass
         elif case == "nested":
             with context_parallel(mesh), context_parallel(mesh):
                 pass
@@ -252,6 +255,7 @@ def _bad_input(case: str) -> str:
     ("mesh_2d", ["1-D DeviceMesh", "mesh['cp']"]),
     ("parameter", ["parameter", "never parameters"]),
     ("no_restore_not_subset", ["subset of buffers"]),
+    ("not_contiguous", ["buffers[0] (shape (2, 16)) is not contiguous", ".contiguous()"]),
     ("nested", ["already active", "do not nest"]),
     ("attn_mask", ["attn_mask", "is_causal=True"]),
     ("dropout", ["dropout_p = 0.1", "dropout_p=0.0"]),
