@@ -178,8 +178,8 @@ def context_parallel(mesh: Any, *, buffers: Sequence[torch.Tensor] | None = None
 
     Raises :class:`ContextParallelError` on every rank, before any collective, for a mesh that
     is not 1-D, mismatched or out-of-range dims, a parameter or non-contiguous buffer, buffers
-    of different sequence lengths or a
-    length that does not split evenly, and (at the attention call) unsupported arguments.
+    of different sequence lengths or a length that does not split evenly, and (at the
+    attention call) unsupported arguments.
     """
     global _ACTIVE
     if _ACTIVE is not None:
