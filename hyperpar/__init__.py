@@ -59,6 +59,9 @@ _EXPORTS: dict[str, str] = {
     "TiedParameterError": "hyperpar.parallel",
     "data_parallel": "hyperpar.parallel",
     "DataParallelModule": "hyperpar.parallel",
+    "context_parallel": "hyperpar.parallel",
+    "context_parallel_unshard": "hyperpar.parallel",
+    "ContextParallelError": "hyperpar.parallel",
     # fsdp
     "fully_shard": "hyperpar.fsdp",
     "FSDPModule": "hyperpar.fsdp",

@@ -16,6 +16,7 @@ except ImportError:  # pragma: no cover - exercised by tests/test_layering.py
 if _torch is not None:
     from ._ties import TiedParameterError
     from .api import PlanKeyError, distribute_module, from_torch_style, parallelize_module
+    from .context import ContextParallelError, context_parallel, context_parallel_unshard
     from .data_parallel import DataParallelModule, data_parallel
     from .easydel import (
         TensorParallelConfig,
@@ -45,6 +46,7 @@ __all__ = [
     "AlreadyParallelizedError",
     "ColumnParallelLinear",
     "ColwiseParallel",
+    "ContextParallelError",
     "DataParallelModule",
     "ParallelLinear",
     "ParallelStyle",
@@ -59,6 +61,8 @@ __all__ = [
     "TensorParallelConfig",
     "UnsupportedModuleError",
     "VocabParallelEmbedding",
+    "context_parallel",
+    "context_parallel_unshard",
     "data_parallel",
     "distribute_module",
     "from_torch_style",

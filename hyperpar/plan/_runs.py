@@ -23,7 +23,7 @@ from torch import nn
 
 from .layout import Layout
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 def _examples() -> Any:
@@ -168,6 +168,12 @@ def build(sizes: dict[str, int], lay: Layout, seq_len: int) -> tuple[nn.Module, 
         for b in blocks:
             fully_shard(b, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
+    elif lay.cp > 1:
+        if lay.tp > 1 or lay.pp > 1:
+            raise ValueError("hyperpar plan --measure: cp is measured with dp_replicate only")
+        # the cp ranks average their gradients with the replicas: one flattened group
+        flat = mesh["dp_replicate", "cp"].flatten("dp_cp") if lay.dp_replicate > 1 else mesh
+        model = data_parallel(model, flat, "dp_cp" if lay.dp_replicate > 1 else "cp")
     elif lay.dp_replicate > 1:
         model = data_parallel(model, mesh, "dp_replicate")
     if lay.pp > 1:
@@ -175,6 +181,22 @@ def build(sizes: dict[str, int], lay: Layout, seq_len: int) -> tuple[nn.Module, 
 
         schedule = get_schedule_class(lay.schedule)(model, n_microbatches=lay.microbatches)
     return model, mesh, schedule
+
+
+@contextlib.contextmanager
+def _context(model: nn.Module, mesh: Any, lay: Layout, tokens: torch.Tensor,
+             labels: torch.Tensor) -> Any:
+    """Yield the microbatch's (tokens, labels): as given, or under ``cp > 1`` this rank's
+    sequence shards inside ``context_parallel`` (the RoPE tables sharded with them)."""
+    if lay.cp == 1:
+        yield tokens, labels
+        return
+    from hyperpar.parallel import context_parallel
+
+    tokens, labels = tokens.clone(), labels.clone()
+    with context_parallel(mesh["cp"], buffers=[tokens, labels, model.rope_cos, model.rope_sin],
+                          buffer_seq_dims=[1, 1, 0, 0]):
+        yield tokens, labels
 
 
 def run_layout(sizes: dict[str, int], layout: dict[str, Any], seq_len: int, global_batch: int,
@@ -232,8 +254,8 @@ def run_layout(sizes: dict[str, int], layout: dict[str, Any], seq_len: int, glob
                 last = i == lay.microbatches - 1
                 sync = (model.no_sync() if hasattr(model, "no_sync") and not last
                         else contextlib.nullcontext())
-                with sync:
-                    loss = _loss(model(tokens[rows]), labels[rows])
+                with sync, _context(model, mesh, lay, tokens[rows], labels[rows]) as (x, y):
+                    loss = _loss(model(x), y)
                     (loss / lay.microbatches).backward()
         mid = time.perf_counter()
         opt.step()

@@ -51,7 +51,10 @@ class Run:
 class Layout:
     """``dp_replicate x dp_shard x tp x pp x cp`` ranks, ``microbatches`` per step per
     data-parallel rank, per-layer activation checkpointing on or off. Sequence parallelism is
-    used whenever ``tp > 1`` (the torchtitan plan); ``cp`` is always 1 (not modelled)."""
+    used whenever ``tp > 1`` (the torchtitan plan). ``cp`` splits each sequence over ranks
+    (``hyperpar.parallel.context_parallel``: K/V all-gathered per layer, head-tail order); its
+    gradients are averaged together with ``dp_replicate`` (``data_parallel`` over the flattened
+    ``dp_replicate x cp`` group). The search pairs ``cp > 1`` with ``dp_replicate`` only."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -87,7 +90,7 @@ class Layout:
 
     @property
     def name(self) -> str:
-        parts = [f"{d}{self.size(d)}" for d in ("dp_replicate", "dp_shard", "tp", "pp")
+        parts = [f"{d}{self.size(d)}" for d in ("dp_replicate", "dp_shard", "tp", "pp", "cp")
                  if self.size(d) > 1] or ["single"]
         parts = [p.replace("dp_replicate", "dp").replace("dp_shard", "fsdp") for p in parts]
         parts.append(f"mb{self.microbatches}")

@@ -37,8 +37,11 @@ MEASURABLE_WORLDS = (2, 4)
 
 
 def measurable(layout: Layout, spec: ModelSpec | None = None) -> bool:
-    """Whether ``--measure`` can run ``layout`` (2 or 4 ranks; a pipeline without tp)."""
-    if layout.world not in MEASURABLE_WORLDS or layout.cp != 1:
+    """Whether ``--measure`` can run ``layout`` (2 or 4 ranks; a pipeline without tp; cp with
+    replicas only)."""
+    if layout.world not in MEASURABLE_WORLDS:
+        return False
+    if layout.cp > 1 and layout.world != layout.dp_replicate * layout.cp:
         return False
     return not (layout.pp > 1 and layout.tp > 1)
 
@@ -60,7 +63,7 @@ def measure_layout(example: str | dict[str, int], layout: Layout, run: Run, *,
 
     from ._runs import run_layout
 
-    fields = {k: getattr(layout, k) for k in ("dp_replicate", "dp_shard", "tp", "pp",
+    fields = {k: getattr(layout, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp",
                                                "microbatches", "activation_checkpointing",
                                                "schedule")}
     args = (_sizes(example), fields, run.seq_len, run.global_batch, steps, warmup, peak)
@@ -112,14 +115,15 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
 
 
 def _family(layout: Layout) -> tuple[bool, ...]:
-    return tuple(layout.size(d) > 1 for d in ("dp_replicate", "dp_shard", "tp", "pp"))
+    return tuple(layout.size(d) > 1 for d in ("dp_replicate", "dp_shard", "tp", "pp", "cp"))
 
 
 def measure_top(result: PlanResult, spec: ModelSpec, args: argparse.Namespace,
                 per_world: int = 4) -> list[dict[str, Any]]:
     """Measure the best measurable layout of up to ``per_world`` families (which of
-    dp_replicate, dp_shard, tp, pp are > 1) at 2 and 4 ranks; fills ``candidate.measured`` in
-    ``result`` for those of its world and prints a comparison."""
+    dp_replicate, dp_shard, tp, pp, cp are > 1) at 2 and 4 ranks, and the best cp layout;
+    fills ``candidate.measured`` in ``result`` for those of its world and prints a
+    comparison."""
     from hyperpar.testing import WorkerPool
 
     if not getattr(args, "example", None):
@@ -142,7 +146,10 @@ def measure_top(result: PlanResult, spec: ModelSpec, args: argparse.Namespace,
                 if measurable(c.layout) and _family(c.layout) not in seen:
                     seen.add(_family(c.layout))
                     picked.append(c)
-            for c in picked[:per_world]:
+            chosen = picked[:per_world]
+            # context parallelism rarely ranks first at this size: measure its best one too
+            chosen += [c for c in picked[per_world:] if c.layout.cp > 1][:1]
+            for c in chosen:
                 row = compare(args.example, c.layout, run, profile, pool=pool)
                 rows.append(row)
                 c.measured = {"peak": row["peak_measured"],

@@ -127,8 +127,21 @@ def in_flight(layout: Layout, stage: int) -> int:
 
 
 def microbatch_tokens(run: Run, layout: Layout) -> int:
-    """Tokens in one microbatch on one data-parallel rank."""
-    return run.global_batch // (layout.dp * layout.microbatches) * run.seq_len
+    """Tokens in one microbatch on one rank (a data-parallel rank's microbatch, split ``cp``
+    ways along the sequence under context parallelism)."""
+    return run.global_batch // (layout.dp * layout.microbatches) * run.seq_len // layout.cp
+
+
+def cp_activation_bytes(spec: ModelSpec, run: Run, layout: Layout) -> tuple[float, float]:
+    """What context parallelism adds to one layer's saved activations, per microbatch:
+    (bytes per local token, bytes per layer). Attention saves the K and V gathered over cp
+    (``cp`` times the local ones, of which the local ``2 kv`` are already counted), and the
+    causal mask, one byte per (local query, key) pair: ``seq / cp x seq`` per layer (shared by
+    the batch and the heads)."""
+    if layout.cp == 1:
+        return 0.0, 0.0
+    per_token = 2 * spec.kv_dim / layout.tp * (layout.cp - 1) * run.compute_bytes
+    return per_token, run.seq_len // layout.cp * run.seq_len
 
 
 def layer_activation_elems(spec: ModelSpec, layout: Layout) -> tuple[float, float]:
@@ -169,10 +182,12 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
     full, saved = layer_activation_elems(spec, layout)
     layers = spec.num_layers // layout.pp
     k = in_flight(layout, stage)
+    cp_token, cp_layer = cp_activation_bytes(spec, run, layout)
     if layout.activation_checkpointing:
-        act = k * layers * saved * tokens * cb + full * tokens * cb
+        act = (k * layers * saved * tokens * cb + full * tokens * cb
+               + cp_token * tokens + cp_layer)
     else:
-        act = k * layers * full * tokens * cb
+        act = k * layers * (full * tokens * cb + cp_token * tokens + cp_layer)
     if stage == layout.pp - 1:
         # logits in the compute dtype + fp32 log-softmax and its gradient, per microbatch held
         held = layout.microbatches if layout.pp > 1 and layout.schedule == "gpipe" else 1
@@ -182,8 +197,9 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
             # (the plan without loss_parallel): the loss sees every rank's full vocabulary
             act += held * tokens * _cdiv(vocab, tp) * cb
         act += held * tokens * vocab * (cb + 8)
-    # data_parallel keeps the gradients in its flat buckets from the first backward on
-    ddp = layout.dp_replicate > 1 and ds == 1
+    # data_parallel (over dp_replicate x cp) keeps the gradients in its flat buckets from the
+    # first backward on
+    ddp = (layout.dp_replicate > 1 or layout.cp > 1) and ds == 1
     return Memory(params=params, grads=grads, optimizer=optimizer, fsdp_buffers=int(buffers),
                   activations=int(act), stage=stage,
                   grads_at_peak=ddp or layout.microbatches > 1)

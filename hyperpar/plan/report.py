@@ -32,7 +32,7 @@ def table(result: PlanResult, top: int = 10) -> str:
             f"{r.global_batch}, {r.param_dtype}, {r.optimizer}; {result.considered} layouts, "
             f"{len(result.ranked)} fit")
     cols = ("rank", "layout", "params", "grads", "optim", "buffers", "activ", "peak",
-            "step ms", "tok/s/dev", "comm/rank/step tp|fsdp|dp|pp")
+            "step ms", "tok/s/dev", "comm/rank/step tp|fsdp|dp|pp|cp")
     rows = []
     for i, c in enumerate(result.ranked[:top], 1):
         m, cb = c.memory, c.time.comm_bytes
@@ -40,7 +40,7 @@ def table(result: PlanResult, top: int = 10) -> str:
                      _gib(m.fsdp_buffers), _gib(m.activations), _gib(m.peak),
                      f"{c.time.step_ms:.1f}", f"{c.tokens_per_s_per_device:,.0f}",
                      "|".join(_bytes(cb.get(d, 0.0)) for d in
-                              ("tp", "dp_shard", "dp_replicate", "pp"))))
+                              ("tp", "dp_shard", "dp_replicate", "pp", "cp"))))
         if c.measured:
             rows.append(("", "  measured", "", "", "", "", "",
                          _gib(c.measured.get("peak", 0)) if c.measured.get("peak") else "-",

@@ -63,6 +63,9 @@ def shape_problems(spec: ModelSpec, run: Run, layout: Layout) -> list[str]:
         out.append(f"intermediate_size={spec.intermediate_size} % tp={tp} != 0")
     if layout.sequence_parallel and run.seq_len % tp:
         out.append(f"seq_len={run.seq_len} % tp={tp} != 0 (sequence parallel splits it)")
+    if layout.cp > 1 and run.seq_len % (2 * layout.cp):
+        out.append(f"seq_len={run.seq_len} % (2*cp)={2 * layout.cp} != 0 (context parallel "
+                   "splits it into 2*cp head-tail chunks)")
     if spec.num_layers % pp:
         out.append(f"num_hidden_layers={spec.num_layers} % pp={pp} != 0")
     if run.global_batch % dp:
@@ -84,18 +87,23 @@ def _factorisations(n: int, parts: int) -> list[tuple[int, ...]]:
 
 def enumerate_layouts(spec: ModelSpec, run: Run, *, schedule: Schedule = "1f1b",
                       max_tp: int | None = None) -> list[Layout]:
-    """Every ``dp_replicate x dp_shard x tp x pp`` of ``run.world`` (cp = 1), every microbatch
-    count dividing the per-replica batch (or the smallest ones for pp>1), AC on and off.
-    Layouts whose dims do not even divide are kept so that they can be reported."""
+    """Every ``dp_replicate x dp_shard x tp x pp`` of ``run.world``, and every
+    ``dp_replicate x cp`` (context parallelism is searched with replicas only: its composition
+    with fully_shard, tp and pp is not modelled), every microbatch count dividing the
+    per-replica batch (or the smallest ones for pp>1), AC on and off. Layouts whose dims do not
+    even divide are kept so that they can be reported."""
     out = []
-    for dr, ds, tp, pp in _factorisations(run.world, 4):
+    shapes = [(dr, ds, tp, pp, 1) for dr, ds, tp, pp in _factorisations(run.world, 4)]
+    shapes += [(run.world // cp, 1, 1, 1, cp) for cp in divisors(run.world) if cp > 1]
+    for dr, ds, tp, pp, cp in shapes:
         if max_tp is not None and tp > max_tp:
             continue
         dp = dr * ds
         per_replica = run.global_batch // dp if run.global_batch % dp == 0 else 1
         for m in divisors(per_replica):
             for ac in (False, True):
-                out.append(Layout(dp_replicate=dr, dp_shard=ds, tp=tp, pp=pp, microbatches=m,
+                out.append(Layout(dp_replicate=dr, dp_shard=ds, tp=tp, pp=pp, cp=cp,
+                                  microbatches=m,
                                   activation_checkpointing=ac, schedule=schedule))
     return out
 

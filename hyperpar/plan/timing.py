@@ -131,10 +131,55 @@ def collectives(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> list[C
         for r in root:
             out.append(Collective("dp_replicate", "ar", r // ds * cb, 1, "microbatch",
                                   "root grad shards"))
-    elif dr > 1:
+    elif dr > 1 and layout.cp == 1:
         # data_parallel: the gradients accumulate locally (no_sync), one all-reduce per step
         out.append(Collective("dp_replicate", "ar", sp.local * cb, 1, "step", "grads"))
+    out += cp_collectives(spec, run, layout, stage)
     return out
+
+
+# ------------------------------------------------------------------ context parallelism
+def cp_collectives(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> list[Collective]:
+    """What ``hyperpar.parallel.context_parallel`` issues on one rank per step, on mesh dim
+    ``cp``: per layer and microbatch an all-gather of K and one of V forward (again in a
+    recomputed forward), a reduce-scatter of dK and one of dV backward, each of the gathered
+    ``seq x kv_dim`` size; and once per step the gradient all-reduce of ``data_parallel`` over
+    the flattened ``dp_replicate x cp`` group (:func:`group_size`)."""
+    if layout.cp == 1:
+        return []
+    layers = spec.num_layers // layout.pp
+    kv = microbatch_tokens(run, layout) * layout.cp * spec.kv_dim // layout.tp * run.compute_bytes
+    passes = 2 if layout.activation_checkpointing else 1
+    local = stage_params(spec, layout.tp, layout.dp_shard, layout.pp, stage).local
+    return [Collective("cp", "ag", kv, 2 * passes * layers, "microbatch", "attention K, V"),
+            Collective("cp", "rs", kv, 2 * layers, "microbatch", "attention dK, dV"),
+            Collective("cp", "ar", local * run.compute_bytes, 1, "step",
+                       "grads over dp_replicate x cp")]
+
+
+def group_size(c: Collective, layout: Layout) -> int:
+    """Ranks in ``c``'s group: the gradient all-reduce on ``cp`` spans ``dp_replicate x cp``;
+    every other collective spans its mesh dim."""
+    if c.dim == "cp" and c.kind == "ar":
+        return layout.dp_replicate * layout.cp
+    return layout.size(c.dim)
+
+
+def cp_link_dim(c: Collective) -> str:
+    """The mesh dim whose link a cp collective runs on: the gradient all-reduce spans the
+    replicas too, so it runs on dp_replicate's (outer) link."""
+    return "dp_replicate" if c.dim == "cp" and c.kind == "ar" else c.dim
+
+
+def cp_attention_flops(spec: ModelSpec, run: Run, layout: Layout) -> float:
+    """Attention FLOPs of one step (all ranks) that context parallelism adds: each rank scores
+    its queries against every gathered key and masks (no causal skipping): the masked half, as
+    much again as the causal attention of :func:`step_flops`."""
+    if layout.cp == 1:
+        return 0.0
+    tokens = run.global_batch * run.seq_len
+    factor = 8 if layout.activation_checkpointing else 6
+    return factor / 2 * 2 * run.seq_len * spec.q_dim * spec.num_layers * tokens
 
 
 def local_tensors(spec: ModelSpec, layout: Layout, stage: int) -> int:
@@ -177,16 +222,19 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
     layers = spec.num_layers // pp
     colls = collectives(spec, run, layout, memory.stage)
     tp_on = layout.tp > 1
-    comm: dict[str, float] = {"tp": 0.0, "dp_shard": 0.0, "dp_replicate": 0.0, "pp": 0.0}
+    compute_step += cp_attention_flops(spec, run, layout) / run.world / rate
+    compute_mb = compute_step / m
+    comm: dict[str, float] = {"tp": 0.0, "dp_shard": 0.0, "dp_replicate": 0.0, "pp": 0.0,
+                              "cp": 0.0}
     for c in colls:
         comm[c.dim] += c.per_step(m) * (c.nbytes if c.kind == "p2p"
-                                        else wire_bytes(layout.size(c.dim), c.nbytes, c.kind))
+                                        else wire_bytes(group_size(c, layout), c.nbytes, c.kind))
 
     def seconds(c: Collective) -> float:
-        link = link_for(c.dim, layout, run, profile)
+        link = link_for(cp_link_dim(c), layout, run, profile)
         if c.kind == "p2p":
             return link.p2p(c.nbytes)
-        n = layout.size(c.dim)
+        n = group_size(c, layout)
         fixed = profile.latency(n)
         if fixed is None or n <= 1:
             return link.ring(n, c.nbytes, c.kind)
@@ -194,7 +242,8 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
 
     overlap = profile.comm_overlap
     # on the critical path, per microbatch: tensor-parallel and pipeline messages
-    tp_mb = sum(seconds(c) * c.count for c in colls if c.dim == "tp" and c.per == "microbatch")
+    tp_mb = sum(seconds(c) * c.count for c in colls
+                if c.dim in ("tp", "cp") and c.per == "microbatch")
     tp_step = sum(seconds(c) * c.count for c in colls if c.dim == "tp" and c.per == "step")
     # pipeline: a stage waits for one activation forward and one gradient backward
     pp_mb = sum(2 * seconds(c) for c in colls if c.dim == "pp")
@@ -227,7 +276,7 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
     # data_parallel replicas: one all-reduce of the gradients per step, in buckets launched
     # during the last microbatch's backward (2/3 of its compute, as far as overlap allows)
     dp_exposed = 0.0
-    t_ar = sum(seconds(c) * c.count for c in colls if c.dim == "dp_replicate"
+    t_ar = sum(seconds(c) * c.count for c in colls if c.dim in ("dp_replicate", "cp")
                and c.per == "step")
     if t_ar:
         dp_exposed = max(0.0, t_ar - overlap * 2 / 3 * compute_mb)
@@ -238,7 +287,7 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
     per_tensor = (profile.sharded_optimizer_tensor_overhead_s if tp_on or layout.dp_shard > 1
                   else profile.optimizer_tensor_overhead_s)
     optimizer = 2 * memory.states / profile.hbm_bytes_per_s + n_tensors * per_tensor
-    if layout.dp_replicate > 1 and layout.dp_shard == 1:
+    if (layout.dp_replicate > 1 or layout.cp > 1) and layout.dp_shard == 1:
         dp_exposed += profile.dp_overhead_s
     total = pipe + tp_step + dp_exposed + optimizer
     return StepTime(step_s=total, compute_s=compute_step, bubble_s=bubble, tp_s=tp_mb * m,

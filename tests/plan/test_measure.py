@@ -47,7 +47,7 @@ def _check_every_rank(layout: Layout, pool, *, peak: bool = False) -> dict:
 
 
 @pytest.mark.parametrize("layout", [Layout(dp_shard=2), Layout(tp=2), Layout(dp_replicate=2),
-                                    Layout(pp=2, microbatches=2),
+                                    Layout(cp=2), Layout(pp=2, microbatches=2),
                                     Layout(pp=2, microbatches=2, schedule="gpipe")],
                          ids=lambda x: x.name)
 def test_state_bytes_equal_measured_on_2_ranks(layout: Layout, pool2) -> None:
@@ -57,7 +57,8 @@ def test_state_bytes_equal_measured_on_2_ranks(layout: Layout, pool2) -> None:
 @pytest.mark.parametrize("layout", [Layout(dp_shard=2, tp=2), Layout(dp_replicate=2, tp=2),
                                     Layout(pp=2, dp_shard=2, microbatches=2),
                                     Layout(pp=2, dp_replicate=2, microbatches=2),
-                                    Layout(dp_replicate=2, dp_shard=2)],
+                                    Layout(dp_replicate=2, dp_shard=2), Layout(cp=4),
+                                    Layout(dp_replicate=2, cp=2)],
                          ids=lambda x: x.name)
 def test_state_bytes_equal_measured_on_4_ranks(layout: Layout, pool4) -> None:
     _check_every_rank(layout, pool4)
@@ -66,6 +67,13 @@ def test_state_bytes_equal_measured_on_4_ranks(layout: Layout, pool4) -> None:
 def test_peak_is_measured_and_holds_the_states(pool2) -> None:
     got = _check_every_rank(Layout(dp_shard=2), pool2, peak=True)
     # the peak step holds parameters, optimizer states, gradients and activations at once
+    assert got["peak"] > got["states"]
+
+
+@pytest.mark.parametrize("activation_checkpointing", [False, True], ids=["", "ac"])
+def test_cp_peak_is_measured_with_context_parallel(activation_checkpointing, pool2) -> None:
+    layout = Layout(cp=2, activation_checkpointing=activation_checkpointing)
+    got = _check_every_rank(layout, pool2, peak=True)
     assert got["peak"] > got["states"]
 
 

@@ -140,3 +140,34 @@ def test_compute_runs_at_the_measured_rate_of_the_matmul_width() -> None:
     from hyperpar.plan.timing import step_flops
 
     assert t.compute_s == pytest.approx(step_flops(SPEC, run, False) / 8 / 1e9, rel=1e-12)
+
+
+def test_context_parallel_layouts_are_searched_and_checked() -> None:
+    from hyperpar.plan.search import enumerate_layouts
+
+    run = Run(world=8, seq_len=4096, global_batch=8)
+    cps = {(x.dp_replicate, x.cp) for x in enumerate_layouts(SPEC, run) if x.cp > 1}
+    assert cps == {(4, 2), (2, 4), (1, 8)}  # with replicas only
+    problems = shape_problems(SPEC, Run(world=8, seq_len=4100, global_batch=8), Layout(cp=8))
+    assert any("seq_len=4100 % (2*cp)=16" in p for p in problems)
+    # with replicas only, 7B's unsharded AdamW states (108 GB) need a large device
+    result = plan(SPEC, Run(world=8, seq_len=4096, global_batch=8, device_memory=2**40), H100)
+    assert any(c.layout.cp > 1 for c in result.ranked)
+    cp8 = next(c for c in result.ranked if c.layout == Layout(cp=8))
+    assert cp8.time.comm_bytes["cp"] > 0 and cp8.layout.name.startswith("cp8")
+
+
+def test_context_parallel_divides_activations_and_adds_gathered_kv() -> None:
+    from hyperpar.plan.memory import cp_activation_bytes
+
+    # cp 2 over one 4096-token sequence holds 2048 tokens per rank: as dp on 2048-token
+    # sequences, plus the gathered K/V (cp - 1 more copies) and a 2048 x 4096 byte mask a layer
+    layout = Layout(dp_replicate=4, cp=2)
+    run = Run(world=8, seq_len=4096, global_batch=4, param_dtype="float32")
+    per_token, per_layer = cp_activation_bytes(SPEC, run, layout)
+    assert per_token == 2 * SPEC.kv_dim * 4 and per_layer == 2048 * 4096
+    cp = memory_per_rank(SPEC, run, layout)
+    dp = memory_per_rank(SPEC, Run(world=8, seq_len=2048, global_batch=8,
+                                   param_dtype="float32"), Layout(dp_replicate=8))
+    assert cp.states == dp.states
+    assert cp.activations == dp.activations + SPEC.num_layers * (per_token * 2048 + per_layer)

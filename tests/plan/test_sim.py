@@ -180,3 +180,36 @@ def test_sim_pipeline_stage_bytes_and_volumes_equal_the_model(rank: int) -> None
         planned[c.dim] = planned.get(c.dim, 0) + c.nbytes * c.per_step(layout.microbatches)
     assert got["collectives"] == {"dp_shard": int(planned["dp_shard"])}
     assert got["sent"] == {"pp": int(planned["pp"])}
+
+
+def _simulate_cp(layout: Layout, rank: int) -> dict[str, int]:
+    """The real context_parallel on the example Llama at 1024 ranks (dp_replicate x cp): the
+    bytes its attention all-gathers and reduce-scatters per mesh dim in one forward + backward."""
+    from examples.llama import model as llama
+    from hyperpar import init_device_mesh
+    from hyperpar.parallel import context_parallel
+
+    with hyperpar_sim.simulate(world=layout.world, rank=rank) as sim:
+        mesh = init_device_mesh((layout.dp_replicate, layout.cp),
+                                mesh_dim_names=("dp_replicate", "cp"))
+        with torch.device("meta"):
+            model = llama.Transformer(llama.ModelArgs(**SIZES, max_seq_len=SEQ))
+        tokens = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+        sim.records.clear()
+        with context_parallel(mesh["cp"], buffers=[tokens, model.rope_cos, model.rope_sin],
+                              buffer_seq_dims=[1, 0, 0]):
+            assert tokens.shape == (1, SEQ // layout.cp)
+            model(tokens).float().sum().backward()
+        return sim.volume_by_dim(mesh, ops=["all_gather", "reduce_scatter"])
+
+
+@pytest.mark.parametrize("rank", [0, 1023])
+def test_sim_context_parallel_attention_bytes_equal_the_model(rank: int) -> None:
+    layout = Layout(dp_replicate=256, cp=4)
+    spec, run, _ = _planned(layout)
+    from hyperpar.plan.timing import cp_collectives
+
+    planned = sum(c.nbytes * c.per_step(layout.microbatches)
+                  for c in cp_collectives(spec, run, layout, stage=0) if c.kind in ("ag", "rs"))
+    assert planned > 0
+    assert _simulate_cp(layout, rank) == {"cp": int(planned)}
