@@ -50,3 +50,13 @@ def test_inspection_example_runs_one_rank_per_process_under_hyperpar_run():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("-> OK") == 1, proc.stdout  # rank 0 reports, once
     assert "MISMATCH" not in proc.stdout
+
+
+def test_context_parallel_example_trains_like_one_process():
+    proc = subprocess.run([sys.executable, "-m", "hyperpar", "run", "-n", "2",
+                           "examples/context_parallel.py"], cwd=REPO,
+                          env={**os.environ, "HYPERPAR_BACKEND": "cpu"},
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[cp2] step 2: loss" in proc.stdout
+    assert proc.stdout.rstrip().endswith("-> OK"), proc.stdout
