@@ -113,8 +113,9 @@ class DeviceProfile:
             return 0.0
         if str(n) in value:
             return float(value[str(n)])
-        target = math.log(max(n, 1))
-        best = min((int(k) for k in value), key=lambda k: (abs(math.log(k) - target), -k))
+        target = math.log2(max(n, 1))
+        best = min((int(k) for k in value),
+                   key=lambda k: (round(abs(math.log2(k) - target), 9), -k))
         return float(value[str(best)])
 
     def flops(self, dtype: str) -> float:
