@@ -221,6 +221,11 @@ def main() -> None:
                         help="torch.compile backend of the compiled rows (inductor, aot_eager)")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled rows")
     args = parser.parse_args()
+    if args.steps < 2 or args.warmup < 0:
+        # the step after warm-up runs under the peak-memory tracker and is not timed
+        parser.error(f"--steps must be >= 2 (the first step after warm-up measures peak "
+                     f"memory and is not timed, so at least one more is needed to time), and "
+                     f"--warmup >= 0; got --steps {args.steps} --warmup {args.warmup}")
     from hyperpar.testing import run_distributed
 
     margs = llama.ModelArgs(vocab_size=512, dim=args.dim, n_layers=args.layers,
@@ -232,7 +237,7 @@ def main() -> None:
     n_params = sum(p.numel() for p in llama.build(margs).parameters())
     case = (f"Llama {args.layers} layers dim {args.dim} ({n_params / 1e6:.2f}M params), "
             f"batch {args.batch}x64/rank, {args.ranks} ranks, AdamW")
-    print(f"fsdp benchmark: {case}; median of {2 * args.steps} steps (slowest rank)")
+    print(f"fsdp benchmark: {case}; median of {2 * (args.steps - 1)} timed steps (slowest rank)")
     med, state, peak = {}, {}, {}
     for name in results[0]:
         per_step = [max(ts) for ts in zip(*[r[name]["times"] for r in results], strict=True)]

@@ -6,11 +6,14 @@ at scale. Prints two reports (no assertions; the figures go to docs/planning.md)
    parallelize_module / data_parallel / PipelineModule: params + grads + optimizer bytes (the
    model claims exact), peak live tensor bytes (goal: within 10%) and step time (goal: within
    30% on cpu) under a profile measured on the spot (hyperpar.plan.calibrate: rates and fixed
-   costs, on a micro model);
+   costs, on a micro model; the group fixed costs per group size), and beside it the step
+   time predicted with every group fixed cost taken from the whole world's group (what the
+   calibration gave before it measured per group size), against the same measured runs;
 2. planner time: Llama-2-7B and Llama-3-70B over growing world sizes, and a model with more
    layers, searched in full.
 
-    python benchmarks/plan_validation.py [--model tiny|wide] [--skip-measure] [--skip-speed]
+    python benchmarks/plan_validation.py [--model tiny|wide] [--rounds N] [--worlds 2 4]
+        [--skip-measure] [--skip-speed]
 """
 
 from __future__ import annotations
@@ -46,13 +49,25 @@ MODELS = {
 }
 
 
-def validate(model: str, rounds: int) -> None:
+def whole_world(profile, world: int):
+    """``profile`` with every group fixed cost taken at its ``world``-rank entry for every
+    group size: what a calibration over all ranks only (before per-size calibration) gave."""
+    from dataclasses import replace
+
+    from hyperpar.plan.devices import GROUP_COSTS
+
+    return replace(profile, **{k: profile.fixed_cost(k, world) for k in GROUP_COSTS})
+
+
+def validate(model: str, rounds: int, worlds: list[int]) -> None:
     import os
     import statistics
 
     from hyperpar.plan.calibrate import describe
     from hyperpar.plan.measure import calibrate_cpu, compare
+    from hyperpar.plan.memory import memory_per_rank
     from hyperpar.plan.model import spec_from_model_args
+    from hyperpar.plan.timing import step_time
     from hyperpar.testing import WorkerPool
 
     sizes, seq_len, global_batch = MODELS[model]
@@ -62,11 +77,12 @@ def validate(model: str, rounds: int) -> None:
           "(calibrate, run every layout), medians\n")
     print("| ranks | layout | states predicted (B) | states measured (B) | peak predicted (B) "
           "| peak measured (B) | peak error | step ms predicted | step ms measured "
-          "(min-max) | time error |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "(min-max) | time error | time error, whole-world fixed costs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     notes = []
-    for world, layouts in LAYOUTS.items():
-        layouts = [lay for lay in layouts if sizes["n_layers"] % lay.pp == 0]
+    hits = {"peak": 0, "step": 0, "step_before": 0, "n": 0}
+    for world in worlds:
+        layouts = [lay for lay in LAYOUTS[world] if sizes["n_layers"] % lay.pp == 0]
         run = Run(world=world, seq_len=seq_len, global_batch=global_batch,
                   param_dtype="float32", gpus_per_node=world)
         rows: dict[Layout, list[dict]] = {lay: [] for lay in layouts}
@@ -74,24 +90,35 @@ def validate(model: str, rounds: int) -> None:
             for i in range(rounds):
                 start = time.perf_counter()
                 profile = calibrate_cpu(world, pool=pool)
+                before = whole_world(profile, world)
                 notes.append(f"calibration, {world} ranks, round {i + 1} "
                              f"({time.perf_counter() - start:.0f} s, load average "
                              f"{os.getloadavg()[0]:.1f}): {describe(profile)}")
                 for lay in layouts:
-                    rows[lay].append(compare(sizes, lay, run, profile, pool=pool,
-                                             peak=i == 0))
+                    row = compare(sizes, lay, run, profile, pool=pool, peak=i == 0)
+                    mem = memory_per_rank(spec, run, lay)
+                    row["step_ms_before"] = step_time(spec, run, lay, before, mem).step_ms
+                    rows[lay].append(row)
         for lay in layouts:
             r = rows[lay][0]
             pred = statistics.median(x["step_ms_predicted"] for x in rows[lay])
+            old = statistics.median(x["step_ms_before"] for x in rows[lay])
             meas = [x["step_ms_measured"] for x in rows[lay]]
             med = statistics.median(meas)
             pe = (r["peak_predicted"] - r["peak_measured"]) / r["peak_measured"]
+            te, tb = (pred - med) / med, (old - med) / med
+            hits["n"] += 1
+            hits["peak"] += abs(pe) <= 0.10
+            hits["step"] += abs(te) <= 0.30
+            hits["step_before"] += abs(tb) <= 0.30
             print(f"| {world} | {lay.name} | {r['states_predicted']:,} | "
                   f"{r['states_measured']:,} | {r['peak_predicted']:,} | "
                   f"{r['peak_measured']:,} | {pe:+.0%} | {pred:.1f} | {med:.1f} "
-                  f"({min(meas):.0f}-{max(meas):.0f}) | {(pred - med) / med:+.0%} |",
+                  f"({min(meas):.0f}-{max(meas):.0f}) | {te:+.0%} | {tb:+.0%} ({old:.1f}) |",
                   flush=True)
-    print()
+    print(f"\npeak within 10%: {hits['peak']}/{hits['n']}; step within 30%: "
+          f"{hits['step']}/{hits['n']} (whole-world fixed costs: "
+          f"{hits['step_before']}/{hits['n']})\n")
     for n in notes:
         print(n + "\n")
 
@@ -124,11 +151,13 @@ def main() -> None:
     p.add_argument("--model", default="tiny", choices=sorted(MODELS))
     p.add_argument("--rounds", type=int, default=3,
                    help="calibrate + measure rounds (the medians damp a shared machine's load)")
+    p.add_argument("--worlds", type=int, nargs="+", default=sorted(LAYOUTS),
+                   choices=sorted(LAYOUTS), help="world sizes to measure")
     p.add_argument("--skip-measure", action="store_true")
     p.add_argument("--skip-speed", action="store_true")
     args = p.parse_args()
     if not args.skip_measure:
-        validate(args.model, args.rounds)
+        validate(args.model, args.rounds, args.worlds)
     if not args.skip_speed:
         planner_speed()
 

@@ -135,15 +135,21 @@ def shard_pipeline_ends(model: nn.Module, dp_mesh: Any) -> None:
             fully_shard(m, mesh=dp_mesh, reshard_after_forward=False)
 
 
-def build(sizes: dict[str, int], lay: Layout, seq_len: int) -> tuple[nn.Module, Any, Any]:
-    """The laid-out model on this rank, its mesh, and (pp > 1) the pipeline schedule."""
+def build(sizes: dict[str, int], lay: Layout, seq_len: int, replicas: int = 1
+          ) -> tuple[nn.Module, Any, Any]:
+    """The laid-out model on this rank, its mesh, and (pp > 1) the pipeline schedule.
+    ``replicas > 1``: the world holds that many independent copies of the layout (an outer
+    mesh dim no parallelism uses; the calibration measures a group size below the world's)."""
     from hyperpar import fully_shard, init_device_mesh, parallelize_module
     from hyperpar.parallel import data_parallel
 
     llama = _examples()
     args = llama.ModelArgs(**{**sizes, "max_seq_len": seq_len})
     shape = tuple(lay.size(d) for d in MESH_DIMS)
-    mesh = init_device_mesh(shape, mesh_dim_names=MESH_DIMS)
+    names = MESH_DIMS
+    if replicas > 1:
+        shape, names = (replicas, *shape), ("replica", *MESH_DIMS)
+    mesh = init_device_mesh(shape, mesh_dim_names=names)
     schedule = None
     if lay.pp > 1:
         if lay.tp > 1:
@@ -200,8 +206,8 @@ def _context(model: nn.Module, mesh: Any, lay: Layout, tokens: torch.Tensor,
 
 
 def run_layout(sizes: dict[str, int], layout: dict[str, Any], seq_len: int, global_batch: int,
-               steps: int, warmup: int, peak: bool = True, alone: bool = False
-               ) -> dict[str, float]:
+               steps: int, warmup: int, peak: bool = True, alone: bool = False,
+               replicas: int = 1) -> dict[str, float]:
     """Train ``steps`` timed steps (after ``warmup``) of the laid-out model on this rank.
 
     Returns ``states`` (bytes of local parameters + gradients + AdamW states), ``step_ms``,
@@ -209,7 +215,8 @@ def run_layout(sizes: dict[str, int], layout: dict[str, Any], seq_len: int, glob
     ``zero_grad``), medians over the timed steps, ``stage`` (this rank's pipeline stage), and
     with ``peak`` the ``peak`` live tensor bytes of one more step (:class:`LiveBytes`).
     ``alone=True`` runs ``Layout()`` on every rank at once, without any communication (the
-    ranks load the cores as a real run does)."""
+    ranks load the cores as a real run does); ``replicas > 1`` runs that many independent
+    copies of the layout side by side (:func:`build`)."""
     from hyperpar.platform import get_platform
 
     from .live_bytes import LiveBytes
@@ -225,7 +232,7 @@ def run_layout(sizes: dict[str, int], layout: dict[str, Any], seq_len: int, glob
                 _checkpointed(b)
         dp_rank, dp, stage = 0, 1, 0
     else:
-        model, mesh, schedule = build(sizes, lay, seq_len)
+        model, mesh, schedule = build(sizes, lay, seq_len, replicas)
         dp = lay.dp
         dp_rank = (mesh.get_local_rank("dp_replicate") * lay.dp_shard
                    + mesh.get_local_rank("dp_shard"))

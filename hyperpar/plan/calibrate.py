@@ -15,12 +15,13 @@ On ``ranks`` processes of the selected backend (all busy at once, as in a real r
      ``root_overhead_s`` (the rest), ``optimizer_tensor_overhead_s``;
    * alone, a 128-wide model (the one run whose FLOPs count): ``compute_efficiency``, the
      share of the matmul microbenchmark's rate a training step reaches;
-   * fully_shard over all ranks: ``fsdp_unit_overhead_s`` (per unit),
-     ``sharded_optimizer_tensor_overhead_s``;
-   * tensor parallel over all ranks, 1 and 3 layers: ``tp_layer_overhead_s`` (per layer, the
-     slope), ``tp_root_overhead_s`` (the embedding, head and loss under tp);
-   * data_parallel over all ranks: ``dp_overhead_s`` (per step);
-   * a pipeline over all ranks: ``pp_action_overhead_s`` (per forward or backward action).
+   * for every group size ``n`` dividing ``ranks`` (``ranks / n`` independent copies of the
+     layout side by side, every process busy as in a real run), one table entry per size:
+     fully_shard over ``n``: ``fsdp_unit_overhead_s`` (per unit; over all ranks also
+     ``sharded_optimizer_tensor_overhead_s``); tensor parallel over ``n``, 1 and 3 layers:
+     ``tp_layer_overhead_s`` (per layer, the slope), ``tp_root_overhead_s`` (the embedding,
+     head and loss under tp); data_parallel over ``n``: ``dp_overhead_s`` (per step); a
+     pipeline of ``n`` stages: ``pp_action_overhead_s`` (per forward or backward action).
 
 The micro model's FLOPs are negligible, so what is measured there is fixed cost, not compute;
 the models ``--measure`` and benchmarks/plan_validation.py validate against are different
@@ -34,7 +35,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from .devices import DeviceProfile
+from .devices import GROUP_COSTS, DeviceProfile
 from .layout import Layout, Run
 from .memory import memory_per_rank
 from .model import spec_from_model_args
@@ -132,6 +133,53 @@ def _predicted_fb_s(profile: DeviceProfile, layout: Layout, sizes: dict[str, int
     return t.step_s - t.optimizer_s
 
 
+def group_sizes(ranks: int) -> list[int]:
+    """The group sizes a calibration on ``ranks`` processes measures: every divisor >= 2."""
+    return [n for n in range(2, ranks + 1) if ranks % n == 0]
+
+
+def _put(prof: DeviceProfile, key: str, n: int, value: float) -> DeviceProfile:
+    """``prof`` with group fixed cost ``key`` for groups of ``n`` set to ``value`` (>= 0)."""
+    table = dict(getattr(prof, key)) if isinstance(getattr(prof, key), dict) else {}
+    table[str(n)] = max(0.0, value)
+    return replace(prof, **{key: table})
+
+
+def _group_costs(prof: DeviceProfile, run: Any, n: int, replicas: int) -> DeviceProfile:
+    """Measure the group fixed costs for groups of ``n`` ranks (``replicas`` copies of each
+    layout side by side); ``prof`` must hold 0 for size ``n`` in each of them."""
+    def fb(lay: Layout, sizes: dict[str, int], batch: int) -> float:
+        return _fb_s(run(lay, sizes, batch, replicas=replicas))
+
+    # fully_shard over n: per unit (every layer and the root)
+    lay = Layout(dp_shard=n)
+    got = run(lay, MICRO, n, replicas=replicas)
+    unit = (_fb_s(got) - _predicted_fb_s(prof, lay, MICRO, n)) / 2
+    prof = _put(prof, "fsdp_unit_overhead_s", n, unit)
+    if replicas == 1:  # the optimizer's per-DTensor cost: once, over every rank
+        opt_sharded = max(r["opt_ms"] for r in got) / 1e3 / (9 + 3)
+        prof = replace(prof, sharded_optimizer_tensor_overhead_s=opt_sharded)
+    # tensor parallel over n, 1 and 3 layers: per layer (the slope) and at the embedding /
+    # head / loss (the rest)
+    lay = Layout(tp=n)
+    three_l = {**MICRO, "n_layers": 3}
+    res1 = fb(lay, MICRO, 1) - _predicted_fb_s(prof, lay, MICRO, 1)
+    res3 = fb(lay, three_l, 1) - _predicted_fb_s(prof, lay, three_l, 1)
+    tp_layer = max(0.0, (res3 - res1) / 2)
+    prof = _put(prof, "tp_layer_overhead_s", n, tp_layer)
+    prof = _put(prof, "tp_root_overhead_s", n, res1 - tp_layer)
+    # data_parallel over n: per step
+    lay = Layout(dp_replicate=n)
+    dp = fb(lay, MICRO, n) - _predicted_fb_s(prof, lay, MICRO, n)
+    prof = _put(prof, "dp_overhead_s", n, dp)
+    # a pipeline of n stages, one layer each: per forward or backward action
+    lay = Layout(pp=n, microbatches=n)
+    sizes = {**MICRO, "n_layers": n}
+    slots = 2 * (lay.microbatches + n - 1)
+    action = (fb(lay, sizes, n) - _predicted_fb_s(prof, lay, sizes, n)) / slots
+    return _put(prof, "pp_action_overhead_s", n, action)
+
+
 def calibrate(ranks: int = 2, *, steps: int = 30, warmup: int = 3, pool: Any = None,
               log: Any = None) -> DeviceProfile:
     """Measure a profile on ``ranks`` processes (see the module docstring). ``pool``: a
@@ -145,11 +193,11 @@ def calibrate(ranks: int = 2, *, steps: int = 30, warmup: int = 3, pool: Any = N
         pool = WorkerPool(ranks, collective_timeout_s=300).__enter__()
     try:
         def run(lay: Layout, sizes: dict[str, int], batch: int, alone: bool = False,
-                seq: int = MICRO_SEQ) -> list[dict[str, float]]:
+                seq: int = MICRO_SEQ, replicas: int = 1) -> list[dict[str, float]]:
             fields = {k: getattr(lay, k) for k in ("dp_replicate", "dp_shard", "tp", "pp",
                                                     "microbatches", "schedule")}
             return pool.run(run_layout, sizes, fields, seq, batch, steps, warmup,
-                            False, alone, timeout_s=300)
+                            False, alone, replicas, timeout_s=300)
 
         micro = pool.run(_micro_worker, 384, 20, timeout_s=300)[0]
         prof = DeviceProfile(
@@ -183,34 +231,13 @@ def calibrate(ranks: int = 2, *, steps: int = 30, warmup: int = 3, pool: Any = N
         fixed = t.step_s - t.optimizer_s - compute
         eff = compute / max(_fb_s(got) - fixed, compute)
         prof = replace(prof, compute_efficiency=eff)
-        # fully_shard over every rank
-        lay = Layout(dp_shard=ranks)
-        got = run(lay, MICRO, ranks)
-        unit = (_fb_s(got) - _predicted_fb_s(prof, lay, MICRO, ranks)) / 2
-        opt_sharded = max(r["opt_ms"] for r in got) / 1e3 / (9 + 3)
-        prof = replace(prof, fsdp_unit_overhead_s=max(0.0, unit),
-                       sharded_optimizer_tensor_overhead_s=opt_sharded)
-        # tensor parallel over every rank, 1 and 3 layers: per layer (the slope) and at the
-        # embedding / head / loss (the rest)
-        lay = Layout(tp=ranks)
-        three_l = {**MICRO, "n_layers": 3}
-        res1 = _fb_s(run(lay, MICRO, 1)) - _predicted_fb_s(prof, lay, MICRO, 1)
-        res3 = _fb_s(run(lay, three_l, 1)) - _predicted_fb_s(prof, lay, three_l, 1)
-        tp_layer = max(0.0, (res3 - res1) / 2)
-        prof = replace(prof, tp_layer_overhead_s=tp_layer,
-                       tp_root_overhead_s=max(0.0, res1 - tp_layer))
-        # data_parallel over every rank
-        lay = Layout(dp_replicate=ranks)
-        got = run(lay, MICRO, ranks)
-        dp = _fb_s(got) - _predicted_fb_s(prof, lay, MICRO, ranks)
-        prof = replace(prof, dp_overhead_s=max(0.0, dp))
-        # a pipeline over every rank, one layer per stage
-        lay = Layout(pp=ranks, microbatches=ranks)
-        sizes = {**MICRO, "n_layers": ranks}
-        got = run(lay, sizes, ranks)
-        slots = 2 * (lay.microbatches + ranks - 1)
-        action = (_fb_s(got) - _predicted_fb_s(prof, lay, sizes, ranks)) / slots
-        prof = replace(prof, pp_action_overhead_s=max(0.0, action))
+        # the group fixed costs, for every group size n dividing ``ranks``: ranks / n
+        # independent copies of each layout side by side, so that the cores are as busy as in
+        # a real run whose groups of n share them (a 4-rank dp2 x tp2 run's tp groups of 2)
+        prof = replace(prof, **{k: {str(n): 0.0 for n in group_sizes(ranks)}
+                                for k in GROUP_COSTS})
+        for n in group_sizes(ranks):
+            prof = _group_costs(prof, run, n, ranks // n)
     finally:
         if own:
             pool.__exit__(None, None, None)
@@ -236,6 +263,13 @@ def write_profile(path: str, ranks: int = 2) -> int:
     return 0
 
 
+def _ms(value: float | dict[str, float]) -> str:
+    """A fixed cost in ms: one figure, or one per group size (``2 ranks 0.40, 4 ranks 1.10``)."""
+    if isinstance(value, dict):
+        return ", ".join(f"{n} ranks {v * 1e3:.2f}" for n, v in value.items()) + " ms"
+    return f"{value * 1e3:.2f} ms"
+
+
 def describe(p: DeviceProfile) -> str:
     """One paragraph of a measured profile's figures."""
     lat = ", ".join(f"{n} ranks {s * 1e6:.0f} us" for n, s in p.collective_latency_s.items())
@@ -246,10 +280,8 @@ def describe(p: DeviceProfile) -> str:
             f"{p.hbm_bytes_per_s / 1e9:.1f} GB/s, collective bandwidth "
             f"{p.intra_bytes_per_s / 1e9:.2f} GB/s, collective fixed cost {lat}; per layer "
             f"{p.layer_overhead_s * 1e3:.2f} ms, root {p.root_overhead_s * 1e3:.2f} ms, "
-            f"tp per layer {p.tp_layer_overhead_s * 1e3:.2f} ms, tp root "
-            f"{p.tp_root_overhead_s * 1e3:.2f} ms, fully_shard per unit "
-            f"{p.fsdp_unit_overhead_s * 1e3:.2f} ms, data_parallel per step "
-            f"{p.dp_overhead_s * 1e3:.2f} ms, pipeline per action "
-            f"{p.pp_action_overhead_s * 1e3:.2f} ms, optimizer per tensor "
-            f"{p.optimizer_tensor_overhead_s * 1e6:.0f} us (sharded "
+            f"tp per layer {_ms(p.tp_layer_overhead_s)}, tp root {_ms(p.tp_root_overhead_s)}, "
+            f"fully_shard per unit {_ms(p.fsdp_unit_overhead_s)}, data_parallel per step "
+            f"{_ms(p.dp_overhead_s)}, pipeline per action {_ms(p.pp_action_overhead_s)}, "
+            f"optimizer per tensor {p.optimizer_tensor_overhead_s * 1e6:.0f} us (sharded "
             f"{p.sharded_optimizer_tensor_overhead_s * 1e6:.0f} us)")

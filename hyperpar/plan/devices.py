@@ -11,9 +11,16 @@ Give a measured profile with ``--profile FILE`` (JSON with the same keys); ``hyp
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+#: Fixed costs paid over a group of ranks, by the mesh dim whose size keys them
+#: (:meth:`DeviceProfile.fixed_cost`).
+GROUP_COSTS = {"tp_layer_overhead_s": "tp", "tp_root_overhead_s": "tp",
+               "fsdp_unit_overhead_s": "dp_shard", "pp_action_overhead_s": "pp",
+               "dp_overhead_s": "dp_replicate"}
 
 GB = 1e9
 MIB = 2**20  # device memory as the driver reports it (e.g. nvidia-smi's 81559 MiB for H100)
@@ -52,7 +59,14 @@ class DeviceProfile:
       runs at the rate of its per-rank matmul width (:meth:`flops_at`);
     * ``comm_overlap``: the fraction of fully_shard / data-parallel communication that can hide
       behind compute (1 on accelerators with their own copy engines; 0 on a cpu, where gloo and
-      the compute share the cores)."""
+      the compute share the cores).
+
+    The five group fixed costs (:data:`GROUP_COSTS`: ``tp_layer_overhead_s``,
+    ``tp_root_overhead_s``, ``fsdp_unit_overhead_s``, ``pp_action_overhead_s``,
+    ``dp_overhead_s``) are paid over a group of ranks (the layout's tp, pp, dp_shard or
+    dp_replicate dim) and grow with its size where processes share cores. Each is either one
+    number (every group size; what older profiles hold) or a table by group size like
+    ``collective_latency_s`` (``{"2": s, "4": s}``), looked up by :meth:`fixed_cost`."""
 
     name: str
     flops_bf16: float          # peak dense FLOP/s in bf16/fp16
@@ -67,11 +81,11 @@ class DeviceProfile:
     link_efficiency: float = 0.7
     layer_overhead_s: float = 0.0
     root_overhead_s: float = 0.0
-    tp_layer_overhead_s: float = 0.0
-    tp_root_overhead_s: float = 0.0
-    fsdp_unit_overhead_s: float = 0.0
-    pp_action_overhead_s: float = 0.0
-    dp_overhead_s: float = 0.0
+    tp_layer_overhead_s: float | dict[str, float] = field(default=0.0, hash=False)
+    tp_root_overhead_s: float | dict[str, float] = field(default=0.0, hash=False)
+    fsdp_unit_overhead_s: float | dict[str, float] = field(default=0.0, hash=False)
+    pp_action_overhead_s: float | dict[str, float] = field(default=0.0, hash=False)
+    dp_overhead_s: float | dict[str, float] = field(default=0.0, hash=False)
     optimizer_tensor_overhead_s: float = 0.0
     sharded_optimizer_tensor_overhead_s: float = 0.0
     collective_latency_s: dict[str, float] = field(default_factory=dict, hash=False)
@@ -83,6 +97,26 @@ class DeviceProfile:
         """Measured fixed cost of one collective over ``n`` ranks (``None``: not measured)."""
         value = self.collective_latency_s.get(str(n))
         return None if value is None else float(value)
+
+    def fixed_cost(self, key: str, n: int) -> float:
+        """The group fixed cost ``key`` (one of :data:`GROUP_COSTS`) for a group of ``n`` ranks.
+
+        A number applies to every group size. A table by group size gives the entry for ``n``
+        where it was measured, else that of the nearest measured size on a log scale (a tie
+        goes to the larger group, the dearer one): ``{"2": a, "4": b}`` gives ``a`` for 1 and 2,
+        ``b`` for 3, 4 and 8. No rescaling is applied: nothing measured says how such a cost
+        grows beyond the sizes measured."""
+        value = getattr(self, key)
+        if not isinstance(value, dict):
+            return float(value)
+        if not value:
+            return 0.0
+        if str(n) in value:
+            return float(value[str(n)])
+        target = math.log2(max(n, 1))
+        best = min((int(k) for k in value),
+                   key=lambda k: (round(abs(math.log2(k) - target), 9), -k))
+        return float(value[str(best)])
 
     def flops(self, dtype: str) -> float:
         """Achievable FLOP/s for matmuls in ``dtype`` (peak x efficiency)."""
@@ -149,6 +183,17 @@ def load_profile(path: str | Path) -> DeviceProfile:
                 str(k).isdigit() and isinstance(v, (int, float)) for k, v in table.items()):
             raise ValueError(f"hyperpar plan: profile {str(path)!r}: {key} must map sizes to "
                              f"numbers, e.g. {example}, got {table!r}")
+    for key in GROUP_COSTS:
+        value = data.get(key, 0.0)
+        if isinstance(value, bool) or not (isinstance(value, (int, float)) or (
+                isinstance(value, dict) and all(
+                    str(k).isdigit() and int(k) >= 1 and isinstance(v, (int, float))
+                    and not isinstance(v, bool) for k, v in value.items()))):
+            raise ValueError(f"hyperpar plan: profile {str(path)!r}: {key} must be a number "
+                             f"(seconds, every group size) or map group sizes to seconds, "
+                             f'e.g. 0.001 or {{"2": 0.001, "4": 0.003}}, got {value!r}')
+        if isinstance(value, dict):
+            data[key] = {str(k): float(v) for k, v in value.items()}
     return DeviceProfile(**data)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .devices import DeviceProfile
+from .devices import GROUP_COSTS, DeviceProfile
 from .layout import Layout, Run
 from .memory import MASTER_BYTES, Memory, microbatch_tokens, stage_params
 from .model import ModelSpec
@@ -258,16 +258,20 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
         first = seconds(fsdp[0])
         fsdp_mb_exposed = first + max(0.0, per_mb - first - overlap * compute_mb)
 
+    # group fixed costs, looked up by the size of the group they are paid over
+    def fixed(key: str) -> float:
+        return profile.fixed_cost(key, layout.size(GROUP_COSTS[key]))
+
     ac_factor = 4 / 3 if layout.activation_checkpointing else 1.0  # one more forward
     overhead_mb = layers * ac_factor * (profile.layer_overhead_s
-                                        + (profile.tp_layer_overhead_s if tp_on else 0.0))
+                                        + (fixed("tp_layer_overhead_s") if tp_on else 0.0))
     if layout.dp_shard > 1:
-        overhead_mb += (layers + 1) * profile.fsdp_unit_overhead_s
+        overhead_mb += (layers + 1) * fixed("fsdp_unit_overhead_s")
     overhead_mb += profile.root_overhead_s  # the embedding / head stage dominates the pipe
     if tp_on:
-        overhead_mb += profile.tp_root_overhead_s
+        overhead_mb += fixed("tp_root_overhead_s")
     if pp > 1:
-        overhead_mb += 2 * profile.pp_action_overhead_s
+        overhead_mb += 2 * fixed("pp_action_overhead_s")
     tau = compute_mb + overhead_mb + tp_mb + pp_mb + fsdp_mb_exposed
     slots = m + pp - 1
     pipe = slots * tau
@@ -288,7 +292,8 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
                   else profile.optimizer_tensor_overhead_s)
     optimizer = 2 * memory.states / profile.hbm_bytes_per_s + n_tensors * per_tensor
     if (layout.dp_replicate > 1 or layout.cp > 1) and layout.dp_shard == 1:
-        dp_exposed += profile.dp_overhead_s
+        # data_parallel's gradient averaging spans the replicas and the cp ranks together
+        dp_exposed += profile.fixed_cost("dp_overhead_s", layout.dp_replicate * layout.cp)
     total = pipe + tp_step + dp_exposed + optimizer
     return StepTime(step_s=total, compute_s=compute_step, bubble_s=bubble, tp_s=tp_mb * m,
                     pp_s=pp_mb * m, fsdp_exposed_s=fsdp_mb_exposed * m, dp_exposed_s=dp_exposed,

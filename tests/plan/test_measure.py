@@ -10,10 +10,11 @@ import pytest
 
 pytest.importorskip("torch")
 
+from hyperpar.plan.devices import GROUP_COSTS  # noqa: E402
 from hyperpar.plan.layout import Layout, Run  # noqa: E402
 from hyperpar.plan.measure import measure_layout  # noqa: E402
 from hyperpar.plan.memory import memory_per_rank, stage_memory  # noqa: E402
-from hyperpar.plan.model import example_spec  # noqa: E402
+from hyperpar.plan.model import EXAMPLES, example_spec  # noqa: E402
 from hyperpar.testing import WorkerPool  # noqa: E402
 
 from ._common import ROOT  # noqa: E402, F401  (puts the repository on sys.path)
@@ -100,16 +101,51 @@ def test_calibrated_profile_round_trips_and_plans(pool2, tmp_path) -> None:
     prof = calibrate(2, steps=1, warmup=0, pool=pool2)
     assert set(prof.collective_latency_s) == {"2"} and prof.latency(2) > 0
     assert prof.flops_fp32 > 0 and prof.intra_bytes_per_s > 0 and prof.comm_overlap == 0.0
-    for key in ("layer_overhead_s", "root_overhead_s", "tp_layer_overhead_s", "tp_root_overhead_s",
-                "fsdp_unit_overhead_s", "pp_action_overhead_s", "dp_overhead_s",
-                "optimizer_tensor_overhead_s", "sharded_optimizer_tensor_overhead_s"):
+    for key in ("layer_overhead_s", "root_overhead_s", "optimizer_tensor_overhead_s",
+                "sharded_optimizer_tensor_overhead_s"):
         assert getattr(prof, key) >= 0, key
+    for key in GROUP_COSTS:  # per group size: on 2 ranks, groups of 2
+        assert set(getattr(prof, key)) == {"2"} and getattr(prof, key)["2"] >= 0, key
     path = tmp_path / "cpu.json"
     save_profile(prof, path)
     assert load_profile(path) == prof
     run = Run(world=2, seq_len=16, global_batch=4, param_dtype="float32")
     result = plan(SPEC, run, load_profile(path))
     assert result.ranked and all(c.time.step_s > 0 for c in result.ranked)
+
+
+def test_calibration_on_4_ranks_measures_groups_of_2_and_4(pool4, tmp_path) -> None:
+    from hyperpar.plan.calibrate import calibrate
+    from hyperpar.plan.devices import load_profile, save_profile
+
+    prof = calibrate(4, steps=1, warmup=0, pool=pool4)
+    assert set(prof.collective_latency_s) == {"2", "4"}
+    for key in GROUP_COSTS:
+        table = getattr(prof, key)
+        assert set(table) == {"2", "4"} and min(table.values()) >= 0, (key, table)
+        # a layout's group of 2 pays the entry measured on groups of 2
+        assert prof.fixed_cost(key, 2) == table["2"] and prof.fixed_cost(key, 4) == table["4"]
+    path = tmp_path / "cpu4.json"
+    save_profile(prof, path)
+    assert load_profile(path) == prof
+
+
+@pytest.mark.parametrize("layout", [Layout(tp=2), Layout(dp_shard=2),
+                                    Layout(pp=2, microbatches=2)], ids=lambda x: x.name)
+def test_replicas_run_independent_copies_of_a_2_rank_layout_on_4_ranks(layout, pool4) -> None:
+    # what the 4-rank calibration runs to measure groups of 2: every rank holds what the
+    # layout gives a rank of a 2-rank world
+    from hyperpar.plan._runs import run_layout
+
+    fields = {k: getattr(layout, k) for k in ("dp_replicate", "dp_shard", "tp", "pp",
+                                               "microbatches", "schedule")}
+    got = pool4.run(run_layout, {k: v for k, v in EXAMPLES["tiny"].items()
+                                 if k != "max_seq_len"},
+                    fields, 16, 4, 1, 0, False, False, 2, timeout_s=300)
+    run = Run(world=2, seq_len=16, global_batch=4, param_dtype="float32")
+    for rank, r in enumerate(got):
+        assert int(r["states"]) == stage_memory(SPEC, run, layout, int(r["stage"])).states, rank
+    assert [int(r["stage"]) for r in got] == ([0, 1, 0, 1] if layout.pp == 2 else [0] * 4)
 
 
 def test_bad_collective_latency_in_a_profile_is_named(tmp_path) -> None:

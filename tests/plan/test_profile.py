@@ -1,0 +1,120 @@
+"""Device profiles with group fixed costs per group size: old profiles (one number per cost)
+still load and mean what they meant, tables by group size load, round-trip and are looked up
+by the size of the group the layout pays them over (exact, else the nearest measured size on a
+log scale, a tie to the larger), and bad tables are refused naming the key. Torch-free."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from hyperpar.plan.devices import GROUP_COSTS, PROFILES, get_profile, load_profile, save_profile
+from hyperpar.plan.layout import Layout, Run
+from hyperpar.plan.memory import memory_per_rank
+from hyperpar.plan.model import example_spec
+from hyperpar.plan.timing import step_time
+
+SPEC = example_spec("tiny")
+
+
+def _write(tmp_path, data: dict):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _step(layout: Layout, profile) -> float:
+    run = Run(world=layout.world, seq_len=16, global_batch=8, param_dtype="float32")
+    return step_time(SPEC, run, layout, profile, memory_per_rank(SPEC, run, layout)).step_s
+
+
+def test_an_old_profile_with_one_number_per_cost_still_loads(tmp_path) -> None:
+    data = PROFILES["h100"].to_json()
+    data.update({k: 1e-3 * (i + 1) for i, k in enumerate(GROUP_COSTS)})
+    prof = load_profile(_write(tmp_path, data))
+    for i, key in enumerate(GROUP_COSTS):
+        assert getattr(prof, key) == pytest.approx(1e-3 * (i + 1))
+        # one number: every group size pays it
+        assert [prof.fixed_cost(key, n) for n in (1, 2, 4, 8, 1024)] == \
+            [pytest.approx(1e-3 * (i + 1))] * 5
+
+
+def test_a_profile_without_the_group_costs_loads_with_zero(tmp_path) -> None:
+    data = PROFILES["a100"].to_json()
+    for key in GROUP_COSTS:
+        del data[key]
+    prof = load_profile(_write(tmp_path, data))
+    assert all(prof.fixed_cost(k, 4) == 0.0 for k in GROUP_COSTS)
+    assert prof == PROFILES["a100"]
+
+
+def test_per_size_tables_round_trip(tmp_path) -> None:
+    prof = replace(get_profile("h100"), tp_layer_overhead_s={"2": 1e-3, "4": 3e-3},
+                   dp_overhead_s={"2": 2e-3}, fsdp_unit_overhead_s=5e-4)
+    path = tmp_path / "p.json"
+    save_profile(prof, path)
+    assert json.loads(path.read_text())["tp_layer_overhead_s"] == {"2": 1e-3, "4": 3e-3}
+    assert load_profile(path) == prof
+    # integer keys and integer seconds, as a hand-written file may hold, read the same
+    data = json.loads(path.read_text())
+    data["tp_layer_overhead_s"] = {2: 1e-3, 4: 3e-3}
+    data["dp_overhead_s"] = {"2": 0}
+    got = load_profile(_write(tmp_path, data))
+    assert got.tp_layer_overhead_s == {"2": 1e-3, "4": 3e-3}
+    assert got.fixed_cost("dp_overhead_s", 2) == 0.0
+
+
+@pytest.mark.parametrize("n,expected", [(1, "2"), (2, "2"), (3, "4"), (4, "4"), (5, "4"),
+                                        (7, "4"), (8, "16"), (11, "16"), (16, "16"),
+                                        (1024, "16")])
+def test_lookup_takes_the_nearest_measured_size_on_a_log_scale(n, expected) -> None:
+    table = {"2": 1.0, "4": 2.0, "16": 3.0}  # 8: as far from 4 as from 16, the larger
+    prof = replace(get_profile("h100"), pp_action_overhead_s=table)
+    assert prof.fixed_cost("pp_action_overhead_s", n) == table[expected]
+
+
+def test_a_tie_goes_to_the_larger_group() -> None:
+    # 4 lies as far from 2 as from 8 on a log scale
+    prof = replace(get_profile("h100"), tp_root_overhead_s={"2": 1.0, "8": 5.0})
+    assert prof.fixed_cost("tp_root_overhead_s", 4) == 5.0
+    assert replace(prof, tp_root_overhead_s={}).fixed_cost("tp_root_overhead_s", 4) == 0.0
+
+
+@pytest.mark.parametrize("value", [{"two": 1e-3}, {"2": "fast"}, {"0": 1e-3}, "1ms", [1e-3],
+                                   True, {"2": True}])
+def test_a_bad_group_cost_is_refused_naming_the_key(tmp_path, value) -> None:
+    data = PROFILES["h100"].to_json()
+    data["fsdp_unit_overhead_s"] = value
+    with pytest.raises(ValueError, match=r"fsdp_unit_overhead_s must be a number .*map group "
+                                         r"sizes to seconds"):
+        load_profile(_write(tmp_path, data))
+
+
+def test_shipped_profiles_keep_one_zero_per_group_cost() -> None:
+    for prof in PROFILES.values():
+        for key in GROUP_COSTS:
+            assert getattr(prof, key) == 0.0 and not isinstance(getattr(prof, key), dict)
+        hash(prof)  # still usable as a cache key
+
+
+@pytest.mark.parametrize("layout,key,size", [
+    (Layout(dp_replicate=2, tp=2), "tp_layer_overhead_s", 2),
+    (Layout(tp=4), "tp_layer_overhead_s", 4),
+    (Layout(dp_shard=2, tp=2), "tp_root_overhead_s", 2),
+    (Layout(dp_shard=2, tp=2), "fsdp_unit_overhead_s", 2),
+    (Layout(dp_shard=4), "fsdp_unit_overhead_s", 4),
+    (Layout(pp=2, dp_shard=2, microbatches=2), "pp_action_overhead_s", 2),
+    (Layout(pp=2, dp_replicate=2, microbatches=2), "dp_overhead_s", 2),
+    (Layout(dp_replicate=4), "dp_overhead_s", 4),
+], ids=lambda x: x.name if isinstance(x, Layout) else str(x))
+def test_step_time_pays_the_cost_of_the_layouts_group_size(layout, key, size) -> None:
+    base = PROFILES["h100"]
+    table = replace(base, **{key: {"2": 1e-3, "4": 7e-3}})
+    scalar = replace(base, **{key: {"2": 1e-3, "4": 7e-3}[str(size)]})
+    other = replace(base, **{key: {"2": 7e-3, "4": 1e-3}[str(size)]})
+    # the table's entry for this layout's group size, and no other, is what the step pays
+    assert _step(layout, table) == pytest.approx(_step(layout, scalar), rel=1e-12)
+    assert _step(layout, table) != pytest.approx(_step(layout, other), rel=1e-6)
+    assert _step(layout, table) > _step(layout, base)
