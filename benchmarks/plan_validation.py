@@ -13,7 +13,7 @@ at scale. Prints two reports (no assertions; the figures go to docs/planning.md)
    layers, searched in full.
 
     python benchmarks/plan_validation.py [--model tiny|wide] [--rounds N] [--worlds 2 4]
-        [--skip-measure] [--skip-speed]
+        [--only LAYOUT ...] [--skip-measure] [--skip-speed]
 """
 
 from __future__ import annotations
@@ -34,11 +34,13 @@ CONFIGS = ROOT / "examples" / "configs"
 LAYOUTS = {2: [Layout(dp_shard=2), Layout(tp=2), Layout(dp_replicate=2),
                Layout(pp=2, microbatches=2), Layout(pp=2, microbatches=4, schedule="gpipe"),
                Layout(dp_shard=2, microbatches=2),
-               Layout(dp_shard=2, activation_checkpointing=True)],
+               Layout(dp_shard=2, activation_checkpointing=True),
+               Layout(cp=2), Layout(cp=2, activation_checkpointing=True)],
            4: [Layout(dp_shard=4), Layout(dp_shard=2, tp=2), Layout(tp=4),
                Layout(dp_replicate=2, dp_shard=2), Layout(dp_replicate=2, tp=2),
                Layout(pp=2, dp_shard=2, microbatches=2),
-               Layout(pp=2, dp_replicate=2, microbatches=2)]}
+               Layout(pp=2, dp_replicate=2, microbatches=2),
+               Layout(cp=4), Layout(dp_replicate=2, cp=2)]}
 MODELS = {
     # examples/llama ModelArgs.tiny(): all fixed costs
     "tiny": ({"vocab_size": 64, "dim": 32, "n_layers": 2, "n_heads": 4, "ffn_hidden": 64},
@@ -59,7 +61,7 @@ def whole_world(profile, world: int):
     return replace(profile, **{k: profile.fixed_cost(k, world) for k in GROUP_COSTS})
 
 
-def validate(model: str, rounds: int, worlds: list[int]) -> None:
+def validate(model: str, rounds: int, worlds: list[int], only: list[str] | None = None) -> None:
     import os
     import statistics
 
@@ -82,7 +84,8 @@ def validate(model: str, rounds: int, worlds: list[int]) -> None:
     notes = []
     hits = {"peak": 0, "step": 0, "step_before": 0, "n": 0}
     for world in worlds:
-        layouts = [lay for lay in LAYOUTS[world] if sizes["n_layers"] % lay.pp == 0]
+        layouts = [lay for lay in LAYOUTS[world] if sizes["n_layers"] % lay.pp == 0
+                   and (not only or lay.name in only)]
         run = Run(world=world, seq_len=seq_len, global_batch=global_batch,
                   param_dtype="float32", gpus_per_node=world)
         rows: dict[Layout, list[dict]] = {lay: [] for lay in layouts}
@@ -153,11 +156,13 @@ def main() -> None:
                    help="calibrate + measure rounds (the medians damp a shared machine's load)")
     p.add_argument("--worlds", type=int, nargs="+", default=sorted(LAYOUTS),
                    choices=sorted(LAYOUTS), help="world sizes to measure")
+    p.add_argument("--only", nargs="+", metavar="LAYOUT",
+                   help="measure only these layouts, by name (e.g. cp2.mb1 dp2.mb1)")
     p.add_argument("--skip-measure", action="store_true")
     p.add_argument("--skip-speed", action="store_true")
     args = p.parse_args()
     if not args.skip_measure:
-        validate(args.model, args.rounds, args.worlds)
+        validate(args.model, args.rounds, args.worlds, args.only)
     if not args.skip_speed:
         planner_speed()
 

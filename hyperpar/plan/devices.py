@@ -20,7 +20,7 @@ from typing import Any
 #: (:meth:`DeviceProfile.fixed_cost`).
 GROUP_COSTS = {"tp_layer_overhead_s": "tp", "tp_root_overhead_s": "tp",
                "fsdp_unit_overhead_s": "dp_shard", "pp_action_overhead_s": "pp",
-               "dp_overhead_s": "dp_replicate"}
+               "dp_overhead_s": "dp_replicate", "cp_layer_overhead_s": "cp"}
 
 GB = 1e9
 MIB = 2**20  # device memory as the driver reports it (e.g. nvidia-smi's 81559 MiB for H100)
@@ -48,6 +48,9 @@ class DeviceProfile:
       collectives (hooks, copies into and out of the flat buffers);
     * ``dp_overhead_s``: what ``data_parallel`` adds to a step beyond its all-reduce (gradient
       hooks, copies into and out of the buckets);
+    * ``cp_layer_overhead_s``: what context parallelism adds to one layer per microbatch
+      beyond its collectives' own cost (the gathers' autograd, the mask, the ranks waiting on
+      each other at each of the layer's blocking K/V collectives);
     * ``pp_action_overhead_s``: one pipeline action (a stage's forward or backward of one
       microbatch) beyond its compute: the executor and the message's fixed cost;
     * ``optimizer_tensor_overhead_s``: the optimizer step and ``zero_grad`` per local
@@ -61,11 +64,12 @@ class DeviceProfile:
       behind compute (1 on accelerators with their own copy engines; 0 on a cpu, where gloo and
       the compute share the cores).
 
-    The five group fixed costs (:data:`GROUP_COSTS`: ``tp_layer_overhead_s``,
+    The six group fixed costs (:data:`GROUP_COSTS`: ``tp_layer_overhead_s``,
     ``tp_root_overhead_s``, ``fsdp_unit_overhead_s``, ``pp_action_overhead_s``,
-    ``dp_overhead_s``) are paid over a group of ranks (the layout's tp, pp, dp_shard or
-    dp_replicate dim) and grow with its size where processes share cores. Each is either one
-    number (every group size; what older profiles hold) or a table by group size like
+    ``dp_overhead_s``, ``cp_layer_overhead_s``) are paid over a group of ranks (the layout's
+    tp, pp, dp_shard, dp_replicate or cp dim) and grow with its size where processes share
+    cores. Each is either one number (every group size; what older profiles hold) or a table by
+    group size like
     ``collective_latency_s`` (``{"2": s, "4": s}``), looked up by :meth:`fixed_cost`."""
 
     name: str
@@ -86,6 +90,7 @@ class DeviceProfile:
     fsdp_unit_overhead_s: float | dict[str, float] = field(default=0.0, hash=False)
     pp_action_overhead_s: float | dict[str, float] = field(default=0.0, hash=False)
     dp_overhead_s: float | dict[str, float] = field(default=0.0, hash=False)
+    cp_layer_overhead_s: float | dict[str, float] = field(default=0.0, hash=False)
     optimizer_tensor_overhead_s: float = 0.0
     sharded_optimizer_tensor_overhead_s: float = 0.0
     collective_latency_s: dict[str, float] = field(default_factory=dict, hash=False)

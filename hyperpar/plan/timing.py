@@ -272,6 +272,8 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
         overhead_mb += fixed("tp_root_overhead_s")
     if pp > 1:
         overhead_mb += 2 * fixed("pp_action_overhead_s")
+    if layout.cp > 1:
+        overhead_mb += layers * ac_factor * fixed("cp_layer_overhead_s")
     tau = compute_mb + overhead_mb + tp_mb + pp_mb + fsdp_mb_exposed
     slots = m + pp - 1
     pipe = slots * tau

@@ -108,6 +108,11 @@ def test_shipped_profiles_keep_one_zero_per_group_cost() -> None:
     (Layout(pp=2, dp_shard=2, microbatches=2), "pp_action_overhead_s", 2),
     (Layout(pp=2, dp_replicate=2, microbatches=2), "dp_overhead_s", 2),
     (Layout(dp_replicate=4), "dp_overhead_s", 4),
+    (Layout(cp=2), "cp_layer_overhead_s", 2),
+    (Layout(cp=4), "cp_layer_overhead_s", 4),
+    (Layout(dp_replicate=2, cp=2), "cp_layer_overhead_s", 2),
+    # data_parallel averages the gradients over the replicas and the cp ranks together
+    (Layout(dp_replicate=2, cp=2), "dp_overhead_s", 4),
 ], ids=lambda x: x.name if isinstance(x, Layout) else str(x))
 def test_step_time_pays_the_cost_of_the_layouts_group_size(layout, key, size) -> None:
     base = PROFILES["h100"]
