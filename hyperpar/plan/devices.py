@@ -128,15 +128,22 @@ class DeviceProfile:
         peak = self.flops_fp32 if dtype == "float32" else self.flops_bf16
         return peak * self.compute_efficiency
 
-    def flops_at(self, dtype: str, n: int) -> float:
-        """Achievable FLOP/s for matmuls about ``n`` wide: the measured rate of the largest
-        measured size <= ``n`` (the smallest one below all) times ``compute_efficiency``,
-        else :meth:`flops`."""
+    def flops_at(self, dtype: str, n: float) -> float:
+        """Achievable FLOP/s for matmuls doing as much work per call as an ``n x n x n`` one:
+        the measured rates interpolated on a log scale between the measured sizes (clamped to
+        the smallest and largest), times ``compute_efficiency``; else :meth:`flops`."""
         if not self.matmul_flops_by_size:
             return self.flops(dtype)
-        sizes = sorted(int(k) for k in self.matmul_flops_by_size)
-        fit = [k for k in sizes if k <= n] or sizes[:1]
-        return float(self.matmul_flops_by_size[str(fit[-1])]) * self.compute_efficiency
+        points = sorted((int(k), float(v)) for k, v in self.matmul_flops_by_size.items())
+        if n <= points[0][0]:
+            return points[0][1] * self.compute_efficiency
+        if n >= points[-1][0]:
+            return points[-1][1] * self.compute_efficiency
+        for (lo, r_lo), (hi, r_hi) in zip(points, points[1:], strict=False):
+            if lo <= n <= hi:
+                share = math.log(n / lo) / math.log(hi / lo)
+                return (r_lo + share * (r_hi - r_lo)) * self.compute_efficiency
+        raise AssertionError("unreachable: n lies between the smallest and largest size")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

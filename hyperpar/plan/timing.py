@@ -211,12 +211,19 @@ class StepTime:
         return self.step_s * 1e3
 
 
+def matmul_size(spec: ModelSpec, run: Run, layout: Layout) -> float:
+    """The edge of the cube matmul doing as much work per call as a rank's typical one: a
+    microbatch's tokens (gathered whole under sequence parallelism; split over cp) times
+    ``hidden x hidden / tp`` (a column- or row-parallel projection). Small matmuls run far
+    below the peak; their per-call cost follows their work, not their narrowest side."""
+    tokens = microbatch_tokens(run, layout)
+    return float(tokens * spec.hidden_size * spec.hidden_size / layout.tp) ** (1 / 3)
+
+
 def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
               memory: Memory) -> StepTime:
     m, pp = layout.microbatches, layout.pp
-    # a rank's matmuls are about hidden / tp wide (and no wider than a microbatch's tokens)
-    width = min(spec.hidden_size // layout.tp, microbatch_tokens(run, layout))
-    rate = profile.flops_at(run.param_dtype, width)
+    rate = profile.flops_at(run.param_dtype, matmul_size(spec, run, layout))
     compute_step = step_flops(spec, run, layout.activation_checkpointing) / run.world / rate
     compute_mb = compute_step / m
     layers = spec.num_layers // pp
@@ -233,7 +240,10 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
     def seconds(c: Collective) -> float:
         link = link_for(cp_link_dim(c), layout, run, profile)
         if c.kind == "p2p":
-            return link.p2p(c.nbytes)
+            # a send/recv pair involves two ranks: the measured fixed cost of a 2-rank
+            # exchange, not the whole link's (on a cpu that is the world's collective latency)
+            pair = profile.latency(2)
+            return link.p2p(c.nbytes) if pair is None else pair + c.nbytes / link.bytes_per_s
         n = group_size(c, layout)
         fixed = profile.latency(n)
         if fixed is None or n <= 1:
