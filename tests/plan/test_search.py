@@ -164,13 +164,14 @@ def test_context_parallel_divides_activations_and_adds_gathered_kv() -> None:
     from hyperpar.plan.memory import cp_activation_bytes
 
     # cp 2 over one 4096-token sequence holds 2048 tokens per rank: as dp on 2048-token
-    # sequences, plus the gathered K/V (cp - 1 more copies) and a 2048 x 4096 byte mask a layer
+    # sequences, plus the gathered K/V a layer (cp - 1 more copies) and one 2048 x 4096 byte
+    # mask shared by the layers
     layout = Layout(dp_replicate=4, cp=2)
     run = Run(world=8, seq_len=4096, global_batch=4, param_dtype="float32")
-    per_token, per_layer = cp_activation_bytes(SPEC, run, layout)
-    assert per_token == 2 * SPEC.kv_dim * 4 and per_layer == 2048 * 4096
+    per_token, mask = cp_activation_bytes(SPEC, run, layout)
+    assert per_token == 2 * SPEC.kv_dim * 4 and mask == 2048 * 4096
     cp = memory_per_rank(SPEC, run, layout)
     dp = memory_per_rank(SPEC, Run(world=8, seq_len=2048, global_batch=8,
                                    param_dtype="float32"), Layout(dp_replicate=8))
     assert cp.states == dp.states
-    assert cp.activations == dp.activations + SPEC.num_layers * (per_token * 2048 + per_layer)
+    assert cp.activations == dp.activations + SPEC.num_layers * per_token * 2048 + mask
