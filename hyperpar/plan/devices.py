@@ -59,10 +59,15 @@ class DeviceProfile:
       measured; where given it replaces the ring's ``(n - 1) * alpha``;
     * ``matmul_flops_by_size``: FLOP/s of an ``n x n x n`` matmul by ``n`` (``{"32": f}``),
       measured; small matmuls run far below the peak, so where given the compute of a model
-      runs at the rate of its per-rank matmul width (:meth:`flops_at`);
+      runs at the rate of a matmul doing its per-rank projection's work per call
+      (:meth:`flops_at`, :func:`hyperpar.plan.timing.matmul_size`);
     * ``comm_overlap``: the fraction of fully_shard / data-parallel communication that can hide
       behind compute (1 on accelerators with their own copy engines; 0 on a cpu, where gloo and
-      the compute share the cores).
+      the compute share the cores);
+    * ``cores``: CPU cores the processes of one node share (0: every rank has a device of its
+      own). Where a node runs more processes than cores, the fixed costs above are measured
+      with every process busy; in a pipeline's ramp-up and ramp-down slots half of the ranks
+      wait (asleep in a receive), and the busy ones run on the freed cores.
 
     The six group fixed costs (:data:`GROUP_COSTS`: ``tp_layer_overhead_s``,
     ``tp_root_overhead_s``, ``fsdp_unit_overhead_s``, ``pp_action_overhead_s``,
@@ -96,6 +101,7 @@ class DeviceProfile:
     collective_latency_s: dict[str, float] = field(default_factory=dict, hash=False)
     matmul_flops_by_size: dict[str, float] = field(default_factory=dict, hash=False)
     comm_overlap: float = 1.0
+    cores: float = 0
     source: str = "datasheet"
 
     def latency(self, n: int) -> float | None:
@@ -206,6 +212,11 @@ def load_profile(path: str | Path) -> DeviceProfile:
                              f'e.g. 0.001 or {{"2": 0.001, "4": 0.003}}, got {value!r}')
         if isinstance(value, dict):
             data[key] = {str(k): float(v) for k, v in value.items()}
+    cores = data.get("cores", 0)
+    if isinstance(cores, bool) or not isinstance(cores, (int, float)) or cores < 0:
+        raise ValueError(f"hyperpar plan: profile {str(path)!r}: cores must be a number >= 0 "
+                         f"(CPU cores a node's processes share; 0: a device per rank), got "
+                         f"{cores!r}")
     return DeviceProfile(**data)
 
 

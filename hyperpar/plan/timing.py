@@ -220,6 +220,21 @@ def matmul_size(spec: ModelSpec, run: Run, layout: Layout) -> float:
     return float(tokens * spec.hidden_size * spec.hidden_size / layout.tp) ** (1 / 3)
 
 
+def ramp_speed(run: Run, layout: Layout, profile: DeviceProfile) -> float:
+    """The cost of a pipeline ramp slot relative to a full one. Where a node runs more ranks
+    than it has cores (``profile.cores``), every cost was measured with all of them busy; in
+    the ramp-up and ramp-down slots half of the stages (on average) wait asleep in a receive,
+    and the rest get their cores: the slot takes ``max(busy / cores, 1) / (ranks / cores)`` of
+    a full one. Ranks with a device of their own (``cores == 0``) ramp at full cost."""
+    if not profile.cores or layout.pp == 1:
+        return 1.0
+    ranks = min(run.world, run.gpus_per_node)
+    shared = ranks / profile.cores
+    if shared <= 1:
+        return 1.0
+    return max(ranks / 2 / profile.cores, 1.0) / shared
+
+
 def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
               memory: Memory) -> StepTime:
     m, pp = layout.microbatches, layout.pp
@@ -285,9 +300,8 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
     if layout.cp > 1:
         overhead_mb += layers * ac_factor * fixed("cp_layer_overhead_s")
     tau = compute_mb + overhead_mb + tp_mb + pp_mb + fsdp_mb_exposed
-    slots = m + pp - 1
-    pipe = slots * tau
-    bubble = (pp - 1) * tau
+    bubble = (pp - 1) * tau * ramp_speed(run, layout, profile)
+    pipe = m * tau + bubble
 
     # data_parallel replicas: one all-reduce of the gradients per step, in buckets launched
     # during the last microbatch's backward (2/3 of its compute, as far as overlap allows)
