@@ -7,13 +7,13 @@ at scale. Prints two reports (no assertions; the figures go to docs/planning.md)
    model claims exact), peak live tensor bytes (goal: within 10%) and step time (goal: within
    30% on cpu) under a profile measured on the spot (hyperpar.plan.calibrate: rates and fixed
    costs, on a micro model; the group fixed costs per group size), and beside it the step
-   time predicted with every group fixed cost taken from the whole world's group (what the
-   calibration gave before it measured per group size), against the same measured runs;
+   time the previous time model (no per-layer cp cost; compute at the rate of a layer's
+   narrowest matmul side) predicts on the same profile, against the same measured runs;
 2. planner time: Llama-2-7B and Llama-3-70B over growing world sizes, and a model with more
    layers, searched in full.
 
     python benchmarks/plan_validation.py [--model tiny|wide] [--rounds N] [--worlds 2 4]
-        [--skip-measure] [--skip-speed]
+        [--only LAYOUT ...] [--skip-measure] [--skip-speed]
 """
 
 from __future__ import annotations
@@ -34,11 +34,13 @@ CONFIGS = ROOT / "examples" / "configs"
 LAYOUTS = {2: [Layout(dp_shard=2), Layout(tp=2), Layout(dp_replicate=2),
                Layout(pp=2, microbatches=2), Layout(pp=2, microbatches=4, schedule="gpipe"),
                Layout(dp_shard=2, microbatches=2),
-               Layout(dp_shard=2, activation_checkpointing=True)],
+               Layout(dp_shard=2, activation_checkpointing=True),
+               Layout(cp=2), Layout(cp=2, activation_checkpointing=True)],
            4: [Layout(dp_shard=4), Layout(dp_shard=2, tp=2), Layout(tp=4),
                Layout(dp_replicate=2, dp_shard=2), Layout(dp_replicate=2, tp=2),
                Layout(pp=2, dp_shard=2, microbatches=2),
-               Layout(pp=2, dp_replicate=2, microbatches=2)]}
+               Layout(pp=2, dp_replicate=2, microbatches=2),
+               Layout(cp=4), Layout(dp_replicate=2, cp=2)]}
 MODELS = {
     # examples/llama ModelArgs.tiny(): all fixed costs
     "tiny": ({"vocab_size": 64, "dim": 32, "n_layers": 2, "n_heads": 4, "ffn_hidden": 64},
@@ -49,17 +51,28 @@ MODELS = {
 }
 
 
-def whole_world(profile, world: int):
-    """``profile`` with every group fixed cost taken at its ``world``-rank entry for every
-    group size: what a calibration over all ranks only (before per-size calibration) gave."""
+def previous_model_ms(spec, run, lay, profile, mem) -> float:
+    """What the time model before this comparison's change predicts on the same profile: no
+    per-layer cp cost, and compute at the rate of the largest measured matmul size <= the
+    layer's narrowest side, ``min(hidden / tp, microbatch tokens)``."""
     from dataclasses import replace
 
-    from hyperpar.plan.devices import GROUP_COSTS
+    from hyperpar.plan.memory import microbatch_tokens
+    from hyperpar.plan.timing import matmul_size, step_time
 
-    return replace(profile, **{k: profile.fixed_cost(k, world) for k in GROUP_COSTS})
+    t = step_time(spec, run, lay, replace(profile, cp_layer_overhead_s=0.0), mem)
+    if not profile.matmul_flops_by_size:
+        return t.step_ms
+    width = min(spec.hidden_size // lay.tp, microbatch_tokens(run, lay))
+    sizes = sorted(int(k) for k in profile.matmul_flops_by_size)
+    floor = [k for k in sizes if k <= width] or sizes[:1]
+    old_rate = profile.matmul_flops_by_size[str(floor[-1])] * profile.compute_efficiency
+    new_rate = profile.flops_at(run.param_dtype, matmul_size(spec, run, lay))
+    # compute scales with 1 / rate; nothing else uses it while comm_overlap is 0 (cpu)
+    return (t.step_s + t.compute_s * (new_rate / old_rate - 1)) * 1e3
 
 
-def validate(model: str, rounds: int, worlds: list[int]) -> None:
+def validate(model: str, rounds: int, worlds: list[int], only: list[str] | None = None) -> None:
     import os
     import statistics
 
@@ -67,7 +80,6 @@ def validate(model: str, rounds: int, worlds: list[int]) -> None:
     from hyperpar.plan.measure import calibrate_cpu, compare
     from hyperpar.plan.memory import memory_per_rank
     from hyperpar.plan.model import spec_from_model_args
-    from hyperpar.plan.timing import step_time
     from hyperpar.testing import WorkerPool
 
     sizes, seq_len, global_batch = MODELS[model]
@@ -77,12 +89,13 @@ def validate(model: str, rounds: int, worlds: list[int]) -> None:
           "(calibrate, run every layout), medians\n")
     print("| ranks | layout | states predicted (B) | states measured (B) | peak predicted (B) "
           "| peak measured (B) | peak error | step ms predicted | step ms measured "
-          "(min-max) | time error | time error, whole-world fixed costs |")
+          "(min-max) | time error | time error, previous model |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     notes = []
     hits = {"peak": 0, "step": 0, "step_before": 0, "n": 0}
     for world in worlds:
-        layouts = [lay for lay in LAYOUTS[world] if sizes["n_layers"] % lay.pp == 0]
+        layouts = [lay for lay in LAYOUTS[world] if sizes["n_layers"] % lay.pp == 0
+                   and (not only or lay.name in only)]
         run = Run(world=world, seq_len=seq_len, global_batch=global_batch,
                   param_dtype="float32", gpus_per_node=world)
         rows: dict[Layout, list[dict]] = {lay: [] for lay in layouts}
@@ -90,14 +103,13 @@ def validate(model: str, rounds: int, worlds: list[int]) -> None:
             for i in range(rounds):
                 start = time.perf_counter()
                 profile = calibrate_cpu(world, pool=pool)
-                before = whole_world(profile, world)
                 notes.append(f"calibration, {world} ranks, round {i + 1} "
                              f"({time.perf_counter() - start:.0f} s, load average "
                              f"{os.getloadavg()[0]:.1f}): {describe(profile)}")
                 for lay in layouts:
                     row = compare(sizes, lay, run, profile, pool=pool, peak=i == 0)
                     mem = memory_per_rank(spec, run, lay)
-                    row["step_ms_before"] = step_time(spec, run, lay, before, mem).step_ms
+                    row["step_ms_before"] = previous_model_ms(spec, run, lay, profile, mem)
                     rows[lay].append(row)
         for lay in layouts:
             r = rows[lay][0]
@@ -117,7 +129,7 @@ def validate(model: str, rounds: int, worlds: list[int]) -> None:
                   f"({min(meas):.0f}-{max(meas):.0f}) | {te:+.0%} | {tb:+.0%} ({old:.1f}) |",
                   flush=True)
     print(f"\npeak within 10%: {hits['peak']}/{hits['n']}; step within 30%: "
-          f"{hits['step']}/{hits['n']} (whole-world fixed costs: "
+          f"{hits['step']}/{hits['n']} (previous model: "
           f"{hits['step_before']}/{hits['n']})\n")
     for n in notes:
         print(n + "\n")
@@ -153,11 +165,13 @@ def main() -> None:
                    help="calibrate + measure rounds (the medians damp a shared machine's load)")
     p.add_argument("--worlds", type=int, nargs="+", default=sorted(LAYOUTS),
                    choices=sorted(LAYOUTS), help="world sizes to measure")
+    p.add_argument("--only", nargs="+", metavar="LAYOUT",
+                   help="measure only these layouts, by name (e.g. cp2.mb1 dp2.mb1)")
     p.add_argument("--skip-measure", action="store_true")
     p.add_argument("--skip-speed", action="store_true")
     args = p.parse_args()
     if not args.skip_measure:
-        validate(args.model, args.rounds, args.worlds)
+        validate(args.model, args.rounds, args.worlds, args.only)
     if not args.skip_speed:
         planner_speed()
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -68,6 +68,19 @@ class _State:
     load_balance: bool
     local_len: int | None  # the buffers' local sequence length (None: no buffers given)
     sdpa: Any  # the function the context replaced
+    # causal masks by (local length, device): every layer of a step asks for the same one
+    masks: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+
+    def causal_mask(self, local: int, device: torch.device) -> torch.Tensor:
+        """``[local, size * local]`` bool, True where this rank's query may attend the key
+        (both at their global positions); built once per length and device."""
+        key = (local, str(device))
+        if key not in self.masks:
+            q_pos = _positions(self.rank, self.size, local, self.load_balance, device)
+            k_pos = torch.cat([_positions(r, self.size, local, self.load_balance, device)
+                               for r in range(self.size)])
+            self.masks[key] = k_pos[None, :] <= q_pos[:, None]
+        return self.masks[key]
 
 
 _ACTIVE: _State | None = None
@@ -229,13 +242,7 @@ def _context_parallel_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.
     seq_dim = key.dim() - 2
     key = platform.all_gather_autograd(key, seq_dim, state.group)
     value = platform.all_gather_autograd(value, seq_dim, state.group)
-    mask = None
-    if is_causal:
-        local = query.shape[-2]
-        q_pos = _positions(state.rank, state.size, local, state.load_balance, query.device)
-        k_pos = torch.cat([_positions(r, state.size, local, state.load_balance, query.device)
-                           for r in range(state.size)])
-        mask = k_pos[None, :] <= q_pos[:, None]  # True: attend
+    mask = state.causal_mask(query.shape[-2], query.device) if is_causal else None
     extra = {"enable_gqa": True} if enable_gqa else {}
     return state.sdpa(query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False,
                       scale=scale, **extra)

@@ -21,7 +21,9 @@ On ``ranks`` processes of the selected backend (all busy at once, as in a real r
      ``sharded_optimizer_tensor_overhead_s``); tensor parallel over ``n``, 1 and 3 layers:
      ``tp_layer_overhead_s`` (per layer, the slope), ``tp_root_overhead_s`` (the embedding,
      head and loss under tp); data_parallel over ``n``: ``dp_overhead_s`` (per step); a
-     pipeline of ``n`` stages: ``pp_action_overhead_s`` (per forward or backward action).
+     pipeline of ``n`` stages: ``pp_action_overhead_s`` (per forward or backward action);
+     context parallel over ``n``, 1 and 3 layers: ``cp_layer_overhead_s`` (per layer, the
+     slope).
 
 The micro model's FLOPs are negligible, so what is measured there is fixed cost, not compute;
 the models ``--measure`` and benchmarks/plan_validation.py validate against are different
@@ -30,6 +32,7 @@ the models ``--measure`` and benchmarks/plan_validation.py validate against are 
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import replace
@@ -118,15 +121,27 @@ def _latency(pf: Any, timed: Any, group: Any, n: int, repeats: int) -> float:
     return statistics.median(costs)
 
 
+def _cores() -> int:
+    """CPU cores this process (and the workers it starts) may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def _fb_s(got: list[dict[str, float]]) -> float:
     """Forward + backward of the slowest rank, seconds."""
     return max(r["fb_ms"] for r in got) / 1e3
 
 
 def _predicted_fb_s(profile: DeviceProfile, layout: Layout, sizes: dict[str, int],
-                    batch: int) -> float:
+                    batch: int, seq: int = MICRO_SEQ, replicas: int = 1) -> float:
+    """The planner's forward + backward for ``layout``, one of ``replicas`` copies running
+    side by side (each copy gets its share of the cores)."""
+    if replicas > 1 and profile.cores:
+        profile = replace(profile, cores=profile.cores / replicas)
     spec = spec_from_model_args(sizes)
-    run = Run(world=layout.world, seq_len=MICRO_SEQ, global_batch=batch,
+    run = Run(world=layout.world, seq_len=seq, global_batch=batch,
               param_dtype="float32", gpus_per_node=layout.world)
     mem = memory_per_rank(spec, run, layout)
     t = step_time(spec, run, layout, profile, mem)
@@ -168,15 +183,27 @@ def _group_costs(prof: DeviceProfile, run: Any, n: int, replicas: int) -> Device
     tp_layer = max(0.0, (res3 - res1) / 2)
     prof = _put(prof, "tp_layer_overhead_s", n, tp_layer)
     prof = _put(prof, "tp_root_overhead_s", n, res1 - tp_layer)
+    # context parallel over n, 1 and 3 layers: per layer (the slope); the sequence splits
+    # into 2n head-tail chunks
+    lay = Layout(cp=n)
+    seq = 2 * n * MICRO_SEQ
+    res1 = (_fb_s(run(lay, MICRO, 1, seq=seq, replicas=replicas))
+            - _predicted_fb_s(prof, lay, MICRO, 1, seq))
+    res3 = (_fb_s(run(lay, three_l, 1, seq=seq, replicas=replicas))
+            - _predicted_fb_s(prof, lay, three_l, 1, seq))
+    prof = _put(prof, "cp_layer_overhead_s", n, (res3 - res1) / 2)
     # data_parallel over n: per step
     lay = Layout(dp_replicate=n)
     dp = fb(lay, MICRO, n) - _predicted_fb_s(prof, lay, MICRO, n)
     prof = _put(prof, "dp_overhead_s", n, dp)
-    # a pipeline of n stages, one layer each: per forward or backward action
+    # a pipeline of n stages, one layer each: per forward or backward action (how many the
+    # prediction charges, ramp slots at their speed, is read off the prediction itself)
     lay = Layout(pp=n, microbatches=n)
     sizes = {**MICRO, "n_layers": n}
-    slots = 2 * (lay.microbatches + n - 1)
-    action = (fb(lay, sizes, n) - _predicted_fb_s(prof, lay, sizes, n)) / slots
+    base = _predicted_fb_s(prof, lay, sizes, n, replicas=replicas)
+    actions = _predicted_fb_s(_put(prof, "pp_action_overhead_s", n, 1.0), lay, sizes, n,
+                              replicas=replicas) - base
+    action = (fb(lay, sizes, n) - base) / actions
     return _put(prof, "pp_action_overhead_s", n, action)
 
 
@@ -194,7 +221,7 @@ def calibrate(ranks: int = 2, *, steps: int = 30, warmup: int = 3, pool: Any = N
     try:
         def run(lay: Layout, sizes: dict[str, int], batch: int, alone: bool = False,
                 seq: int = MICRO_SEQ, replicas: int = 1) -> list[dict[str, float]]:
-            fields = {k: getattr(lay, k) for k in ("dp_replicate", "dp_shard", "tp", "pp",
+            fields = {k: getattr(lay, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp",
                                                     "microbatches", "schedule")}
             return pool.run(run_layout, sizes, fields, seq, batch, steps, warmup,
                             False, alone, replicas, timeout_s=300)
@@ -207,7 +234,7 @@ def calibrate(ranks: int = 2, *, steps: int = 30, warmup: int = 3, pool: Any = N
             inter_bytes_per_s=micro["bw"], intra_alpha_s=micro["latency"][str(ranks)],
             inter_alpha_s=micro["latency"][str(ranks)], compute_efficiency=1.0,
             link_efficiency=1.0, collective_latency_s=micro["latency"],
-            matmul_flops_by_size=micro["by_size"], comm_overlap=0.0,
+            matmul_flops_by_size=micro["by_size"], comm_overlap=0.0, cores=_cores(),
             source="measured by hyperpar calibrate")
         # alone: 1 and 3 layers -> per-layer slope and the root's fixed cost
         one = run(Layout(), MICRO, 1, alone=True)
@@ -274,13 +301,15 @@ def describe(p: DeviceProfile) -> str:
     """One paragraph of a measured profile's figures."""
     lat = ", ".join(f"{n} ranks {s * 1e6:.0f} us" for n, s in p.collective_latency_s.items())
     sizes = ", ".join(f"{n}: {f / 1e9:.1f}" for n, f in p.matmul_flops_by_size.items())
-    return (f"{p.name}: {p.flops_fp32 / 1e9:.1f} GFLOP/s per process, {p.compute_efficiency:.0%} "
+    return (f"{p.name}: {p.flops_fp32 / 1e9:.1f} GFLOP/s per process ({p.cores:g} cores), "
+            f"{p.compute_efficiency:.0%} "
             f"of it in a training step (by matmul width "
             f"{sizes}), memory "
             f"{p.hbm_bytes_per_s / 1e9:.1f} GB/s, collective bandwidth "
             f"{p.intra_bytes_per_s / 1e9:.2f} GB/s, collective fixed cost {lat}; per layer "
             f"{p.layer_overhead_s * 1e3:.2f} ms, root {p.root_overhead_s * 1e3:.2f} ms, "
             f"tp per layer {_ms(p.tp_layer_overhead_s)}, tp root {_ms(p.tp_root_overhead_s)}, "
+            f"cp per layer {_ms(p.cp_layer_overhead_s)}, "
             f"fully_shard per unit {_ms(p.fsdp_unit_overhead_s)}, data_parallel per step "
             f"{_ms(p.dp_overhead_s)}, pipeline per action {_ms(p.pp_action_overhead_s)}, "
             f"optimizer per tensor {p.optimizer_tensor_overhead_s * 1e6:.0f} us (sharded "

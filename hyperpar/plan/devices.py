@@ -20,7 +20,7 @@ from typing import Any
 #: (:meth:`DeviceProfile.fixed_cost`).
 GROUP_COSTS = {"tp_layer_overhead_s": "tp", "tp_root_overhead_s": "tp",
                "fsdp_unit_overhead_s": "dp_shard", "pp_action_overhead_s": "pp",
-               "dp_overhead_s": "dp_replicate"}
+               "dp_overhead_s": "dp_replicate", "cp_layer_overhead_s": "cp"}
 
 GB = 1e9
 MIB = 2**20  # device memory as the driver reports it (e.g. nvidia-smi's 81559 MiB for H100)
@@ -48,6 +48,9 @@ class DeviceProfile:
       collectives (hooks, copies into and out of the flat buffers);
     * ``dp_overhead_s``: what ``data_parallel`` adds to a step beyond its all-reduce (gradient
       hooks, copies into and out of the buckets);
+    * ``cp_layer_overhead_s``: what context parallelism adds to one layer per microbatch
+      beyond its collectives' own cost (the gathers' autograd, the mask, the ranks waiting on
+      each other at each of the layer's blocking K/V collectives);
     * ``pp_action_overhead_s``: one pipeline action (a stage's forward or backward of one
       microbatch) beyond its compute: the executor and the message's fixed cost;
     * ``optimizer_tensor_overhead_s``: the optimizer step and ``zero_grad`` per local
@@ -56,16 +59,22 @@ class DeviceProfile:
       measured; where given it replaces the ring's ``(n - 1) * alpha``;
     * ``matmul_flops_by_size``: FLOP/s of an ``n x n x n`` matmul by ``n`` (``{"32": f}``),
       measured; small matmuls run far below the peak, so where given the compute of a model
-      runs at the rate of its per-rank matmul width (:meth:`flops_at`);
+      runs at the rate of a matmul doing its per-rank projection's work per call
+      (:meth:`flops_at`, :func:`hyperpar.plan.timing.matmul_size`);
     * ``comm_overlap``: the fraction of fully_shard / data-parallel communication that can hide
       behind compute (1 on accelerators with their own copy engines; 0 on a cpu, where gloo and
-      the compute share the cores).
+      the compute share the cores);
+    * ``cores``: CPU cores the processes of one node share (0: every rank has a device of its
+      own). Where a node runs more processes than cores, the fixed costs above are measured
+      with every process busy; in a pipeline's ramp-up and ramp-down slots half of the ranks
+      wait (asleep in a receive), and the busy ones run on the freed cores.
 
-    The five group fixed costs (:data:`GROUP_COSTS`: ``tp_layer_overhead_s``,
+    The six group fixed costs (:data:`GROUP_COSTS`: ``tp_layer_overhead_s``,
     ``tp_root_overhead_s``, ``fsdp_unit_overhead_s``, ``pp_action_overhead_s``,
-    ``dp_overhead_s``) are paid over a group of ranks (the layout's tp, pp, dp_shard or
-    dp_replicate dim) and grow with its size where processes share cores. Each is either one
-    number (every group size; what older profiles hold) or a table by group size like
+    ``dp_overhead_s``, ``cp_layer_overhead_s``) are paid over a group of ranks (the layout's
+    tp, pp, dp_shard, dp_replicate or cp dim) and grow with its size where processes share
+    cores. Each is either one number (every group size; what older profiles hold) or a table by
+    group size like
     ``collective_latency_s`` (``{"2": s, "4": s}``), looked up by :meth:`fixed_cost`."""
 
     name: str
@@ -86,11 +95,13 @@ class DeviceProfile:
     fsdp_unit_overhead_s: float | dict[str, float] = field(default=0.0, hash=False)
     pp_action_overhead_s: float | dict[str, float] = field(default=0.0, hash=False)
     dp_overhead_s: float | dict[str, float] = field(default=0.0, hash=False)
+    cp_layer_overhead_s: float | dict[str, float] = field(default=0.0, hash=False)
     optimizer_tensor_overhead_s: float = 0.0
     sharded_optimizer_tensor_overhead_s: float = 0.0
     collective_latency_s: dict[str, float] = field(default_factory=dict, hash=False)
     matmul_flops_by_size: dict[str, float] = field(default_factory=dict, hash=False)
     comm_overlap: float = 1.0
+    cores: float = 0
     source: str = "datasheet"
 
     def latency(self, n: int) -> float | None:
@@ -123,15 +134,22 @@ class DeviceProfile:
         peak = self.flops_fp32 if dtype == "float32" else self.flops_bf16
         return peak * self.compute_efficiency
 
-    def flops_at(self, dtype: str, n: int) -> float:
-        """Achievable FLOP/s for matmuls about ``n`` wide: the measured rate of the largest
-        measured size <= ``n`` (the smallest one below all) times ``compute_efficiency``,
-        else :meth:`flops`."""
+    def flops_at(self, dtype: str, n: float) -> float:
+        """Achievable FLOP/s for matmuls doing as much work per call as an ``n x n x n`` one:
+        the measured rates interpolated on a log scale between the measured sizes (clamped to
+        the smallest and largest), times ``compute_efficiency``; else :meth:`flops`."""
         if not self.matmul_flops_by_size:
             return self.flops(dtype)
-        sizes = sorted(int(k) for k in self.matmul_flops_by_size)
-        fit = [k for k in sizes if k <= n] or sizes[:1]
-        return float(self.matmul_flops_by_size[str(fit[-1])]) * self.compute_efficiency
+        points = sorted((int(k), float(v)) for k, v in self.matmul_flops_by_size.items())
+        if n <= points[0][0]:
+            return points[0][1] * self.compute_efficiency
+        if n >= points[-1][0]:
+            return points[-1][1] * self.compute_efficiency
+        for (lo, r_lo), (hi, r_hi) in zip(points, points[1:], strict=False):
+            if lo <= n <= hi:
+                share = math.log(n / lo) / math.log(hi / lo)
+                return (r_lo + share * (r_hi - r_lo)) * self.compute_efficiency
+        raise AssertionError("unreachable: n lies between the smallest and largest size")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -194,6 +212,11 @@ def load_profile(path: str | Path) -> DeviceProfile:
                              f'e.g. 0.001 or {{"2": 0.001, "4": 0.003}}, got {value!r}')
         if isinstance(value, dict):
             data[key] = {str(k): float(v) for k, v in value.items()}
+    cores = data.get("cores", 0)
+    if isinstance(cores, bool) or not isinstance(cores, (int, float)) or cores < 0:
+        raise ValueError(f"hyperpar plan: profile {str(path)!r}: cores must be a number >= 0 "
+                         f"(CPU cores a node's processes share; 0: a device per rank), got "
+                         f"{cores!r}")
     return DeviceProfile(**data)
 
 

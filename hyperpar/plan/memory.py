@@ -133,11 +133,11 @@ def microbatch_tokens(run: Run, layout: Layout) -> int:
 
 
 def cp_activation_bytes(spec: ModelSpec, run: Run, layout: Layout) -> tuple[float, float]:
-    """What context parallelism adds to one layer's saved activations, per microbatch:
-    (bytes per local token, bytes per layer). Attention saves the K and V gathered over cp
-    (``cp`` times the local ones, of which the local ``2 kv`` are already counted), and the
-    causal mask, one byte per (local query, key) pair: ``seq / cp x seq`` per layer (shared by
-    the batch and the heads)."""
+    """What context parallelism adds to the saved activations: (bytes per local token and
+    layer, bytes once). Attention saves the K and V gathered over cp (``cp`` times the local
+    ones, of which the local ``2 kv`` are already counted) in every layer, and the causal mask,
+    one byte per (local query, key) pair: ``seq / cp x seq``, built once per context and shared
+    by the layers, the batch and the heads."""
     if layout.cp == 1:
         return 0.0, 0.0
     per_token = 2 * spec.kv_dim / layout.tp * (layout.cp - 1) * run.compute_bytes
@@ -183,11 +183,11 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
     layers = spec.num_layers // layout.pp
     k = in_flight(layout, stage)
     cp_token, cp_layer = cp_activation_bytes(spec, run, layout)
+    # the causal mask is built once per context and shared by every layer and microbatch
     if layout.activation_checkpointing:
-        act = (k * layers * saved * tokens * cb + full * tokens * cb
-               + cp_token * tokens + cp_layer)
+        act = k * layers * saved * tokens * cb + full * tokens * cb + cp_token * tokens + cp_layer
     else:
-        act = k * layers * (full * tokens * cb + cp_token * tokens + cp_layer)
+        act = k * layers * (full * tokens * cb + cp_token * tokens) + cp_layer
     if stage == layout.pp - 1:
         # logits in the compute dtype + fp32 log-softmax and its gradient, per microbatch held
         held = layout.microbatches if layout.pp > 1 and layout.schedule == "gpipe" else 1

@@ -211,12 +211,34 @@ class StepTime:
         return self.step_s * 1e3
 
 
+def matmul_size(spec: ModelSpec, run: Run, layout: Layout) -> float:
+    """The edge of the cube matmul doing as much work per call as a rank's typical one: a
+    microbatch's tokens (gathered whole under sequence parallelism; split over cp) times
+    ``hidden x hidden / tp`` (a column- or row-parallel projection). Small matmuls run far
+    below the peak; their per-call cost follows their work, not their narrowest side."""
+    tokens = microbatch_tokens(run, layout)
+    return float(tokens * spec.hidden_size * spec.hidden_size / layout.tp) ** (1 / 3)
+
+
+def ramp_speed(run: Run, layout: Layout, profile: DeviceProfile) -> float:
+    """The cost of a pipeline ramp slot relative to a full one. Where a node runs more ranks
+    than it has cores (``profile.cores``), every cost was measured with all of them busy; in
+    the ramp-up and ramp-down slots half of the stages (on average) wait asleep in a receive,
+    and the rest get their cores: the slot takes ``max(busy / cores, 1) / (ranks / cores)`` of
+    a full one. Ranks with a device of their own (``cores == 0``) ramp at full cost."""
+    if not profile.cores or layout.pp == 1:
+        return 1.0
+    ranks = min(run.world, run.gpus_per_node)
+    shared = ranks / profile.cores
+    if shared <= 1:
+        return 1.0
+    return max(ranks / 2 / profile.cores, 1.0) / shared
+
+
 def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
               memory: Memory) -> StepTime:
     m, pp = layout.microbatches, layout.pp
-    # a rank's matmuls are about hidden / tp wide (and no wider than a microbatch's tokens)
-    width = min(spec.hidden_size // layout.tp, microbatch_tokens(run, layout))
-    rate = profile.flops_at(run.param_dtype, width)
+    rate = profile.flops_at(run.param_dtype, matmul_size(spec, run, layout))
     compute_step = step_flops(spec, run, layout.activation_checkpointing) / run.world / rate
     compute_mb = compute_step / m
     layers = spec.num_layers // pp
@@ -233,7 +255,10 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
     def seconds(c: Collective) -> float:
         link = link_for(cp_link_dim(c), layout, run, profile)
         if c.kind == "p2p":
-            return link.p2p(c.nbytes)
+            # a send/recv pair involves two ranks: the measured fixed cost of a 2-rank
+            # exchange, not the whole link's (on a cpu that is the world's collective latency)
+            pair = profile.latency(2)
+            return link.p2p(c.nbytes) if pair is None else pair + c.nbytes / link.bytes_per_s
         n = group_size(c, layout)
         fixed = profile.latency(n)
         if fixed is None or n <= 1:
@@ -272,10 +297,11 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
         overhead_mb += fixed("tp_root_overhead_s")
     if pp > 1:
         overhead_mb += 2 * fixed("pp_action_overhead_s")
+    if layout.cp > 1:
+        overhead_mb += layers * ac_factor * fixed("cp_layer_overhead_s")
     tau = compute_mb + overhead_mb + tp_mb + pp_mb + fsdp_mb_exposed
-    slots = m + pp - 1
-    pipe = slots * tau
-    bubble = (pp - 1) * tau
+    bubble = (pp - 1) * tau * ramp_speed(run, layout, profile)
+    pipe = m * tau + bubble
 
     # data_parallel replicas: one all-reduce of the gradients per step, in buckets launched
     # during the last microbatch's backward (2/3 of its compute, as far as overlap allows)

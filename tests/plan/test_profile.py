@@ -108,6 +108,11 @@ def test_shipped_profiles_keep_one_zero_per_group_cost() -> None:
     (Layout(pp=2, dp_shard=2, microbatches=2), "pp_action_overhead_s", 2),
     (Layout(pp=2, dp_replicate=2, microbatches=2), "dp_overhead_s", 2),
     (Layout(dp_replicate=4), "dp_overhead_s", 4),
+    (Layout(cp=2), "cp_layer_overhead_s", 2),
+    (Layout(cp=4), "cp_layer_overhead_s", 4),
+    (Layout(dp_replicate=2, cp=2), "cp_layer_overhead_s", 2),
+    # data_parallel averages the gradients over the replicas and the cp ranks together
+    (Layout(dp_replicate=2, cp=2), "dp_overhead_s", 4),
 ], ids=lambda x: x.name if isinstance(x, Layout) else str(x))
 def test_step_time_pays_the_cost_of_the_layouts_group_size(layout, key, size) -> None:
     base = PROFILES["h100"]
@@ -118,3 +123,37 @@ def test_step_time_pays_the_cost_of_the_layouts_group_size(layout, key, size) ->
     assert _step(layout, table) == pytest.approx(_step(layout, scalar), rel=1e-12)
     assert _step(layout, table) != pytest.approx(_step(layout, other), rel=1e-6)
     assert _step(layout, table) > _step(layout, base)
+
+
+def _times(layout: Layout, world: int, profile):
+    run = Run(world=world, seq_len=16, global_batch=8, param_dtype="float32",
+              gpus_per_node=world)
+    return step_time(SPEC, run, layout, profile, memory_per_rank(SPEC, run, layout))
+
+
+@pytest.mark.parametrize("cores,ranks_busy_share", [(0, 1.0), (4, 1.0), (2, 0.5), (1, 0.5)])
+def test_pipeline_ramp_slots_run_on_the_cores_waiting_stages_free(cores, ranks_busy_share
+                                                                   ) -> None:
+    # 4 ranks, pp 2: in a ramp slot half of them wait. With a core each (or a device each:
+    # cores 0) a ramp slot costs a full one; on 2 cores the busy half gets a core each and
+    # runs twice as fast as when all 4 share them; on 1 core still twice as fast (2 share it)
+    prof = replace(get_profile("h100"), layer_overhead_s=1e-3, pp_action_overhead_s=1e-3,
+                   cores=cores)
+    layout = Layout(pp=2, dp_replicate=2, microbatches=4)
+    t = _times(layout, 4, prof)
+    full = _times(layout, 4, replace(prof, cores=0))
+    assert full.bubble_s == pytest.approx((full.step_s - full.dp_exposed_s
+                                           - full.optimizer_s) / 5, rel=1e-9)
+    assert t.bubble_s == pytest.approx(ranks_busy_share * full.bubble_s, rel=1e-9)
+    assert t.step_s == pytest.approx(full.step_s - full.bubble_s + t.bubble_s, rel=1e-9)
+    # no pipeline: nothing waits, nothing changes
+    assert _times(Layout(dp_replicate=4), 4, prof).step_s == \
+        _times(Layout(dp_replicate=4), 4, replace(prof, cores=0)).step_s
+
+
+@pytest.mark.parametrize("value", [-1, "2", True, None])
+def test_bad_cores_in_a_profile_is_refused(tmp_path, value) -> None:
+    data = PROFILES["h100"].to_json()
+    data["cores"] = value
+    with pytest.raises(ValueError, match="cores must be a number >= 0"):
+        load_profile(_write(tmp_path, data))

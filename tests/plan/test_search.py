@@ -123,23 +123,26 @@ def test_measured_collective_latency_replaces_the_ring_alpha() -> None:
         pytest.approx(n * 1e-3, rel=1e-9)
 
 
-def test_compute_runs_at_the_measured_rate_of_the_matmul_width() -> None:
+def test_compute_runs_at_the_measured_rate_of_the_matmul_size() -> None:
     from dataclasses import replace
+
+    from hyperpar.plan.timing import matmul_size, step_flops
 
     # measured rates, times the share of them a training step reaches
     prof = replace(get_profile("h100"), matmul_flops_by_size={"32": 2e9, "1024": 2e12},
                    compute_efficiency=0.5)
     assert prof.flops_at("float32", 16) == 1e9      # below every size: the smallest
-    assert prof.flops_at("float32", 512) == 1e9     # the largest measured size <= 512
-    assert prof.flops_at("float32", 4096) == 1e12
+    assert prof.flops_at("float32", 4096) == 1e12   # above every size: the largest
+    # halfway between 32 and 1024 on a log scale: halfway between their rates
+    assert prof.flops_at("float32", (32 * 1024) ** 0.5) == pytest.approx(0.5 * 1.001e12)
     assert get_profile("h100").flops_at("bfloat16", 64) == get_profile("h100").flops("bfloat16")
-    # Llama-2-7B under tp 8: a rank's matmuls are 4096 / 8 = 512 wide -> 1e9 FLOP/s
+    # Llama-2-7B under tp 8, 512 tokens a microbatch: 512 x 4096 x 512 per call, the work of
+    # a 1024-cube matmul (its narrowest side, 512, would have given 0.5e12)
     run = Run(world=8, seq_len=64, global_batch=8)
     lay = Layout(tp=8)
+    assert matmul_size(SPEC, run, lay) == pytest.approx(1024)
     t = step_time(SPEC, run, lay, prof, memory_per_rank(SPEC, run, lay))
-    from hyperpar.plan.timing import step_flops
-
-    assert t.compute_s == pytest.approx(step_flops(SPEC, run, False) / 8 / 1e9, rel=1e-12)
+    assert t.compute_s == pytest.approx(step_flops(SPEC, run, False) / 8 / 1e12, rel=1e-9)
 
 
 def test_context_parallel_layouts_are_searched_and_checked() -> None:
@@ -161,13 +164,14 @@ def test_context_parallel_divides_activations_and_adds_gathered_kv() -> None:
     from hyperpar.plan.memory import cp_activation_bytes
 
     # cp 2 over one 4096-token sequence holds 2048 tokens per rank: as dp on 2048-token
-    # sequences, plus the gathered K/V (cp - 1 more copies) and a 2048 x 4096 byte mask a layer
+    # sequences, plus the gathered K/V a layer (cp - 1 more copies) and one 2048 x 4096 byte
+    # mask shared by the layers
     layout = Layout(dp_replicate=4, cp=2)
     run = Run(world=8, seq_len=4096, global_batch=4, param_dtype="float32")
-    per_token, per_layer = cp_activation_bytes(SPEC, run, layout)
-    assert per_token == 2 * SPEC.kv_dim * 4 and per_layer == 2048 * 4096
+    per_token, mask = cp_activation_bytes(SPEC, run, layout)
+    assert per_token == 2 * SPEC.kv_dim * 4 and mask == 2048 * 4096
     cp = memory_per_rank(SPEC, run, layout)
     dp = memory_per_rank(SPEC, Run(world=8, seq_len=2048, global_batch=8,
                                    param_dtype="float32"), Layout(dp_replicate=8))
     assert cp.states == dp.states
-    assert cp.activations == dp.activations + SPEC.num_layers * (per_token * 2048 + per_layer)
+    assert cp.activations == dp.activations + SPEC.num_layers * per_token * 2048 + mask
