@@ -153,7 +153,7 @@ def test_context_parallel_layouts_are_searched_and_checked() -> None:
                    (1, 2, 1, 1, 4), (1, 1, 1, 1, 8)}
     problems = shape_problems(SPEC, Run(world=8, seq_len=4100, global_batch=8), Layout(cp=8))
     assert any("seq_len=4100 % (2*cp)=16" in p for p in problems)
-    # with replicas only, 7B's unsharded AdamW states (108 GB) need a large device
+    # with replicas (dp_shard = 1), 7B's unsharded AdamW states (108 GB) need a large device
     result = plan(SPEC, Run(world=8, seq_len=4096, global_batch=8, device_memory=2**40), H100)
     assert any(c.layout.cp > 1 for c in result.ranked)
     cp8 = next(c for c in result.ranked if c.layout == Layout(cp=8))
