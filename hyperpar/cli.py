@@ -114,8 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --write-profile: processes to measure with (default 2)")
     plan = sub.add_parser("plan", parents=[common], help="rank parallel layouts of a model",
                           description="Enumerate every dp_replicate x dp_shard x tp x pp layout "
-                                      "of a model on N devices, rule out those that do not fit "
-                                      "or divide, rank the rest by predicted step time.")
+                                      "and every dp_replicate x dp_shard x cp layout (context "
+                                      "parallel, tp = pp = 1) of a model on N devices, rule out "
+                                      "those that do not fit or divide, rank the rest by "
+                                      "predicted step time.")
     from hyperpar.plan.cli import add_arguments as plan_arguments
 
     plan_arguments(plan)

@@ -1,5 +1,6 @@
-"""Layout planner: choose dp_replicate x dp_shard x tp x pp, microbatches and activation
-checkpointing for a model on N devices before renting them (``hyperpar plan``).
+"""Layout planner: choose dp_replicate x dp_shard x tp x pp (or dp_replicate x dp_shard x cp),
+microbatches and activation checkpointing for a model on N devices before renting them
+(``hyperpar plan``).
 
 Imports no framework: the model is described by its sizes (:func:`from_hf_config`), memory and
 time are computed from formulas (:mod:`.memory`, :mod:`.timing`) and a device profile

@@ -2,7 +2,11 @@
 (``examples/llama``) laid out as a :class:`~hyperpar.plan.layout.Layout` with hyperpar's own
 ``parallelize_module`` (tensor + sequence parallel plan), ``fully_shard`` (every block, then the
 root; HSDP on a ``(dp_replicate, dp_shard)`` mesh), ``data_parallel`` (``dp_replicate`` alone)
-and ``PipelineModule`` + the 1F1B / GPipe schedules (``pp``), trained with AdamW.
+and ``PipelineModule`` + the 1F1B / GPipe schedules (``pp``), trained with AdamW. Context
+parallelism (``cp``) runs ``context_parallel`` over ``mesh["cp"]`` and reduces its gradients with
+the data-parallel ranks: ``data_parallel`` over the flattened ``dp_replicate x cp`` group, or,
+with ``dp_shard > 1``, ``fully_shard`` over the flattened ``dp_shard x cp`` group (HSDP with
+``dp_replicate``).
 
 :func:`run_layout` runs inside one rank (spawned by :func:`hyperpar.testing.run_distributed`)
 and returns that rank's figures. Imports torch (only when a run happens).
@@ -167,16 +171,16 @@ def build(sizes: dict[str, int], lay: Layout, seq_len: int, replicas: int = 1
         from examples.llama import plan as plans
 
         parallelize_module(model, mesh["tp"], plans.tp_sp_plan())
+    if lay.cp > 1 and (lay.tp > 1 or lay.pp > 1):
+        raise ValueError(f"hyperpar plan --measure: {lay.name}: cp is laid out with "
+                         "dp_replicate and dp_shard only (tp = pp = 1)")
     if lay.dp_shard > 1:
-        dp_mesh = (mesh["dp_replicate", "dp_shard"] if lay.dp_replicate > 1
-                   else mesh["dp_shard"])
+        dp_mesh = fsdp_mesh(mesh, lay, replicas)
         shard_pipeline_ends(model, dp_mesh)
         for b in blocks:
             fully_shard(b, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
     elif lay.cp > 1:
-        if lay.tp > 1 or lay.pp > 1:
-            raise ValueError("hyperpar plan --measure: cp is measured with dp_replicate only")
         # the cp ranks average their gradients with the replicas: one flattened group
         flat = mesh["dp_replicate", "cp"].flatten("dp_cp") if lay.dp_replicate > 1 else mesh
         model = data_parallel(model, flat, "dp_cp" if lay.dp_replicate > 1 else "cp")
@@ -187,6 +191,26 @@ def build(sizes: dict[str, int], lay: Layout, seq_len: int, replicas: int = 1
 
         schedule = get_schedule_class(lay.schedule)(model, n_microbatches=lay.microbatches)
     return model, mesh, schedule
+
+
+def fsdp_mesh(mesh: Any, lay: Layout, replicas: int = 1) -> Any:
+    """The mesh ``fully_shard`` shards over: ``dp_shard``; with cp the flattened
+    ``dp_shard x cp`` group (torchtitan's ``dp_shard_cp``: the cp ranks average their
+    gradients with the shards); with ``dp_replicate`` too, 2-D ``(dp_replicate, shard)`` for
+    HSDP. A mesh slice cannot mix a flattened dim with another, so HSDP x cp uses a second mesh
+    over the same ranks whose dim ``dp_shard_cp`` is ``dp_shard x cp`` (row-major, as flatten
+    walks it)."""
+    from hyperpar import init_device_mesh
+
+    if lay.cp == 1:
+        return mesh["dp_replicate", "dp_shard"] if lay.dp_replicate > 1 else mesh["dp_shard"]
+    if lay.dp_replicate == 1:
+        return mesh["dp_shard", "cp"].flatten("dp_shard_cp")
+    shape: tuple[int, ...] = (lay.pp, lay.dp_replicate, lay.dp_shard * lay.cp, lay.tp)
+    names: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard_cp", "tp")
+    if replicas > 1:
+        shape, names = (replicas, *shape), ("replica", *names)
+    return init_device_mesh(shape, mesh_dim_names=names)["dp_replicate", "dp_shard_cp"]
 
 
 @contextlib.contextmanager

@@ -52,9 +52,13 @@ class Layout:
     """``dp_replicate x dp_shard x tp x pp x cp`` ranks, ``microbatches`` per step per
     data-parallel rank, per-layer activation checkpointing on or off. Sequence parallelism is
     used whenever ``tp > 1`` (the torchtitan plan). ``cp`` splits each sequence over ranks
-    (``hyperpar.parallel.context_parallel``: K/V all-gathered per layer, head-tail order); its
-    gradients are averaged together with ``dp_replicate`` (``data_parallel`` over the flattened
-    ``dp_replicate x cp`` group). The search pairs ``cp > 1`` with ``dp_replicate`` only."""
+    (``hyperpar.parallel.context_parallel``: K/V all-gathered per layer, head-tail order) and
+    its ranks average gradients as data-parallel ranks do: with ``dp_shard == 1`` by
+    ``data_parallel`` over the flattened ``dp_replicate x cp`` group; with ``dp_shard > 1`` by
+    ``fully_shard`` over the flattened ``dp_shard x cp`` group (torchtitan's ``dp_shard_cp``),
+    which then also shards parameters, gradients and optimizer states ``dp_shard * cp`` ways
+    (:attr:`fsdp_shard`; HSDP with ``dp_replicate > 1``). The search pairs ``cp > 1`` with
+    ``dp_replicate`` and ``dp_shard`` (``tp = pp = 1``)."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -72,6 +76,12 @@ class Layout:
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_shard(self) -> int:
+        """Ranks ``fully_shard`` shards each parameter over: ``dp_shard``, times ``cp`` when
+        both are > 1 (the flattened ``dp_shard x cp`` group); 1 without fully_shard."""
+        return self.dp_shard * self.cp if self.dp_shard > 1 else 1
 
     @property
     def sequence_parallel(self) -> bool:

@@ -4,9 +4,9 @@ Each measured layout runs the example Llama (``examples/llama``) on real process
 selected backend (``HYPERPAR_BACKEND``; the cpu backend, gloo, on a machine without
 accelerators) through a :class:`hyperpar.testing.WorkerPool`, laid out as
 :mod:`hyperpar.plan._runs` does it with the real ``parallelize_module``, ``fully_shard`` (HSDP
-with ``dp_replicate``), ``data_parallel`` and ``PipelineModule`` + schedule, trains with AdamW,
-and reports for the rank holding the stage the planner reports (the one with the highest
-predicted peak):
+with ``dp_replicate``; over the flattened ``dp_shard x cp`` group under cp), ``data_parallel``,
+``context_parallel`` and ``PipelineModule`` + schedule, trains with AdamW, and reports for the
+rank holding the stage the planner reports (the one with the highest predicted peak):
 
 * ``states``: bytes of the local parameter shards, their gradients and the optimizer states
   (``exp_avg``, ``exp_avg_sq``) -- the figure the memory model gives exactly;
@@ -38,10 +38,10 @@ MEASURABLE_WORLDS = (2, 4)
 
 def measurable(layout: Layout, spec: ModelSpec | None = None) -> bool:
     """Whether ``--measure`` can run ``layout`` (2 or 4 ranks; a pipeline without tp; cp with
-    replicas only)."""
+    dp_replicate and dp_shard, ``tp = pp = 1``)."""
     if layout.world not in MEASURABLE_WORLDS:
         return False
-    if layout.cp > 1 and layout.world != layout.dp_replicate * layout.cp:
+    if layout.cp > 1 and (layout.tp > 1 or layout.pp > 1):
         return False
     return not (layout.pp > 1 and layout.tp > 1)
 

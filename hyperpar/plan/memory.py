@@ -3,7 +3,9 @@ activations, for the pipeline stage that needs the most.
 
 Parameters, gradients and optimizer states are *exact* for hyperpar's own sharding: tensor
 parallelism splits a weight's ``tp_dim`` with ``torch.chunk`` semantics, then ``fully_shard``
-splits dim 0 of the tp-local tensor the same way (``hyperpar/fsdp/_param.py``); rank 0 holds
+splits dim 0 of the tp-local tensor the same way (``hyperpar/fsdp/_param.py``) over
+``Layout.fsdp_shard`` ranks (``dp_shard``, or ``dp_shard * cp`` when fully_shard runs over the
+flattened ``dp_shard x cp`` group of context parallelism); rank 0 holds
 ``ceil(rows / n)`` rows at every split, the most any rank holds, and that is what is reported.
 Masters, gradients and optimizer states are fp32 (bf16 mixed precision keeps fp32 masters and
 gathers bf16 copies). FSDP buffers and activations are estimates; see docs/planning.md.
@@ -163,7 +165,7 @@ def layer_activation_elems(spec: ModelSpec, layout: Layout) -> tuple[float, floa
 
 
 def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memory:
-    tp, ds = layout.tp, layout.dp_shard
+    tp, ds = layout.tp, layout.fsdp_shard  # fully_shard's group: dp_shard (x cp)
     sp = stage_params(spec, tp, ds, layout.pp, stage)
     local = sp.local
     cb = run.compute_bytes
@@ -198,7 +200,7 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
             act += held * tokens * _cdiv(vocab, tp) * cb
         act += held * tokens * vocab * (cb + 8)
     # data_parallel (over dp_replicate x cp) keeps the gradients in its flat buckets from the
-    # first backward on
+    # first backward on; with dp_shard > 1 fully_shard (over dp_shard x cp) reduces them instead
     ddp = (layout.dp_replicate > 1 or layout.cp > 1) and ds == 1
     return Memory(params=params, grads=grads, optimizer=optimizer, fsdp_buffers=int(buffers),
                   activations=int(act), stage=stage,

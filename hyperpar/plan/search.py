@@ -1,7 +1,8 @@
 """Enumerate every layout of a run, rule out the impossible ones (with the reason), rank the
 rest by predicted step time.
 
-Cost: every factorisation of ``world`` into ``dp_replicate x dp_shard x tp x pp``, times the
+Cost: every factorisation of ``world`` into ``dp_replicate x dp_shard x tp x pp``, and into
+``dp_replicate x dp_shard x cp`` with ``cp > 1`` (``tp = pp = 1``), times the
 divisors of the per-replica batch as microbatch counts, times activation checkpointing on/off;
 each candidate costs O(layers / pp) (one pass over a stage's tensors). See docs/planning.md for
 measured planner times.
@@ -88,13 +89,14 @@ def _factorisations(n: int, parts: int) -> list[tuple[int, ...]]:
 def enumerate_layouts(spec: ModelSpec, run: Run, *, schedule: Schedule = "1f1b",
                       max_tp: int | None = None) -> list[Layout]:
     """Every ``dp_replicate x dp_shard x tp x pp`` of ``run.world``, and every
-    ``dp_replicate x cp`` (context parallelism is searched with replicas only: its composition
-    with fully_shard, tp and pp is not modelled), every microbatch count dividing the
-    per-replica batch (or the smallest ones for pp>1), AC on and off. Layouts whose dims do not
-    even divide are kept so that they can be reported."""
+    ``dp_replicate x dp_shard x cp`` with ``cp > 1`` (context parallelism is searched with
+    ``tp = pp = 1``: its composition with tp and pp is not modelled; with ``dp_shard > 1``
+    fully_shard runs over the flattened ``dp_shard x cp`` group), every microbatch count
+    dividing the per-replica batch (or the smallest ones for pp>1), AC on and off. Layouts
+    whose dims do not even divide are kept so that they can be reported."""
     out = []
     shapes = [(dr, ds, tp, pp, 1) for dr, ds, tp, pp in _factorisations(run.world, 4)]
-    shapes += [(run.world // cp, 1, 1, 1, cp) for cp in divisors(run.world) if cp > 1]
+    shapes += [(dr, ds, 1, 1, cp) for dr, ds, cp in _factorisations(run.world, 3) if cp > 1]
     for dr, ds, tp, pp, cp in shapes:
         if max_tp is not None and tp > max_tp:
             continue

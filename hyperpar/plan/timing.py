@@ -83,7 +83,8 @@ class Collective:
 def collectives(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> list[Collective]:
     """Every collective one rank of ``stage`` issues in a step, as hyperpar's styles and
     fully_shard issue them (checked against the simulation backend in tests/plan)."""
-    tp, pp, ds, dr = layout.tp, layout.pp, layout.dp_shard, layout.dp_replicate
+    tp, pp, dr = layout.tp, layout.pp, layout.dp_replicate
+    ds = layout.fsdp_shard  # fully_shard's group: dp_shard, or the flattened dp_shard x cp
     cb = run.compute_bytes
     tokens = microbatch_tokens(run, layout)
     layers = spec.num_layers // pp
@@ -117,7 +118,8 @@ def collectives(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> list[C
     if ds > 1:
         block, *root = sp.unit_gathered
         # each layer: all-gather forward and again backward, reduce-scatter its gradients;
-        # the root unit stays gathered from forward to backward
+        # the root unit stays gathered from forward to backward. Under cp the group is the
+        # flattened dp_shard x cp one; its bytes are booked on "dp_shard" (group_size)
         out += [Collective("dp_shard", "ag", block * cb, 2 * layers, "microbatch", "layers"),
                 Collective("dp_shard", "rs", block * cb, layers, "microbatch", "layer grads")]
         for r in root:
@@ -143,31 +145,42 @@ def cp_collectives(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> lis
     """What ``hyperpar.parallel.context_parallel`` issues on one rank per step, on mesh dim
     ``cp``: per layer and microbatch an all-gather of K and one of V forward (again in a
     recomputed forward), a reduce-scatter of dK and one of dV backward, each of the gathered
-    ``seq x kv_dim`` size; and once per step the gradient all-reduce of ``data_parallel`` over
-    the flattened ``dp_replicate x cp`` group (:func:`group_size`)."""
+    ``seq x kv_dim`` size; and, with ``dp_shard == 1``, once per step the gradient all-reduce
+    of ``data_parallel`` over the flattened ``dp_replicate x cp`` group (:func:`group_size`).
+    With ``dp_shard > 1`` the gradients are reduce-scattered by fully_shard over the flattened
+    ``dp_shard x cp`` group instead (in :func:`collectives`, booked on ``dp_shard``)."""
     if layout.cp == 1:
         return []
     layers = spec.num_layers // layout.pp
     kv = microbatch_tokens(run, layout) * layout.cp * spec.kv_dim // layout.tp * run.compute_bytes
     passes = 2 if layout.activation_checkpointing else 1
-    local = stage_params(spec, layout.tp, layout.dp_shard, layout.pp, stage).local
-    return [Collective("cp", "ag", kv, 2 * passes * layers, "microbatch", "attention K, V"),
-            Collective("cp", "rs", kv, 2 * layers, "microbatch", "attention dK, dV"),
-            Collective("cp", "ar", local * run.compute_bytes, 1, "step",
-                       "grads over dp_replicate x cp")]
+    out = [Collective("cp", "ag", kv, 2 * passes * layers, "microbatch", "attention K, V"),
+           Collective("cp", "rs", kv, 2 * layers, "microbatch", "attention dK, dV")]
+    if layout.dp_shard == 1:
+        local = stage_params(spec, layout.tp, 1, layout.pp, stage).local
+        out.append(Collective("cp", "ar", local * run.compute_bytes, 1, "step",
+                              "grads over dp_replicate x cp"))
+    return out
 
 
 def group_size(c: Collective, layout: Layout) -> int:
-    """Ranks in ``c``'s group: the gradient all-reduce on ``cp`` spans ``dp_replicate x cp``;
-    every other collective spans its mesh dim."""
+    """Ranks in ``c``'s group. Two collectives span a flattened group and are booked on one of
+    its dims: ``data_parallel``'s gradient all-reduce on ``cp`` spans ``dp_replicate x cp``,
+    and fully_shard's all-gathers and reduce-scatters on ``dp_shard`` span ``dp_shard x cp``
+    (:attr:`Layout.fsdp_shard`, which is ``dp_shard`` without cp). Every other collective
+    spans its mesh dim."""
     if c.dim == "cp" and c.kind == "ar":
         return layout.dp_replicate * layout.cp
+    if c.dim == "dp_shard":
+        return layout.fsdp_shard
     return layout.size(c.dim)
 
 
 def cp_link_dim(c: Collective) -> str:
-    """The mesh dim whose link a cp collective runs on: the gradient all-reduce spans the
-    replicas too, so it runs on dp_replicate's (outer) link."""
+    """The mesh dim whose link a collective runs on: the outermost dim its group spans. The
+    gradient all-reduce of ``dp_replicate x cp`` runs on dp_replicate's (outer) link; the
+    flattened ``dp_shard x cp`` group on dp_shard's, whose span (``stride * size``) already
+    covers the inner cp dim."""
     return "dp_replicate" if c.dim == "cp" and c.kind == "ar" else c.dim
 
 
@@ -204,7 +217,9 @@ class StepTime:
     fsdp_exposed_s: float
     dp_exposed_s: float
     optimizer_s: float
-    comm_bytes: dict[str, float] = field(default_factory=dict)  # per mesh dim, per rank
+    # bytes one rank sends per step, per mesh dim; a flattened group's are booked on one of its
+    # dims (group_size): dp_replicate x cp on "cp", fully_shard's dp_shard x cp on "dp_shard"
+    comm_bytes: dict[str, float] = field(default_factory=dict)
 
     @property
     def step_ms(self) -> float:
@@ -290,8 +305,9 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
     ac_factor = 4 / 3 if layout.activation_checkpointing else 1.0  # one more forward
     overhead_mb = layers * ac_factor * (profile.layer_overhead_s
                                         + (fixed("tp_layer_overhead_s") if tp_on else 0.0))
-    if layout.dp_shard > 1:
-        overhead_mb += (layers + 1) * fixed("fsdp_unit_overhead_s")
+    if layout.dp_shard > 1:  # paid over fully_shard's group (dp_shard, x cp when flattened)
+        overhead_mb += (layers + 1) * profile.fixed_cost("fsdp_unit_overhead_s",
+                                                         layout.fsdp_shard)
     overhead_mb += profile.root_overhead_s  # the embedding / head stage dominates the pipe
     if tp_on:
         overhead_mb += fixed("tp_root_overhead_s")

@@ -113,33 +113,53 @@ def test_llama_with_fully_shard_over_cp_matches_single_process(run_on_ranks):
     run_on_ranks(2, _llama_against_reference, "fully_shard")
 
 
-def _dp_by_cp_against_reference() -> None:
+def _dp_by_cp_against_reference(reduce_with: str = "data_parallel") -> None:
     """4 ranks as dp = 2 x cp = 2: each dp replica takes one batch row; gradients are averaged
-    over the flattened (dp, cp) mesh."""
+    over the flattened (dp, cp) mesh by ``data_parallel``, or by ``fully_shard`` sharding every
+    parameter 4 ways over it (torchtitan's ``dp_shard_cp``), through STEPS AdamW steps."""
     platform = get_platform()
     args = llama.ModelArgs.tiny()
     reference, model = llama.build(args, seed=0), llama.build(args, seed=0)
     mesh = init_device_mesh((2, 2), mesh_dim_names=("dp", "cp"))
-    data_parallel(model, mesh.flatten("dp_cp"), "dp_cp")
-    tokens, labels = llama.batch(args, batch_size=2, seed=5)
-    ref_loss = F.cross_entropy(reference(tokens).flatten(0, 1), labels.flatten())
-    ref_loss.backward()
-    row = mesh.get_local_rank("dp")
-    tokens, labels = tokens[row:row + 1].clone(), labels[row:row + 1].clone()
-    with context_parallel(mesh["cp"], buffers=[tokens, labels, model.rope_cos, model.rope_sin],
-                          buffer_seq_dims=[1, 1, 0, 0]):
-        loss = F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten())
-        loss.backward()
-    total = loss.detach().clone()
-    platform.all_reduce(total, "avg")
-    _close(total, ref_loss, "loss")
-    ref_params = dict(reference.named_parameters())
-    for name, param in model.named_parameters():
-        _close(param.grad, ref_params[name].grad, f"grad of {name}")
+    if reduce_with == "data_parallel":
+        data_parallel(model, mesh.flatten("dp_cp"), "dp_cp")
+    else:
+        from hyperpar.fsdp import fully_shard
+
+        flat = mesh["dp", "cp"].flatten("dp_shard_cp")
+        for layer in model.layers:
+            fully_shard(layer, mesh=flat)
+        fully_shard(model, mesh=flat)
+        local = sum(p.to_local().numel() for p in model.parameters())
+        assert local * 4 == sum(p.numel() for p in reference.parameters())
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        tokens, labels = llama.batch(args, batch_size=2, seed=5 + step)
+        ref_loss = F.cross_entropy(reference(tokens).flatten(0, 1), labels.flatten())
+        ref_loss.backward()
+        row = mesh.get_local_rank("dp")
+        tokens, labels = tokens[row:row + 1].clone(), labels[row:row + 1].clone()
+        with context_parallel(mesh["cp"], buffers=[tokens, labels, model.rope_cos,
+                                                   model.rope_sin],
+                              buffer_seq_dims=[1, 1, 0, 0]):
+            loss = F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten())
+            loss.backward()
+        total = loss.detach().clone()
+        platform.all_reduce(total, "avg")
+        _close(total, ref_loss, f"step {step} loss")
+        ref_params = dict(reference.named_parameters())
+        for name, param in model.named_parameters():
+            _close(_full(param.grad), ref_params[name].grad, f"step {step} grad of {name}")
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
 
 
-def test_dp_by_cp_on_four_ranks_matches_single_process(run_on_ranks):
-    run_on_ranks(4, _dp_by_cp_against_reference)
+@pytest.mark.parametrize("reduce_with", ["data_parallel", "fully_shard"])
+def test_dp_by_cp_on_four_ranks_matches_single_process(run_on_ranks, reduce_with):
+    run_on_ranks(4, _dp_by_cp_against_reference, reduce_with)
 
 
 def _attention_against_reference(causal: bool, load_balance: bool, gqa: bool) -> None:

@@ -1,6 +1,7 @@
 """``--measure``: the planner's exact bytes (local parameter shards + gradients + AdamW states)
 equal what the real fully_shard / parallelize_module / data_parallel / PipelineModule leave on real
-gloo ranks, for fsdp, tp, dp, pp, dp x tp, pp x fsdp, pp x dp and HSDP, on every rank of every
+gloo ranks, for fsdp, tp, dp, pp, dp x tp, pp x fsdp, pp x dp, HSDP, cp, dp x cp and fsdp x cp
+(fully_shard over the flattened dp_shard x cp group), on every rank of every
 pipeline stage. Step times and peaks are measured too but not asserted against the model (no
 timing thresholds in tests; the peak is an estimate): only that they were measured."""
 
@@ -59,7 +60,7 @@ def test_state_bytes_equal_measured_on_2_ranks(layout: Layout, pool2) -> None:
                                     Layout(pp=2, dp_shard=2, microbatches=2),
                                     Layout(pp=2, dp_replicate=2, microbatches=2),
                                     Layout(dp_replicate=2, dp_shard=2), Layout(cp=4),
-                                    Layout(dp_replicate=2, cp=2)],
+                                    Layout(dp_replicate=2, cp=2), Layout(dp_shard=2, cp=2)],
                          ids=lambda x: x.name)
 def test_state_bytes_equal_measured_on_4_ranks(layout: Layout, pool4) -> None:
     _check_every_rank(layout, pool4)
@@ -75,6 +76,15 @@ def test_peak_is_measured_and_holds_the_states(pool2) -> None:
 def test_cp_peak_is_measured_with_context_parallel(activation_checkpointing, pool2) -> None:
     layout = Layout(cp=2, activation_checkpointing=activation_checkpointing)
     got = _check_every_rank(layout, pool2, peak=True)
+    assert got["peak"] > got["states"]
+
+
+def test_fully_shard_over_dp_shard_x_cp_shards_states_four_ways(pool4) -> None:
+    # fully_shard over the flattened dp_shard x cp group: every rank holds a quarter of the
+    # fp32 AdamW states, 16 bytes x P / 4, and context_parallel runs its step (peak measured)
+    layout = Layout(dp_shard=2, cp=2)
+    got = _check_every_rank(layout, pool4, peak=True)
+    assert all(int(r["states"]) * 4 == 16 * SPEC.parameters for r in got["per_rank"])
     assert got["peak"] > got["states"]
 
 

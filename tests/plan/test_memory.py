@@ -88,3 +88,29 @@ def test_pipeline_stage_holds_its_layers_only() -> None:
     run = Run(world=4, seq_len=1024, global_batch=8)
     mem = stage_memory(SPEC, run, Layout(pp=4, microbatches=4), 1)  # a middle stage
     assert mem.grads == 4 * SPEC.num_layers // 4 * SPEC.block_params
+
+
+@pytest.mark.parametrize("ds,cp", [(2, 4), (4, 2), (64, 4), (128, 2)])
+def test_fp32_adamw_fully_shard_over_dp_shard_x_cp_is_16_bytes_per_parameter_over_both(
+        ds: int, cp: int) -> None:
+    # fully_shard over the flattened dp_shard x cp group shards the states ds * cp ways
+    n = ds * cp
+    run = Run(world=n, seq_len=4096, global_batch=ds, param_dtype="float32")
+    mem = memory_per_rank(SPEC, run, Layout(dp_shard=ds, cp=cp))
+    assert mem.states * n == 16 * SPEC.parameters
+    assert (mem.params, mem.grads, mem.optimizer) == (4 * SPEC.parameters // n,
+                                                     4 * SPEC.parameters // n,
+                                                     8 * SPEC.parameters // n)
+    # the gathered units are the same as fully_shard over n ranks, whatever the split
+    assert mem.fsdp_buffers == memory_per_rank(SPEC, Run(world=n, seq_len=4096, global_batch=n,
+                                                         param_dtype="float32"),
+                                               Layout(dp_shard=n)).fsdp_buffers
+
+
+def test_llama2_7b_fully_sharded_cp_fits_80_gib_at_1024_ranks() -> None:
+    run = Run(world=1024, seq_len=4096, global_batch=256)
+    fsdp_cp = memory_per_rank(SPEC, run, Layout(dp_shard=256, cp=4))
+    replicas_cp = memory_per_rank(SPEC, run, Layout(dp_replicate=256, cp=4))
+    assert fsdp_cp.peak < 80 * 2**30 < replicas_cp.peak
+    # activations are those of cp: the same tokens per rank and gathered K/V either way
+    assert fsdp_cp.activations == replicas_cp.activations

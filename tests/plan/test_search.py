@@ -149,11 +149,14 @@ def test_context_parallel_layouts_are_searched_and_checked() -> None:
     from hyperpar.plan.search import enumerate_layouts
 
     run = Run(world=8, seq_len=4096, global_batch=8)
-    cps = {(x.dp_replicate, x.cp) for x in enumerate_layouts(SPEC, run) if x.cp > 1}
-    assert cps == {(4, 2), (2, 4), (1, 8)}  # with replicas only
+    cps = {(x.dp_replicate, x.dp_shard, x.tp, x.pp, x.cp)
+           for x in enumerate_layouts(SPEC, run) if x.cp > 1}
+    # every dp_replicate x dp_shard x cp with cp > 1, tp = pp = 1
+    assert cps == {(4, 1, 1, 1, 2), (2, 2, 1, 1, 2), (1, 4, 1, 1, 2), (2, 1, 1, 1, 4),
+                   (1, 2, 1, 1, 4), (1, 1, 1, 1, 8)}
     problems = shape_problems(SPEC, Run(world=8, seq_len=4100, global_batch=8), Layout(cp=8))
     assert any("seq_len=4100 % (2*cp)=16" in p for p in problems)
-    # with replicas only, 7B's unsharded AdamW states (108 GB) need a large device
+    # with replicas (dp_shard = 1), 7B's unsharded AdamW states (108 GB) need a large device
     result = plan(SPEC, Run(world=8, seq_len=4096, global_batch=8, device_memory=2**40), H100)
     assert any(c.layout.cp > 1 for c in result.ranked)
     cp8 = next(c for c in result.ranked if c.layout == Layout(cp=8))
@@ -175,3 +178,49 @@ def test_context_parallel_divides_activations_and_adds_gathered_kv() -> None:
                                    param_dtype="float32"), Layout(dp_replicate=8))
     assert cp.states == dp.states
     assert cp.activations == dp.activations + SPEC.num_layers * per_token * 2048 + mask
+
+
+def test_fully_shard_with_cp_runs_over_the_flattened_dp_shard_x_cp_group() -> None:
+    from hyperpar.plan.timing import collectives, cp_link_dim, group_size
+
+    run = Run(world=16, seq_len=4096, global_batch=8)
+    layout = Layout(dp_replicate=2, dp_shard=2, cp=4)  # HSDP over (dp_replicate, dp_shard x cp)
+    colls = collectives(SPEC, run, layout, 0)
+    fsdp = [c for c in colls if c.dim == "dp_shard"]
+    assert fsdp and all(group_size(c, layout) == 8 for c in fsdp)
+    assert {cp_link_dim(c) for c in fsdp} == {"dp_shard"}
+    # its gradients are reduce-scattered by fully_shard: no data_parallel all-reduce on cp, and
+    # the replicas all-reduce the 1/8 shard of each unit
+    assert [c.kind for c in colls if c.dim == "cp"] == ["ag", "rs"]
+    replica = [c for c in colls if c.dim == "dp_replicate"]
+    assert replica and all(c.kind == "ar" and c.per == "microbatch" for c in replica)
+    block = next(c for c in fsdp if c.what == "layers").nbytes
+    assert next(c for c in replica if c.what == "layer grad shards").nbytes == block // 8
+    assert layout.fsdp_shard == 8 and Layout(dp_replicate=2, cp=4).fsdp_shard == 1
+
+
+@pytest.mark.parametrize("layout,key,n,times", [
+    # fully_shard's per-unit fixed cost, looked up at its group's size dp_shard x cp = 8
+    (Layout(dp_shard=2, cp=4), "fsdp_unit_overhead_s", "8", 32 + 1),
+    # data_parallel's overhead over dp_replicate x cp, only where data_parallel is used
+    (Layout(dp_replicate=2, cp=4), "dp_overhead_s", "8", 1),
+    (Layout(dp_shard=2, cp=4), "dp_overhead_s", "8", 0),
+], ids=lambda x: x if isinstance(x, str) else None)
+def test_cp_group_fixed_costs_are_paid_at_their_group_size(layout, key, n, times) -> None:
+    # a per-size table with a cost only at the flattened group's size (the nearest measured
+    # size to 2 or 4 is 2, charged 0)
+    table = {"2": 0.0, n: 1e-3}
+    assert _t(layout, **{key: table}) - _t(layout) == pytest.approx(times * 1e-3, rel=1e-9,
+                                                                    abs=1e-15)
+
+
+def test_llama2_7b_on_1024_ranks_has_fully_sharded_cp_layouts_that_fit() -> None:
+    run = Run(world=1024, seq_len=4096, global_batch=1024)
+    result = plan(SPEC, run, H100)
+    cp = [c for c in result.ranked if c.layout.cp > 1]
+    assert cp and all(c.layout.dp_shard > 1 for c in cp)
+    assert all(c.memory.peak <= 80 * 2**30 for c in cp)
+    # with replicas only, every cp layout still runs out of memory
+    assert all(x.kind == "oom" for x in result.ruled_out
+               if x.layout.cp > 1 and x.layout.dp_shard == 1
+               and not shape_problems(SPEC, run, x.layout))

@@ -213,3 +213,70 @@ def test_sim_context_parallel_attention_bytes_equal_the_model(rank: int) -> None
                   for c in cp_collectives(spec, run, layout, stage=0) if c.kind in ("ag", "rs"))
     assert planned > 0
     assert _simulate_cp(layout, rank) == {"cp": int(planned)}
+
+
+# -- fully_shard over the flattened dp_shard x cp group with context_parallel over cp
+
+
+def _simulate_fsdp_cp(layout: Layout, rank: int) -> dict:
+    """The real fully_shard (over ``_runs.fsdp_mesh``: the flattened dp_shard x cp group, 2-D
+    with dp_replicate for HSDP) and context_parallel over cp, as ``--measure`` lays them out,
+    for one forward + backward and an AdamW step at 1024 ranks."""
+    from examples.llama import model as llama
+    from hyperpar import fully_shard, init_device_mesh
+    from hyperpar.parallel import context_parallel
+    from hyperpar.plan._runs import MESH_DIMS, fsdp_mesh
+
+    with hyperpar_sim.simulate(world=layout.world, rank=rank) as sim:
+        mesh = init_device_mesh(tuple(layout.size(d) for d in MESH_DIMS),
+                                mesh_dim_names=MESH_DIMS)
+        dp_mesh = fsdp_mesh(mesh, layout)
+        with torch.device("meta"):
+            model = llama.Transformer(llama.ModelArgs(**SIZES, max_seq_len=SEQ))
+        for layer in model.layers:
+            fully_shard(layer, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+        params = list(model.parameters())
+        local = sum(p.to_local().numel() for p in params)
+        tokens = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+        sim.records.clear()
+        with context_parallel(mesh["cp"], buffers=[tokens, model.rope_cos, model.rope_sin],
+                              buffer_seq_dims=[1, 0, 0]):
+            assert tokens.shape == (1, SEQ // layout.cp)
+            model(tokens).float().sum().backward()
+        shard_dim = dp_mesh.mesh_dim_names[-1]
+        volume = {("dp_shard" if k == shard_dim else k): v
+                  for k, v in sim.volume_by_dim(dp_mesh).items() if k in dp_mesh.mesh_dim_names}
+        volume.update({k: v for k, v in sim.volume_by_dim(mesh).items() if k == "cp"})
+        total = sum(r.nbytes for r in sim.records)
+        grads = sum(p.grad.to_local().numel() for p in params if p.grad is not None)
+        opt = torch.optim.AdamW(params)
+        opt.step()
+        states = sum(v.to_local().numel() for p in params for k, v in opt.state[p].items()
+                     if k != "step")
+    return {"local": local, "grads": grads, "states": states, "volume": volume, "total": total}
+
+
+@pytest.mark.parametrize("layout", [Layout(dp_shard=256, cp=4),
+                                    Layout(dp_replicate=4, dp_shard=64, cp=4)],
+                         ids=lambda x: x.name)
+@pytest.mark.parametrize("rank", [0, 1023])
+def test_sim_fully_shard_over_dp_shard_x_cp_equals_the_model(layout: Layout, rank: int) -> None:
+    got = _simulate_fsdp_cp(layout, rank)
+    spec, run, mem = _planned(layout)
+    n = layout.dp_shard * layout.cp
+    # the parameters, gradients and AdamW states are sharded dp_shard * cp ways
+    if rank == 0:
+        assert (4 * got["local"], 4 * got["grads"], 4 * got["states"]) == \
+            (mem.params, mem.grads, mem.optimizer)
+    else:  # uneven rows: the last rank of the group holds fewer
+        assert 0 < 4 * got["local"] <= mem.params
+    assert mem.params < 4 * spec.parameters // n + 4 * spec.parameters // n // 10
+    planned: dict[str, float] = {}
+    for c in collectives(spec, run, layout, stage=0):
+        planned[c.dim] = planned.get(c.dim, 0) + c.nbytes * c.per_step(layout.microbatches)
+    # fully_shard's bytes on the flattened group (booked on dp_shard), cp's K/V on cp, the
+    # replicas' all-reduces of the gradient shards (HSDP); nothing on any other group
+    assert got["volume"] == {k: int(v) for k, v in planned.items()}
+    assert got["total"] == sum(got["volume"].values())
+    assert "cp" in got["volume"] and "dp_shard" in got["volume"]
