@@ -40,7 +40,7 @@ LAYOUTS = {2: [Layout(dp_shard=2), Layout(tp=2), Layout(dp_replicate=2),
                Layout(dp_replicate=2, dp_shard=2), Layout(dp_replicate=2, tp=2),
                Layout(pp=2, dp_shard=2, microbatches=2),
                Layout(pp=2, dp_replicate=2, microbatches=2),
-               Layout(cp=4), Layout(dp_replicate=2, cp=2)]}
+               Layout(cp=4), Layout(dp_replicate=2, cp=2), Layout(dp_shard=2, cp=2)]}
 MODELS = {
     # examples/llama ModelArgs.tiny(): all fixed costs
     "tiny": ({"vocab_size": 64, "dim": 32, "n_layers": 2, "n_heads": 4, "ffn_hidden": 64},
