@@ -180,6 +180,8 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
         # root unit (embedding, norm, head) stays gathered from its forward to its backward
         block, *root = sp.unit_gathered
         buffers = (3 * block + sum(root)) * cb
+    else:
+        root = []
     tokens = microbatch_tokens(run, layout)
     full, saved = layer_activation_elems(spec, layout)
     layers = spec.num_layers // layout.pp
@@ -191,14 +193,24 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
     else:
         act = k * layers * (full * tokens * cb + cp_token * tokens) + cp_layer
     if stage == layout.pp - 1:
-        # logits in the compute dtype + fp32 log-softmax and its gradient, per microbatch held
+        # the loss: each microbatch held to its backward keeps its fp32 log-softmax (GPipe
+        # holds them all); around the loss of one exist the logits in the compute dtype and
+        # the log-softmax's gradient too, and under tp the head's local vocabulary shard
+        # before the logits are all-gathered to replicate (the plan without loss_parallel)
         held = layout.microbatches if layout.pp > 1 and layout.schedule == "gpipe" else 1
         vocab = spec.vocab_size
+        act += held * tokens * vocab * MASTER_BYTES
+        around_loss = tokens * vocab * (cb + MASTER_BYTES)
         if tp > 1:
-            # the head's local vocabulary shard, then the logits all-gathered to replicate
-            # (the plan without loss_parallel): the loss sees every rank's full vocabulary
-            act += held * tokens * _cdiv(vocab, tp) * cb
-        act += held * tokens * vocab * (cb + 8)
+            around_loss += tokens * _cdiv(vocab, tp) * cb
+        if ds > 1 and not layout.activation_checkpointing:
+            # fully_shard reshards every block after its forward and gathers the last one
+            # again only once backward has passed the loss: the loss's transient tensors and
+            # the gathered blocks are not live at once, the peak holds the larger. (Under
+            # activation checkpointing the peak is in a recomputed block's backward, where the
+            # gradients of its recomputed activations, not counted apart, take their place.)
+            around_loss = max(around_loss - (buffers - sum(root) * cb), 0)
+        act += around_loss
     # data_parallel (over dp_replicate x cp) keeps the gradients in its flat buckets from the
     # first backward on; with dp_shard > 1 fully_shard (over dp_shard x cp) reduces them instead
     ddp = (layout.dp_replicate > 1 or layout.cp > 1) and ds == 1

@@ -2,8 +2,10 @@
 equal what the real fully_shard / parallelize_module / data_parallel / PipelineModule leave on real
 gloo ranks, for fsdp, tp, dp, pp, dp x tp, pp x fsdp, pp x dp, HSDP, cp, dp x cp and fsdp x cp
 (fully_shard over the flattened dp_shard x cp group), on every rank of every
-pipeline stage. Step times and peaks are measured too but not asserted against the model (no
-timing thresholds in tests; the peak is an estimate): only that they were measured."""
+pipeline stage. Step times are measured but not asserted (no timing thresholds in tests); the
+peak estimate is held to the issue's goal, within 10% of the measured live tensor bytes, on the
+layouts whose loss and gathered blocks it once counted at the same time (fsdp, fsdp x tp) and
+on GPipe, which holds every microbatch's log-softmax."""
 
 from __future__ import annotations
 
@@ -70,6 +72,24 @@ def test_peak_is_measured_and_holds_the_states(pool2) -> None:
     got = _check_every_rank(Layout(dp_shard=2), pool2, peak=True)
     # the peak step holds parameters, optimizer states, gradients and activations at once
     assert got["peak"] > got["states"]
+
+
+def _peak_error(layout: Layout, pool) -> float:
+    run = Run(world=layout.world, seq_len=16, global_batch=8, param_dtype="float32")
+    got = measure_layout("tiny", layout, run, steps=1, warmup=0, peak=True, pool=pool)
+    return memory_per_rank(SPEC, run, layout).peak / got["peak"] - 1
+
+
+@pytest.mark.parametrize("layout", [Layout(dp_shard=2),
+                                    Layout(pp=2, microbatches=4, schedule="gpipe")],
+                         ids=lambda x: x.name)
+def test_peak_estimate_within_10_percent_on_2_ranks(layout: Layout, pool2) -> None:
+    assert abs(_peak_error(layout, pool2)) <= 0.10
+
+
+def test_peak_estimate_within_10_percent_for_fsdp_x_tp(pool4) -> None:
+    # the loss's logits and the gathered blocks are never live together (+12% when summed)
+    assert abs(_peak_error(Layout(dp_shard=2, tp=2), pool4)) <= 0.10
 
 
 @pytest.mark.parametrize("activation_checkpointing", [False, True], ids=["", "ac"])
