@@ -1,11 +1,11 @@
 """``--measure``: the planner's exact bytes (local parameter shards + gradients + AdamW states)
 equal what the real fully_shard / parallelize_module / data_parallel / PipelineModule leave on real
 gloo ranks, for fsdp, tp, dp, pp, dp x tp, pp x fsdp, pp x dp, HSDP, cp, dp x cp and fsdp x cp
-(fully_shard over the flattened dp_shard x cp group), on every rank of every
-pipeline stage. Step times are measured but not asserted (no timing thresholds in tests); the
-peak estimate is held to the issue's goal, within 10% of the measured live tensor bytes, on the
-layouts whose loss and gathered blocks it once counted at the same time (fsdp, fsdp x tp) and
-on GPipe, which holds every microbatch's log-softmax."""
+(fully_shard over the flattened dp_shard x cp group; with replicas on 8 ranks), on every rank
+of every pipeline stage. Step times are measured but not asserted (no timing thresholds in
+tests); the peak estimate is held to the issue's goal, within 10% of the measured live tensor
+bytes, on the layouts whose loss and gathered blocks it once counted at the same time (fsdp,
+fsdp x tp) and on GPipe, which holds every microbatch's log-softmax."""
 
 from __future__ import annotations
 
@@ -104,6 +104,16 @@ def test_fully_shard_over_dp_shard_x_cp_shards_states_four_ways(pool4) -> None:
     # fp32 AdamW states, 16 bytes x P / 4, and context_parallel runs its step (peak measured)
     layout = Layout(dp_shard=2, cp=2)
     got = _check_every_rank(layout, pool4, peak=True)
+    assert all(int(r["states"]) * 4 == 16 * SPEC.parameters for r in got["per_rank"])
+    assert got["peak"] > got["states"]
+
+
+def test_hsdp_over_dp_shard_x_cp_states_exact_on_8_ranks() -> None:
+    # replicas x fully_shard over the flattened dp_shard x cp group: the mesh the planner
+    # builds with a second init_device_mesh, run for real (8 gloo ranks on any machine)
+    layout = Layout(dp_replicate=2, dp_shard=2, cp=2)
+    with WorkerPool(8, collective_timeout_s=300) as pool8:
+        got = _check_every_rank(layout, pool8, peak=True)
     assert all(int(r["states"]) * 4 == 16 * SPEC.parameters for r in got["per_rank"])
     assert got["peak"] > got["states"]
 
