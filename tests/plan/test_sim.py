@@ -182,24 +182,31 @@ def test_sim_pipeline_stage_bytes_and_volumes_equal_the_model(rank: int) -> None
     assert got["sent"] == {"pp": int(planned["pp"])}
 
 
+def _cp_forward_backward(sim, mesh, model, layout: Layout) -> None:
+    """One forward + backward of ``model`` on a sequence split over ``mesh["cp"]``, with the
+    simulator's records cleared first (only the step's collectives are counted)."""
+    from hyperpar.parallel import context_parallel
+
+    tokens = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    sim.records.clear()
+    with context_parallel(mesh["cp"], buffers=[tokens, model.rope_cos, model.rope_sin],
+                          buffer_seq_dims=[1, 0, 0]):
+        assert tokens.shape == (1, SEQ // layout.cp)
+        model(tokens).float().sum().backward()
+
+
 def _simulate_cp(layout: Layout, rank: int) -> dict[str, int]:
     """The real context_parallel on the example Llama at 1024 ranks (dp_replicate x cp): the
     bytes its attention all-gathers and reduce-scatters per mesh dim in one forward + backward."""
     from examples.llama import model as llama
     from hyperpar import init_device_mesh
-    from hyperpar.parallel import context_parallel
 
     with hyperpar_sim.simulate(world=layout.world, rank=rank) as sim:
         mesh = init_device_mesh((layout.dp_replicate, layout.cp),
                                 mesh_dim_names=("dp_replicate", "cp"))
         with torch.device("meta"):
             model = llama.Transformer(llama.ModelArgs(**SIZES, max_seq_len=SEQ))
-        tokens = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
-        sim.records.clear()
-        with context_parallel(mesh["cp"], buffers=[tokens, model.rope_cos, model.rope_sin],
-                              buffer_seq_dims=[1, 0, 0]):
-            assert tokens.shape == (1, SEQ // layout.cp)
-            model(tokens).float().sum().backward()
+        _cp_forward_backward(sim, mesh, model, layout)
         return sim.volume_by_dim(mesh, ops=["all_gather", "reduce_scatter"])
 
 
@@ -224,7 +231,6 @@ def _simulate_fsdp_cp(layout: Layout, rank: int) -> dict:
     for one forward + backward and an AdamW step at 1024 ranks."""
     from examples.llama import model as llama
     from hyperpar import fully_shard, init_device_mesh
-    from hyperpar.parallel import context_parallel
     from hyperpar.plan._runs import MESH_DIMS, fsdp_mesh
 
     with hyperpar_sim.simulate(world=layout.world, rank=rank) as sim:
@@ -238,12 +244,7 @@ def _simulate_fsdp_cp(layout: Layout, rank: int) -> dict:
         fully_shard(model, mesh=dp_mesh)
         params = list(model.parameters())
         local = sum(p.to_local().numel() for p in params)
-        tokens = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
-        sim.records.clear()
-        with context_parallel(mesh["cp"], buffers=[tokens, model.rope_cos, model.rope_sin],
-                              buffer_seq_dims=[1, 0, 0]):
-            assert tokens.shape == (1, SEQ // layout.cp)
-            model(tokens).float().sum().backward()
+        _cp_forward_backward(sim, mesh, model, layout)
         shard_dim = dp_mesh.mesh_dim_names[-1]
         volume = {("dp_shard" if k == shard_dim else k): v
                   for k, v in sim.volume_by_dim(dp_mesh).items() if k in dp_mesh.mesh_dim_names}
