@@ -24,6 +24,16 @@ SIZES = {"vocab_size": 32000, "dim": 4096, "n_layers": 4, "n_heads": 32, "ffn_hi
 SEQ = 32
 
 
+def _grads_and_adamw_states(params: list) -> tuple[int, int]:
+    """Local gradient elements after backward, and local AdamW state elements after a step."""
+    grads = sum(p.grad.to_local().numel() for p in params if p.grad is not None)
+    opt = torch.optim.AdamW(params)
+    opt.step()
+    states = sum(v.to_local().numel() for p in params for k, v in opt.state[p].items()
+                 if k != "step")
+    return grads, states
+
+
 def _simulate(layout: Layout, rank: int) -> dict:
     from examples.llama import model as llama
     from examples.llama import plan as plans
@@ -45,11 +55,7 @@ def _simulate(layout: Layout, rank: int) -> dict:
         model(tokens).float().sum().backward()
         volume = sim.volume_by_dim(mesh)
         ops = Counter((r.op, r.nbytes) for r in sim.records)
-        grads = sum(p.grad.to_local().numel() for p in params if p.grad is not None)
-        opt = torch.optim.AdamW(params)
-        opt.step()
-        states = sum(v.to_local().numel() for p in params for k, v in opt.state[p].items()
-                     if k != "step")
+        grads, states = _grads_and_adamw_states(params)
     return {"local": local, "grads": grads, "states": states, "volume": volume, "ops": ops}
 
 
@@ -250,11 +256,7 @@ def _simulate_fsdp_cp(layout: Layout, rank: int) -> dict:
                   for k, v in sim.volume_by_dim(dp_mesh).items() if k in dp_mesh.mesh_dim_names}
         volume.update({k: v for k, v in sim.volume_by_dim(mesh).items() if k == "cp"})
         total = sum(r.nbytes for r in sim.records)
-        grads = sum(p.grad.to_local().numel() for p in params if p.grad is not None)
-        opt = torch.optim.AdamW(params)
-        opt.step()
-        states = sum(v.to_local().numel() for p in params for k, v in opt.state[p].items()
-                     if k != "step")
+        grads, states = _grads_and_adamw_states(params)
     return {"local": local, "grads": grads, "states": states, "volume": volume, "total": total}
 
 
