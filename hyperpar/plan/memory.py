@@ -174,14 +174,13 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
         params += local * cb  # the compute-dtype copy; fully_shard gathers it per unit instead
     grads = local * MASTER_BYTES
     optimizer = local * MASTER_BYTES * run.optimizer_states
-    buffers = 0
+    block_buffers = buffers = 0
     if ds > 1:
         # a layer in use, the one prefetched ahead and one layer's unsharded gradients; the
         # root unit (embedding, norm, head) stays gathered from its forward to its backward
         block, *root = sp.unit_gathered
-        buffers = (3 * block + sum(root)) * cb
-    else:
-        root = []
+        block_buffers = 3 * block * cb
+        buffers = block_buffers + sum(root) * cb
     tokens = microbatch_tokens(run, layout)
     full, saved = layer_activation_elems(spec, layout)
     layers = spec.num_layers // layout.pp
@@ -209,7 +208,7 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
             # the gathered blocks are not live at once, the peak holds the larger. (Under
             # activation checkpointing the peak is in a recomputed block's backward, where the
             # gradients of its recomputed activations, not counted apart, take their place.)
-            around_loss = max(around_loss - (buffers - sum(root) * cb), 0)
+            around_loss = max(around_loss - block_buffers, 0)
         act += around_loss
     # data_parallel (over dp_replicate x cp) keeps the gradients in its flat buckets from the
     # first backward on; with dp_shard > 1 fully_shard (over dp_shard x cp) reduces them instead
