@@ -7,7 +7,8 @@ Names mirror torch's own DTensor API: :class:`DeviceMesh`, :func:`init_device_me
 """
 
 # The torch stack loads only where torch is installed: a MindSpore-only venv still gets the
-# framework-neutral part of this package (the placements).
+# framework-neutral part of this package (the mesh and the placements).
+from .mesh import DeviceMesh, MeshDimError, current_mesh, init_device_mesh
 from .placement import Partial, Placement, Replicate, Shard
 
 try:
@@ -27,7 +28,6 @@ if _torch is not None:
     )
     from .api import DTensor, DTensorSpec, distribute_tensor
     from .factories import empty, full, ones, rand, randn, zeros
-    from .mesh import DeviceMesh, MeshDimError, current_mesh, init_device_mesh
     from .module import distribute_module
     from .random import manual_seed
 

@@ -1,14 +1,17 @@
 """DeviceMesh: an n-dimensional arrangement of global ranks, with one process group per
-mesh dimension obtained through the Platform (never torch's collective module directly)."""
+mesh dimension obtained through the Platform (never a framework's collective module directly).
+
+Framework-neutral: the rank grid is plain Python (a shape and the ranks in row-major order), so
+one class serves PyTorch and MindSpore. ``mesh.mesh`` -- the grid as a framework tensor, which
+torch code (torchtitan, ...) reads -- is built on first use by ``Platform.rank_tensor``."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from collections.abc import Sequence
 from typing import Any, overload
-
-import torch
 
 from hyperpar.platform import Platform, backends, get_platform
 from hyperpar.platform.base import Group
@@ -90,12 +93,76 @@ def ensure_world(platform: Platform) -> None:
         platform.init_process_group()
 
 
-def _slices(mesh: torch.Tensor, dims: Sequence[int]) -> list[tuple[int, ...]]:
+def _grid(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(shape, ranks in row-major order)`` of a mesh given as a nested list or tuple of ints,
+    a lone int (a 1-element mesh), or anything with ``tolist()`` (a torch tensor, a numpy array,
+    a MindSpore tensor)."""
+    if hasattr(mesh, "tolist"):
+        mesh = mesh.tolist()
+    if _is_rank(mesh):
+        return (1,), (operator.index(mesh),)
+    shape: list[int] = []
+    level: list[Any] = [mesh]
+    while level and not _is_rank(level[0]):
+        if not all(isinstance(x, Sequence) and not isinstance(x, str) for x in level):
+            raise TypeError(f"DeviceMesh: mesh must be a nested list of int ranks (or a tensor / "
+                            f"array of them), got {mesh!r}")
+        lengths = {len(x) for x in level}
+        if len(lengths) != 1:
+            raise ValueError(f"DeviceMesh: mesh {mesh!r} is ragged (rows of lengths "
+                             f"{sorted(lengths)}); every row of a dimension must be as long")
+        shape.append(lengths.pop())
+        level = [y for x in level for y in x]
+    if not all(_is_rank(r) for r in level):
+        raise TypeError(f"DeviceMesh: mesh must hold int ranks, got {mesh!r}")
+    if not level:
+        raise ValueError(f"DeviceMesh: mesh {mesh!r} holds no rank; give at least one")
+    return tuple(shape), tuple(operator.index(r) for r in level)
+
+
+def _is_rank(x: Any) -> bool:
+    return hasattr(x, "__index__") and not isinstance(x, bool)
+
+
+def _strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major strides of ``shape`` (in elements)."""
+    out, step = [], 1
+    for size in reversed(shape):
+        out.append(step)
+        step *= size
+    return tuple(reversed(out))
+
+
+def _nested(ranks: Sequence[int], shape: Sequence[int]) -> list[Any]:
+    """``ranks`` (row-major) as a nested list of ``shape``."""
+    if len(shape) == 1:
+        return list(ranks)
+    step = math.prod(shape[1:])
+    return [_nested(ranks[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
+
+
+def _walk(shape: Sequence[int], ranks: Sequence[int], fixed: dict[int, int],
+          dims: Sequence[int]) -> list[int]:
+    """The ranks met walking ``dims`` (row-major, in the order given) with the other dims at
+    their ``fixed`` index."""
+    strides = _strides(shape)
+    base = sum(strides[d] * i for d, i in fixed.items())
+    return [ranks[base + sum(strides[d] * i for d, i in zip(dims, index, strict=True))]
+            for index in itertools.product(*(range(shape[d]) for d in dims))]
+
+
+def _slices(shape: Sequence[int], ranks: Sequence[int], dims: Sequence[int]
+            ) -> list[tuple[int, ...]]:
     """Every rank list obtained by walking ``dims`` (row-major) with the other dims fixed, in a
-    deterministic order that is the same on every rank."""
-    others = [d for d in range(mesh.ndim) if d not in dims]
-    moved = mesh.permute(*others, *dims).reshape(-1, math.prod(mesh.shape[d] for d in dims))
-    return [tuple(int(r) for r in row) for row in moved.tolist()]
+    deterministic order that is the same on every rank (the other dims' indices, row-major)."""
+    others = [d for d in range(len(shape)) if d not in dims]
+    return [tuple(_walk(shape, ranks, dict(zip(others, index, strict=True)), dims))
+            for index in itertools.product(*(range(shape[d]) for d in others))]
+
+
+def _unravel(index: int, shape: Sequence[int]) -> list[int]:
+    """The coordinate of row-major position ``index`` in ``shape``."""
+    return [index // stride % size for stride, size in zip(_strides(shape), shape, strict=True)]
 
 
 class DeviceMesh:
@@ -107,7 +174,7 @@ class DeviceMesh:
     by every mesh that uses that rank list.
     """
 
-    def __init__(self, device_type: str | None, mesh: torch.Tensor | Sequence[Any], *,
+    def __init__(self, device_type: str | None, mesh: Any, *,
                  mesh_dim_names: Sequence[str] | str | None = None,
                  _groups: list[Group] | None = None, _root: DeviceMesh | None = None,
                  _root_dims: tuple[int, ...] | None = None) -> None:
@@ -116,38 +183,50 @@ class DeviceMesh:
             _check_device_type(device_type, platform, "DeviceMesh")
             ensure_world(platform)
         self.device_type = device_type or platform.device_type
-        self.mesh = torch.as_tensor(mesh, dtype=torch.int64)
-        if self.mesh.ndim == 0:
-            self.mesh = self.mesh.reshape(1)
-        names = _names_tuple(mesh_dim_names, self.mesh.ndim, "DeviceMesh")
+        shape, flat = _grid(mesh)
+        self._shape, self._ranks = shape, flat
+        self._mesh_tensor: Any = None  # mesh.mesh, built on first use
+        names = _names_tuple(mesh_dim_names, len(shape), "DeviceMesh")
         self.mesh_dim_names = names
-        flat = [int(r) for r in self.mesh.reshape(-1).tolist()]
         if len(set(flat)) != len(flat):
-            raise ValueError(f"mesh {self.mesh.tolist()} lists a rank twice")
+            raise ValueError(f"mesh {self.tolist()} lists a rank twice")
         self._root = _root if _root is not None else self
-        self._root_dims = _root_dims if _root_dims is not None else tuple(range(self.mesh.ndim))
+        self._root_dims = _root_dims if _root_dims is not None else tuple(range(len(shape)))
         self._flattened: dict[str, DeviceMesh] = {}
         self._submeshes: dict[tuple[int, ...], DeviceMesh] = {}
         rank = platform.rank()
         self._rank = rank
-        hits = (self.mesh == rank).nonzero()
-        self._coordinate = [int(c) for c in hits[0].tolist()] if len(hits) else None
-        self._shape = tuple(int(s) for s in self.mesh.shape)
-        self._key = (self.device_type, tuple(flat), self._shape, names)
+        self._coordinate = (None if rank not in flat else
+                            _unravel(flat.index(rank), shape))
+        self._key = (self.device_type, flat, shape, names)
         self._hash = hash(self._key)
         if _groups is not None:
             self._groups = list(_groups)
         else:
-            # Collective: every rank creates every group of every dim, in the same order.
+            # Collective: every rank creates every group of every dim, in the same order (a
+            # platform whose library lets only members create a group skips the others).
             self._groups = []
-            for dim in range(self.mesh.ndim):
+            for dim in range(len(shape)):
                 mine = None
-                for ranks in _slices(self.mesh, [dim]):
+                for ranks in _slices(shape, flat, [dim]):
                     group = platform.new_group(list(ranks))
                     if rank in ranks:
                         mine = group
                 self._groups.append(mine)
-        self._group_ranks = [self._dim_ranks(d) for d in range(self.mesh.ndim)]
+        self._group_ranks = [self._dim_ranks(d) for d in range(len(shape))]
+
+    @property
+    def mesh(self) -> Any:
+        """The rank grid as a framework tensor (torch: an int64 CPU tensor, as torch's own
+        ``DeviceMesh.mesh``), made by the platform's ``rank_tensor`` on first use. Code that
+        only needs the ranks reads :meth:`tolist` and :attr:`shape`, which need no framework."""
+        if self._mesh_tensor is None:
+            self._mesh_tensor = get_platform().rank_tensor(self.tolist())
+        return self._mesh_tensor
+
+    def tolist(self) -> list[Any]:
+        """The rank grid as a nested list of ints (``mesh.mesh.tolist()`` without a tensor)."""
+        return _nested(self._ranks, self._shape)
 
     # -------------------------------------------------------------- identity
     def __eq__(self, other: object) -> bool:
@@ -158,7 +237,7 @@ class DeviceMesh:
 
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
-        return f"DeviceMesh({self.device_type!r}, {self.mesh.tolist()}{names})"
+        return f"DeviceMesh({self.device_type!r}, {self.tolist()}{names})"
 
     # -------------------------------------------------------------- shape
     @property
@@ -235,9 +314,8 @@ class DeviceMesh:
     def _dim_ranks(self, dim: int) -> tuple[int, ...]:
         if self._coordinate is None:
             return ()
-        index: list[Any] = list(self._coordinate)
-        index[dim] = slice(None)
-        return tuple(int(r) for r in self.mesh[tuple(index)].reshape(-1).tolist())
+        fixed = {d: c for d, c in enumerate(self._coordinate) if d != dim}
+        return tuple(_walk(self._shape, self._ranks, fixed, [dim]))
 
     def group_ranks(self, mesh_dim: MeshDim) -> tuple[int, ...]:
         """Global ranks of the group of ``mesh_dim`` that contains this rank."""
@@ -279,12 +357,8 @@ class DeviceMesh:
             return cached
         if self._coordinate is None:
             raise RuntimeError(f"rank {self._rank} is not part of {self!r}; cannot slice it")
-        index: list[Any] = list(self._coordinate)
-        for d in dims:
-            index[d] = slice(None)
-        sub = self.mesh[tuple(index)]  # kept dims, in original order
-        kept = sorted(dims)
-        sub = sub.permute(*[kept.index(d) for d in dims])
+        fixed = {d: c for d, c in enumerate(self._coordinate) if d not in dims}
+        sub = _nested(_walk(self._shape, self._ranks, fixed, dims), [self._shape[d] for d in dims])
         names = (tuple(self.mesh_dim_names[d] for d in dims) if self.mesh_dim_names else None)
         mesh = DeviceMesh(self.device_type, sub, mesh_dim_names=names,
                           _groups=[self._groups[d] for d in dims], _root=self._root,
@@ -349,11 +423,11 @@ class DeviceMesh:
         platform = get_platform()
         # The order of _root_dims may differ from the root order: walk them as given.
         mine = None
-        for ranks in _slices(root.mesh, list(self._root_dims)):
+        for ranks in _slices(root._shape, root._ranks, list(self._root_dims)):
             group = platform.new_group(list(ranks))
             if self._rank in ranks:
                 mine = group
-        flat = DeviceMesh(self.device_type, self.mesh.reshape(-1),
+        flat = DeviceMesh(self.device_type, list(self._ranks),
                           mesh_dim_names=(mesh_dim_name,), _groups=[mine], _root=root,
                           _root_dims=None)
         root._flattened[mesh_dim_name] = flat
@@ -427,8 +501,7 @@ def init_device_mesh(*args: Any, device_type: str | None = None,
             f"the world has {world}; the product of mesh_shape must equal the world size (the "
             f"number of processes launched, e.g. `hyperpar run -n {math.prod(mesh_shape)}`)"
         )
-    grid = torch.arange(world, dtype=torch.int64).reshape(mesh_shape)
-    return DeviceMesh(device_type, grid, mesh_dim_names=names)
+    return DeviceMesh(device_type, _nested(range(world), mesh_shape), mesh_dim_names=names)
 
 
 def _parse_mesh_args(args: tuple[Any, ...], device_type: str | None, mesh_shape: Any,

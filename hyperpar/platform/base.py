@@ -13,14 +13,19 @@ MindSpore and no torch (or neither). Tensors, modules and devices are typed loos
 * MindSpore: the ``hyperpar-mindspore`` backend implements the same members on ``mindspore``
   tensors and ``nn.Cell``\ s.
 
-The contract has four facets:
+The contract has five facets:
 
 1. identity & device    -- which device, which collective library, how many devices, RNG;
 2. module detection     -- which modules are Linear / Embedding / norm layers (by the classes
                            each framework lists in ``linear_types`` ...);
 3. hooks                -- forward-pre / forward / backward hooks with removable handles
                            (framework-bound: supplied by each framework's base class);
-4. collectives & groups -- process groups and the collectives a parallel runtime needs.
+4. collectives & groups -- process groups and the collectives a parallel runtime needs;
+5. tensor mechanics     -- the few tensor operations the framework-neutral layers need (a mesh's
+                           rank tensor; cat, split, narrow, zero padding, reshape, empty tensors for the
+                           along-a-dim collectives), so those layers import no framework.
+                           Framework-bound: each framework's base class supplies them; the
+                           neutral default raises ``NotImplementedError`` naming the member.
 
 Only what a backend must decide is abstract: the device, process groups and seven collectives.
 The rest (blocking and single point-to-point calls, capacity checks, module detection by type,
@@ -33,6 +38,8 @@ Conventions used by every collective below:
   :meth:`Platform.new_group`; callers never look inside it.
 * Peers (``src``, ``dst``, ``peer``) are *global* ranks, as in ``torch.distributed``.
 * ``op`` is one of :data:`REDUCE_OPS` (``"sum"``, ``"avg"``, ``"max"``, ``"min"``, ``"product"``).
+* A tensor exposes ``.shape`` (a sequence of ints): the one attribute the neutral layers read
+  directly; every other tensor operation they need is a tensor-mechanics member.
 * ``async_op=True`` returns a :class:`Work` handle whose ``wait()`` completes the operation;
   otherwise the call blocks and returns ``None`` (in-place collectives) or the result tensor.
 * Collectives honour the timeout given to :meth:`Platform.init_process_group`: a peer that never
@@ -327,6 +334,58 @@ class Platform(abc.ABC):
         """Collectives emulated on this backend, name -> how (shown by ``hyperpar info``);
         default: none."""
         return {}
+
+    # ------------------------------------------------------------------ tensor mechanics
+    # What the framework-neutral layers (DeviceMesh, DimCollectives) need of a tensor. Each
+    # framework's base class implements them; a neutral default says which member is missing.
+    def _no_mechanics(self, member: str, needed_by: str) -> NotImplementedError:
+        return NotImplementedError(
+            f"{type(self).__name__} ({self.name!r} backend) does not implement the tensor-"
+            f"mechanics member Platform.{member}, which {needed_by} needs; implement it in the "
+            f"backend's Platform class (TorchPlatformBase does for PyTorch, MindSporePlatform "
+            f"for MindSpore)"
+        )
+
+    def rank_tensor(self, ranks: list[Any]) -> Tensor:
+        """A mesh's rank grid (a nested list of ints) as an int64 host tensor of the same shape:
+        what ``DeviceMesh.mesh`` returns (torch's own ``DeviceMesh.mesh`` is such a tensor)."""
+        raise self._no_mechanics("rank_tensor", "DeviceMesh.mesh")
+
+    def cat(self, tensors: Sequence[Tensor], dim: int) -> Tensor:
+        """``tensors`` (equal shapes except along ``dim``) concatenated along ``dim``."""
+        raise self._no_mechanics("cat", "the along-a-dim collectives (DimCollectives)")
+
+    def split(self, tensor: Tensor, sizes: Sequence[int], dim: int) -> list[Tensor]:
+        """``tensor`` cut along ``dim`` into consecutive pieces of ``sizes`` (summing to the
+        dim's size), as :meth:`narrow` would give them one by one."""
+        raise self._no_mechanics("split", "the along-a-dim collectives (DimCollectives)")
+
+    def narrow(self, tensor: Tensor, dim: int, start: int, length: int) -> Tensor:
+        """Elements ``[start, start + length)`` of ``tensor`` along ``dim`` (a view where the
+        framework has views that collectives read correctly, else a copy)."""
+        raise self._no_mechanics("narrow", "the along-a-dim collectives (DimCollectives)")
+
+    def pad_zeros(self, tensor: Tensor, dim: int, length: int) -> Tensor:
+        """``tensor`` extended with zeros at the end of ``dim`` to ``length`` elements
+        (``tensor`` itself when it is already that long)."""
+        raise self._no_mechanics("pad_zeros", "the along-a-dim collectives (DimCollectives)")
+
+    def reshape(self, tensor: Tensor, shape: Sequence[int]) -> Tensor:
+        """``tensor``'s elements in row-major order, as a dense (contiguous) tensor of ``shape``
+        (``-1`` allowed once): what a collective can read or write directly."""
+        raise self._no_mechanics("reshape", "the along-a-dim collectives (DimCollectives)")
+
+    def new_empty(self, like: Tensor, shape: Sequence[int]) -> Tensor:
+        """An uninitialised dense tensor of ``shape`` with ``like``'s dtype and device."""
+        raise self._no_mechanics("new_empty", "the along-a-dim collectives (DimCollectives)")
+
+    def int_tensor(self, values: Sequence[int]) -> Tensor:
+        """A 1-D int64 tensor of ``values`` on this process's device, ready for a collective."""
+        raise self._no_mechanics("int_tensor", "DimCollectives.all_gather_sizes")
+
+    def to_ints(self, tensor: Tensor) -> list[int]:
+        """The elements of an integer ``tensor`` as Python ints (row-major)."""
+        raise self._no_mechanics("to_ints", "DimCollectives.all_gather_sizes")
 
     # ------------------------------------------------------------------ launching
     @classmethod

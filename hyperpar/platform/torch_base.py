@@ -8,7 +8,9 @@
 * hooks through ``nn.Module``'s own registration methods;
 * object collectives built on the bulk tensor collectives;
 * the differentiable collectives (:mod:`hyperpar.platform.autograd`) and the along-a-dim helpers
-  of :class:`~hyperpar.platform.dim_collectives.DimCollectives`.
+  of :class:`~hyperpar.platform.dim_collectives.DimCollectives`;
+* the contract's tensor mechanics (``rank_tensor``, ``cat``, ``narrow``, ...) as direct torch
+  calls: the neutral layers (DeviceMesh, DimCollectives) run on them.
 
 Nothing here is abstract: a torch backend implements the neutral contract's abstract members
 (usually by subclassing :class:`~hyperpar.platform.torch_platform.TorchPlatform`) and may
@@ -18,7 +20,7 @@ override any of these defaults; the conformance kit checks both kinds.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -29,6 +31,8 @@ from .base import Group, Platform, RemovableHandle
 from .dim_collectives import DimCollectives
 
 __all__ = ["TorchPlatformBase"]
+
+_HOST = torch.device("cpu")
 
 
 class TorchPlatformBase(Platform, DimCollectives):
@@ -143,6 +147,55 @@ class TorchPlatformBase(Platform, DimCollectives):
         send chunk ``j`` to rank ``j``, concatenate received chunks along ``concat_dim``.
         Backward: the all-to-all with the two dims swapped."""
         return autograd.all_to_all(self, tensor, split_dim, concat_dim, group)
+
+
+    # ------------------------------------------------------------------ tensor mechanics
+    # One torch call each: these sit on the tensor-parallel hot path (DimCollectives).
+    def rank_tensor(self, ranks: list[Any]) -> torch.Tensor:
+        """A mesh's rank grid as an int64 CPU tensor, like torch's ``DeviceMesh.mesh``."""
+        return torch.tensor(ranks, dtype=torch.int64, device=_HOST)
+
+    def cat(self, tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+        """``torch.cat(tensors, dim)``."""
+        return torch.cat(tensors, dim)
+
+    def split(self, tensor: torch.Tensor, sizes: Sequence[int], dim: int
+              ) -> list[torch.Tensor]:
+        """``tensor.split(sizes, dim)`` (views)."""
+        first = sizes[0]
+        if first > 0 and sizes.count(first) == len(sizes):
+            return list(tensor.chunk(len(sizes), dim))  # equal pieces: chunk is 2x faster
+        return list(tensor.split(list(sizes), dim))
+
+    def narrow(self, tensor: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+        """``tensor.narrow(dim, start, length)`` (a view)."""
+        return tensor.narrow(dim, start, length)
+
+    def pad_zeros(self, tensor: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+        """``tensor`` extended with zeros along ``dim`` to ``length``."""
+        missing = length - tensor.shape[dim]
+        if missing <= 0:
+            return tensor
+        shape = list(tensor.shape)
+        shape[dim] = missing
+        return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
+
+    def reshape(self, tensor: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+        """``tensor.contiguous().view(shape)`` (no copy when already contiguous)."""
+        # Sizes as separate arguments: torch parses them faster than one tuple.
+        return tensor.contiguous().view(*shape) if shape else tensor.contiguous().view(())
+
+    def new_empty(self, like: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+        """``like.new_empty(shape)``."""
+        return like.new_empty(*shape) if shape else like.new_empty(())
+
+    def int_tensor(self, values: Sequence[int]) -> torch.Tensor:
+        """An int64 tensor of ``values`` on :meth:`device`."""
+        return torch.tensor(list(values), dtype=torch.int64, device=self.device())
+
+    def to_ints(self, tensor: torch.Tensor) -> list[int]:
+        """``tensor``'s elements as Python ints."""
+        return [int(v) for v in tensor.reshape(-1).tolist()]
 
 
 def _to_bytes(obj: Any, device: torch.device) -> torch.Tensor:

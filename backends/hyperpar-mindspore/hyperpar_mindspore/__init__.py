@@ -7,7 +7,9 @@ tensor parallelism on ``nn.Cell`` models with hyperpar's plan syntax.
 With ``HYPERPAR_BACKEND=mindspore`` those top-level names resolve here (through
 ``MindSporePlatform.parallel_api()``); importing from ``hyperpar_mindspore`` works too.
 
-Names are resolved lazily: ``import hyperpar_mindspore`` does not import MindSpore.
+The mesh is hyperpar's one framework-neutral ``DeviceMesh`` (:mod:`hyperpar.dtensor.mesh`),
+re-exported here. Names are resolved lazily: ``import hyperpar_mindspore`` does not import
+MindSpore.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from typing import Any
 
 _EXPORTS = {
     "MindSporePlatform": ".platform",
-    "DeviceMesh": ".mesh",
-    "init_device_mesh": ".mesh",
+    "DeviceMesh": "hyperpar.dtensor.mesh",
+    "init_device_mesh": "hyperpar.dtensor.mesh",
     "ParallelStyle": ".parallel",
     "ColwiseParallel": ".parallel",
     "RowwiseParallel": ".parallel",
@@ -38,6 +40,6 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'hyperpar_mindspore' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
+    value = getattr(importlib.import_module(module, __name__), name)  # relative or absolute
     globals()[name] = value
     return value

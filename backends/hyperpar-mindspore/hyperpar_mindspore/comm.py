@@ -2,8 +2,9 @@
 spec.Comm`, whose ``construct`` runs the forward op and whose ``bprop`` runs the backward op.
 
 MindSpore has no ``Tensor.backward``; gradients flow through ``ms.grad`` / ``ms.value_and_grad``,
-which honour a Cell's custom ``bprop``. The collectives are the Platform's (composed where the
-target has no kernel), applied along any dim.
+which honour a Cell's custom ``bprop``. The collectives along a dim are the Platform's
+framework-neutral :class:`~hyperpar.platform.dim_collectives.DimCollectives` (the same code the
+PyTorch platforms run), over MindSpore's collectives (composed where the target has no kernel).
 """
 
 from __future__ import annotations
@@ -17,15 +18,11 @@ from hyperpar.parallel.spec import Comm
 from .platform import MindSporePlatform, MSGroup
 
 
-def all_gather_along(platform: MindSporePlatform, x: Any, dim: int, group: MSGroup) -> Any:
-    """Every rank's ``x`` concatenated along ``dim`` in group-rank order (equal shapes)."""
-    return mint.cat(platform.gather_list(x, group, "all_gather"), dim)
-
-
 def check_split(platform: MindSporePlatform, x: Any, dim: int, group: MSGroup,
                 what: str = "") -> None:
     """Raise when dim ``dim`` of ``x`` cannot be split evenly over the group (every rank sees
-    the same shapes, so every rank raises, before any collective)."""
+    the same shapes, so every rank raises, before any collective). MindSpore's styles keep
+    every piece the same size: the backward of a split gathers equal pieces."""
     n = platform.world_size(group)
     size = x.shape[dim]
     if size % n:
@@ -33,15 +30,6 @@ def check_split(platform: MindSporePlatform, x: Any, dim: int, group: MSGroup,
         raise ValueError(f"{at}cannot split dim {dim} of size {size} (shape {tuple(x.shape)}) "
                          f"evenly over {n} tensor-parallel ranks; make it divisible by {n} (a "
                          f"sequence dim: pad the sequence to a multiple of {n})")
-
-
-def piece_along(platform: MindSporePlatform, x: Any, dim: int, group: MSGroup,
-                what: str = "") -> Any:
-    """This rank's piece of ``x`` split evenly along ``dim`` (no communication)."""
-    check_split(platform, x, dim, group, what)
-    n, me = platform.world_size(group), platform.rank(group)
-    size = x.shape[dim] // n
-    return mint.narrow(x, dim, me * size, size).copy()
 
 
 def all_reduce_copy(platform: MindSporePlatform, x: Any, group: MSGroup) -> Any:
@@ -60,22 +48,17 @@ def run_op(platform: MindSporePlatform, op: str, x: Any, comm: Comm, group: MSGr
     if op == "all_reduce":
         return all_reduce_copy(platform, x, group)
     if op == "all_gather":
-        return all_gather_along(platform, x, dim, group)
+        return platform.all_gather_along(x, dim, group)
     if op == "chunk":
-        return piece_along(platform, x, dim, group, what)
+        check_split(platform, x, dim, group, what)
+        return platform.piece_along(x, dim, group)
     if op == "reduce_scatter":
         check_split(platform, x, dim, group, what)  # before the reduction, on every rank
-        return piece_along(platform, all_reduce_copy(platform, x, group), dim, group, what)
+        return platform.reduce_scatter_along(x, dim, "sum", group)
     if op == "all_to_all":
         src, dst = (dim2, dim) if backward else (dim, dim2)
-        me = platform.rank(group)
-        n = platform.world_size(group)
-        # Composed: gather every rank's tensor, keep piece `me` (along src) of each, concatenate.
-        pieces = []
-        for data in platform.gather_list(x, group, "all_to_all"):
-            size = data.shape[src] // n
-            pieces.append(mint.narrow(data, src, me * size, size).copy())
-        return mint.cat(pieces, dst)
+        check_split(platform, x, src, group, what)
+        return platform.all_to_all_along(x, src, dst, group)
     raise ValueError(f"unknown boundary op {op!r}")
 
 
@@ -102,5 +85,4 @@ def zeros(shape: tuple[int, ...], dtype: Any) -> Any:
     return mint.zeros(tuple(shape), dtype=dtype)
 
 
-__all__ = ["Boundary", "all_gather_along", "all_reduce_copy", "check_split", "piece_along",
-           "run_op", "zeros"]
+__all__ = ["Boundary", "all_reduce_copy", "check_split", "run_op", "zeros"]

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from mindspore import Parameter, Tensor, nn
 
+from hyperpar.dtensor.mesh import DeviceMesh
 from hyperpar.dtensor.placement import Placement, Replicate, Shard
 from hyperpar.parallel.spec import (
     COLWISE,
@@ -33,7 +34,6 @@ from hyperpar.parallel.spec import resolve_plan as _resolve
 from hyperpar.platform import get_platform
 
 from .comm import Boundary, zeros
-from .mesh import DeviceMesh
 from .platform import MindSporePlatform, MSGroup
 
 __all__ = ["ColwiseParallel", "ParallelStyle", "PlanKeyError", "RowwiseParallel",
@@ -265,6 +265,5 @@ def _tp_mesh(mesh: DeviceMesh, dim: str | int | None) -> DeviceMesh:
     if isinstance(dim, int):
         dim = mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else dim
     if isinstance(dim, int):
-        group = mesh.get_group(dim)
-        return DeviceMesh(np.array(group.ranks), None, {0: group})
+        return mesh.get_mesh(dim)
     return mesh[dim]

@@ -28,6 +28,7 @@ from typing import Any
 
 from hyperpar.platform import Availability
 from hyperpar.platform.base import REDUCE_OPS, Group, P2POp, Platform, Work
+from hyperpar.platform.dim_collectives import DimCollectives
 
 #: Targets hyperpar knows, by the name MindSpore's ``set_device`` takes.
 TARGETS = ("CPU", "Ascend", "GPU")
@@ -95,9 +96,12 @@ def detect_target() -> str:
     return "CPU"
 
 
-class MindSporePlatform(Platform):
+class MindSporePlatform(Platform, DimCollectives):
     """hyperpar on MindSpore. Lowest auto-detect priority: chosen when no torch backend is
-    installed, or by ``HYPERPAR_BACKEND=mindspore``."""
+    installed, or by ``HYPERPAR_BACKEND=mindspore``. The collectives along a dim
+    (``all_gather_along``, ``reduce_scatter_along``, ...) are hyperpar's framework-neutral
+    :class:`~hyperpar.platform.dim_collectives.DimCollectives` over this platform's collectives
+    and tensor mechanics."""
 
     name = "mindspore"
     framework = "mindspore"
@@ -416,6 +420,53 @@ class MindSporePlatform(Platform):
         if self.target == "CPU":
             return dict(CPU_COMPOSITIONS)
         return {"reduce op 'avg'": CPU_COMPOSITIONS["reduce op 'avg'"]}
+
+    # ------------------------------------------------------------------ tensor mechanics
+    def rank_tensor(self, ranks: list[Any]) -> Any:
+        """A mesh's rank grid as an int64 ``mindspore.Tensor``."""
+        ms = _ms()
+        return ms.Tensor(ranks, ms.int64)
+
+    def cat(self, tensors: Sequence[Any], dim: int) -> Any:
+        """``mint.cat(tensors, dim)``."""
+        return _ms().mint.cat(list(tensors), dim)
+
+    def split(self, tensor: Any, sizes: Sequence[int], dim: int) -> list[Any]:
+        """The pieces as tensors of their own (see :meth:`narrow`)."""
+        pieces = _ms().mint.split(tensor, [int(s) for s in sizes], dim)
+        return [p.copy() for p in pieces]
+
+    def narrow(self, tensor: Any, dim: int, start: int, length: int) -> Any:
+        """The piece as a tensor of its own: MindSpore's in-place copies misread slice views."""
+        return _ms().mint.narrow(tensor, dim, start, length).copy()
+
+    def pad_zeros(self, tensor: Any, dim: int, length: int) -> Any:
+        """``tensor`` extended with zeros along ``dim`` to ``length`` (``mint.zeros``:
+        ``zeros_like`` has no CPU kernel)."""
+        missing = length - tensor.shape[dim]
+        if missing <= 0:
+            return tensor
+        shape = list(tensor.shape)
+        shape[dim] = missing
+        mint = _ms().mint
+        return mint.cat([tensor, mint.zeros(tuple(shape), dtype=tensor.dtype)], dim)
+
+    def reshape(self, tensor: Any, shape: Sequence[int]) -> Any:
+        """``tensor`` made contiguous, then reshaped."""
+        return _ms().mint.reshape(tensor.contiguous(), tuple(shape))
+
+    def new_empty(self, like: Any, shape: Sequence[int]) -> Any:
+        """``mint.empty(shape, dtype=like.dtype)`` (MindSpore places it on the set device)."""
+        return _ms().mint.empty(tuple(shape), dtype=like.dtype)
+
+    def int_tensor(self, values: Sequence[int]) -> Any:
+        """A 1-D int64 ``mindspore.Tensor`` of ``values``."""
+        ms = _ms()
+        return ms.Tensor([int(v) for v in values], ms.int64)
+
+    def to_ints(self, tensor: Any) -> list[int]:
+        """``tensor``'s elements as Python ints."""
+        return [int(v) for v in tensor.asnumpy().reshape(-1)]
 
     # ------------------------------------------------------------------ launching
     @classmethod

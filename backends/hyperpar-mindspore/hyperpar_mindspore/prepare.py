@@ -21,12 +21,12 @@ from typing import Any
 
 from mindspore import Tensor, nn
 
+from hyperpar.dtensor.mesh import DeviceMesh
 from hyperpar.dtensor.placement import Placement
 from hyperpar.parallel.spec import REPLICATED_PARAM_GRAD, prepare_comm, sequence_parallel
 from hyperpar.platform import get_platform
 
 from .comm import Boundary
-from .mesh import DeviceMesh
 from .parallel import ParallelStyle, check_layout, refuse_dtensor
 
 __all__ = ["PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
