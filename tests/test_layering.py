@@ -145,8 +145,23 @@ TORCH_FREE_MODULES = (
     "hyperpar.platform.hookspecs", "hyperpar.platform.info", "hyperpar.cli", "hyperpar.launcher",
     "hyperpar.log", "hyperpar.testing", "hyperpar.testing.harness",
     "hyperpar.testing.pytest_plugin", "hyperpar.parallel.spec", "hyperpar.plan",
-    "hyperpar.plan.cli", "hyperpar.platform.timeout",
+    "hyperpar.plan.cli", "hyperpar.platform.timeout", "hyperpar.dtensor", "hyperpar.dtensor.mesh",
+    "hyperpar.dtensor.placement", "hyperpar.platform.dim_collectives",
 )
+
+# The layers written once for both frameworks: they must import neither torch nor mindspore.
+NEUTRAL_MODULES = ("hyperpar.dtensor.mesh", "hyperpar.dtensor.placement",
+                   "hyperpar.platform.dim_collectives", "hyperpar.parallel.spec")
+
+_BLOCK_MINDSPORE = """
+class _NoMindSpore(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "mindspore" or name.startswith("mindspore."):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)", name=name)
+        return None
+
+sys.meta_path.insert(0, _NoMindSpore())
+"""
 
 
 def _run_without_torch(body: str, *argv: str) -> subprocess.CompletedProcess:
@@ -159,6 +174,46 @@ def _run_without_torch(body: str, *argv: str) -> subprocess.CompletedProcess:
 def test_the_blocker_really_blocks_torch():
     done = _run_without_torch("import torch")
     assert done.returncode != 0 and "blocked by the test" in done.stderr
+
+
+def test_the_blocker_can_block_mindspore_too():
+    done = _run_without_torch(_BLOCK_MINDSPORE + "import mindspore")
+    assert done.returncode != 0 and "blocked by the test" in done.stderr
+
+
+def test_neutral_layers_import_and_work_without_any_framework():
+    """The mesh, the placements, the collectives along a dim and the style specs are written
+    once for PyTorch and MindSpore: they load, and the mesh's rank arithmetic runs, where
+    neither framework can be imported."""
+    body = _BLOCK_MINDSPORE + f"""
+import importlib
+for name in {NEUTRAL_MODULES!r}:
+    importlib.import_module(name)
+from hyperpar.dtensor import DeviceMesh, Shard, init_device_mesh
+from hyperpar.dtensor.mesh import _grid, _nested, _slices, _unravel
+from hyperpar.platform.dim_collectives import DimCollectives, chunk_sizes
+shape, ranks = _grid([[0, 1, 2], [3, 4, 5]])
+assert (shape, ranks) == ((2, 3), (0, 1, 2, 3, 4, 5))
+assert _slices(shape, ranks, [0]) == [(0, 3), (1, 4), (2, 5)]
+assert _slices(shape, ranks, [1]) == [(0, 1, 2), (3, 4, 5)]
+assert _slices(shape, ranks, [1, 0]) == [(0, 3, 1, 4, 2, 5)]
+assert _nested(ranks, shape) == [[0, 1, 2], [3, 4, 5]] and _unravel(4, shape) == [1, 1]
+assert _grid(7) == ((1,), (7,))
+for bad in ([[0, 1], [2]], [[0, 1], [2, 2.5]], []):
+    try:
+        _grid(bad)
+    except (TypeError, ValueError) as exc:
+        assert "DeviceMesh: mesh" in str(exc), exc
+    else:
+        raise AssertionError(f"{{bad!r}} accepted")
+assert chunk_sizes(5, 2) == [3, 2] and Shard(0).dim == 0
+assert callable(init_device_mesh) and hasattr(DimCollectives, "all_gather_along")
+assert "torch" not in sys.modules and "mindspore" not in sys.modules
+print("ok")
+"""
+    done = _run_without_torch(body)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
 
 
 def test_core_modules_import_without_torch():
