@@ -22,8 +22,8 @@ The contract has five facets:
                            (framework-bound: supplied by each framework's base class);
 4. collectives & groups -- process groups and the collectives a parallel runtime needs;
 5. tensor mechanics     -- the few tensor operations the framework-neutral layers need (a mesh's
-                           rank tensor; cat, split, narrow, zero padding, reshape, empty tensors for the
-                           along-a-dim collectives), so those layers import no framework.
+                           rank tensor; cat, split, narrow, zero padding, reshape, empty tensors
+                           for the along-a-dim collectives), so those layers import no framework.
                            Framework-bound: each framework's base class supplies them; the
                            neutral default raises ``NotImplementedError`` naming the member.
 
