@@ -171,6 +171,46 @@ def test_bad_mesh_arguments_raise_clear_errors(run_on_ranks):
     assert "mesh_shape is required" in errors["no_shape"][1]
 
 
+# ---------------------------------------------------------------- the rank grid as given
+def _mesh_argument_forms():
+    import numpy as np
+    import torch
+
+    from hyperpar.dtensor import DeviceMesh
+
+    device = get_platform().device_type
+    forms = {"list": [[0], [1]], "tuple": ((0,), (1,)), "torch": torch.tensor([[0], [1]]),
+             "numpy": np.array([[0], [1]])}
+    meshes = {k: DeviceMesh(device, v, mesh_dim_names=("dp", "tp")) for k, v in forms.items()}
+    first = meshes["list"]
+    out = {"equal": all(m == first and hash(m) == hash(first) for m in meshes.values()),
+           "tensor": (first.mesh.dtype, first.mesh.device.type, first.mesh.tolist(),
+                      first.mesh is first.mesh),
+           "tolist": first.tolist(), "coord": first.get_coordinate(),
+           "repr": repr(first), "one": DeviceMesh(device, torch.tensor(1)).shape}
+    for key, bad in {"ragged": [[0, 1], [2]], "floats": [0.0, 1.0], "empty": []}.items():
+        try:
+            DeviceMesh(device, bad)
+        except (TypeError, ValueError) as exc:
+            out[key] = (type(exc).__name__, str(exc))
+    return out
+
+
+def test_a_mesh_is_given_as_a_list_a_tensor_or_an_array_and_reads_back_as_a_tensor(
+        run_on_ranks):
+    import torch
+
+    for rank, f in enumerate(run_on_ranks(2, _mesh_argument_forms)):
+        assert f["equal"] and f["tolist"] == [[0], [1]] and f["coord"] == [rank, 0]
+        # mesh.mesh: an int64 CPU tensor, as torch's DeviceMesh.mesh; built once
+        assert f["tensor"] == (torch.int64, "cpu", [[0], [1]], True)
+        assert f["repr"].endswith("[[0], [1]], mesh_dim_names=('dp', 'tp'))")
+        assert f["one"] == (1,)
+        assert f["ragged"][0] == "ValueError" and "ragged" in f["ragged"][1]
+        assert f["floats"][0] == "TypeError" and "int ranks" in f["floats"][1]
+        assert f["empty"][0] == "ValueError" and "holds no rank" in f["empty"][1]
+
+
 # ---------------------------------------------------------------- the dimension resolver
 def _resolver():
     from hyperpar.dtensor import init_device_mesh
