@@ -25,6 +25,8 @@ _EXPORTS = {
     "UnsupportedModuleError": ".parallel",
     "parallelize_module": ".parallel",
     "PlanKeyError": ".parallel",
+    "AlreadyParallelizedError": ".parallel",
+    "TiedParameterError": ".parallel",
     "SequenceParallel": ".prepare",
     "PrepareModuleInput": ".prepare",
     "PrepareModuleOutput": ".prepare",

@@ -10,38 +10,86 @@ from __future__ import annotations
 
 from typing import Any
 
-from mindspore import mint, nn
+import numpy as np
+from mindspore import Tensor, mint, nn
 
+from hyperpar.dtensor.placement import chunk_bounds
 from hyperpar.parallel.spec import Comm
 
 from .platform import MindSporePlatform, MSGroup
 
 
-def all_gather_along(platform: MindSporePlatform, x: Any, dim: int, group: MSGroup) -> Any:
-    """Every rank's ``x`` concatenated along ``dim`` in group-rank order (equal shapes)."""
-    return mint.cat(platform.gather_list(x, group, "all_gather"), dim)
+def chunk_lengths(size: int, n: int) -> list[int]:
+    """The lengths of ``torch.chunk``'s ``n`` pieces of ``size`` (the tail shorter or empty)."""
+    return [chunk_bounds(size, n, r)[1] for r in range(n)]
 
 
-def check_split(platform: MindSporePlatform, x: Any, dim: int, group: MSGroup,
-                what: str = "") -> None:
-    """Raise when dim ``dim`` of ``x`` cannot be split evenly over the group (every rank sees
-    the same shapes, so every rank raises, before any collective)."""
+def lengths_along(platform: MindSporePlatform, x: Any, dim: int, group: MSGroup,
+                  what: str = "") -> list[int]:
+    """Every rank's length of ``x`` along ``dim`` (one small all-gather). They must be
+    ``torch.chunk``'s split of their sum, else every rank raises the same error."""
     n = platform.world_size(group)
-    size = x.shape[dim]
-    if size % n:
+    mine = int(x.shape[dim])
+    if n == 1:
+        return [mine]
+    got = platform.gather_list(Tensor(np.array([mine], np.int64)), group, what or "lengths")
+    lengths = [int(t.asnumpy()[0]) for t in got]
+    if lengths != chunk_lengths(sum(lengths), n):
         at = f"{what}: " if what else ""
-        raise ValueError(f"{at}cannot split dim {dim} of size {size} (shape {tuple(x.shape)}) "
-                         f"evenly over {n} tensor-parallel ranks; make it divisible by {n} (a "
-                         f"sequence dim: pad the sequence to a multiple of {n})")
+        raise ValueError(
+            f"{at}the ranks' pieces along dim {dim} have lengths {lengths}, which is not how "
+            f"torch.chunk splits {sum(lengths)} over {n} ranks ({chunk_lengths(sum(lengths), n)});"
+            f" give each rank its torch.chunk piece (pieces of ceil(size / {n}), the tail shorter)"
+        )
+    return lengths
+
+
+def all_gather_along(platform: MindSporePlatform, x: Any, dim: int, group: MSGroup,
+                     sizes: list[int] | None = None, what: str = "") -> Any:
+    """Every rank's ``x`` concatenated along ``dim`` in group-rank order. ``sizes``: each
+    rank's length along ``dim`` (exchanged when not given); uneven pieces travel padded to the
+    longest and are trimmed on arrival."""
+    dim %= x.ndim
+    if sizes is None:
+        sizes = lengths_along(platform, x, dim, group, what)
+    top = max(sizes)
+    if x.shape[dim] < top:
+        pad = list(x.shape)
+        pad[dim] = top - x.shape[dim]
+        x = mint.cat([x, mint.zeros(tuple(pad), dtype=x.dtype)], dim)
+    parts = platform.gather_list(x, group, what or "all_gather")
+    kept = [p if size == top else mint.narrow(p, dim, 0, size).copy()
+            for p, size in zip(parts, sizes, strict=True) if size]
+    return kept[0] if len(kept) == 1 else mint.cat(kept, dim)
+
+
+def check_no_empty_piece(size: int, n: int, dim: int, shape: tuple[int, ...],
+                         what: str = "") -> None:
+    """Raise when ``torch.chunk`` would leave a rank an empty piece of ``size`` (``6`` over
+    ``4``: ``[2, 2, 2, 0]``): MindSpore's kernels refuse empty tensors (LayerNorm, MatMul). Every
+    rank sees the same sizes, so every rank raises, before any collective."""
+    lengths = chunk_lengths(size, n)
+    if 0 in lengths:
+        at = f"{what}: " if what else ""
+        fits = [s for s in range(max(1, size - n), size + n + 1) if 0 not in chunk_lengths(s, n)]
+        raise ValueError(
+            f"{at}cannot split dim {dim} of size {size} (shape {tuple(shape)}) over {n} "
+            f"tensor-parallel ranks: torch.chunk's pieces {lengths} leave a rank an empty "
+            f"piece, which MindSpore's kernels cannot compute on; use a size that gives every "
+            f"rank at least one (near {size}: {', '.join(map(str, fits[:4]))}), or fewer ranks"
+        )
 
 
 def piece_along(platform: MindSporePlatform, x: Any, dim: int, group: MSGroup,
                 what: str = "") -> Any:
-    """This rank's piece of ``x`` split evenly along ``dim`` (no communication)."""
-    check_split(platform, x, dim, group, what)
+    """This rank's ``torch.chunk`` piece of ``x`` along ``dim`` (no communication)."""
+    dim %= x.ndim
     n, me = platform.world_size(group), platform.rank(group)
-    size = x.shape[dim] // n
-    return mint.narrow(x, dim, me * size, size).copy()
+    check_no_empty_piece(int(x.shape[dim]), n, dim, tuple(x.shape), what)
+    start, length = chunk_bounds(int(x.shape[dim]), n, me)
+    if length == x.shape[dim]:
+        return x
+    return mint.narrow(x, dim, start, length).copy()
 
 
 def all_reduce_copy(platform: MindSporePlatform, x: Any, group: MSGroup) -> Any:
@@ -51,50 +99,64 @@ def all_reduce_copy(platform: MindSporePlatform, x: Any, group: MSGroup) -> Any:
     return y
 
 
+def all_to_all_along(platform: MindSporePlatform, x: Any, sharded: int, to: int,
+                     group: MSGroup, what: str = "") -> Any:
+    """Re-shard ``x`` from ``Shard(sharded)`` to ``Shard(to)``: keep this rank's piece along
+    ``to`` of every rank's ``x``, concatenated along ``sharded`` (composed: all-gather, then
+    select; uneven pieces as ``torch.chunk`` makes them)."""
+    sharded %= x.ndim
+    to %= x.ndim
+    sizes = lengths_along(platform, x, sharded, group, what)
+    whole = all_gather_along(platform, x, sharded, group, sizes, what)
+    return piece_along(platform, whole, to, group, what)
+
+
 def run_op(platform: MindSporePlatform, op: str, x: Any, comm: Comm, group: MSGroup,
-           backward: bool = False, what: str = "") -> Any:
-    """Apply one op of ``comm`` to ``x``."""
+           backward: bool = False, what: str = "", full: int | None = None) -> Any:
+    """Apply one op of ``comm`` to ``x``. ``full``: the global length along ``comm.dim`` when
+    the caller knows it (a gather then needs no exchange of lengths)."""
     dim, dim2 = comm.dim, comm.dim2
+    n = platform.world_size(group)
     if op == "none":
         return x
     if op == "all_reduce":
         return all_reduce_copy(platform, x, group)
     if op == "all_gather":
-        return all_gather_along(platform, x, dim, group)
+        sizes = chunk_lengths(full, n) if full is not None else None
+        return all_gather_along(platform, x, dim, group, sizes, what)
     if op == "chunk":
         return piece_along(platform, x, dim, group, what)
     if op == "reduce_scatter":
-        check_split(platform, x, dim, group, what)  # before the reduction, on every rank
         return piece_along(platform, all_reduce_copy(platform, x, group), dim, group, what)
-    if op == "all_to_all":
+    if op == "all_to_all":  # comm: Shard(dim) -> Shard(dim2); backward the other way
         src, dst = (dim2, dim) if backward else (dim, dim2)
-        me = platform.rank(group)
-        n = platform.world_size(group)
-        # Composed: gather every rank's tensor, keep piece `me` (along src) of each, concatenate.
-        pieces = []
-        for data in platform.gather_list(x, group, "all_to_all"):
-            size = data.shape[src] // n
-            pieces.append(mint.narrow(data, src, me * size, size).copy())
-        return mint.cat(pieces, dst)
+        return all_to_all_along(platform, x, src, dst, group, what)
     raise ValueError(f"unknown boundary op {op!r}")
 
 
 class Boundary(nn.Cell):
-    """``comm.forward`` in ``construct``, ``comm.backward`` on the gradient in ``bprop``."""
+    """``comm.forward`` in ``construct``, ``comm.backward`` on the gradient in ``bprop``.
+
+    ``full``: the global length along ``comm.dim`` of a forward all-gather, when known (a
+    weight's size); a backward all-gather knows it from the forward input."""
 
     def __init__(self, platform: MindSporePlatform, comm: Comm, group: MSGroup,
-                 what: str = "") -> None:
+                 what: str = "", full: int | None = None) -> None:
         super().__init__()
         self.platform, self.comm, self.group = platform, comm, group
         self.what = what  # names the boundary in errors ("ColwiseParallel input")
+        self.full = full
 
     def construct(self, x: Any) -> Any:
         return run_op(self.platform, self.comm.forward, x, self.comm, self.group,
-                      what=self.what)
+                      what=self.what, full=self.full)
 
     def bprop(self, x: Any, out: Any, dout: Any) -> tuple[Any]:
+        full = None
+        if self.comm.backward == "all_gather":  # the adjoint of a chunk: x was whole
+            full = int(x.shape[self.comm.dim % x.ndim])
         return (run_op(self.platform, self.comm.backward, dout, self.comm, self.group, True,
-                       self.what),)
+                       self.what, full),)
 
 
 def zeros(shape: tuple[int, ...], dtype: Any) -> Any:
@@ -102,5 +164,6 @@ def zeros(shape: tuple[int, ...], dtype: Any) -> Any:
     return mint.zeros(tuple(shape), dtype=dtype)
 
 
-__all__ = ["Boundary", "all_gather_along", "all_reduce_copy", "check_split", "piece_along",
-           "run_op", "zeros"]
+__all__ = ["Boundary", "all_gather_along", "all_reduce_copy", "all_to_all_along",
+           "check_no_empty_piece", "chunk_lengths", "lengths_along", "piece_along", "run_op",
+           "zeros"]

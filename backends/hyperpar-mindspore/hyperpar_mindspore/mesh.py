@@ -53,6 +53,25 @@ class DeviceMesh:
         """This rank's coordinate along ``dim``."""
         return get_platform().rank(self.get_group(dim))
 
+    def get_mesh(self, mesh_dim: int | str | None = None, *, default: str | None = None
+                 ) -> DeviceMesh:
+        """The 1-D mesh along ``mesh_dim`` (a name or an index) holding this rank; with
+        ``mesh_dim=None`` a 1-D mesh is itself and an n-D one takes the dim named ``default``
+        (hyperpar's ``DeviceMesh.get_mesh``)."""
+        if mesh_dim is None:
+            if self.ndim == 1:
+                return self
+            if default is None or not self.mesh_dim_names or default not in self.mesh_dim_names:
+                raise ValueError(f"{self} has {self.ndim} dims and none is named "
+                                 f"{default!r}; pass tp_mesh_dim= or name a dim {default!r}")
+            mesh_dim = default
+        if isinstance(mesh_dim, str) and self.ndim == 1 and not self.mesh_dim_names:
+            return self  # an unnamed 1-D mesh answers to any name
+        d = self._dim(mesh_dim)
+        group = self._groups[d]
+        names = (self.mesh_dim_names[d],) if self.mesh_dim_names else None
+        return DeviceMesh(np.array(group.ranks), names, {0: group})
+
     def __getitem__(self, name: str) -> DeviceMesh:
         d = self._dim(name)
         group = self._groups[d]

@@ -3,14 +3,16 @@
 >>> mesh = init_device_mesh((2,), mesh_dim_names=("tp",))                      # doctest: +SKIP
 >>> parallelize_module(mlp, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
 
-What each style means -- which dim of each weight is split, what each boundary communicates
-forward and backward -- comes from :mod:`hyperpar.parallel.spec`, shared with the PyTorch styles'
-definition. This module supplies only MindSpore's mechanics: each rank's parameters are replaced by
-its shards (``trainable_params()`` and any ``nn.Optimizer`` see the shards), boundaries are Cells
-with a custom ``bprop`` (:mod:`.comm`) run from forward hooks, and a row-wise layer's bias is
-swapped out of the local compute and added once after the reduction.
+``parallelize_module`` is hyperpar's one driver (:mod:`hyperpar.parallel.driver`: plan
+resolution, checks, tied parameters, ``src_data_rank``); the styles here implement its style
+protocol. What each style means -- which dim of each weight is split, what each boundary
+communicates forward and backward -- comes from :mod:`hyperpar.parallel.spec`, shared with the
+PyTorch styles. This module supplies only MindSpore's mechanics: each rank's parameters are
+replaced by its ``torch.chunk`` pieces (``trainable_params()`` and any ``nn.Optimizer`` see the
+shards), boundaries are Cells with a custom ``bprop`` (:mod:`.comm`) run from forward hooks, and
+a row-wise layer's bias is swapped out of the local compute and added once after the reduction.
 
-MindSpore has no DTensor here: outputs are always local tensors (``use_local_output=True``).
+MindSpore has no DTensor here yet: outputs are local tensors (``use_local_output=True``).
 """
 
 from __future__ import annotations
@@ -20,28 +22,25 @@ from typing import Any
 import numpy as np
 from mindspore import Parameter, Tensor, nn
 
-from hyperpar.dtensor.placement import Placement, Replicate, Shard
-from hyperpar.parallel.spec import (
-    COLWISE,
-    ROWWISE,
-    Comm,
+from hyperpar.dtensor.placement import Placement, Replicate, Shard, chunk_bounds
+from hyperpar.parallel.driver import (
+    AlreadyParallelizedError,
     PlanKeyError,
-    StyleSpec,
-    check_divisible,
+    StyleBase,
+    TiedParameterError,
+    UnsupportedModuleError,
+    parallelize_module,
 )
-from hyperpar.parallel.spec import resolve_plan as _resolve
+from hyperpar.parallel.spec import COLWISE, ROWWISE, Comm, StyleSpec
 from hyperpar.platform import get_platform
 
-from .comm import Boundary, zeros
+from .comm import Boundary, check_no_empty_piece, zeros
 from .mesh import DeviceMesh
-from .platform import MindSporePlatform, MSGroup
+from .platform import SHARD_PLACEMENTS, MindSporePlatform, MSGroup
 
-__all__ = ["ColwiseParallel", "ParallelStyle", "PlanKeyError", "RowwiseParallel",
-           "UnsupportedModuleError", "check_layout", "parallelize_module", "refuse_dtensor"]
-
-
-class UnsupportedModuleError(TypeError):
-    """A style was applied to a Cell it cannot shard."""
+__all__ = ["AlreadyParallelizedError", "ColwiseParallel", "ParallelStyle", "PlanKeyError",
+           "RowwiseParallel", "TiedParameterError", "UnsupportedModuleError", "check_layout",
+           "parallelize_module", "refuse_dtensor"]
 
 
 # The framework's name of each parameter the spec talks about ("weight", "bias").
@@ -53,16 +52,20 @@ def _param_names(cell: nn.Cell, kind: str) -> dict[str, str]:
     return {"weight": "weight", "bias": "bias"}
 
 
-class ParallelStyle:
-    """A style for one Cell: :meth:`check` (before anything changes) and :meth:`apply`."""
+class ParallelStyle(StyleBase):
+    """A style for one Cell, driven by :func:`parallelize_module` through the style protocol
+    (:class:`~hyperpar.parallel.driver.StyleBase`); a style implements ``_apply``."""
 
-    def check(self, cell: nn.Cell, path: str, n: int) -> None:
-        """Raise, before anything changes, if the style cannot apply to ``cell`` over ``n``
-        ranks (default: it always can)."""
+    def _apply(self, cell: nn.Cell, device_mesh: DeviceMesh) -> nn.Cell:
+        """Apply the style to ``cell`` over ``device_mesh`` (1-D) in place."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement _apply")
 
-    def apply(self, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
-        """Apply the style to ``cell`` over ``mesh`` (1-D) in place."""
-        raise NotImplementedError
+    def apply(self, cell: nn.Cell, device_mesh: DeviceMesh) -> nn.Cell:
+        """Public spelling of ``_apply`` (refuses an already-parallelized Cell)."""
+        self._check_applicable(cell, "")
+        self._apply(cell, device_mesh)
+        self._mark_applied(cell)
+        return cell
 
 
 def refuse_dtensor(style: str, use_local_output: bool | None) -> None:
@@ -80,10 +83,45 @@ def check_layout(what: str, layout: Any) -> Placement | None:
     return layout
 
 
+def shard_parameter(platform: MindSporePlatform, cell: nn.Cell, name: str, dim: int | None,
+                    group: MSGroup, src_data_rank: int | None) -> Parameter | None:
+    """Replace ``cell.<name>`` by this rank's ``torch.chunk`` piece along ``dim`` (``None``:
+    whole) of rank ``src_data_rank``'s full parameter (an index in ``group``; ``None``: this
+    rank's own), recording its placements. Returns the new Parameter."""
+    param = cell._params.get(name)
+    if param is None:
+        return None
+    n, me = platform.world_size(group), platform.rank(group)
+    if dim is not None:
+        check_no_empty_piece(param.shape[dim], n, dim, tuple(param.shape),
+                             f"{param.name} ({name})")
+    full = Tensor(param.asnumpy())
+    if src_data_rank is not None:
+        platform.broadcast(full, group.ranks[src_data_rank], group)
+    data = full.asnumpy()
+    if dim is not None:
+        start, length = chunk_bounds(data.shape[dim], n, me)
+        data = np.take(data, np.arange(start, start + length), axis=dim)
+    new = Parameter(Tensor(np.ascontiguousarray(data)), name=param.name,
+                    requires_grad=param.requires_grad)
+    setattr(new, SHARD_PLACEMENTS, (Replicate(),) if dim is None else (Shard(dim),))
+    cell._params[name] = new
+    return new
+
+
+def check_src_data_rank(style: str, src_data_rank: int | None, n: int) -> None:
+    """Raise (on every rank, before any broadcast) for a source rank outside the group."""
+    if src_data_rank is not None and not 0 <= src_data_rank < n:
+        raise ValueError(f"{style}: src_data_rank={src_data_rank} is not a rank of the "
+                         f"{n}-rank tensor-parallel group; give 0..{n - 1}, or None for each "
+                         f"rank to keep its own parameters")
+
+
 class _ShardingStyle(ParallelStyle):
     """A style that shards a linear/embedding Cell's parameters; its meaning is ``spec``."""
 
     spec: StyleSpec
+    _claims = ("parameters",)
 
     def __init__(self, *, input_layouts: Placement | None = None,
                  output_layouts: Placement | None = None, use_local_output: bool = True) -> None:
@@ -108,25 +146,34 @@ class _ShardingStyle(ParallelStyle):
             f"mint.nn.Linear, nn.Embedding and mint.nn.Embedding cells; give a plan entry "
             f"for the linear/embedding cells inside it instead")
 
-    def check(self, cell: nn.Cell, path: str, n: int) -> None:
-        """Raise, before anything changes, if the style cannot shard ``cell`` over ``n`` ranks."""
-        platform = get_platform()
-        kind = self._kind(platform, cell, path)
+    def _check_applicable(self, cell: nn.Cell, fqn: str,
+                          pending: dict[str, str] | None = None) -> None:
+        """Raise, before anything changes, if ``cell`` is parallelized already or is not a
+        linear/embedding Cell."""
+        super()._check_applicable(cell, fqn, pending)
+        self._kind(get_platform(), cell, fqn)
+
+    def _param_placements(self, cell: nn.Cell, owner: nn.Cell, name: str) -> Any:
+        if owner is not cell:
+            return None
+        kind = self._kind(get_platform(), cell, "")
         for spec_name, ms_name in _param_names(cell, kind).items():
-            param = getattr(cell, ms_name, None)
-            dim = self.spec.param_dims[kind].get(spec_name)
-            if param is not None and dim is not None:
-                check_divisible(type(self).__name__, path, ms_name, param.shape, dim, n)
+            if ms_name == name:
+                dim = self.spec.param_dims[kind].get(spec_name)
+                return (Replicate(),) if dim is None else (Shard(dim),)
+        return None
 
     # ------------------------------------------------------------------ mechanics
-    def apply(self, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
-        """Shard ``cell``'s parameters over ``mesh`` (1-D) and install its boundary hooks."""
+    def _apply(self, cell: nn.Cell, device_mesh: DeviceMesh) -> nn.Cell:
+        """Shard ``cell``'s parameters over ``device_mesh`` (1-D) and install its boundary
+        hooks."""
         platform: MindSporePlatform = get_platform()
-        group = mesh.get_group(0)
+        group = device_mesh.get_group(0)
         kind = self._kind(platform, cell, "")
-        self._shard_params(platform, cell, kind, group)
-        given = self.input_layouts
-        in_comm = self.spec.input_comm(kind, given)
+        check_src_data_rank(type(self).__name__, self.src_data_rank, platform.world_size(group))
+        shape = self._shard_params(platform, cell, kind, group)
+        out_full = shape[0] if kind == "linear" else shape[1]
+        in_comm = self.spec.input_comm(kind, self.input_layouts)
         out_comm = self.spec.output_comm(kind, self.output_layouts)
         if in_comm.forward != "none" or in_comm.backward != "none":
             boundary_in = Boundary(platform, in_comm, group, f"{type(self).__name__} input")
@@ -135,31 +182,31 @@ class _ShardingStyle(ParallelStyle):
                 return (boundary_in(args[0]), *args[1:])
 
             platform.register_forward_pre_hook(cell, relayout_input)
-        boundary_out = Boundary(platform, out_comm, group, f"{type(self).__name__} output")
-        self._install_local_compute(platform, cell, kind, group, boundary_out)
+        # a column-parallel output is gathered knowing the weight's global size
+        full = out_full if out_comm.forward == "all_gather" else None
+        boundary_out = Boundary(platform, out_comm, group, f"{type(self).__name__} output", full)
+        self._install_local_compute(platform, cell, kind, group, boundary_out, shape)
         return cell
 
     def _shard_params(self, platform: MindSporePlatform, cell: nn.Cell, kind: str,
-                      group: MSGroup) -> None:
-        n, me = platform.world_size(group), platform.rank(group)
+                      group: MSGroup) -> tuple[int, ...]:
+        """Shard the parameters; return the weight's global shape."""
+        shape: tuple[int, ...] = ()
         for spec_name, ms_name in _param_names(cell, kind).items():
-            param = getattr(cell, ms_name, None)
+            param = cell._params.get(ms_name)
             if param is None:
                 continue
-            # Every rank starts from rank 0's full parameter (torch's src_data_rank=0).
-            full = Tensor(param.asnumpy())
-            platform.broadcast(full, group.ranks[0], group)
+            if spec_name == "weight":
+                shape = tuple(param.shape)
             dim = self.spec.param_dims[kind].get(spec_name)
-            data = full.asnumpy()
-            if dim is not None:
-                data = np.split(data, n, axis=dim)[me]
-            setattr(cell, ms_name, Parameter(Tensor(np.ascontiguousarray(data)), name=param.name,
-                                             requires_grad=param.requires_grad))
+            new = shard_parameter(platform, cell, ms_name, dim, group, self.src_data_rank)
             if isinstance(cell, nn.Embedding) and dim == 1:
-                cell.embedding_size = data.shape[1]  # nn.Embedding reshapes its output by it
+                cell.embedding_size = new.shape[1]  # nn.Embedding reshapes its output by it
+        return shape
 
     def _install_local_compute(self, platform: MindSporePlatform, cell: nn.Cell, kind: str,
-                               group: MSGroup, boundary_out: Boundary) -> None:
+                               group: MSGroup, boundary_out: Boundary,
+                               shape: tuple[int, ...]) -> None:
         if boundary_out.comm.forward != "none" or boundary_out.comm.backward != "none":
 
             def relayout_output(_cell: nn.Cell, args: tuple, out: Any) -> Any:
@@ -185,21 +232,27 @@ class RowwiseParallel(_ShardingStyle):
     spec = ROWWISE
 
     def _install_local_compute(self, platform: MindSporePlatform, cell: nn.Cell, kind: str,
-                               group: MSGroup, boundary_out: Boundary) -> None:
+                               group: MSGroup, boundary_out: Boundary,
+                               shape: tuple[int, ...]) -> None:
         if kind == "linear":
-            bias = getattr(cell, "bias", None)
+            bias = cell._params.get("bias")
             if bias is None:
-                return super()._install_local_compute(platform, cell, kind, group, boundary_out)
+                return super()._install_local_compute(platform, cell, kind, group, boundary_out,
+                                                      shape)
             idle = zeros(bias.shape, bias.dtype)
             # With a sharded output each rank adds the bias to its own rows only: its gradient
             # is a partial sum, all-reduced in backward (Megatron's f) to stay replicated.
             sharded_out = isinstance(self.output_layouts, Shard)
             bias_path = Boundary(platform, Comm("none", "all_reduce"), group)
 
+            saved: list[Any] = []
+
             def swap_out_bias(_cell: nn.Cell, args: tuple) -> None:
+                saved.append(_cell._params["bias"])  # the one there now (a tie may replace it)
                 _cell._params["bias"] = idle  # the local compute adds nothing
 
             def reduce_then_add_bias(_cell: nn.Cell, args: tuple, out: Any) -> Any:
+                bias = saved.pop()
                 _cell._params["bias"] = bias
                 return boundary_out(out) + (bias_path(bias) if sharded_out else bias)
 
@@ -207,8 +260,7 @@ class RowwiseParallel(_ShardingStyle):
             platform.register_forward_hook(cell, reduce_then_add_bias)
             return None
         # Embedding: this rank holds rows [lo, hi) of the table; other ids look up zeros.
-        rows = getattr(cell, _param_names(cell, kind)["weight"]).shape[0]
-        lo = platform.rank(group) * rows
+        lo, rows = chunk_bounds(shape[0], platform.world_size(group), platform.rank(group))
         state: dict[str, Any] = {}
 
         def local_ids(_cell: nn.Cell, args: tuple) -> tuple:
@@ -224,47 +276,3 @@ class RowwiseParallel(_ShardingStyle):
         platform.register_forward_pre_hook(cell, local_ids)
         platform.register_forward_hook(cell, mask_then_reduce)
         return None
-
-
-def _children(cell: nn.Cell) -> list[tuple[str, nn.Cell]]:
-    return list(cell.name_cells().items())
-
-
-def parallelize_module(module: nn.Cell, device_mesh: DeviceMesh,
-                       parallelize_plan: ParallelStyle | dict[str, Any], *,
-                       tp_mesh_dim: str | int | None = None) -> nn.Cell:
-    """Apply a style, or a plan ``{path: style}`` (``fnmatch`` wildcards per level, nested plans),
-    to ``module`` in place and return it.
-
-    On an n-D mesh the tensor-parallel dim is ``tp_mesh_dim`` (default: the dim named ``"tp"``).
-    The whole plan is checked first -- a key matching nothing, a style on a cell it cannot shard,
-    a dim not divisible by the tensor-parallel degree -- so a bad plan changes nothing.
-    """
-    mesh = _tp_mesh(device_mesh, tp_mesh_dim)
-    entries = _resolve(module, parallelize_plan, children=_children,
-                       is_style=lambda s: isinstance(s, ParallelStyle))
-    n = mesh.size()
-    for path, cell, style in entries:
-        style.check(cell, path, n)
-    for _path, cell, style in entries:
-        style.apply(cell, mesh)
-    return module
-
-
-def _tp_mesh(mesh: DeviceMesh, dim: str | int | None) -> DeviceMesh:
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"parallelize_module needs a hyperpar_mindspore DeviceMesh (from "
-                        f"init_device_mesh), got {type(mesh).__name__}")
-    if mesh.ndim == 1 and dim is None:
-        return mesh
-    if dim is None:
-        if not mesh.mesh_dim_names or "tp" not in mesh.mesh_dim_names:
-            raise ValueError(f"{mesh} has {mesh.ndim} dims and none is named 'tp'; pass "
-                             "tp_mesh_dim= or name a dim 'tp'")
-        dim = "tp"
-    if isinstance(dim, int):
-        dim = mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else dim
-    if isinstance(dim, int):
-        group = mesh.get_group(dim)
-        return DeviceMesh(np.array(group.ranks), None, {0: group})
-    return mesh[dim]

@@ -4,9 +4,9 @@
 Their meaning comes from :mod:`hyperpar.parallel.spec` (:func:`~hyperpar.parallel.spec.
 sequence_parallel`, :data:`~hyperpar.parallel.spec.REPLICATED_PARAM_GRAD`,
 :func:`~hyperpar.parallel.spec.prepare_comm`); the mechanics are those of :mod:`.parallel`:
-boundary Cells with a custom ``bprop`` run from forward hooks. There is no DTensor on MindSpore,
-so activations are local tensors whose layout the plan declares (``use_local_output=False`` is
-refused).
+boundary Cells with a custom ``bprop`` run from forward hooks. There is no DTensor on MindSpore
+yet, so activations are local tensors whose layout the plan declares (``use_local_output=False``
+is refused). Uneven pieces follow ``torch.chunk``, as on PyTorch.
 
 A Megatron sequence-parallel block::
 
@@ -21,13 +21,14 @@ from typing import Any
 
 from mindspore import Tensor, nn
 
-from hyperpar.dtensor.placement import Placement
+from hyperpar.dtensor.placement import Placement, Replicate
 from hyperpar.parallel.spec import REPLICATED_PARAM_GRAD, prepare_comm, sequence_parallel
 from hyperpar.platform import get_platform
 
 from .comm import Boundary
 from .mesh import DeviceMesh
-from .parallel import ParallelStyle, check_layout, refuse_dtensor
+from .parallel import ParallelStyle, check_layout, check_src_data_rank, refuse_dtensor
+from .platform import SHARD_PLACEMENTS
 
 __all__ = ["PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
            "SequenceParallel"]
@@ -45,6 +46,8 @@ class SequenceParallel(ParallelStyle):
     ``ColwiseParallel(input_layouts=Shard(1))``.
     """
 
+    _claims = ("parameters",)
+
     def __init__(self, *, sequence_dim: int = 1, use_local_output: bool | None = None) -> None:
         refuse_dtensor("SequenceParallel", use_local_output)
         self.sequence_dim = sequence_dim
@@ -53,24 +56,39 @@ class SequenceParallel(ParallelStyle):
     def __repr__(self) -> str:
         return f"SequenceParallel(sequence_dim={self.sequence_dim})"
 
-    def apply(self, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
+    def _param_placements(self, cell: nn.Cell, owner: nn.Cell, name: str) -> Any:
+        return (Replicate(),)  # every parameter under it, whole
+
+    def _apply(self, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
         platform = get_platform()
         group = mesh.get_group(0)
-        # Every parameter of the Cell and its sub-Cells, each held by the Cell that owns it.
-        owners = [(sub, name, param) for _path, sub in cell.cells_and_names()
-                  for name, param in list(sub._params.items()) if param is not None]
-        for _sub, _name, param in owners:  # rank 0's values everywhere (src_data_rank=0)
-            full = Tensor(param.asnumpy())
-            platform.broadcast(full, group.ranks[0], group)
-            param.set_data(full)
+        src = self.src_data_rank
+        check_src_data_rank("SequenceParallel", src, platform.world_size(group))
+        # Every parameter slot of the Cell and its sub-Cells, each held by the Cell that owns it.
+        owners = [(sub, name) for _path, sub in platform.named_modules(cell)
+                  for name, _ in platform.named_parameters(sub, recurse=False)]
+        done: set[int] = set()
+        for sub, name in owners:  # rank src's values everywhere (None: each rank its own)
+            param = sub._params[name]
+            if id(param) in done:
+                continue
+            done.add(id(param))
+            if src is not None:
+                full = Tensor(param.asnumpy())
+                platform.broadcast(full, group.ranks[src], group)
+                param.set_data(full)
+            setattr(param, SHARD_PLACEMENTS, (Replicate(),))
         grad_sum = Boundary(platform, REPLICATED_PARAM_GRAD, group, "SequenceParallel parameter")
+        saved: list[list[Any]] = []
 
         def use_summed_grads(_cell: nn.Cell, args: tuple) -> None:
-            for sub, name, param in owners:
+            now = [sub._params[name] for sub, name in owners]  # a tie may have replaced one
+            saved.append(now)
+            for (sub, name), param in zip(owners, now, strict=True):
                 sub._params[name] = grad_sum(param)  # the forward sees the parameter itself
 
         def restore(_cell: nn.Cell, args: tuple, out: Any) -> None:
-            for sub, name, param in owners:
+            for (sub, name), param in zip(owners, saved.pop(), strict=True):
                 sub._params[name] = param
 
         if owners:
@@ -90,20 +108,34 @@ class _Converter:
     """Re-lay out a tuple of local tensors (one layout per entry; ``None`` passes through)."""
 
     def __init__(self, style: str, what: str, layouts: tuple, desired: tuple,
-                 mesh: DeviceMesh) -> None:
+                 mesh: DeviceMesh, names: tuple[str, ...] | None = None) -> None:
         platform = get_platform()
         group = mesh.get_group(0)
-        self.style, self.what = style, what
+        self.style, self.what, self.names = style, what, names
         self.boundaries: list[Boundary | None] = []
         for i, (src, dst) in enumerate(zip(layouts, desired, strict=True)):
             if src is None:
                 self.boundaries.append(None)
                 continue
+            at = repr(names[i]) if names else i
             if dst is None:
-                raise ValueError(f"{style} {what} {i}: layout {src} given but desired layout "
+                raise ValueError(f"{style} {what} {at}: layout {src} given but desired layout "
                                  f"None; give both (or None for both to leave it as it is)")
             self.boundaries.append(Boundary(platform, prepare_comm(src, dst), group,
-                                            f"{style} {what} {i} ({src} -> {dst})"))
+                                            f"{style} {what} {at} ({src} -> {dst})"))
+
+    def by_name(self, kwargs: dict) -> dict:
+        """The keyword inputs this converter has layouts for, converted (absent ones skipped)."""
+        out = {}
+        for name, boundary in zip(self.names or (), self.boundaries, strict=True):
+            if name not in kwargs or boundary is None:
+                continue
+            x = kwargs[name]
+            if not isinstance(x, Tensor):
+                raise TypeError(f"{self.style} {self.what} {name!r}: a layout is given but the "
+                                f"value is a {type(x).__name__}, not a Tensor")
+            out[name] = boundary(x)
+        return out
 
     def __call__(self, values: tuple) -> tuple:
         if len(values) != len(self.boundaries):
@@ -127,39 +159,64 @@ def _check_pairs(what: str, layouts: tuple | None, desired: tuple | None) -> Non
 
 
 class PrepareModuleInput(ParallelStyle):
-    """Re-lay out a Cell's positional inputs before its ``construct``: input ``i`` goes from
-    ``input_layouts[i]`` to ``desired_input_layouts[i]`` (``None`` passes through). E.g.
+    """Re-lay out a Cell's inputs before its ``construct``: positional input ``i`` goes from
+    ``input_layouts[i]`` to ``desired_input_layouts[i]`` (``None`` passes through), keyword
+    input ``k`` from ``input_kwarg_layouts[k]`` to ``desired_input_kwarg_layouts[k]``. E.g.
     ``PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1))`` keeps this
     rank's slice of the sequence (its gradient all-gathered back)."""
+
+    _claims = ("inputs",)
 
     def __init__(self, *, input_layouts: Any = None, desired_input_layouts: Any = None,
                  input_kwarg_layouts: dict[str, Any] | None = None,
                  desired_input_kwarg_layouts: dict[str, Any] | None = None,
                  use_local_output: bool | None = None) -> None:
         refuse_dtensor("PrepareModuleInput", use_local_output)
-        if input_kwarg_layouts or desired_input_kwarg_layouts:
-            raise ValueError("PrepareModuleInput(input_kwarg_layouts=...) is not supported on "
-                             "MindSpore yet; pass those inputs positionally")
         self.input_layouts = _layouts("input_layouts", input_layouts)
         self.desired_input_layouts = _layouts("desired_input_layouts", desired_input_layouts)
         _check_pairs("input", self.input_layouts, self.desired_input_layouts)
+        self.input_kwarg_layouts = {k: check_layout(f"input_kwarg_layouts[{k!r}]", v)
+                                    for k, v in (input_kwarg_layouts or {}).items()}
+        self.desired_input_kwarg_layouts = {
+            k: check_layout(f"desired_input_kwarg_layouts[{k!r}]", v)
+            for k, v in (desired_input_kwarg_layouts or {}).items()}
+        if set(self.input_kwarg_layouts) != set(self.desired_input_kwarg_layouts):
+            raise ValueError(
+                f"input_kwarg_layouts keys {sorted(self.input_kwarg_layouts)} and "
+                f"desired_input_kwarg_layouts keys {sorted(self.desired_input_kwarg_layouts)} "
+                f"must match")
 
     def __repr__(self) -> str:
+        kw = (f", input_kwarg_layouts={self.input_kwarg_layouts}, desired_input_kwarg_layouts="
+              f"{self.desired_input_kwarg_layouts}") if self.input_kwarg_layouts else ""
         return (f"PrepareModuleInput(input_layouts={self.input_layouts}, "
-                f"desired_input_layouts={self.desired_input_layouts})")
+                f"desired_input_layouts={self.desired_input_layouts}{kw})")
 
-    def apply(self, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
-        if self.input_layouts is None:
+    def _param_placements(self, cell: nn.Cell, owner: nn.Cell, name: str) -> None:
+        return None  # no parameter is touched
+
+    def _apply(self, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
+        if self.input_layouts is None and not self.input_kwarg_layouts:
             return cell
-        # torch's rule: one layout per positional input. A sequence length not divisible by
-        # the group is caught by the boundary, on every rank, before it communicates.
-        convert = _Converter("PrepareModuleInput", "input", self.input_layouts,
-                             self.desired_input_layouts, mesh)
+        # torch's rule: one layout per positional input. A sequence length that is not a
+        # torch.chunk split is caught by the boundary, on every rank, before it communicates.
+        convert = None if self.input_layouts is None else _Converter(
+            "PrepareModuleInput", "input", self.input_layouts, self.desired_input_layouts, mesh)
+        keys = tuple(self.input_kwarg_layouts)
+        convert_kw = _Converter("PrepareModuleInput", "keyword input",
+                                tuple(self.input_kwarg_layouts[k] for k in keys),
+                                tuple(self.desired_input_kwarg_layouts[k] for k in keys), mesh,
+                                names=keys) if keys else None
 
-        def before(_cell: nn.Cell, args: tuple) -> tuple:
-            return convert(tuple(args))
+        def before(_cell: nn.Cell, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if convert is not None:
+                args = convert(tuple(args))
+            if convert_kw is not None:
+                kwargs = dict(kwargs)
+                kwargs.update(convert_kw.by_name(kwargs))
+            return args, kwargs
 
-        get_platform().register_forward_pre_hook(cell, before)
+        get_platform().register_forward_pre_hook(cell, before, with_kwargs=True)
         return cell
 
 
@@ -168,6 +225,8 @@ class PrepareModuleOutput(ParallelStyle):
     ``construct``: from ``output_layouts`` to ``desired_output_layouts``. E.g.
     ``PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())``
     gathers the sequence (the gradient keeps this rank's slice)."""
+
+    _claims = ("outputs",)
 
     def __init__(self, *, output_layouts: Any, desired_output_layouts: Any,
                  use_local_output: bool = True) -> None:
@@ -180,7 +239,10 @@ class PrepareModuleOutput(ParallelStyle):
         return (f"PrepareModuleOutput(output_layouts={self.output_layouts}, "
                 f"desired_output_layouts={self.desired_output_layouts})")
 
-    def apply(self, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
+    def _param_placements(self, cell: nn.Cell, owner: nn.Cell, name: str) -> None:
+        return None  # no parameter is touched
+
+    def _apply(self, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
         convert = _Converter("PrepareModuleOutput", "output", self.output_layouts,
                              self.desired_output_layouts, mesh)
 
@@ -196,6 +258,8 @@ class PrepareModuleOutput(ParallelStyle):
 class PrepareModuleInputOutput(ParallelStyle):
     """:class:`PrepareModuleInput` and :class:`PrepareModuleOutput` on one Cell."""
 
+    _claims = ("inputs", "outputs")
+
     def __init__(self, *, input_layouts: Any = None, desired_input_layouts: Any = None,
                  input_kwarg_layouts: dict[str, Any] | None = None,
                  desired_input_kwarg_layouts: dict[str, Any] | None = None,
@@ -210,7 +274,10 @@ class PrepareModuleInputOutput(ParallelStyle):
             output_layouts=output_layouts, desired_output_layouts=desired_output_layouts,
             use_local_output=use_local_output)
 
-    def apply(self, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
-        self.prepare_module_input.apply(cell, mesh)
-        return self.prepare_module_output.apply(cell, mesh)
+    def _param_placements(self, cell: nn.Cell, owner: nn.Cell, name: str) -> None:
+        return None  # no parameter is touched
+
+    def _apply(self, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
+        self.prepare_module_input._apply(cell, mesh)
+        return self.prepare_module_output._apply(cell, mesh)
 
