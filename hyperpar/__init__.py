@@ -95,9 +95,9 @@ _EXPORTS: dict[str, str] = {
 #: names whose implementation depends on the framework: resolved at each access through the
 #: platform's ``parallel_api()`` (MindSpore Cells), else hyperpar's PyTorch implementation above.
 _FRAMEWORK_BOUND = frozenset({
-    "DeviceMesh", "init_device_mesh", "ParallelStyle", "ColwiseParallel",
-    "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
-    "PrepareModuleInputOutput",
+    "DeviceMesh", "init_device_mesh", "DTensor", "distribute_tensor", "ParallelStyle",
+    "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput",
+    "PrepareModuleOutput", "PrepareModuleInputOutput",
 })
 
 #: subpackages reachable as attributes (``hyperpar.checkpoint.save``)
