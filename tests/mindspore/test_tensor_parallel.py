@@ -234,8 +234,3 @@ def _plan_key_error_class() -> bool:
 
 def test_plan_key_error_and_the_driver_are_the_ones_torch_uses(pool2):
     assert pool2.run(_plan_key_error_class) == [True, True]
-
-
-def test_use_local_output_false_is_refused_with_the_reason():
-    with pytest.raises(ValueError, match="does not have yet"):
-        ColwiseParallel(use_local_output=False)

@@ -33,6 +33,8 @@ _EXPORTS = {
     "PlanKeyError": ".parallel",
     "AlreadyParallelizedError": ".parallel",
     "TiedParameterError": ".parallel",
+    "loss_parallel": ".loss",
+    "vocab_parallel_cross_entropy": ".loss",
     "SequenceParallel": ".prepare",
     "PrepareModuleInput": ".prepare",
     "PrepareModuleOutput": ".prepare",

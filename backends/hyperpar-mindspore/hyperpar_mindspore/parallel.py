@@ -12,7 +12,9 @@ replaced by its ``torch.chunk`` pieces (``trainable_params()`` and any ``nn.Opti
 shards), boundaries are Cells with a custom ``bprop`` (:mod:`.comm`) run from forward hooks, and
 a row-wise layer's bias is swapped out of the local compute and added once after the reduction.
 
-MindSpore has no DTensor here yet: outputs are local tensors (``use_local_output=True``).
+Outputs are local tensors by default; ``use_local_output=False`` makes them MindSpore DTensors
+(:mod:`.dtensor`) laid out as the style's output layout, and a DTensor input is redistributed to
+the layout the style wants.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 import numpy as np
 from mindspore import Parameter, Tensor, nn
 
-from hyperpar.dtensor.placement import Placement, Replicate, Shard, chunk_bounds
+from hyperpar.dtensor.placement import Partial, Placement, Replicate, Shard, chunk_bounds
 from hyperpar.parallel.driver import (
     AlreadyParallelizedError,
     PlanKeyError,
@@ -34,13 +36,13 @@ from hyperpar.parallel.driver import (
 from hyperpar.parallel.spec import COLWISE, ROWWISE, Comm, StyleSpec
 from hyperpar.platform import get_platform
 
-from .comm import Boundary, check_no_empty_piece, zeros
+from .comm import Boundary, check_no_empty_piece, lengths_along, zeros
 from .mesh import DeviceMesh
 from .platform import SHARD_PLACEMENTS, MindSporePlatform, MSGroup
 
 __all__ = ["AlreadyParallelizedError", "ColwiseParallel", "ParallelStyle", "PlanKeyError",
-           "RowwiseParallel", "TiedParameterError", "UnsupportedModuleError", "check_layout",
-           "parallelize_module", "refuse_dtensor"]
+           "RowwiseParallel", "TiedParameterError", "UnsupportedModuleError", "as_local",
+           "check_layout", "parallelize_module", "wrap_output"]
 
 
 # The framework's name of each parameter the spec talks about ("weight", "bias").
@@ -68,19 +70,41 @@ class ParallelStyle(StyleBase):
         return cell
 
 
-def refuse_dtensor(style: str, use_local_output: bool | None) -> None:
-    """Raise for ``use_local_output=False``: that asks for DTensor outputs, absent here."""
-    if use_local_output is False:
-        raise ValueError(f"{style}(use_local_output=False) returns a DTensor, which hyperpar's "
-                         "MindSpore backend does not have yet; leave use_local_output at its "
-                         "default (outputs are local tensors)")
-
-
 def check_layout(what: str, layout: Any) -> Placement | None:
-    """``layout`` if it is ``Shard(d)``, ``Replicate()`` or ``None``, else a ``TypeError``."""
-    if layout is not None and not isinstance(layout, (Shard, Replicate)):
-        raise TypeError(f"{what} must be Shard(dim) or Replicate(), got {layout!r}")
+    """``layout`` if it is ``Shard(d)``, ``Replicate()``, ``Partial()`` or ``None``, else a
+    ``TypeError``."""
+    if layout is not None and not isinstance(layout, (Shard, Replicate, Partial)):
+        raise TypeError(f"{what} must be Shard(dim), Replicate() or Partial(), got {layout!r}")
     return layout
+
+
+def _dtensor_cls() -> type:
+    from .dtensor import DTensor
+
+    return DTensor
+
+
+def as_local(x: Any, layout: Placement, what: str = "") -> Any:
+    """A DTensor input redistributed (differentiably) to ``layout`` and unwrapped; a plain
+    tensor is taken to be laid out as ``layout`` already (torch's rule for local inputs)."""
+    if not isinstance(x, _dtensor_cls()):
+        return x
+    if len(x.placements) != 1:
+        raise ValueError(f"{what}: expected a DTensor on a 1-D mesh, got placements "
+                         f"{x.placements}; pass the tensor-parallel slice")
+    return x.redistribute(x.device_mesh, (layout,)).to_local()
+
+
+def wrap_output(y: Any, mesh: DeviceMesh, placement: Placement, length: int | None = None,
+                what: str = "") -> Any:
+    """``y``, this rank's piece, as a DTensor laid out as ``placement``. ``length``: the global
+    length along a ``Shard`` dim when known (else the ranks exchange theirs)."""
+    shape = list(y.shape)
+    if isinstance(placement, Shard):
+        d = placement.dim % y.ndim
+        shape[d] = length if length is not None else sum(
+            lengths_along(get_platform(), y, d, mesh.get_group(0), what))
+    return _dtensor_cls().from_local(y, mesh, (placement,), shape=tuple(shape))
 
 
 def shard_parameter(platform: MindSporePlatform, cell: nn.Cell, name: str, dim: int | None,
@@ -125,9 +149,16 @@ class _ShardingStyle(ParallelStyle):
 
     def __init__(self, *, input_layouts: Placement | None = None,
                  output_layouts: Placement | None = None, use_local_output: bool = True) -> None:
-        refuse_dtensor(type(self).__name__, use_local_output)
         self.input_layouts = check_layout("input_layouts", input_layouts)
         self.output_layouts = check_layout("output_layouts", output_layouts)
+        for what, given in (("input", self.input_layouts), ("output", self.output_layouts)):
+            try:  # a layout no boundary reaches is refused now, not when the plan is applied
+                for kind in self.spec.kinds():
+                    comm = self.spec.input_comm if what == "input" else self.spec.output_comm
+                    comm(kind, given)
+            except ValueError as exc:
+                raise ValueError(f"{type(self).__name__}({what}_layouts={given!r}): {exc}") \
+                    from None
         self.use_local_output = use_local_output
 
     def __repr__(self) -> str:
@@ -175,17 +206,38 @@ class _ShardingStyle(ParallelStyle):
         out_full = shape[0] if kind == "linear" else shape[1]
         in_comm = self.spec.input_comm(kind, self.input_layouts)
         out_comm = self.spec.output_comm(kind, self.output_layouts)
+        name = type(self).__name__
+        src = self.input_layouts or self.spec.default_input
+        boundary_in = None
         if in_comm.forward != "none" or in_comm.backward != "none":
-            boundary_in = Boundary(platform, in_comm, group, f"{type(self).__name__} input")
+            boundary_in = Boundary(platform, in_comm, group, f"{name} input")
 
-            def relayout_input(_cell: nn.Cell, args: tuple) -> tuple:
-                return (boundary_in(args[0]), *args[1:])
+        def relayout_input(_cell: nn.Cell, args: tuple) -> tuple:
+            x = as_local(args[0], src, f"{name} input")  # a DTensor: to the layout wanted
+            return (x if boundary_in is None else boundary_in(x), *args[1:])
 
-            platform.register_forward_pre_hook(cell, relayout_input)
+        platform.register_forward_pre_hook(cell, relayout_input)
         # a column-parallel output is gathered knowing the weight's global size
         full = out_full if out_comm.forward == "all_gather" else None
-        boundary_out = Boundary(platform, out_comm, group, f"{type(self).__name__} output", full)
-        self._install_local_compute(platform, cell, kind, group, boundary_out, shape)
+        boundary_out = Boundary(platform, out_comm, group, f"{name} output", full)
+        dst = self.output_layouts or self.spec.default_output
+        use_local = self.use_local_output
+
+        def finish(pre: Any, post: Any) -> Any:
+            """The output: ``post`` (after the boundary) as it is, or as a DTensor laid out as
+            ``dst``; ``pre`` is the local compute's output, before the boundary."""
+            if use_local:
+                return post
+            length = None
+            if isinstance(dst, Shard):
+                d = dst.dim % post.ndim
+                if out_comm.forward == "reduce_scatter":
+                    length = int(pre.shape[d])
+                elif out_comm.forward == "none" and d == post.ndim - 1:
+                    length = out_full  # column-parallel: the weight says it
+            return wrap_output(post, device_mesh, dst, length, f"{name} output")
+
+        self._install_local_compute(platform, cell, kind, group, boundary_out, shape, finish)
         return cell
 
     def _shard_params(self, platform: MindSporePlatform, cell: nn.Cell, kind: str,
@@ -206,11 +258,12 @@ class _ShardingStyle(ParallelStyle):
 
     def _install_local_compute(self, platform: MindSporePlatform, cell: nn.Cell, kind: str,
                                group: MSGroup, boundary_out: Boundary,
-                               shape: tuple[int, ...]) -> None:
-        if boundary_out.comm.forward != "none" or boundary_out.comm.backward != "none":
+                               shape: tuple[int, ...], finish: Any) -> None:
+        if boundary_out.comm.forward != "none" or boundary_out.comm.backward != "none" or (
+                not self.use_local_output):
 
             def relayout_output(_cell: nn.Cell, args: tuple, out: Any) -> Any:
-                return boundary_out(out)
+                return finish(out, boundary_out(out))
 
             platform.register_forward_hook(cell, relayout_output)
 
@@ -233,16 +286,20 @@ class RowwiseParallel(_ShardingStyle):
 
     def _install_local_compute(self, platform: MindSporePlatform, cell: nn.Cell, kind: str,
                                group: MSGroup, boundary_out: Boundary,
-                               shape: tuple[int, ...]) -> None:
+                               shape: tuple[int, ...], finish: Any) -> None:
         if kind == "linear":
             bias = cell._params.get("bias")
             if bias is None:
                 return super()._install_local_compute(platform, cell, kind, group, boundary_out,
-                                                      shape)
+                                                      shape, finish)
             idle = zeros(bias.shape, bias.dtype)
             # With a sharded output each rank adds the bias to its own rows only: its gradient
             # is a partial sum, all-reduced in backward (Megatron's f) to stay replicated.
             sharded_out = isinstance(self.output_layouts, Shard)
+            # A Partial output is a sum over ranks: rank 0 alone adds the bias (its gradient,
+            # rank 0's, is all-reduced so every rank steps the same).
+            partial_out = isinstance(self.output_layouts, Partial)
+            bias_share = 1.0 if platform.rank(group) == 0 else 0.0
             bias_path = Boundary(platform, Comm("none", "all_reduce"), group)
 
             saved: list[Any] = []
@@ -254,7 +311,9 @@ class RowwiseParallel(_ShardingStyle):
             def reduce_then_add_bias(_cell: nn.Cell, args: tuple, out: Any) -> Any:
                 bias = saved.pop()
                 _cell._params["bias"] = bias
-                return boundary_out(out) + (bias_path(bias) if sharded_out else bias)
+                if partial_out:
+                    return finish(out, boundary_out(out) + bias_path(bias) * bias_share)
+                return finish(out, boundary_out(out) + (bias_path(bias) if sharded_out else bias))
 
             platform.register_forward_pre_hook(cell, swap_out_bias)
             platform.register_forward_hook(cell, reduce_then_add_bias)
@@ -271,7 +330,8 @@ class RowwiseParallel(_ShardingStyle):
 
         def mask_then_reduce(_cell: nn.Cell, args: tuple, out: Any) -> Any:
             mask = state.pop("mask").astype(out.dtype).expand_dims(-1)
-            return boundary_out(out * mask)
+            masked = out * mask
+            return finish(masked, boundary_out(masked))
 
         platform.register_forward_pre_hook(cell, local_ids)
         platform.register_forward_hook(cell, mask_then_reduce)

@@ -4,9 +4,11 @@
 Their meaning comes from :mod:`hyperpar.parallel.spec` (:func:`~hyperpar.parallel.spec.
 sequence_parallel`, :data:`~hyperpar.parallel.spec.REPLICATED_PARAM_GRAD`,
 :func:`~hyperpar.parallel.spec.prepare_comm`); the mechanics are those of :mod:`.parallel`:
-boundary Cells with a custom ``bprop`` run from forward hooks. There is no DTensor on MindSpore
-yet, so activations are local tensors whose layout the plan declares (``use_local_output=False``
-is refused). Uneven pieces follow ``torch.chunk``, as on PyTorch.
+boundary Cells with a custom ``bprop`` run from forward hooks. ``use_local_output=False`` gives
+MindSpore DTensors (:mod:`.dtensor`); by default activations are local tensors whose layout the
+plan declares (torch's ``SequenceParallel`` and ``PrepareModuleInput`` default to DTensors). A
+DTensor input is redistributed to the declared layout first. Uneven pieces follow
+``torch.chunk``, as on PyTorch.
 
 A Megatron sequence-parallel block::
 
@@ -21,13 +23,13 @@ from typing import Any
 
 from mindspore import Tensor, nn
 
-from hyperpar.dtensor.placement import Placement, Replicate
+from hyperpar.dtensor.placement import Placement, Replicate, Shard
 from hyperpar.parallel.spec import REPLICATED_PARAM_GRAD, prepare_comm, sequence_parallel
 from hyperpar.platform import get_platform
 
 from .comm import Boundary
 from .mesh import DeviceMesh
-from .parallel import ParallelStyle, check_layout, check_src_data_rank, refuse_dtensor
+from .parallel import ParallelStyle, as_local, check_layout, check_src_data_rank, wrap_output
 from .platform import SHARD_PLACEMENTS
 
 __all__ = ["PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
@@ -49,7 +51,8 @@ class SequenceParallel(ParallelStyle):
     _claims = ("parameters",)
 
     def __init__(self, *, sequence_dim: int = 1, use_local_output: bool | None = None) -> None:
-        refuse_dtensor("SequenceParallel", use_local_output)
+        # None (the default here): local outputs, as before DTensor ops existed on MindSpore
+        self.use_local_output = use_local_output is not False
         self.sequence_dim = sequence_dim
         self.spec = sequence_parallel(sequence_dim)
 
@@ -81,19 +84,26 @@ class SequenceParallel(ParallelStyle):
         grad_sum = Boundary(platform, REPLICATED_PARAM_GRAD, group, "SequenceParallel parameter")
         saved: list[list[Any]] = []
 
-        def use_summed_grads(_cell: nn.Cell, args: tuple) -> None:
+        seq, use_local = Shard(self.sequence_dim), self.use_local_output
+
+        def use_summed_grads(_cell: nn.Cell, args: tuple) -> tuple | None:
             now = [sub._params[name] for sub, name in owners]  # a tie may have replaced one
             saved.append(now)
             for (sub, name), param in zip(owners, now, strict=True):
                 sub._params[name] = grad_sum(param)  # the forward sees the parameter itself
+            if args and isinstance(args[0], Tensor):  # a DTensor: to this rank's slice
+                return (as_local(args[0], seq, "SequenceParallel input"), *args[1:])
+            return None
 
-        def restore(_cell: nn.Cell, args: tuple, out: Any) -> None:
+        def restore(_cell: nn.Cell, args: tuple, out: Any) -> Any:
             for (sub, name), param in zip(owners, saved.pop(), strict=True):
                 sub._params[name] = param
+            if use_local or not isinstance(out, Tensor):
+                return None
+            return wrap_output(out, mesh, seq, None, "SequenceParallel output")
 
-        if owners:
-            platform.register_forward_pre_hook(cell, use_summed_grads)
-            platform.register_forward_hook(cell, restore)
+        platform.register_forward_pre_hook(cell, use_summed_grads)
+        platform.register_forward_hook(cell, restore)
         return cell
 
 
@@ -108,10 +118,13 @@ class _Converter:
     """Re-lay out a tuple of local tensors (one layout per entry; ``None`` passes through)."""
 
     def __init__(self, style: str, what: str, layouts: tuple, desired: tuple,
-                 mesh: DeviceMesh, names: tuple[str, ...] | None = None) -> None:
+                 mesh: DeviceMesh, names: tuple[str, ...] | None = None,
+                 use_local: bool = True) -> None:
         platform = get_platform()
         group = mesh.get_group(0)
         self.style, self.what, self.names = style, what, names
+        self.mesh, self.use_local = mesh, use_local
+        self.layouts, self.desired = layouts, desired
         self.boundaries: list[Boundary | None] = []
         for i, (src, dst) in enumerate(zip(layouts, desired, strict=True)):
             if src is None:
@@ -134,8 +147,16 @@ class _Converter:
             if not isinstance(x, Tensor):
                 raise TypeError(f"{self.style} {self.what} {name!r}: a layout is given but the "
                                 f"value is a {type(x).__name__}, not a Tensor")
-            out[name] = boundary(x)
+            i = self.names.index(name)
+            out[name] = self._convert(x, i, boundary, f"{self.what} {name!r}")
         return out
+
+    def _convert(self, x: Any, i: int, boundary: Boundary, what: str) -> Any:
+        x = as_local(x, self.layouts[i], f"{self.style} {what}")  # a DTensor: to the layout
+        y = boundary(x)
+        if self.use_local:
+            return y
+        return wrap_output(y, self.mesh, self.desired[i], None, f"{self.style} {what}")
 
     def __call__(self, values: tuple) -> tuple:
         if len(values) != len(self.boundaries):
@@ -147,7 +168,8 @@ class _Converter:
             if boundary is not None and not isinstance(x, Tensor):
                 raise TypeError(f"{self.style} {self.what} {i}: a layout is given but the value "
                                 f"is a {type(x).__name__}, not a Tensor; give None for it")
-            out.append(x if boundary is None else boundary(x))
+            out.append(x if boundary is None else self._convert(x, i, boundary,
+                                                                 f"{self.what} {i}"))
         return tuple(out)
 
 
@@ -171,7 +193,8 @@ class PrepareModuleInput(ParallelStyle):
                  input_kwarg_layouts: dict[str, Any] | None = None,
                  desired_input_kwarg_layouts: dict[str, Any] | None = None,
                  use_local_output: bool | None = None) -> None:
-        refuse_dtensor("PrepareModuleInput", use_local_output)
+        # None (the default here): local inputs, as before DTensor ops existed on MindSpore
+        self.use_local_output = use_local_output is not False
         self.input_layouts = _layouts("input_layouts", input_layouts)
         self.desired_input_layouts = _layouts("desired_input_layouts", desired_input_layouts)
         _check_pairs("input", self.input_layouts, self.desired_input_layouts)
@@ -201,12 +224,13 @@ class PrepareModuleInput(ParallelStyle):
         # torch's rule: one layout per positional input. A sequence length that is not a
         # torch.chunk split is caught by the boundary, on every rank, before it communicates.
         convert = None if self.input_layouts is None else _Converter(
-            "PrepareModuleInput", "input", self.input_layouts, self.desired_input_layouts, mesh)
+            "PrepareModuleInput", "input", self.input_layouts, self.desired_input_layouts, mesh,
+            use_local=self.use_local_output)
         keys = tuple(self.input_kwarg_layouts)
         convert_kw = _Converter("PrepareModuleInput", "keyword input",
                                 tuple(self.input_kwarg_layouts[k] for k in keys),
                                 tuple(self.desired_input_kwarg_layouts[k] for k in keys), mesh,
-                                names=keys) if keys else None
+                                names=keys, use_local=self.use_local_output) if keys else None
 
         def before(_cell: nn.Cell, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if convert is not None:
@@ -230,7 +254,7 @@ class PrepareModuleOutput(ParallelStyle):
 
     def __init__(self, *, output_layouts: Any, desired_output_layouts: Any,
                  use_local_output: bool = True) -> None:
-        refuse_dtensor("PrepareModuleOutput", use_local_output)
+        self.use_local_output = use_local_output
         self.output_layouts = _layouts("output_layouts", output_layouts)
         self.desired_output_layouts = _layouts("desired_output_layouts", desired_output_layouts)
         _check_pairs("output", self.output_layouts, self.desired_output_layouts)
@@ -244,7 +268,7 @@ class PrepareModuleOutput(ParallelStyle):
 
     def _apply(self, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
         convert = _Converter("PrepareModuleOutput", "output", self.output_layouts,
-                             self.desired_output_layouts, mesh)
+                             self.desired_output_layouts, mesh, use_local=self.use_local_output)
 
         def after(_cell: nn.Cell, args: tuple, out: Any) -> Any:
             if isinstance(out, tuple):
