@@ -353,3 +353,50 @@ def test_kwarg_layouts_need_matching_keys():
 
     with pytest.raises(ValueError, match="keys \\['a'\\] and desired_input_kwarg_layouts keys"):
         PrepareModuleInput(input_kwarg_layouts={"a": Shard(1)}, desired_input_kwarg_layouts={})
+
+
+# --------------------------------------------------------------------------- Shard -> Shard
+class Resharded(nn.Cell):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Dense(D, D)
+        self.b = nn.Tanh()
+
+    def construct(self, x):
+        return self.b(self.a(x))
+
+
+def _run_all_to_all(seq: int) -> dict:
+    from hyperpar import (
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    rng = np.random.default_rng(8)
+    x = ms.Tensor(rng.standard_normal((2, seq, D)).astype(np.float32))
+    y = ms.Tensor(rng.standard_normal((2, seq, D)).astype(np.float32))
+    reference, model = Resharded(), Resharded()
+    set_weights(reference)
+    set_weights(model)
+    mesh = _mesh()
+    # a runs on this rank's positions; b re-shards them to this rank's features (all-to-all,
+    # uneven both ways when seq is odd) and gathers the features on the way out
+    parallelize_module(model, mesh, {
+        "a": SequenceParallel(),
+        "": PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1)),
+        "b": PrepareModuleInputOutput(input_layouts=Shard(1), desired_input_layouts=Shard(2),
+                                      output_layouts=Shard(2),
+                                      desired_output_layouts=Replicate())})
+    ref_losses, ref_out = train_sgd(reference, x, y, STEPS, LR)
+    losses, out = train_sgd(model, x, y, STEPS, LR)
+    return {"n": mesh.size(), "r": mesh.get_local_rank(), "ref_losses": ref_losses,
+            "losses": losses, "ref_out": ref_out, "out": out, "ref": param_arrays(reference),
+            "mine": param_arrays(model)}
+
+
+@pytest.mark.parametrize("seq", [4, 5])
+def test_shard_to_shard_all_to_all_trains_like_one_process(pool2, seq):
+    for res in pool2.run(_run_all_to_all, seq):
+        _assert_close(res, {"a.weight": None, "a.bias": None})
