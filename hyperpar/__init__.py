@@ -45,7 +45,7 @@ _EXPORTS: dict[str, str] = {
     "PrepareModuleOutput": "hyperpar.parallel",
     "PrepareModuleInputOutput": "hyperpar.parallel",
     "ParallelStyle": "hyperpar.parallel",
-    "parallelize_module": "hyperpar.parallel",
+    "parallelize_module": "hyperpar.parallel.driver",
     "distribute_module": "hyperpar.parallel",
     "loss_parallel": "hyperpar.parallel",
     "ColumnParallelLinear": "hyperpar.parallel",
@@ -53,10 +53,10 @@ _EXPORTS: dict[str, str] = {
     "VocabParallelEmbedding": "hyperpar.parallel",
     "ParallelLinear": "hyperpar.parallel",
     "TensorParallelConfig": "hyperpar.parallel",
-    "PlanKeyError": "hyperpar.parallel",
-    "UnsupportedModuleError": "hyperpar.parallel",
-    "AlreadyParallelizedError": "hyperpar.parallel",
-    "TiedParameterError": "hyperpar.parallel",
+    "PlanKeyError": "hyperpar.parallel.driver",
+    "UnsupportedModuleError": "hyperpar.parallel.driver",
+    "AlreadyParallelizedError": "hyperpar.parallel.driver",
+    "TiedParameterError": "hyperpar.parallel.driver",
     "data_parallel": "hyperpar.parallel",
     "DataParallelModule": "hyperpar.parallel",
     "context_parallel": "hyperpar.parallel",
@@ -95,9 +95,9 @@ _EXPORTS: dict[str, str] = {
 #: names whose implementation depends on the framework: resolved at each access through the
 #: platform's ``parallel_api()`` (MindSpore Cells), else hyperpar's PyTorch implementation above.
 _FRAMEWORK_BOUND = frozenset({
-    "DeviceMesh", "init_device_mesh", "parallelize_module", "ParallelStyle", "ColwiseParallel",
-    "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
-    "PrepareModuleInputOutput", "PlanKeyError", "UnsupportedModuleError",
+    "DeviceMesh", "init_device_mesh", "DTensor", "distribute_tensor", "ParallelStyle",
+    "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput",
+    "PrepareModuleOutput", "PrepareModuleInputOutput", "loss_parallel",
 })
 
 #: subpackages reachable as attributes (``hyperpar.checkpoint.save``)
@@ -109,7 +109,7 @@ _SUBMODULES = ("checkpoint", "dtensor", "fsdp", "inspect", "parallel", "pipeline
 _NOT_STARRED = ("inspect", "platform")
 
 #: modules that import no framework: what ``from hyperpar import *`` offers without torch
-_FRAMEWORK_FREE = ("hyperpar.platform",)
+_FRAMEWORK_FREE = ("hyperpar.platform", "hyperpar.parallel.driver")
 
 
 

@@ -146,7 +146,7 @@ TORCH_FREE_MODULES = (
     "hyperpar.log", "hyperpar.testing", "hyperpar.testing.harness",
     "hyperpar.testing.pytest_plugin", "hyperpar.parallel.spec", "hyperpar.plan",
     "hyperpar.plan.cli", "hyperpar.platform.timeout", "hyperpar.dtensor", "hyperpar.dtensor.mesh",
-    "hyperpar.dtensor.placement", "hyperpar.platform.dim_collectives",
+    "hyperpar.dtensor.placement", "hyperpar.platform.dim_collectives", "hyperpar.parallel.driver",
 )
 
 # The layers written once for both frameworks: they must import neither torch nor mindspore.

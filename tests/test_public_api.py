@@ -51,3 +51,21 @@ def test_seed_project_names_are_exported():
         assert name in parallel.__all__ and getattr(parallel, name).__doc__, name
     for name in ("ParallelLinear", "TensorParallelConfig", "PipelineEngine"):
         assert name in hyperpar.__all__ and getattr(hyperpar, name) is not None
+
+
+def test_plan_errors_and_the_driver_are_one_object_on_every_framework():
+    """``hyperpar.PlanKeyError`` (and the other plan errors, and ``parallelize_module``) come
+    from the framework-neutral driver: no backend picks its own class. The MindSpore side of
+    this check is ``tests/mindspore/test_tensor_parallel.py``."""
+    from hyperpar.parallel import driver, spec
+
+    assert hyperpar.PlanKeyError is spec.PlanKeyError is driver.PlanKeyError
+    assert hyperpar.parallelize_module is driver.parallelize_module
+    assert hyperpar.parallel.parallelize_module is driver.parallelize_module
+    for name in ("PlanKeyError", "UnsupportedModuleError", "AlreadyParallelizedError",
+                 "TiedParameterError", "parallelize_module"):
+        assert name not in hyperpar._FRAMEWORK_BOUND, name
+        assert getattr(hyperpar, name) is getattr(driver, name), name
+    from hyperpar.dtensor.module import AlreadyParallelizedError
+
+    assert AlreadyParallelizedError is driver.AlreadyParallelizedError

@@ -15,6 +15,7 @@ from torch import nn
 from hyperpar.platform import get_platform
 
 from .api import DTensor, distribute_tensor
+from .errors import AlreadyParallelizedError
 from .mesh import DeviceMesh, _require_mesh
 from .placement import Replicate
 
@@ -24,11 +25,6 @@ __all__ = ["AlreadyParallelizedError", "distribute_module"]
 _DISTRIBUTED = "_hyperpar_distributed"
 #: set on a module by a parallel style (``hyperpar.parallel.style``): {claim: style repr}
 _STYLED = "_hyperpar_parallel"
-
-
-class AlreadyParallelizedError(RuntimeError):
-    """A style (or ``distribute_module``) was applied to a module that is already parallelized
-    in the same respect; applying it again would run its boundary hooks twice."""
 
 
 def replicate_params_and_buffers(module: nn.Module, mesh: DeviceMesh) -> None:

@@ -1,26 +1,14 @@
 """Redistribution: turn a local shard laid out as ``src`` placements into the local shard of
 ``dst`` placements, on n-D meshes, for uneven shards, differentiably.
 
-A plan is a list of steps, one collective (or local op) on one mesh dimension each:
-
-=================  ===============================  ==========================
-transition         step                             collective
-=================  ===============================  ==========================
-Shard(i) -> R      ``gather``                       all-gather (padded if uneven)
-Partial -> R       ``allreduce``                    all-reduce
-Partial -> S(i)    ``reduce_scatter``               reduce-scatter (padded)
-R -> Shard(i)      ``chunk``                        none (local slice)
-S(i) -> S(j)       ``all_to_all``                   all-to-all (uneven splits)
-R -> Partial       ``to_partial``                   none (rank 0 keeps, others 0)
-=================  ===============================  ==========================
-
-Nested sharding (several mesh dims sharding one tensor dim) follows mesh-dim order: mesh dim 0
-takes the outer chunk. The planner therefore un-shards from the innermost mesh dim outwards,
-then shards from the outermost inwards. A plan depends only on the mesh's shape and the two
-placement tuples, so it is cached per ``(mesh shape, src, dst)`` in a bounded LRU cache (the
-tensor shape is not part of the key: a training loop over many sequence lengths reuses one
-plan). Inside ``torch.compile`` the cache is bypassed: the plan is a pure function Dynamo traces
-as constants, and some torch releases (2.6, 2.9) cannot trace a dict lookup keyed by placements.
+The plan -- one collective (or local op) per step, on one mesh dimension each -- comes from the
+framework-neutral planner in :mod:`hyperpar.dtensor.layout` (its docstring lists the step kinds);
+this module executes it with torch and the platform's collectives. A plan depends only on the
+mesh's shape and the two placement tuples, so it is cached per ``(mesh shape, src, dst)`` in
+a bounded LRU cache (the tensor shape is not part of the key: a training loop over many
+sequence lengths reuses one plan). Inside ``torch.compile`` the cache is bypassed: the plan is a
+pure function Dynamo traces as constants, and some torch releases (2.6, 2.9) cannot trace a dict
+lookup keyed by placements.
 """
 
 from __future__ import annotations
@@ -33,20 +21,24 @@ import torch
 from hyperpar.platform import get_platform
 
 from . import _shape_check
-from .placement import REPLICATE, Partial, Placement, Replicate, Shard, chunk_bounds
+from .layout import (  # noqa: F401  (re-exported: the planner lives in the neutral layout module)
+    STEP_KINDS,
+    Step,
+    _is_s,
+    _plan,
+    _same,
+    _shards,
+    _size_at,
+    _sizes,
+    local_shape_and_offset,
+    shard_shape_and_offset,
+)
+from .placement import REPLICATE, Partial, Placement, chunk_bounds
 
 if TYPE_CHECKING:
     from .mesh import DeviceMesh
 
-Step = tuple  # (kind, mesh_dim, placements_before, arg1, arg2)
-
 PLAN_CACHE_SIZE = 1024  # distinct (mesh shape, src, dst) triples kept; least recent evicted
-
-
-def _shards(placements: tuple[Placement, ...], d: int, skip: int | None = None,
-            above: int = -1) -> bool:
-    return any(type(p) is Shard and p.dim == d for m, p in enumerate(placements)
-               if m != skip and m > above)
 
 
 def plan_redistribute(mesh: DeviceMesh, src: tuple[Placement, ...], dst: tuple[Placement, ...],
@@ -70,110 +62,6 @@ def _cached_plan(mesh_shape: tuple[int, ...], src: tuple[Placement, ...],
 def plan_cache_info() -> functools._CacheInfo:
     """Hits, misses and the current size of the plan cache (``functools.lru_cache`` stats)."""
     return _cached_plan.cache_info()
-
-
-def _plan(mesh_shape: tuple[int, ...], src: tuple[Placement, ...], dst: tuple[Placement, ...]
-          ) -> tuple[Step, ...]:
-    ndim = len(src)
-    cur = list(src)
-    change = {m for m in range(ndim) if not _same(src[m], dst[m]) and mesh_shape[m] > 1}
-    # Inner mesh dims sharding a tensor dim that an outer changing dim touches must be undone
-    # first (and redone afterwards) to keep the nesting order.
-    unshard: set[int] = set()
-    grew = True
-    while grew:
-        grew = False
-        for m in sorted(change | unshard):
-            dims = {p.dim for p in (src[m], dst[m]) if type(p) is Shard}
-            for m2 in range(m + 1, ndim):
-                if m2 not in unshard and type(src[m2]) is Shard and src[m2].dim in dims \
-                        and mesh_shape[m2] > 1:
-                    unshard.add(m2)
-                    grew = True
-    steps: list[Step] = []
-    for m in sorted(change | unshard, reverse=True):
-        c = cur[m]
-        t = dst[m] if m in change else REPLICATE
-        if type(c) is Shard:
-            if (type(t) is Shard and m not in unshard and t.dim != c.dim
-                    and not _shards(tuple(cur), c.dim, skip=m) and not _shards(dst, c.dim, skip=m)
-                    and not _shards(tuple(cur), t.dim, skip=m)
-                    and not _shards(dst, t.dim, skip=m)):
-                steps.append(("all_to_all", m, tuple(cur), c.dim, t.dim))
-                cur[m] = t
-            else:
-                steps.append(("gather", m, tuple(cur), c.dim, None))
-                cur[m] = REPLICATE
-        elif type(c) is Partial:
-            if (type(t) is Shard and not _shards(tuple(cur), t.dim, above=m)
-                    and not _shards(dst, t.dim, above=m)
-                    and all(_same(cur[k], dst[k])
-                            or not (_is_s(cur[k], t.dim) or _is_s(dst[k], t.dim))
-                            for k in range(m))):
-                steps.append(("reduce_scatter", m, tuple(cur), t.dim, c.reduce_op))
-                cur[m] = t
-            else:
-                steps.append(("allreduce", m, tuple(cur), c.reduce_op, None))
-                cur[m] = REPLICATE
-    for m in range(ndim):
-        if _same(cur[m], dst[m]) or mesh_shape[m] == 1:
-            continue
-        t = dst[m]
-        assert type(cur[m]) is Replicate, (src, dst, cur)
-        if type(t) is Shard:
-            steps.append(("chunk", m, tuple(cur), t.dim, None))
-        elif type(t) is Partial:
-            if t.reduce_op == "product":  # no exact split of a value into n factors
-                raise ValueError(
-                    f"cannot redistribute to {t!r}: a replicated value has no exact split into "
-                    f"a product of per-rank terms (torch refuses it too); use Partial('sum')"
-                )
-            steps.append(("to_partial", m, tuple(cur), t.reduce_op, None))
-        cur[m] = t
-    return tuple(steps)
-
-
-def _same(a: Placement, b: Placement) -> bool:
-    """``a == b`` without the cross-type comparison: a dataclass ``__eq__`` answers
-    NotImplemented for another type, which Dynamo 2.6 traced as a truthy value (no fallback to
-    identity), so the compiled planner dropped steps."""
-    return type(a) is type(b) and a == b
-
-
-def _is_s(p: Placement, d: int) -> bool:
-    return type(p) is Shard and p.dim == d
-
-
-def _size_at(shape: tuple[int, ...], placements: tuple[Placement, ...], coord: list[int],
-             mesh_shape: tuple[int, ...], upto: int, d: int) -> int:
-    """Size along tensor dim ``d`` after the chunks of mesh dims ``< upto``."""
-    size = shape[d]
-    for m in range(upto):
-        p = placements[m]
-        if type(p) is Shard and p.dim == d:
-            size = chunk_bounds(size, mesh_shape[m], coord[m])[1]
-    return size
-
-
-def local_shape_and_offset(shape: tuple[int, ...], placements: tuple[Placement, ...],
-                           mesh: DeviceMesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Shape and global offset of this rank's local shard."""
-    size = list(shape)
-    off = [0] * len(shape)
-    coord = mesh._coordinate
-    if coord is None:
-        return (0,) * len(shape), tuple(off)
-    for m, p in enumerate(placements):
-        if type(p) is Shard:
-            o, n = chunk_bounds(size[p.dim], mesh._shape[m], coord[m])
-            off[p.dim] += o
-            size[p.dim] = n
-    return tuple(size), tuple(off)
-
-
-def _sizes(full: int, n: int) -> list[int]:
-    """Every rank's piece length when ``full`` elements are ``Shard``-ed over ``n`` ranks."""
-    return [chunk_bounds(full, n, k)[1] for k in range(n)]
 
 
 def run_plan(x: torch.Tensor, plan: tuple[Step, ...], mesh: DeviceMesh,

@@ -8,14 +8,21 @@ communicating only at module boundaries (see :mod:`hyperpar.parallel.style`).
 # The torch stack loads only where torch is installed: a MindSpore-only venv still gets the
 # framework-neutral part of this package (the style specs in spec.py).
 
+from .driver import (
+    AlreadyParallelizedError,
+    PlanKeyError,
+    TiedParameterError,
+    UnsupportedModuleError,
+    parallelize_module,
+)
+
 try:
     import torch as _torch  # noqa: F401
 except ImportError:  # pragma: no cover - exercised by tests/test_layering.py
     _torch = None
 
 if _torch is not None:
-    from ._ties import TiedParameterError
-    from .api import PlanKeyError, distribute_module, from_torch_style, parallelize_module
+    from .api import distribute_module, from_torch_style
     from .context import ContextParallelError, context_parallel, context_parallel_unshard
     from .data_parallel import DataParallelModule, data_parallel
     from .easydel import (
@@ -33,14 +40,7 @@ if _torch is not None:
     )
     from .loss import loss_parallel, vocab_parallel_cross_entropy
     from .prepare import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
-    from .style import (
-        AlreadyParallelizedError,
-        ColwiseParallel,
-        ParallelStyle,
-        RowwiseParallel,
-        SequenceParallel,
-        UnsupportedModuleError,
-    )
+    from .style import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 __all__ = [
     "AlreadyParallelizedError",

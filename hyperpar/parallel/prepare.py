@@ -97,6 +97,9 @@ class PrepareModuleInput(ParallelStyle):
                                            mesh, self.use_local_output, f"input {key!r}")
         return args, kwargs
 
+    def _param_placements(self, module: nn.Module, owner: nn.Module, name: str) -> None:
+        return None  # no parameter is touched
+
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         mesh = _one_d(device_mesh, self)
         get_platform().register_forward_pre_hook(
@@ -137,6 +140,9 @@ class PrepareModuleOutput(ParallelStyle):
         )
         return out[0] if single else out
 
+    def _param_placements(self, module: nn.Module, owner: nn.Module, name: str) -> None:
+        return None  # no parameter is touched
+
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         mesh = _one_d(device_mesh, self)
         get_platform().register_forward_hook(
@@ -165,6 +171,9 @@ class PrepareModuleInputOutput(ParallelStyle):
             output_layouts=output_layouts, desired_output_layouts=desired_output_layouts,
             use_local_output=use_local_output,
         )
+
+    def _param_placements(self, module: nn.Module, owner: nn.Module, name: str) -> None:
+        return None  # no parameter is touched
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         self.prepare_module_input._apply(module, device_mesh)

@@ -210,24 +210,35 @@ def _generic(names: Iterable[str]) -> list[str]:
 
 
 def resolve_plan(module: Any, plan: Any, *, children: Callable[[Any], Iterable[tuple[str, Any]]],
-                 is_style: Callable[[Any], bool], prefix: str = "") -> list[tuple[str, Any, Any]]:
+                 is_style: Callable[[Any], bool], prefix: str = "",
+                 convert: Callable[[Any, str], Any] | None = None
+                 ) -> list[tuple[str, Any, Any]]:
     """``(path, submodule, style)`` for every entry of ``plan``, nested plans expanded, in
     application order. ``children(m)`` lists ``(name, child)`` pairs (``named_children`` on
-    torch, ``name_cells().items()`` on MindSpore). Raises before anything is changed: a key
-    that matches nothing names the closest paths."""
+    torch, ``name_cells().items()`` on MindSpore). ``convert(value, path)`` may turn a plan
+    value into a style (a ``torch.distributed.tensor.parallel`` style into hyperpar's) or
+    return ``None`` to leave it as it is. Raises before anything is changed: a key that
+    matches nothing names the closest paths."""
+    if convert is not None:
+        converted = convert(plan, prefix)
+        if converted is not None:
+            plan = converted
     if is_style(plan):
         return [(prefix, module, plan)]
     if not isinstance(plan, Mapping):
         what = "parallelize_plan" if not prefix else f"plan entry for {prefix!r}"
-        raise TypeError(f"{what} must be a ParallelStyle or a dict {{fqn: style}}, got "
-                        f"{type(plan).__module__}.{type(plan).__name__}")
+        raise TypeError(
+            f"{what} must be a hyperpar ParallelStyle or a dict {{fqn: style}}, got "
+            f"{type(plan).__module__}.{type(plan).__name__} (import the styles from hyperpar, "
+            f"not torch.distributed.tensor.parallel)"
+        )
     entries: list[tuple[str, Any, Any]] = []
     for key, style in plan.items():
         if not isinstance(key, str):
             raise PlanKeyError(f"plan keys must be module paths (str), got {key!r}")
-        if key == "":
+        if key == "":  # torch: the module the plan is applied to
             entries += resolve_plan(module, style, children=children, is_style=is_style,
-                                    prefix=prefix)
+                                    prefix=prefix, convert=convert)
             continue
         found = [("", module)]
         for atom in key.split("."):
@@ -242,7 +253,7 @@ def resolve_plan(module: Any, plan: Any, *, children: Callable[[Any], Iterable[t
                                f"{type(module).__name__}; closest: {hint}")
         for fqn, sub in found:
             entries += resolve_plan(sub, style, children=children, is_style=is_style,
-                                    prefix=f"{prefix}.{fqn}" if prefix else fqn)
+                                    prefix=f"{prefix}.{fqn}" if prefix else fqn, convert=convert)
     return entries
 
 

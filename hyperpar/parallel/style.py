@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hyperpar.dtensor.module import AlreadyParallelizedError
+from hyperpar.dtensor.errors import AlreadyParallelizedError
 from hyperpar.dtensor.placement import Partial, Placement, Replicate, Shard, chunk_bounds
 from hyperpar.platform import get_platform
 
@@ -29,7 +29,8 @@ from ._comm import (
     redistribute_boundary,
     to_replicated_input,
 )
-from ._debug_checks import note_inferred_output, verify_dtensor_input
+from ._debug_checks import install_input_checks, note_inferred_output, verify_dtensor_input
+from .driver import UNKNOWN, StyleBase, UnsupportedModuleError
 
 __all__ = [
     "ColwiseParallel",
@@ -39,14 +40,6 @@ __all__ = [
     "SequenceParallel",
     "UnsupportedModuleError",
 ]
-
-
-class UnsupportedModuleError(TypeError):
-    """A style was applied to a module type it cannot shard."""
-
-
-# module attribute: {claim ("parameters" / "inputs" / "outputs" / a style name): style repr}
-_APPLIED = "_hyperpar_parallel"
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -224,15 +217,11 @@ def _hide(x: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------- styles
-class ParallelStyle:
+class ParallelStyle(StyleBase):
     """How to shard one module over a 1-D device mesh. ``src_data_rank`` is the rank whose
-    full parameters are scattered (``None``: every rank keeps its own chunk)."""
-
-    src_data_rank: int | None = 0
-    #: What this style takes over on a module. Two styles claiming one thing on the same module
-    #: would both run (outputs doubled, parameters re-sharded): that is an error. ``None``:
-    #: the style's class name (a custom style may be applied once per module).
-    _claims: tuple[str, ...] | None = None
+    full parameters are scattered (``None``: every rank keeps its own chunk). The bookkeeping
+    (claims, the already-parallelized check) is :class:`~hyperpar.parallel.driver.StyleBase`'s,
+    shared with MindSpore's styles."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> ParallelStyle:
         if cls._apply is ParallelStyle._apply and cls.apply is ParallelStyle.apply:
@@ -257,45 +246,27 @@ class ParallelStyle:
         self._mark_applied(module)
         return module
 
-    def _claimed(self) -> tuple[str, ...]:
-        return self._claims if self._claims is not None else (type(self).__name__,)
-
-    def _check_applicable(self, module: nn.Module, fqn: str,
-                          pending: dict[str, str] | None = None) -> None:
-        """Raise :class:`AlreadyParallelizedError` if ``module`` (at path ``fqn``) already has
-        a style claiming what this one claims, or -- for a style that shards parameters --
-        parameters that are already DTensors. ``pending``: claims made earlier in the same
-        plan, not yet applied. Changes nothing."""
-        where = f"{fqn!r}" if fqn else "the root module"
-        done = {**getattr(module, _APPLIED, {}), **(pending or {})}
-        for claim in self._claimed():
-            if claim in done:
-                raise AlreadyParallelizedError(
-                    f"{where} ({type(module).__name__}) is already parallelized: {done[claim]} "
-                    f"was applied to it, and {self!r} would take over its {claim} again (its "
-                    f"hooks would run twice: outputs doubled, parameters re-sharded). Apply a "
-                    f"plan once per module; to change it, rebuild the model and parallelize the "
-                    f"fresh one"
-                )
-        if "parameters" in self._claimed():
-            dtensor = _dtensor_cls()
-            done_params = [n for n, p in module.named_parameters() if isinstance(p, dtensor)]
-            if done_params:
-                raise AlreadyParallelizedError(
-                    f"{where} ({type(module).__name__}) is already parallelized: its parameters "
-                    f"{done_params[:3]} are DTensors already (distribute_module, a parallel "
-                    f"style or distribute_tensor made them); {self!r} cannot shard them again. "
-                    f"Apply it to the plain module, before any other sharding"
-                )
-
-    def _mark_applied(self, module: nn.Module) -> None:
-        record = dict(getattr(module, _APPLIED, {}))
-        record.update({claim: repr(self) for claim in self._claimed()})
-        module.__dict__[_APPLIED] = record
+    def _before_apply(self, module: nn.Module, device_mesh: Any, fqn: str) -> None:
+        install_input_checks(self, module, device_mesh, fqn)  # HYPERPAR_DEBUG_COLLECTIVES=1 only
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if k != "src_data_rank")
         return f"{type(self).__name__}({fields})"
+
+
+def _sharded_placements(style: Any, module: nn.Module, owner: nn.Module, name: str) -> Any:
+    """The placements Colwise/RowwiseParallel give ``owner.name`` (their own parameters only)."""
+    if owner is not module:
+        return None
+    platform = get_platform()
+    colwise = isinstance(style, ColwiseParallel)
+    if platform.is_linear(module):
+        if colwise:
+            return (Shard(0),)
+        return (Shard(1),) if name == "weight" else (Replicate(),)
+    if platform.is_embedding(module):
+        return (Shard(1),) if colwise else (Shard(0),)
+    return UNKNOWN
 
 
 class ColwiseParallel(ParallelStyle):
@@ -316,6 +287,9 @@ class ColwiseParallel(ParallelStyle):
         self.output_layouts = (as_placement(output_layouts) or Shard(-1),)
         self.desired_input_layouts = (Replicate(),)
         self.use_local_output = use_local_output
+
+    def _param_placements(self, module: nn.Module, owner: nn.Module, name: str) -> Any:
+        return _sharded_placements(self, module, owner, name)
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         mesh = _one_d(device_mesh, self)
@@ -380,6 +354,9 @@ class RowwiseParallel(ParallelStyle):
         self.output_layouts = (as_placement(output_layouts) or Replicate(),)
         self.desired_input_layouts = (Shard(-1),)
         self.use_local_output = use_local_output
+
+    def _param_placements(self, module: nn.Module, owner: nn.Module, name: str) -> Any:
+        return _sharded_placements(self, module, owner, name)
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         mesh = _one_d(device_mesh, self)
@@ -455,6 +432,9 @@ class SequenceParallel(ParallelStyle):
     def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False) -> None:
         self.sequence_sharding = (Shard(sequence_dim),)
         self.use_local_output = use_local_output
+
+    def _param_placements(self, module: nn.Module, owner: nn.Module, name: str) -> Any:
+        return (Replicate(),)  # every parameter under it, whole
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         mesh = _one_d(device_mesh, self)

@@ -51,7 +51,7 @@ from __future__ import annotations
 import abc
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol
 
@@ -221,6 +221,34 @@ class Platform(abc.ABC):
         return isinstance(module, self.norm_types) or bool(
             _NORM_NAME.search(type(module).__name__)
         )
+
+    def named_children(self, module: Module) -> Iterable[tuple[str, Module]]:
+        """``(name, child)`` for each direct submodule, in definition order (default: the
+        module's ``named_children()``, PyTorch's spelling)."""
+        return module.named_children()
+
+    def named_modules(self, module: Module) -> Iterable[tuple[str, Module]]:
+        """``(dotted path, submodule)`` for ``module`` itself (path ``""``) and every submodule,
+        each once (default: the module's ``named_modules()``)."""
+        return module.named_modules()
+
+    def named_parameters(self, module: Module, *, recurse: bool = True
+                         ) -> Iterable[tuple[str, Tensor]]:
+        """``(name, parameter)`` of ``module``: with ``recurse=False`` the ones it holds itself
+        (attribute names, every slot even when two hold one parameter), else every parameter
+        under it once, by dotted path (default: PyTorch's ``named_parameters``)."""
+        return module.named_parameters(recurse=recurse)
+
+    def set_parameter(self, module: Module, name: str, value: Tensor) -> Tensor:
+        """Make ``value`` parameter ``name`` (a direct attribute) of ``module`` and return the
+        parameter now registered (a framework wraps a plain tensor, keeping ``requires_grad``)."""
+        raise NotImplementedError(f"the {self.name} platform cannot replace parameters")
+
+    def parameter_placements(self, param: Tensor) -> tuple[Any, ...] | None:
+        """The placements of a distributed parameter (a DTensor, or a shard a parallel style
+        made), ``None`` for a plain one (default: its ``placements`` attribute, if any)."""
+        placements = getattr(param, "placements", None)
+        return None if placements is None else tuple(placements)
 
     # ------------------------------------------------------------------ process groups
     @abc.abstractmethod

@@ -20,7 +20,7 @@ override any of these defaults; the conformance kit checks both kinds.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -52,6 +52,12 @@ class TorchPlatformBase(Platform, DimCollectives):
     def is_module_class(self, obj: object) -> bool:
         """True if ``obj`` is a class whose instances are modules (for deferred construction)."""
         return isinstance(obj, type) and issubclass(obj, nn.Module)
+
+    def named_parameters(self, module: nn.Module, *, recurse: bool = True
+                         ) -> Iterable[tuple[str, torch.Tensor]]:
+        if not recurse:  # every slot, even two names holding one parameter
+            return [(n, p) for n, p in module._parameters.items() if p is not None]
+        return module.named_parameters()
 
     def set_parameter(self, module: nn.Module, name: str, value: torch.Tensor) -> nn.Parameter:
         """Replace parameter ``name`` (a direct attribute of ``module``) by ``value``.

@@ -203,7 +203,7 @@ def _bad_plans() -> list[str]:
 class _Odd(nn.Cell):
     def __init__(self) -> None:
         super().__init__()
-        self.emb = nn.Embedding(VOCAB, 7)
+        self.emb = nn.Embedding(VOCAB, 1)  # one column over 2 ranks: torch.chunk gives [1, 0]
 
     def construct(self, ids):
         return self.emb(ids)
@@ -216,10 +216,21 @@ def test_bad_plans_raise_on_every_rank_and_change_nothing(pool2):
                 in nothing)
         assert "UnsupportedModuleError" in unsupported and "'act'" in unsupported
         assert "ReLU" in unsupported
-        assert "ValueError" in odd and "size 7 on dim 1, not divisible by the 2" in odd
+        assert "ValueError" in odd and "size 1 (shape (12, 1)) over 2" in odd
+        assert "leave a rank an empty piece" in odd
         assert untouched1 and untouched2 and untouched3
 
 
-def test_use_local_output_false_is_refused_with_the_reason():
-    with pytest.raises(ValueError, match="does not have yet"):
-        ColwiseParallel(use_local_output=False)
+def _plan_key_error_class() -> bool:
+    import hyperpar_mindspore
+
+    import hyperpar
+    from hyperpar.parallel import driver, spec
+
+    return (hyperpar.PlanKeyError is hyperpar_mindspore.PlanKeyError is spec.PlanKeyError
+            and hyperpar.parallelize_module is hyperpar_mindspore.parallelize_module
+            is driver.parallelize_module)
+
+
+def test_plan_key_error_and_the_driver_are_the_ones_torch_uses(pool2):
+    assert pool2.run(_plan_key_error_class) == [True, True]

@@ -1,5 +1,6 @@
 """hyperpar backend for MindSpore: the Platform (collectives, groups, Cell hooks, devices) and
-tensor parallelism on ``nn.Cell`` models with hyperpar's plan syntax.
+tensor parallelism on ``nn.Cell`` models with hyperpar's plan syntax, and DTensor
+(:mod:`hyperpar_mindspore.dtensor`).
 
 >>> from hyperpar import init_device_mesh, parallelize_module   # doctest: +SKIP
 >>> from hyperpar import ColwiseParallel, RowwiseParallel       # doctest: +SKIP
@@ -21,12 +22,21 @@ _EXPORTS = {
     "MindSporePlatform": ".platform",
     "DeviceMesh": "hyperpar.dtensor.mesh",
     "init_device_mesh": "hyperpar.dtensor.mesh",
+    "DTensor": ".dtensor",
+    "distribute_tensor": ".dtensor",
+    "Shard": ".dtensor",
+    "Replicate": ".dtensor",
+    "Partial": ".dtensor",
     "ParallelStyle": ".parallel",
     "ColwiseParallel": ".parallel",
     "RowwiseParallel": ".parallel",
     "UnsupportedModuleError": ".parallel",
     "parallelize_module": ".parallel",
     "PlanKeyError": ".parallel",
+    "AlreadyParallelizedError": ".parallel",
+    "TiedParameterError": ".parallel",
+    "loss_parallel": ".loss",
+    "vocab_parallel_cross_entropy": ".loss",
     "SequenceParallel": ".prepare",
     "PrepareModuleInput": ".prepare",
     "PrepareModuleOutput": ".prepare",

@@ -4,7 +4,8 @@ spec.Comm`, whose ``construct`` runs the forward op and whose ``bprop`` runs the
 MindSpore has no ``Tensor.backward``; gradients flow through ``ms.grad`` / ``ms.value_and_grad``,
 which honour a Cell's custom ``bprop``. The collectives along a dim are the Platform's
 framework-neutral :class:`~hyperpar.platform.dim_collectives.DimCollectives` (the same code the
-PyTorch platforms run), over MindSpore's collectives (composed where the target has no kernel).
+PyTorch platforms run), over MindSpore's collectives (composed where the target has no kernel);
+this module adds only what MindSpore's kernels need checked first (no empty pieces).
 """
 
 from __future__ import annotations
@@ -14,22 +15,73 @@ from typing import Any
 from mindspore import mint, nn
 
 from hyperpar.parallel.spec import Comm
+from hyperpar.platform.dim_collectives import chunk_sizes
 
 from .platform import MindSporePlatform, MSGroup
 
 
-def check_split(platform: MindSporePlatform, x: Any, dim: int, group: MSGroup,
-                what: str = "") -> None:
-    """Raise when dim ``dim`` of ``x`` cannot be split evenly over the group (every rank sees
-    the same shapes, so every rank raises, before any collective). MindSpore's styles keep
-    every piece the same size: the backward of a split gathers equal pieces."""
+def chunk_lengths(size: int, n: int) -> list[int]:
+    """The lengths of ``torch.chunk``'s ``n`` pieces of ``size`` (the tail shorter or empty)."""
+    return chunk_sizes(size, n)
+
+
+def lengths_along(platform: MindSporePlatform, x: Any, dim: int, group: MSGroup,
+                  what: str = "") -> list[int]:
+    """Every rank's length of ``x`` along ``dim`` (one small all-gather). They must be
+    ``torch.chunk``'s split of their sum, else every rank raises the same error."""
     n = platform.world_size(group)
-    size = x.shape[dim]
-    if size % n:
+    mine = int(x.shape[dim])
+    if n == 1:
+        return [mine]
+    lengths = platform.all_gather_sizes(mine, group)
+    if lengths != chunk_lengths(sum(lengths), n):
         at = f"{what}: " if what else ""
-        raise ValueError(f"{at}cannot split dim {dim} of size {size} (shape {tuple(x.shape)}) "
-                         f"evenly over {n} tensor-parallel ranks; make it divisible by {n} (a "
-                         f"sequence dim: pad the sequence to a multiple of {n})")
+        raise ValueError(
+            f"{at}the ranks' pieces along dim {dim} have lengths {lengths}, which is not how "
+            f"torch.chunk splits {sum(lengths)} over {n} ranks ({chunk_lengths(sum(lengths), n)});"
+            f" give each rank its torch.chunk piece (pieces of ceil(size / {n}), the tail shorter)"
+        )
+    return lengths
+
+
+def all_gather_along(platform: MindSporePlatform, x: Any, dim: int, group: MSGroup,
+                     sizes: list[int] | None = None, what: str = "") -> Any:
+    """Every rank's ``x`` concatenated along ``dim`` in group-rank order. ``sizes``: each
+    rank's length along ``dim`` (exchanged and checked when not given); uneven pieces travel
+    padded (the platform's :meth:`~hyperpar.platform.dim_collectives.DimCollectives.
+    all_gather_along`)."""
+    dim %= x.ndim
+    if sizes is None:
+        sizes = lengths_along(platform, x, dim, group, what)
+    return platform.all_gather_along(x, dim, group, sizes=sizes)
+
+
+def check_no_empty_piece(size: int, n: int, dim: int, shape: tuple[int, ...],
+                         what: str = "") -> None:
+    """Raise when ``torch.chunk`` would leave a rank an empty piece of ``size`` (``6`` over
+    ``4``: ``[2, 2, 2, 0]``): MindSpore's kernels refuse empty tensors (LayerNorm, MatMul). Every
+    rank sees the same sizes, so every rank raises, before any collective."""
+    lengths = chunk_lengths(size, n)
+    if 0 in lengths:
+        at = f"{what}: " if what else ""
+        fits = [s for s in range(max(1, size - n), size + n + 1) if 0 not in chunk_lengths(s, n)]
+        raise ValueError(
+            f"{at}cannot split dim {dim} of size {size} (shape {tuple(shape)}) over {n} "
+            f"tensor-parallel ranks: torch.chunk's pieces {lengths} leave a rank an empty "
+            f"piece, which MindSpore's kernels cannot compute on; use a size that gives every "
+            f"rank at least one (near {size}: {', '.join(map(str, fits[:4]))}), or fewer ranks"
+        )
+
+
+def piece_along(platform: MindSporePlatform, x: Any, dim: int, group: MSGroup,
+                what: str = "") -> Any:
+    """This rank's ``torch.chunk`` piece of ``x`` along ``dim`` (no communication)."""
+    dim %= x.ndim
+    n = platform.world_size(group)
+    check_no_empty_piece(int(x.shape[dim]), n, dim, tuple(x.shape), what)
+    piece = platform.piece_along(x, dim, group)
+    # a view would keep the whole buffer alive and MindSpore slices are copies anyway
+    return piece if piece is x else piece.copy()
 
 
 def all_reduce_copy(platform: MindSporePlatform, x: Any, group: MSGroup) -> Any:
@@ -39,45 +91,64 @@ def all_reduce_copy(platform: MindSporePlatform, x: Any, group: MSGroup) -> Any:
     return y
 
 
+def all_to_all_along(platform: MindSporePlatform, x: Any, sharded: int, to: int,
+                     group: MSGroup, what: str = "") -> Any:
+    """Re-shard ``x`` from ``Shard(sharded)`` to ``Shard(to)``: keep this rank's piece along
+    ``to`` of every rank's ``x``, concatenated along ``sharded`` (composed: all-gather, then
+    select; uneven pieces as ``torch.chunk`` makes them)."""
+    sharded %= x.ndim
+    to %= x.ndim
+    sizes = lengths_along(platform, x, sharded, group, what)
+    whole = all_gather_along(platform, x, sharded, group, sizes, what)
+    return piece_along(platform, whole, to, group, what)
+
+
 def run_op(platform: MindSporePlatform, op: str, x: Any, comm: Comm, group: MSGroup,
-           backward: bool = False, what: str = "") -> Any:
-    """Apply one op of ``comm`` to ``x``."""
+           backward: bool = False, what: str = "", full: int | None = None) -> Any:
+    """Apply one op of ``comm`` to ``x``. ``full``: the global length along ``comm.dim`` when
+    the caller knows it (a gather then needs no exchange of lengths)."""
     dim, dim2 = comm.dim, comm.dim2
+    n = platform.world_size(group)
     if op == "none":
         return x
     if op == "all_reduce":
         return all_reduce_copy(platform, x, group)
     if op == "all_gather":
-        return platform.all_gather_along(x, dim, group)
+        sizes = chunk_lengths(full, n) if full is not None else None
+        return all_gather_along(platform, x, dim, group, sizes, what)
     if op == "chunk":
-        check_split(platform, x, dim, group, what)
-        return platform.piece_along(x, dim, group)
+        return piece_along(platform, x, dim, group, what)
     if op == "reduce_scatter":
-        check_split(platform, x, dim, group, what)  # before the reduction, on every rank
-        return platform.reduce_scatter_along(x, dim, "sum", group)
-    if op == "all_to_all":
+        return piece_along(platform, all_reduce_copy(platform, x, group), dim, group, what)
+    if op == "all_to_all":  # comm: Shard(dim) -> Shard(dim2); backward the other way
         src, dst = (dim2, dim) if backward else (dim, dim2)
-        check_split(platform, x, src, group, what)
-        return platform.all_to_all_along(x, src, dst, group)
+        return all_to_all_along(platform, x, src, dst, group, what)
     raise ValueError(f"unknown boundary op {op!r}")
 
 
 class Boundary(nn.Cell):
-    """``comm.forward`` in ``construct``, ``comm.backward`` on the gradient in ``bprop``."""
+    """``comm.forward`` in ``construct``, ``comm.backward`` on the gradient in ``bprop``.
+
+    ``full``: the global length along ``comm.dim`` of a forward all-gather, when known (a
+    weight's size); a backward all-gather knows it from the forward input."""
 
     def __init__(self, platform: MindSporePlatform, comm: Comm, group: MSGroup,
-                 what: str = "") -> None:
+                 what: str = "", full: int | None = None) -> None:
         super().__init__()
         self.platform, self.comm, self.group = platform, comm, group
         self.what = what  # names the boundary in errors ("ColwiseParallel input")
+        self.full = full
 
     def construct(self, x: Any) -> Any:
         return run_op(self.platform, self.comm.forward, x, self.comm, self.group,
-                      what=self.what)
+                      what=self.what, full=self.full)
 
     def bprop(self, x: Any, out: Any, dout: Any) -> tuple[Any]:
+        full = None
+        if self.comm.backward == "all_gather":  # the adjoint of a chunk: x was whole
+            full = int(x.shape[self.comm.dim % x.ndim])
         return (run_op(self.platform, self.comm.backward, dout, self.comm, self.group, True,
-                       self.what),)
+                       self.what, full),)
 
 
 def zeros(shape: tuple[int, ...], dtype: Any) -> Any:
@@ -85,4 +156,6 @@ def zeros(shape: tuple[int, ...], dtype: Any) -> Any:
     return mint.zeros(tuple(shape), dtype=dtype)
 
 
-__all__ = ["Boundary", "all_reduce_copy", "check_split", "run_op", "zeros"]
+__all__ = ["Boundary", "all_gather_along", "all_reduce_copy", "all_to_all_along",
+           "check_no_empty_piece", "chunk_lengths", "lengths_along", "piece_along", "run_op",
+           "zeros"]

@@ -3,14 +3,18 @@
 >>> mesh = init_device_mesh((2,), mesh_dim_names=("tp",))                      # doctest: +SKIP
 >>> parallelize_module(mlp, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
 
-What each style means -- which dim of each weight is split, what each boundary communicates
-forward and backward -- comes from :mod:`hyperpar.parallel.spec`, shared with the PyTorch styles'
-definition. This module supplies only MindSpore's mechanics: each rank's parameters are replaced by
-its shards (``trainable_params()`` and any ``nn.Optimizer`` see the shards), boundaries are Cells
-with a custom ``bprop`` (:mod:`.comm`) run from forward hooks, and a row-wise layer's bias is
-swapped out of the local compute and added once after the reduction.
+``parallelize_module`` is hyperpar's one driver (:mod:`hyperpar.parallel.driver`: plan
+resolution, checks, tied parameters, ``src_data_rank``); the styles here implement its style
+protocol. What each style means -- which dim of each weight is split, what each boundary
+communicates forward and backward -- comes from :mod:`hyperpar.parallel.spec`, shared with the
+PyTorch styles. This module supplies only MindSpore's mechanics: each rank's parameters are
+replaced by its ``torch.chunk`` pieces (``trainable_params()`` and any ``nn.Optimizer`` see the
+shards), boundaries are Cells with a custom ``bprop`` (:mod:`.comm`) run from forward hooks, and
+a row-wise layer's bias is swapped out of the local compute and added once after the reduction.
 
-MindSpore has no DTensor here: outputs are always local tensors (``use_local_output=True``).
+Outputs are local tensors by default; ``use_local_output=False`` makes them MindSpore DTensors
+(:mod:`.dtensor`) laid out as the style's output layout, and a DTensor input is redistributed to
+the layout the style wants.
 """
 
 from __future__ import annotations
@@ -21,27 +25,24 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn
 
 from hyperpar.dtensor.mesh import DeviceMesh
-from hyperpar.dtensor.placement import Placement, Replicate, Shard
-from hyperpar.parallel.spec import (
-    COLWISE,
-    ROWWISE,
-    Comm,
+from hyperpar.dtensor.placement import Partial, Placement, Replicate, Shard, chunk_bounds
+from hyperpar.parallel.driver import (
+    AlreadyParallelizedError,
     PlanKeyError,
-    StyleSpec,
-    check_divisible,
+    StyleBase,
+    TiedParameterError,
+    UnsupportedModuleError,
+    parallelize_module,
 )
-from hyperpar.parallel.spec import resolve_plan as _resolve
+from hyperpar.parallel.spec import COLWISE, ROWWISE, Comm, StyleSpec
 from hyperpar.platform import get_platform
 
-from .comm import Boundary, zeros
-from .platform import MindSporePlatform, MSGroup
+from .comm import Boundary, check_no_empty_piece, lengths_along, zeros
+from .platform import SHARD_PLACEMENTS, MindSporePlatform, MSGroup
 
-__all__ = ["ColwiseParallel", "ParallelStyle", "PlanKeyError", "RowwiseParallel",
-           "UnsupportedModuleError", "check_layout", "parallelize_module", "refuse_dtensor"]
-
-
-class UnsupportedModuleError(TypeError):
-    """A style was applied to a Cell it cannot shard."""
+__all__ = ["AlreadyParallelizedError", "ColwiseParallel", "ParallelStyle", "PlanKeyError",
+           "RowwiseParallel", "TiedParameterError", "UnsupportedModuleError", "as_local",
+           "check_layout", "parallelize_module", "wrap_output"]
 
 
 # The framework's name of each parameter the spec talks about ("weight", "bias").
@@ -53,43 +54,111 @@ def _param_names(cell: nn.Cell, kind: str) -> dict[str, str]:
     return {"weight": "weight", "bias": "bias"}
 
 
-class ParallelStyle:
-    """A style for one Cell: :meth:`check` (before anything changes) and :meth:`apply`."""
+class ParallelStyle(StyleBase):
+    """A style for one Cell, driven by :func:`parallelize_module` through the style protocol
+    (:class:`~hyperpar.parallel.driver.StyleBase`); a style implements ``_apply``."""
 
-    def check(self, cell: nn.Cell, path: str, n: int) -> None:
-        """Raise, before anything changes, if the style cannot apply to ``cell`` over ``n``
-        ranks (default: it always can)."""
+    def _apply(self, cell: nn.Cell, device_mesh: DeviceMesh) -> nn.Cell:
+        """Apply the style to ``cell`` over ``device_mesh`` (1-D) in place."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement _apply")
 
-    def apply(self, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
-        """Apply the style to ``cell`` over ``mesh`` (1-D) in place."""
-        raise NotImplementedError
-
-
-def refuse_dtensor(style: str, use_local_output: bool | None) -> None:
-    """Raise for ``use_local_output=False``: that asks for DTensor outputs, absent here."""
-    if use_local_output is False:
-        raise ValueError(f"{style}(use_local_output=False) returns a DTensor, which hyperpar's "
-                         "MindSpore backend does not have yet; leave use_local_output at its "
-                         "default (outputs are local tensors)")
+    def apply(self, cell: nn.Cell, device_mesh: DeviceMesh) -> nn.Cell:
+        """Public spelling of ``_apply`` (refuses an already-parallelized Cell)."""
+        self._check_applicable(cell, "")
+        self._apply(cell, device_mesh)
+        self._mark_applied(cell)
+        return cell
 
 
 def check_layout(what: str, layout: Any) -> Placement | None:
-    """``layout`` if it is ``Shard(d)``, ``Replicate()`` or ``None``, else a ``TypeError``."""
-    if layout is not None and not isinstance(layout, (Shard, Replicate)):
-        raise TypeError(f"{what} must be Shard(dim) or Replicate(), got {layout!r}")
+    """``layout`` if it is ``Shard(d)``, ``Replicate()``, ``Partial()`` or ``None``, else a
+    ``TypeError``."""
+    if layout is not None and not isinstance(layout, (Shard, Replicate, Partial)):
+        raise TypeError(f"{what} must be Shard(dim), Replicate() or Partial(), got {layout!r}")
     return layout
+
+
+def _dtensor_cls() -> type:
+    from .dtensor import DTensor
+
+    return DTensor
+
+
+def as_local(x: Any, layout: Placement, what: str = "") -> Any:
+    """A DTensor input redistributed (differentiably) to ``layout`` and unwrapped; a plain
+    tensor is taken to be laid out as ``layout`` already (torch's rule for local inputs)."""
+    if not isinstance(x, _dtensor_cls()):
+        return x
+    if len(x.placements) != 1:
+        raise ValueError(f"{what}: expected a DTensor on a 1-D mesh, got placements "
+                         f"{x.placements}; pass the tensor-parallel slice")
+    return x.redistribute(x.device_mesh, (layout,)).to_local()
+
+
+def wrap_output(y: Any, mesh: DeviceMesh, placement: Placement, length: int | None = None,
+                what: str = "") -> Any:
+    """``y``, this rank's piece, as a DTensor laid out as ``placement``. ``length``: the global
+    length along a ``Shard`` dim when known (else the ranks exchange theirs)."""
+    shape = list(y.shape)
+    if isinstance(placement, Shard):
+        d = placement.dim % y.ndim
+        shape[d] = length if length is not None else sum(
+            lengths_along(get_platform(), y, d, mesh.get_group(0), what))
+    return _dtensor_cls().from_local(y, mesh, (placement,), shape=tuple(shape))
+
+
+def shard_parameter(platform: MindSporePlatform, cell: nn.Cell, name: str, dim: int | None,
+                    group: MSGroup, src_data_rank: int | None) -> Parameter | None:
+    """Replace ``cell.<name>`` by this rank's ``torch.chunk`` piece along ``dim`` (``None``:
+    whole) of rank ``src_data_rank``'s full parameter (an index in ``group``; ``None``: this
+    rank's own), recording its placements. Returns the new Parameter."""
+    param = cell._params.get(name)
+    if param is None:
+        return None
+    n, me = platform.world_size(group), platform.rank(group)
+    if dim is not None:
+        check_no_empty_piece(param.shape[dim], n, dim, tuple(param.shape),
+                             f"{param.name} ({name})")
+    full = Tensor(param.asnumpy())
+    if src_data_rank is not None:
+        platform.broadcast(full, group.ranks[src_data_rank], group)
+    data = full.asnumpy()
+    if dim is not None:
+        start, length = chunk_bounds(data.shape[dim], n, me)
+        data = np.take(data, np.arange(start, start + length), axis=dim)
+    new = Parameter(Tensor(np.ascontiguousarray(data)), name=param.name,
+                    requires_grad=param.requires_grad)
+    setattr(new, SHARD_PLACEMENTS, (Replicate(),) if dim is None else (Shard(dim),))
+    cell._params[name] = new
+    return new
+
+
+def check_src_data_rank(style: str, src_data_rank: int | None, n: int) -> None:
+    """Raise (on every rank, before any broadcast) for a source rank outside the group."""
+    if src_data_rank is not None and not 0 <= src_data_rank < n:
+        raise ValueError(f"{style}: src_data_rank={src_data_rank} is not a rank of the "
+                         f"{n}-rank tensor-parallel group; give 0..{n - 1}, or None for each "
+                         f"rank to keep its own parameters")
 
 
 class _ShardingStyle(ParallelStyle):
     """A style that shards a linear/embedding Cell's parameters; its meaning is ``spec``."""
 
     spec: StyleSpec
+    _claims = ("parameters",)
 
     def __init__(self, *, input_layouts: Placement | None = None,
                  output_layouts: Placement | None = None, use_local_output: bool = True) -> None:
-        refuse_dtensor(type(self).__name__, use_local_output)
         self.input_layouts = check_layout("input_layouts", input_layouts)
         self.output_layouts = check_layout("output_layouts", output_layouts)
+        for what, given in (("input", self.input_layouts), ("output", self.output_layouts)):
+            try:  # a layout no boundary reaches is refused now, not when the plan is applied
+                for kind in self.spec.kinds():
+                    comm = self.spec.input_comm if what == "input" else self.spec.output_comm
+                    comm(kind, given)
+            except ValueError as exc:
+                raise ValueError(f"{type(self).__name__}({what}_layouts={given!r}): {exc}") \
+                    from None
         self.use_local_output = use_local_output
 
     def __repr__(self) -> str:
@@ -108,62 +177,93 @@ class _ShardingStyle(ParallelStyle):
             f"mint.nn.Linear, nn.Embedding and mint.nn.Embedding cells; give a plan entry "
             f"for the linear/embedding cells inside it instead")
 
-    def check(self, cell: nn.Cell, path: str, n: int) -> None:
-        """Raise, before anything changes, if the style cannot shard ``cell`` over ``n`` ranks."""
-        platform = get_platform()
-        kind = self._kind(platform, cell, path)
+    def _check_applicable(self, cell: nn.Cell, fqn: str,
+                          pending: dict[str, str] | None = None) -> None:
+        """Raise, before anything changes, if ``cell`` is parallelized already or is not a
+        linear/embedding Cell."""
+        super()._check_applicable(cell, fqn, pending)
+        self._kind(get_platform(), cell, fqn)
+
+    def _param_placements(self, cell: nn.Cell, owner: nn.Cell, name: str) -> Any:
+        if owner is not cell:
+            return None
+        kind = self._kind(get_platform(), cell, "")
         for spec_name, ms_name in _param_names(cell, kind).items():
-            param = getattr(cell, ms_name, None)
-            dim = self.spec.param_dims[kind].get(spec_name)
-            if param is not None and dim is not None:
-                check_divisible(type(self).__name__, path, ms_name, param.shape, dim, n)
+            if ms_name == name:
+                dim = self.spec.param_dims[kind].get(spec_name)
+                return (Replicate(),) if dim is None else (Shard(dim),)
+        return None
 
     # ------------------------------------------------------------------ mechanics
-    def apply(self, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
-        """Shard ``cell``'s parameters over ``mesh`` (1-D) and install its boundary hooks."""
+    def _apply(self, cell: nn.Cell, device_mesh: DeviceMesh) -> nn.Cell:
+        """Shard ``cell``'s parameters over ``device_mesh`` (1-D) and install its boundary
+        hooks."""
         platform: MindSporePlatform = get_platform()
-        group = mesh.get_group(0)
+        group = device_mesh.get_group(0)
         kind = self._kind(platform, cell, "")
-        self._shard_params(platform, cell, kind, group)
-        given = self.input_layouts
-        in_comm = self.spec.input_comm(kind, given)
+        check_src_data_rank(type(self).__name__, self.src_data_rank, platform.world_size(group))
+        shape = self._shard_params(platform, cell, kind, group)
+        out_full = shape[0] if kind == "linear" else shape[1]
+        in_comm = self.spec.input_comm(kind, self.input_layouts)
         out_comm = self.spec.output_comm(kind, self.output_layouts)
+        name = type(self).__name__
+        src = self.input_layouts or self.spec.default_input
+        boundary_in = None
         if in_comm.forward != "none" or in_comm.backward != "none":
-            boundary_in = Boundary(platform, in_comm, group, f"{type(self).__name__} input")
+            boundary_in = Boundary(platform, in_comm, group, f"{name} input")
 
-            def relayout_input(_cell: nn.Cell, args: tuple) -> tuple:
-                return (boundary_in(args[0]), *args[1:])
+        def relayout_input(_cell: nn.Cell, args: tuple) -> tuple:
+            x = as_local(args[0], src, f"{name} input")  # a DTensor: to the layout wanted
+            return (x if boundary_in is None else boundary_in(x), *args[1:])
 
-            platform.register_forward_pre_hook(cell, relayout_input)
-        boundary_out = Boundary(platform, out_comm, group, f"{type(self).__name__} output")
-        self._install_local_compute(platform, cell, kind, group, boundary_out)
+        platform.register_forward_pre_hook(cell, relayout_input)
+        # a column-parallel output is gathered knowing the weight's global size
+        full = out_full if out_comm.forward == "all_gather" else None
+        boundary_out = Boundary(platform, out_comm, group, f"{name} output", full)
+        dst = self.output_layouts or self.spec.default_output
+        use_local = self.use_local_output
+
+        def finish(pre: Any, post: Any) -> Any:
+            """The output: ``post`` (after the boundary) as it is, or as a DTensor laid out as
+            ``dst``; ``pre`` is the local compute's output, before the boundary."""
+            if use_local:
+                return post
+            length = None
+            if isinstance(dst, Shard):
+                d = dst.dim % post.ndim
+                if out_comm.forward == "reduce_scatter":
+                    length = int(pre.shape[d])
+                elif out_comm.forward == "none" and d == post.ndim - 1:
+                    length = out_full  # column-parallel: the weight says it
+            return wrap_output(post, device_mesh, dst, length, f"{name} output")
+
+        self._install_local_compute(platform, cell, kind, group, boundary_out, shape, finish)
         return cell
 
     def _shard_params(self, platform: MindSporePlatform, cell: nn.Cell, kind: str,
-                      group: MSGroup) -> None:
-        n, me = platform.world_size(group), platform.rank(group)
+                      group: MSGroup) -> tuple[int, ...]:
+        """Shard the parameters; return the weight's global shape."""
+        shape: tuple[int, ...] = ()
         for spec_name, ms_name in _param_names(cell, kind).items():
-            param = getattr(cell, ms_name, None)
+            param = cell._params.get(ms_name)
             if param is None:
                 continue
-            # Every rank starts from rank 0's full parameter (torch's src_data_rank=0).
-            full = Tensor(param.asnumpy())
-            platform.broadcast(full, group.ranks[0], group)
+            if spec_name == "weight":
+                shape = tuple(param.shape)
             dim = self.spec.param_dims[kind].get(spec_name)
-            data = full.asnumpy()
-            if dim is not None:
-                data = np.split(data, n, axis=dim)[me]
-            setattr(cell, ms_name, Parameter(Tensor(np.ascontiguousarray(data)), name=param.name,
-                                             requires_grad=param.requires_grad))
+            new = shard_parameter(platform, cell, ms_name, dim, group, self.src_data_rank)
             if isinstance(cell, nn.Embedding) and dim == 1:
-                cell.embedding_size = data.shape[1]  # nn.Embedding reshapes its output by it
+                cell.embedding_size = new.shape[1]  # nn.Embedding reshapes its output by it
+        return shape
 
     def _install_local_compute(self, platform: MindSporePlatform, cell: nn.Cell, kind: str,
-                               group: MSGroup, boundary_out: Boundary) -> None:
-        if boundary_out.comm.forward != "none" or boundary_out.comm.backward != "none":
+                               group: MSGroup, boundary_out: Boundary,
+                               shape: tuple[int, ...], finish: Any) -> None:
+        if boundary_out.comm.forward != "none" or boundary_out.comm.backward != "none" or (
+                not self.use_local_output):
 
             def relayout_output(_cell: nn.Cell, args: tuple, out: Any) -> Any:
-                return boundary_out(out)
+                return finish(out, boundary_out(out))
 
             platform.register_forward_hook(cell, relayout_output)
 
@@ -185,30 +285,41 @@ class RowwiseParallel(_ShardingStyle):
     spec = ROWWISE
 
     def _install_local_compute(self, platform: MindSporePlatform, cell: nn.Cell, kind: str,
-                               group: MSGroup, boundary_out: Boundary) -> None:
+                               group: MSGroup, boundary_out: Boundary,
+                               shape: tuple[int, ...], finish: Any) -> None:
         if kind == "linear":
-            bias = getattr(cell, "bias", None)
+            bias = cell._params.get("bias")
             if bias is None:
-                return super()._install_local_compute(platform, cell, kind, group, boundary_out)
+                return super()._install_local_compute(platform, cell, kind, group, boundary_out,
+                                                      shape, finish)
             idle = zeros(bias.shape, bias.dtype)
             # With a sharded output each rank adds the bias to its own rows only: its gradient
             # is a partial sum, all-reduced in backward (Megatron's f) to stay replicated.
             sharded_out = isinstance(self.output_layouts, Shard)
+            # A Partial output is a sum over ranks: rank 0 alone adds the bias (its gradient,
+            # rank 0's, is all-reduced so every rank steps the same).
+            partial_out = isinstance(self.output_layouts, Partial)
+            bias_share = 1.0 if platform.rank(group) == 0 else 0.0
             bias_path = Boundary(platform, Comm("none", "all_reduce"), group)
 
+            saved: list[Any] = []
+
             def swap_out_bias(_cell: nn.Cell, args: tuple) -> None:
+                saved.append(_cell._params["bias"])  # the one there now (a tie may replace it)
                 _cell._params["bias"] = idle  # the local compute adds nothing
 
             def reduce_then_add_bias(_cell: nn.Cell, args: tuple, out: Any) -> Any:
+                bias = saved.pop()
                 _cell._params["bias"] = bias
-                return boundary_out(out) + (bias_path(bias) if sharded_out else bias)
+                if partial_out:
+                    return finish(out, boundary_out(out) + bias_path(bias) * bias_share)
+                return finish(out, boundary_out(out) + (bias_path(bias) if sharded_out else bias))
 
             platform.register_forward_pre_hook(cell, swap_out_bias)
             platform.register_forward_hook(cell, reduce_then_add_bias)
             return None
         # Embedding: this rank holds rows [lo, hi) of the table; other ids look up zeros.
-        rows = getattr(cell, _param_names(cell, kind)["weight"]).shape[0]
-        lo = platform.rank(group) * rows
+        lo, rows = chunk_bounds(shape[0], platform.world_size(group), platform.rank(group))
         state: dict[str, Any] = {}
 
         def local_ids(_cell: nn.Cell, args: tuple) -> tuple:
@@ -219,51 +330,9 @@ class RowwiseParallel(_ShardingStyle):
 
         def mask_then_reduce(_cell: nn.Cell, args: tuple, out: Any) -> Any:
             mask = state.pop("mask").astype(out.dtype).expand_dims(-1)
-            return boundary_out(out * mask)
+            masked = out * mask
+            return finish(masked, boundary_out(masked))
 
         platform.register_forward_pre_hook(cell, local_ids)
         platform.register_forward_hook(cell, mask_then_reduce)
         return None
-
-
-def _children(cell: nn.Cell) -> list[tuple[str, nn.Cell]]:
-    return list(cell.name_cells().items())
-
-
-def parallelize_module(module: nn.Cell, device_mesh: DeviceMesh,
-                       parallelize_plan: ParallelStyle | dict[str, Any], *,
-                       tp_mesh_dim: str | int | None = None) -> nn.Cell:
-    """Apply a style, or a plan ``{path: style}`` (``fnmatch`` wildcards per level, nested plans),
-    to ``module`` in place and return it.
-
-    On an n-D mesh the tensor-parallel dim is ``tp_mesh_dim`` (default: the dim named ``"tp"``).
-    The whole plan is checked first -- a key matching nothing, a style on a cell it cannot shard,
-    a dim not divisible by the tensor-parallel degree -- so a bad plan changes nothing.
-    """
-    mesh = _tp_mesh(device_mesh, tp_mesh_dim)
-    entries = _resolve(module, parallelize_plan, children=_children,
-                       is_style=lambda s: isinstance(s, ParallelStyle))
-    n = mesh.size()
-    for path, cell, style in entries:
-        style.check(cell, path, n)
-    for _path, cell, style in entries:
-        style.apply(cell, mesh)
-    return module
-
-
-def _tp_mesh(mesh: DeviceMesh, dim: str | int | None) -> DeviceMesh:
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"parallelize_module needs a hyperpar_mindspore DeviceMesh (from "
-                        f"init_device_mesh), got {type(mesh).__name__}")
-    if mesh.ndim == 1 and dim is None:
-        return mesh
-    if dim is None:
-        if not mesh.mesh_dim_names or "tp" not in mesh.mesh_dim_names:
-            raise ValueError(f"{mesh} has {mesh.ndim} dims and none is named 'tp'; pass "
-                             "tp_mesh_dim= or name a dim 'tp'")
-        dim = "tp"
-    if isinstance(dim, int):
-        dim = mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else dim
-    if isinstance(dim, int):
-        return mesh.get_mesh(dim)
-    return mesh[dim]

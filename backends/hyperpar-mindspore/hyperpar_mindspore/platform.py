@@ -30,6 +30,9 @@ from hyperpar.platform import Availability
 from hyperpar.platform.base import REDUCE_OPS, Group, P2POp, Platform, Work
 from hyperpar.platform.dim_collectives import DimCollectives
 
+#: attribute a MindSpore parallel style sets on each Parameter it made: its placements.
+SHARD_PLACEMENTS = "_hyperpar_placements"
+
 #: Targets hyperpar knows, by the name MindSpore's ``set_device`` takes.
 TARGETS = ("CPU", "Ascend", "GPU")
 TARGET_ENV = "HYPERPAR_MS_DEVICE"
@@ -179,6 +182,44 @@ class MindSporePlatform(Platform, DimCollectives):
         rt = _ms().runtime
         return {"allocated": int(rt.memory_allocated()),
                 "max_allocated": int(rt.max_memory_allocated())}
+
+    # ------------------------------------------------------------------ module detection
+    def named_children(self, module: Any) -> list[tuple[str, Any]]:
+        """The Cell's direct sub-Cells, ``(attribute name, cell)``."""
+        return list(module.name_cells().items())
+
+    def named_modules(self, module: Any) -> list[tuple[str, Any]]:
+        """``(path, cell)`` for the Cell itself (``""``) and every sub-Cell, each once."""
+        return list(module.cells_and_names())
+
+    def named_parameters(self, module: Any, *, recurse: bool = True) -> list[tuple[str, Any]]:
+        """``recurse=False``: the Cell's own parameter slots by attribute name (every slot);
+        else every Parameter under it once, by path."""
+        if not recurse:
+            return [(n, p) for n, p in module._params.items() if p is not None]
+        return list(module.parameters_and_names())
+
+    def set_parameter(self, module: Any, name: str, value: Any) -> Any:
+        """Make ``value`` the Cell's parameter ``name``: a Parameter as it is (one object may
+        sit in several slots: a tie), a tensor wrapped keeping the old name and
+        ``requires_grad``."""
+        from mindspore import Parameter
+
+        if "." in name:
+            raise ValueError(f"set_parameter takes a direct attribute name, got {name!r}")
+        old = module._params.get(name)
+        if not isinstance(value, Parameter):
+            value = Parameter(value, name=old.name if old is not None else name,
+                              requires_grad=old.requires_grad if old is not None else True)
+        module._params[name] = value
+        return value
+
+    def parameter_placements(self, param: Any) -> tuple[Any, ...] | None:
+        """A DTensor's placements, or those a MindSpore style recorded on the shard it made."""
+        placements = getattr(param, "placements", None)
+        if placements is None:
+            placements = getattr(param, SHARD_PLACEMENTS, None)
+        return None if placements is None else tuple(placements)
 
     # ------------------------------------------------------------------ hooks
     def register_forward_pre_hook(self, module: Any, hook: Any, *, with_kwargs: bool = False,

@@ -1,0 +1,302 @@
+"""DTensor on MindSpore: a ``Tensor._make_subclass`` subclass that holds this rank's shard of one
+logical tensor, with torch's DTensor API (``placements``, ``device_mesh``, global ``shape``,
+``to_local``, ``full_tensor``, ``redistribute``, ``from_local``, ``distribute_tensor``).
+
+Every PyNative op on a DTensor reaches :meth:`DTensor.__fallback__` as an ``OpCall``; the op is
+mapped to a neutral name (:mod:`hyperpar_mindspore.opnames`), the framework-neutral rule of
+:mod:`hyperpar.dtensor.rules` says how to lay out the inputs and what the output is, the inputs
+are redistributed (differentiably), and the op runs on the local tensors under
+``NoFallbackGuard``. A DTensor and its local tensor are one autograd node (``_make_subclass``
+shares it), so ``ms.grad`` differentiates through the local ops and the custom-backward
+collectives. ``ms.grad`` returns plain local tensors: :func:`grad` and :func:`value_and_grad`
+here wrap the gradients of DTensor inputs back into DTensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mindspore as ms
+from mindspore import Tensor
+
+from hyperpar.dtensor.layout import shard_shape_and_offset
+from hyperpar.dtensor.placement import (
+    REPLICATE,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    grad_placements_of,
+    normalize_placements,
+)
+from hyperpar.platform import get_platform
+
+from .redistribute import mesh_coordinate, redistribute
+
+Placements = tuple[Placement, ...]
+
+
+def clear_grad_state() -> None:
+    """Reset MindSpore's PyNative grad executor: an exception raised inside ``ms.grad`` leaves
+    it broken for the next gradient call otherwise (called before hyperpar raises there)."""
+    try:
+        from mindspore.common.api import _pynative_executor
+
+        _pynative_executor.clear_res()
+    except Exception:  # noqa: BLE001 - best effort: the original error matters more
+        pass
+
+
+class DTensor(Tensor):
+    """This rank's shard of a logical tensor laid out on ``device_mesh`` as ``placements``.
+
+    Build one with :meth:`from_local` or :func:`distribute_tensor`; ``shape`` is the global
+    shape, :meth:`to_local` the local shard."""
+
+    _local: Tensor
+    _mesh: Any
+    _placements: Placements
+    _gshape: tuple[int, ...]
+
+    def __new__(cls, local: Tensor, mesh: Any, placements: Placements,
+                shape: Sequence[int]) -> DTensor:
+        t = Tensor._make_subclass(cls, local)
+        t._local = local
+        t._mesh = mesh
+        t._placements = tuple(placements)
+        t._gshape = tuple(int(s) for s in shape)
+        return t
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Tensor.__init__ would re-initialise the data from these arguments
+        pass
+
+    # ------------------------------------------------------------------ the torch API
+    @property
+    def placements(self) -> Placements:
+        """One placement per mesh dim."""
+        return self._placements
+
+    @property
+    def device_mesh(self) -> Any:
+        """The mesh the tensor is laid out on."""
+        return self._mesh
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The global (logical) shape."""
+        return self._gshape
+
+    @property
+    def size(self) -> int:
+        """Elements of the global tensor (MindSpore's ``Tensor.size`` is the element count)."""
+        return math.prod(self._gshape)
+
+    def to_local(self) -> Tensor:
+        """This rank's shard, a plain MindSpore tensor (gradients flow through it)."""
+        return self._local
+
+    def redistribute(self, device_mesh: Any = None,
+                     placements: Sequence[Placement] | None = None) -> DTensor:
+        """This tensor laid out as ``placements`` (differentiable: the gradient is
+        redistributed back)."""
+        if device_mesh is not None and device_mesh is not self._mesh \
+                and tuple(device_mesh.shape) != tuple(self._mesh.shape):
+            raise ValueError("DTensor.redistribute cannot move a tensor to another mesh; pass "
+                             "the tensor's own device_mesh (or None)")
+        mesh = self._mesh
+        dst = normalize_placements(placements if placements is not None
+                                   else (REPLICATE,) * mesh.ndim, mesh.ndim, len(self._gshape),
+                                   "redistribute placements")
+        for p in dst:
+            if type(p) is Partial and p not in self._placements:
+                _check_partial_target(p)
+        local = redistribute(self._local, mesh, self._placements, dst, self._gshape)
+        return DTensor(local, mesh, dst, self._gshape)
+
+    def full_tensor(self) -> Tensor:
+        """The whole logical tensor on every rank (a plain tensor; differentiable)."""
+        return redistribute(self._local, self._mesh, self._placements,
+                            (REPLICATE,) * self._mesh.ndim, self._gshape)
+
+    @staticmethod
+    def from_local(local_tensor: Tensor, device_mesh: Any = None,
+                   placements: Sequence[Placement] | None = None, *, run_check: bool = False,
+                   shape: Sequence[int] | None = None,
+                   stride: Sequence[int] | None = None) -> DTensor:
+        """Wrap this rank's ``local_tensor`` (no communication unless ``run_check``).
+
+        The global ``shape`` defaults to the local shape times the mesh size along every
+        sharded dim (even shards); pass ``shape`` for uneven shards, or ``run_check=True`` to
+        learn it from every rank's local shape (collectives). ``stride`` is accepted for
+        torch's signature and ignored (MindSpore tensors here are contiguous)."""
+        if isinstance(local_tensor, DTensor):
+            raise TypeError("DTensor.from_local takes this rank's plain MindSpore Tensor, got a "
+                            "DTensor; use .redistribute(...) to change its layout, or pass "
+                            ".to_local()")
+        if device_mesh is None:
+            raise ValueError("DTensor.from_local needs device_mesh (init_device_mesh(...))")
+        mesh = device_mesh
+        pl = normalize_placements(placements if placements is not None
+                                  else (REPLICATE,) * mesh.ndim, mesh.ndim, local_tensor.ndim,
+                                  "from_local placements")
+        if shape is None:
+            shape = (_global_shape_from_ranks(local_tensor, mesh, pl) if run_check
+                     else _even_global_shape(local_tensor, mesh, pl))
+        shape = tuple(int(s) for s in shape)
+        want, _ = shard_shape_and_offset(shape, pl, tuple(mesh.shape), mesh_coordinate(mesh))
+        if tuple(local_tensor.shape) != want:
+            raise ValueError(f"from_local: local shape {tuple(local_tensor.shape)} does not "
+                             f"match {want}, the piece of global shape {shape} that placements "
+                             f"{pl} give this rank (uneven shards follow torch.chunk)")
+        return DTensor(local_tensor, mesh, pl, shape)
+
+    # ------------------------------------------------------------------ guard rails
+    def __repr__(self) -> str:
+        return (f"DTensor(local={self._local!r}, device_mesh={self._mesh!r}, "
+                f"placements={self._placements}, shape={self._gshape})")
+
+    __str__ = __repr__
+
+    def asnumpy(self) -> Any:
+        """Refused: it would be this rank's shard only."""
+        raise TypeError("DTensor.asnumpy() would return this rank's shard only; call "
+                        ".to_local().asnumpy() for the shard or .full_tensor().asnumpy() for "
+                        "the whole tensor")
+
+    def __getitem__(self, index: Any) -> Any:
+        raise NotImplementedError(
+            f"indexing a DTensor ({self._placements}, shape {self._gshape}) has no sharding "
+            "rule on MindSpore yet; index .full_tensor() or .to_local() instead")
+
+    def __fallback__(self, func: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from .dispatch import dispatch
+
+        return dispatch(func, args, kwargs or {})
+
+
+def _check_partial_target(p: Partial) -> None:
+    if p.reduce_op == "product":
+        raise ValueError(f"cannot redistribute to {p!r}: a replicated value has no exact split "
+                         "into per-rank factors; use Partial('sum')")
+
+
+def _even_global_shape(local: Tensor, mesh: Any, pl: Placements) -> tuple[int, ...]:
+    size = list(local.shape)
+    for m, p in enumerate(pl):
+        if type(p) is Shard:
+            size[p.dim] *= mesh.size(m)
+    return tuple(size)
+
+
+def _global_shape_from_ranks(local: Tensor, mesh: Any, pl: Placements) -> tuple[int, ...]:
+    """Sum the local sizes of sharded dims over the ranks, innermost mesh dim first (nested
+    shards: the inner sum is the outer rank's piece)."""
+    size = list(local.shape)
+    platform = get_platform()
+    for m in reversed(range(len(pl))):
+        p = pl[m]
+        if type(p) is Shard and mesh.size(m) > 1:
+            size[p.dim] = sum(platform.all_gather_object(size[p.dim], mesh.get_group(m)))
+    return tuple(size)
+
+
+def distribute_tensor(tensor: Tensor, device_mesh: Any, placements: Sequence[Placement], *,
+                      src_data_rank: int | None = 0) -> DTensor:
+    """Lay out the whole ``tensor`` on ``device_mesh`` as ``placements``: each rank keeps its
+    piece. ``src_data_rank``: the mesh-dim rank whose tensor counts (broadcast along every mesh
+    dim first); ``None`` trusts every rank to hold the same tensor. Differentiable."""
+    if isinstance(tensor, DTensor):
+        raise TypeError("distribute_tensor takes a whole plain tensor, got a DTensor; use "
+                        ".redistribute(...)")
+    mesh = device_mesh
+    pl = normalize_placements(placements, mesh.ndim, tensor.ndim, "distribute_tensor placements")
+    for p in pl:
+        if type(p) is Partial:
+            _check_partial_target(p)
+    if src_data_rank is not None:
+        tensor = _broadcast_from(tensor, mesh, src_data_rank)
+    shape = tuple(tensor.shape)
+    local = redistribute(tensor, mesh, (REPLICATE,) * mesh.ndim, pl, shape)
+    return DTensor(local, mesh, pl, shape)
+
+
+def _broadcast_from(tensor: Tensor, mesh: Any, src: int) -> Tensor:
+    platform = get_platform()
+    out = tensor
+    for m in range(mesh.ndim):
+        if mesh.size(m) == 1:
+            continue
+        group = mesh.get_group(m)
+        ranks = platform.group_ranks(group)
+        if not 0 <= src < len(ranks):
+            raise ValueError(f"distribute_tensor: src_data_rank={src} is not a rank of mesh dim "
+                             f"{m} (size {len(ranks)})")
+        if out is tensor:
+            out = tensor.copy()
+        platform.broadcast(out, ranks[src], group)
+    return out
+
+
+# ---------------------------------------------------------------------- gradients
+def _wrap_grad(g: Any, like: Any) -> Any:
+    if isinstance(like, DTensor) and isinstance(g, Tensor) and not isinstance(g, DTensor):
+        return DTensor(g, like._mesh, grad_placements_of(like._placements), like._gshape)
+    return g
+
+
+def _rewrap(grads: Any, args: Sequence[Any], grad_position: Any, weights: Any) -> Any:
+    if grad_position is None:
+        pos_grads, wgrads = None, grads
+    elif weights is None:
+        pos_grads, wgrads = grads, None
+    else:
+        pos_grads, wgrads = grads
+    if pos_grads is not None:
+        if isinstance(grad_position, int):
+            pos_grads = _wrap_grad(pos_grads, args[grad_position])
+        else:
+            pos_grads = tuple(_wrap_grad(g, args[i]) for g, i in zip(pos_grads, grad_position,
+                                                                     strict=True))
+    if wgrads is not None:
+        ws = list(weights) if isinstance(weights, list | tuple) else [weights]
+        wgrads = (tuple(_wrap_grad(g, w) for g, w in zip(wgrads, ws, strict=True))
+                  if isinstance(wgrads, tuple) else _wrap_grad(wgrads, ws[0]))
+    if grad_position is None:
+        return wgrads
+    if weights is None:
+        return pos_grads
+    return pos_grads, wgrads
+
+
+def grad(fn: Callable[..., Any], grad_position: Any = 0, weights: Any = None,
+         has_aux: bool = False) -> Callable[..., Any]:
+    """``ms.grad`` whose gradients of DTensor inputs (and DTensor weights) are DTensors laid out
+    like the input (Partial read as Replicate). ``ms.grad`` itself returns the local shards."""
+    inner = ms.grad(fn, grad_position, weights, has_aux)
+
+    def run(*args: Any) -> Any:
+        out = inner(*args)
+        if has_aux:
+            return _rewrap(out[0], args, grad_position, weights), out[1]
+        return _rewrap(out, args, grad_position, weights)
+
+    return run
+
+
+def value_and_grad(fn: Callable[..., Any], grad_position: Any = 0, weights: Any = None,
+                   has_aux: bool = False) -> Callable[..., Any]:
+    """``ms.value_and_grad`` with DTensor gradients for DTensor inputs (see :func:`grad`)."""
+    inner = ms.value_and_grad(fn, grad_position, weights, has_aux)
+
+    def run(*args: Any) -> Any:
+        value, grads = inner(*args)
+        return value, _rewrap(grads, args, grad_position, weights)
+
+    return run
+
+
+__all__ = ["DTensor", "Partial", "Replicate", "Shard", "clear_grad_state", "distribute_tensor",
+           "grad", "value_and_grad"]

@@ -1,0 +1,126 @@
+"""``loss_parallel`` on MindSpore: cross-entropy on vocabulary-sharded logits without gathering
+the vocabulary (torch's ``torch.distributed.tensor.parallel.loss_parallel``).
+
+Inside ``with loss_parallel():`` -- which may wrap the whole ``value_and_grad`` call --
+``mindspore.ops.cross_entropy`` given a logits DTensor sharded on its class dim (the output of
+``ColwiseParallel(use_local_output=False)`` on the head) computes on each rank's columns only:
+the local max and sum of exponentials are all-reduced (max, then sum), and so is the target's
+logit, which exactly one rank holds. The loss is replicated on every rank (a plain tensor); the
+gradient of each rank's logits is its columns of ``softmax - one_hot``, with no communication.
+Other inputs go to MindSpore's own ``cross_entropy``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from mindspore import Tensor, ops
+
+from hyperpar.dtensor.placement import Shard, chunk_bounds
+from hyperpar.parallel.spec import Comm
+from hyperpar.platform import get_platform
+
+from .comm import Boundary
+
+__all__ = ["loss_parallel", "vocab_parallel_cross_entropy"]
+
+
+def vocab_parallel_cross_entropy(logits: Any, target: Any, weight: Any = None,
+                                 ignore_index: int = -100, reduction: str = "mean",
+                                 label_smoothing: float = 0.0) -> Tensor:
+    """``ops.cross_entropy(logits, target, ...)`` for a DTensor ``logits`` sharded on its class
+    dim over a 1-D mesh (uneven pieces as ``torch.chunk`` cuts them); ``target`` holds class
+    ids, replicated, with the shape of ``logits`` without the class dim. Returns the loss, the
+    same on every rank."""
+    from .dtensor import DTensor
+
+    if weight is not None or label_smoothing:
+        raise NotImplementedError(
+            "loss_parallel on MindSpore computes plain cross-entropy: class weights and "
+            "label_smoothing are not supported yet; drop them, or gather the logits "
+            "(.full_tensor()) and call ops.cross_entropy outside loss_parallel")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    placements = logits.placements
+    if len(placements) != 1 or not isinstance(placements[0], Shard):
+        raise ValueError(f"loss_parallel needs logits sharded on the class dim of a 1-D mesh "
+                         f"(Shard(-1) from ColwiseParallel(use_local_output=False)), got "
+                         f"placements {placements}")
+    shape = tuple(logits.shape)
+    c = placements[0].dim % len(shape)
+    if isinstance(target, DTensor):
+        target = target.full_tensor()
+    want = shape[:c] + shape[c + 1:]
+    if tuple(target.shape) != want:
+        raise ValueError(f"loss_parallel: target shape {tuple(target.shape)} must be the logits' "
+                         f"global shape {shape} without its sharded class dim {c}: {want}")
+    platform = get_platform()
+    group = logits.device_mesh.get_group(0)
+    n, me = platform.world_size(group), platform.rank(group)
+    start, length = chunk_bounds(shape[c], n, me)
+    local = logits.to_local()
+
+    # the global max over the classes, for a stable exp (no gradient: softmax ignores a shift)
+    top = ops.stop_gradient(local.max(axis=c, keepdims=True)).copy()
+    platform.all_reduce(top, "max", group)
+    shifted = local - top
+    # each rank's sum is a partial sum of the one the loss needs; the loss is replicated, so the
+    # sum's gradient arrives whole on every rank (all-reduce forward, nothing backward)
+    total = Boundary(platform, Comm("all_reduce", "none"), group, "loss_parallel sum-exp")
+    sum_exp = total(ops.exp(shifted).sum(axis=c))
+    ids = target.astype(ms_int())
+    valid = ids != ignore_index
+    mine = valid & (ids >= start) & (ids < start + length)
+    local_ids = (ids - start) * mine.astype(ids.dtype)  # others' ids: any index, masked below
+    picked = ops.gather_elements(shifted, c, local_ids.expand_dims(c)).squeeze(c)
+    picked = picked * mine.astype(picked.dtype)  # only the rank holding the class adds it
+    target_logit = Boundary(platform, Comm("all_reduce", "none"), group,
+                            "loss_parallel target logit")(picked)
+    loss = (ops.log(sum_exp) - target_logit) * valid.astype(picked.dtype)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / valid.astype(picked.dtype).sum()
+
+
+def ms_int() -> Any:
+    """The id dtype the gather takes."""
+    import mindspore as ms
+
+    return ms.int32
+
+
+# Where MindSpore's cross_entropy is looked up at call time: ops, ops.function, nn_func.
+def _homes() -> list[Any]:
+    import mindspore.ops.function as function
+    import mindspore.ops.function.nn_func as nn_func
+
+    return [ops, function, nn_func]
+
+
+@contextlib.contextmanager
+def loss_parallel() -> Iterator[None]:
+    """Within the block, ``mindspore.ops.cross_entropy`` on vocabulary-sharded logits DTensors
+    runs :func:`vocab_parallel_cross_entropy`; any other input runs MindSpore's own."""
+    from .dtensor import DTensor
+
+    homes = [(home, home.cross_entropy) for home in _homes()]
+    original = homes[0][1]
+
+    def cross_entropy(input: Any, target: Any, weight: Any = None, ignore_index: int = -100,
+                      reduction: str = "mean", label_smoothing: float = 0.0) -> Any:
+        if isinstance(input, DTensor):
+            return vocab_parallel_cross_entropy(input, target, weight, ignore_index, reduction,
+                                                label_smoothing)
+        return original(input, target, weight, ignore_index, reduction, label_smoothing)
+
+    for home, _ in homes:
+        home.cross_entropy = cross_entropy
+    try:
+        yield
+    finally:
+        for home, fn in homes:
+            home.cross_entropy = fn

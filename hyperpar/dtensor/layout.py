@@ -1,0 +1,151 @@
+"""Layouts, written once for every framework: which rank holds which piece of a tensor, and the
+steps that turn one placement tuple into another. Imports no framework.
+
+A plan is a list of steps, one collective (or local op) on one mesh dimension each; each step is
+``(kind, mesh_dim, placements_before, arg1, arg2)``:
+
+=================  ===============================  ==========================
+transition         step (``kind``)                  collective
+=================  ===============================  ==========================
+Shard(i) -> R      ``gather``  (i, None)            all-gather (padded if uneven)
+Partial -> R       ``allreduce`` (op, None)         all-reduce
+Partial -> S(i)    ``reduce_scatter`` (i, op)       reduce-scatter (padded)
+R -> Shard(i)      ``chunk`` (i, None)              none (local slice)
+S(i) -> S(j)       ``all_to_all`` (i, j)            all-to-all (uneven splits)
+R -> Partial       ``to_partial`` (op, None)        none (rank 0 keeps, others 0)
+=================  ===============================  ==========================
+
+Nested sharding (several mesh dims sharding one tensor dim) follows mesh-dim order: mesh dim 0
+takes the outer chunk. The planner therefore un-shards from the innermost mesh dim outwards,
+then shards from the outermost inwards. A plan depends only on the mesh's shape and the two
+placement tuples. Each framework's platform executes the steps with its own collectives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .placement import REPLICATE, Partial, Placement, Replicate, Shard, chunk_bounds
+
+Step = tuple  # (kind, mesh_dim, placements_before, arg1, arg2)
+
+#: The step kinds a plan may contain (see the module docstring).
+STEP_KINDS = ("gather", "allreduce", "reduce_scatter", "chunk", "all_to_all", "to_partial")
+
+
+def _shards(placements: tuple[Placement, ...], d: int, skip: int | None = None,
+            above: int = -1) -> bool:
+    return any(type(p) is Shard and p.dim == d for m, p in enumerate(placements)
+               if m != skip and m > above)
+
+
+def _plan(mesh_shape: tuple[int, ...], src: tuple[Placement, ...], dst: tuple[Placement, ...]
+          ) -> tuple[Step, ...]:
+    ndim = len(src)
+    cur = list(src)
+    change = {m for m in range(ndim) if not _same(src[m], dst[m]) and mesh_shape[m] > 1}
+    # Inner mesh dims sharding a tensor dim that an outer changing dim touches must be undone
+    # first (and redone afterwards) to keep the nesting order.
+    unshard: set[int] = set()
+    grew = True
+    while grew:
+        grew = False
+        for m in sorted(change | unshard):
+            dims = {p.dim for p in (src[m], dst[m]) if type(p) is Shard}
+            for m2 in range(m + 1, ndim):
+                if m2 not in unshard and type(src[m2]) is Shard and src[m2].dim in dims \
+                        and mesh_shape[m2] > 1:
+                    unshard.add(m2)
+                    grew = True
+    steps: list[Step] = []
+    for m in sorted(change | unshard, reverse=True):
+        c = cur[m]
+        t = dst[m] if m in change else REPLICATE
+        if type(c) is Shard:
+            if (type(t) is Shard and m not in unshard and t.dim != c.dim
+                    and not _shards(tuple(cur), c.dim, skip=m) and not _shards(dst, c.dim, skip=m)
+                    and not _shards(tuple(cur), t.dim, skip=m)
+                    and not _shards(dst, t.dim, skip=m)):
+                steps.append(("all_to_all", m, tuple(cur), c.dim, t.dim))
+                cur[m] = t
+            else:
+                steps.append(("gather", m, tuple(cur), c.dim, None))
+                cur[m] = REPLICATE
+        elif type(c) is Partial:
+            if (type(t) is Shard and not _shards(tuple(cur), t.dim, above=m)
+                    and not _shards(dst, t.dim, above=m)
+                    and all(_same(cur[k], dst[k])
+                            or not (_is_s(cur[k], t.dim) or _is_s(dst[k], t.dim))
+                            for k in range(m))):
+                steps.append(("reduce_scatter", m, tuple(cur), t.dim, c.reduce_op))
+                cur[m] = t
+            else:
+                steps.append(("allreduce", m, tuple(cur), c.reduce_op, None))
+                cur[m] = REPLICATE
+    for m in range(ndim):
+        if _same(cur[m], dst[m]) or mesh_shape[m] == 1:
+            continue
+        t = dst[m]
+        assert type(cur[m]) is Replicate, (src, dst, cur)
+        if type(t) is Shard:
+            steps.append(("chunk", m, tuple(cur), t.dim, None))
+        elif type(t) is Partial:
+            if t.reduce_op == "product":  # no exact split of a value into n factors
+                raise ValueError(
+                    f"cannot redistribute to {t!r}: a replicated value has no exact split into "
+                    f"a product of per-rank terms (torch refuses it too); use Partial('sum')"
+                )
+            steps.append(("to_partial", m, tuple(cur), t.reduce_op, None))
+        cur[m] = t
+    return tuple(steps)
+
+
+def _same(a: Placement, b: Placement) -> bool:
+    """``a == b`` without the cross-type comparison: a dataclass ``__eq__`` answers
+    NotImplemented for another type, which Dynamo 2.6 traced as a truthy value (no fallback to
+    identity), so the compiled planner dropped steps."""
+    return type(a) is type(b) and a == b
+
+
+def _is_s(p: Placement, d: int) -> bool:
+    return type(p) is Shard and p.dim == d
+
+
+def _size_at(shape: tuple[int, ...], placements: tuple[Placement, ...], coord: list[int],
+             mesh_shape: tuple[int, ...], upto: int, d: int) -> int:
+    """Size along tensor dim ``d`` after the chunks of mesh dims ``< upto``."""
+    size = shape[d]
+    for m in range(upto):
+        p = placements[m]
+        if type(p) is Shard and p.dim == d:
+            size = chunk_bounds(size, mesh_shape[m], coord[m])[1]
+    return size
+
+
+def shard_shape_and_offset(shape: tuple[int, ...], placements: tuple[Placement, ...],
+                           mesh_shape: tuple[int, ...], coord: list[int] | tuple[int, ...] | None
+                           ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shape and global offset of the shard at mesh coordinate ``coord`` (``None``: a rank
+    outside the mesh, which holds an empty piece)."""
+    size = list(shape)
+    off = [0] * len(shape)
+    if coord is None:
+        return (0,) * len(shape), tuple(off)
+    for m, p in enumerate(placements):
+        if type(p) is Shard:
+            o, n = chunk_bounds(size[p.dim], mesh_shape[m], coord[m])
+            off[p.dim] += o
+            size[p.dim] = n
+    return tuple(size), tuple(off)
+
+
+def local_shape_and_offset(shape: tuple[int, ...], placements: tuple[Placement, ...],
+                           mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shape and global offset of this rank's local shard (a mesh with ``_shape`` and
+    ``_coordinate``, as :class:`hyperpar.dtensor.mesh.DeviceMesh` has)."""
+    return shard_shape_and_offset(shape, placements, mesh._shape, mesh._coordinate)
+
+
+def _sizes(full: int, n: int) -> list[int]:
+    """Every rank's piece length when ``full`` elements are ``Shard``-ed over ``n`` ranks."""
+    return [chunk_bounds(full, n, k)[1] for k in range(n)]
