@@ -405,3 +405,53 @@ def test_ops_values_and_gradients_match_one_process(pool2, pool4, mesh_shape):
     names = [n for n, (_, specs) in OP_CASES.items() if all(key in s[1] for s in specs)]
     pool = pool2 if mesh_shape == (2,) else pool4
     _check_ops(pool.run(_run_ops, mesh_shape, names))
+
+
+# --------------------------------------------------------------------------- errors
+def _errors_and_recovery() -> dict:
+    from hyperpar_mindspore.dtensor import distribute_tensor, grad
+    from mindspore import mint, nn
+
+    from hyperpar.dtensor.rules import ShardingError
+
+    mesh = _mesh((get_platform().world_size(),))
+    arr = np.arange(24, dtype=np.float32).reshape(4, 6) / 10
+    x = distribute_tensor(ms.Tensor(arr), mesh, (Shard(0),))
+    out = {}
+    try:
+        mint.cumsum(x, 0)
+    except ShardingError as exc:
+        out["no_rule"] = str(exc)
+
+    # MindSpore's executor is left broken by an exception inside a gradient call that
+    # recorded a Cell with weights (the next call fails in LayerNormGrad) unless it is reset
+    norm = nn.LayerNorm((6,))
+
+    def bad(t):
+        y = norm(t.to_local()).sum()  # recorded, then the DTensor op without a rule raises
+        return mint.cumsum(t * 2, 0).sum() + y
+
+    def good(t):
+        return (t * t).sum() + norm(t.to_local()).sum()  # a Partial("sum") DTensor loss
+
+    try:
+        grad(bad, 0, norm.trainable_params())(x)
+    except ShardingError as exc:
+        out["in_grad"] = str(exc)
+    g, _ = grad(good, 0, norm.trainable_params())(x)  # the next gradient call works
+    out["grad_type"], out["grad_pl"] = type(g).__name__, g.placements
+    out["grad"] = g.full_tensor().asnumpy()
+    out["raw"] = type(ms.grad(good)(x)).__name__  # MindSpore's own: the local shard
+    out["norm_grad"] = ms.grad(lambda t: norm(t).sum())(ms.Tensor(arr)).asnumpy()
+    return out
+
+
+def test_an_op_without_a_rule_raises_and_the_next_gradient_call_works(pool2):
+    arr = np.arange(24, dtype=np.float32).reshape(4, 6) / 10
+    for res in pool2.run(_errors_and_recovery):
+        for key in ("no_rule", "in_grad"):
+            assert "CumsumExt" in res[key] and "[Shard(dim=0)]" in res[key], res[key]
+        assert res["grad_type"] == "DTensor" and res["grad_pl"] == (Shard(0),)
+        # d/dx of sum(x^2) + sum(layernorm(x)): 2x + (d/dx sum(layernorm), from plain MindSpore)
+        np.testing.assert_allclose(res["grad"], 2 * arr + res["norm_grad"], rtol=0, atol=1e-5)
+        assert res["raw"] == "Tensor"
