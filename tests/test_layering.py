@@ -145,7 +145,8 @@ TORCH_FREE_MODULES = (
     "hyperpar.platform.hookspecs", "hyperpar.platform.info", "hyperpar.cli", "hyperpar.launcher",
     "hyperpar.log", "hyperpar.testing", "hyperpar.testing.harness",
     "hyperpar.testing.pytest_plugin", "hyperpar.parallel.spec", "hyperpar.plan",
-    "hyperpar.plan.cli", "hyperpar.platform.timeout",
+    "hyperpar.plan.cli", "hyperpar.platform.timeout", "hyperpar.dtensor.layout",
+    "hyperpar.dtensor.rules",
 )
 
 
