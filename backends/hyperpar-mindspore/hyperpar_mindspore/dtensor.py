@@ -257,6 +257,8 @@ def _rewrap(grads: Any, args: Sequence[Any], grad_position: Any, weights: Any) -
     if pos_grads is not None:
         if isinstance(grad_position, int):
             pos_grads = _wrap_grad(pos_grads, args[grad_position])
+        elif isinstance(pos_grads, Tensor):  # MindSpore unpacks a one-element grad_position
+            pos_grads = _wrap_grad(pos_grads, args[tuple(grad_position)[0]])
         else:
             pos_grads = tuple(_wrap_grad(g, args[i]) for g, i in zip(pos_grads, grad_position,
                                                                      strict=True))

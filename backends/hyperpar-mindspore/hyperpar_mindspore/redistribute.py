@@ -45,6 +45,10 @@ def _back(x: Tensor, d: int) -> Tensor:
     return mint.permute(x, tuple(perm)).contiguous()
 
 
+def _numel(x: Tensor) -> int:
+    return math.prod(x.shape)
+
+
 def _pad_rows(x: Tensor, rows: int) -> Tensor:
     if x.shape[0] >= rows:
         return x
@@ -61,6 +65,10 @@ def _cat(pieces: list[Tensor], dim: int, shape: tuple[int, ...], dtype: Any) -> 
 
 def _gather(x: Tensor, dim: int, sizes: list[int], group: Any) -> Tensor:
     n, most = len(sizes), sizes[0]  # torch.chunk: the first piece is the largest
+    if most == 0 or not math.prod(x.shape[:dim] + x.shape[dim + 1:]):
+        shape = list(x.shape)
+        shape[dim] = sum(sizes)
+        return mint.zeros(tuple(shape), dtype=x.dtype)  # nothing to move, on any rank
     xf = _pad_rows(_front(x, dim), most)
     out = mint.empty((n * most, *xf.shape[1:]), dtype=x.dtype)
     get_platform().all_gather_into_tensor(out, xf, group)
@@ -72,6 +80,10 @@ def _gather(x: Tensor, dim: int, sizes: list[int], group: Any) -> Tensor:
 def _reduce_scatter(x: Tensor, dim: int, op: str, n: int, me: int, group: Any) -> Tensor:
     sizes = _sizes(x.shape[dim], n)
     most = sizes[0]
+    if not _numel(x):
+        shape = list(x.shape)
+        shape[dim] = sizes[me]
+        return mint.zeros(tuple(shape), dtype=x.dtype)
     xf = _pad_rows(_front(x, dim), n * most)
     out = mint.empty((most, *xf.shape[1:]), dtype=x.dtype)
     get_platform().reduce_scatter_tensor(out, xf, op, group)
@@ -118,7 +130,8 @@ def run_plan(x: Tensor, plan: Sequence[Step], mesh: Any, shape: tuple[int, ...])
                         group)
         elif kind == "allreduce":
             x = x.copy()
-            platform.all_reduce(x, a, group)
+            if _numel(x):  # an empty piece is empty on every rank of the group: skip together
+                platform.all_reduce(x, a, group)
         elif kind == "chunk":
             x = mint.narrow(x, a, *chunk_bounds(x.shape[a], n, coord[m])).contiguous()
         elif kind == "reduce_scatter":
@@ -180,8 +193,9 @@ class _SumGrad(_Function):
     def backward(ctx: Any, grad: Tensor) -> tuple:
         mesh, dims = ctx.args
         g = grad.copy()
-        for m in dims:
-            get_platform().all_reduce(g, "sum", mesh.get_group(m))
+        if _numel(g):  # replicated over these dims: empty on every rank of each group
+            for m in dims:
+                get_platform().all_reduce(g, "sum", mesh.get_group(m))
         return g, None, None
 
 

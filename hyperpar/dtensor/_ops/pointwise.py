@@ -1,9 +1,11 @@
 """Elementwise ops: broadcasting placements, the Partial algebra, the hot fast paths.
 
-The output is sharded where any input shards a non-broadcast dim; the other inputs follow
-(broadcast dims stay replicated). ``Partial``: ``add``/``sub`` of partials of one kind stay
-partial, ``mul``/``div`` by a replicated factor keep ``Partial("sum")``, anything else reduces
-first. To support another elementwise op add its name to one of the lists below.
+The placements come from the framework-neutral rule (:mod:`hyperpar.dtensor.rules.elementwise`:
+the output is sharded where any input shards a non-broadcast dim; ``add``/``sub`` of partials of
+one kind stay partial, ``mul``/``div`` by a replicated factor keep ``Partial("sum")``, anything
+else reduces first); this module maps torch's functions to it and runs them, with fast paths for
+layouts that need nothing. To support another elementwise op add its name to one of the lists
+below.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..api import DTensor, DTensorSpec, _wrap
-from ..placement import REPLICATE, Partial, Placement, Shard
+from ..rules import elementwise_plan
 from .dispatch import (
     PLAN_CACHE,
     GradReducer,
@@ -23,7 +25,6 @@ from .dispatch import (
     reduce_dims,
 )
 from .registry import (
-    P_SUM,
     OpCall,
     Sharding,
     ShardingError,
@@ -100,70 +101,12 @@ def _funcs_by_kind() -> dict[tuple[str, bool], list[Any]]:
 # ---------------------------------------------------------------------------- the plan
 def pointwise_plan(kind: str, inplace: bool, metas: tuple, first_is_arg0: bool, mesh,
                    has_scalar: bool = False) -> tuple:
-    """(targets, out placements, out shape, out spec) for an elementwise op."""
-    shapes = [m[1] for m in metas]
-    out_shape = torch.Size(torch.broadcast_shapes(*shapes)) if not inplace else shapes[0]
-    nd = len(out_shape)
-    targets: list[list[Placement]] = [[] for _ in metas]
-    outs: list[Placement] = []
-    for m in range(mesh.ndim):
-        cur = [meta[0][m] for meta in metas]
-        out: Placement | None = None
-        if inplace:
-            out = cur[0]
-        else:
-            for k, p in enumerate(cur):
-                if type(p) is Shard:
-                    d_out = p.dim + nd - len(shapes[k])
-                    if shapes[k][p.dim] == out_shape[d_out]:
-                        out = Shard(d_out)
-                        break
-        if out is None or type(out) is Partial:
-            partial_out = _partial_result(kind, cur, first_is_arg0, has_scalar)
-            if type(out) is Partial and partial_out != out:
-                raise ShardingError(
-                    f"in-place {kind} op on a Partial({out.reduce_op!r}) tensor with inputs "
-                    f"{cur} would not keep it Partial; redistribute it to Replicate first")
-            out = partial_out
-        outs.append(out)
-        for k, p in enumerate(cur):
-            if type(out) is Shard:
-                dk = out.dim - (nd - len(shapes[k]))
-                if dk >= 0 and shapes[k][dk] == out_shape[out.dim]:
-                    targets[k].append(Shard(dk))
-                else:
-                    targets[k].append(REPLICATE)
-            elif type(out) is Partial:
-                if type(p) is Partial:
-                    targets[k].append(p)
-                elif out.reduce_op == "sum" and kind == "linear":
-                    targets[k].append(P_SUM)
-                else:
-                    targets[k].append(REPLICATE)
-            else:
-                targets[k].append(REPLICATE)
-    outs_t = tuple(outs)
-    tg = tuple(tuple(t) for t in targets)
-    if inplace and tg[0] != metas[0][0]:
-        raise ShardingError(
-            f"in-place op would need to change the placements of its output {metas[0][0]}")
-    return tg, outs_t, out_shape, DTensorSpec(mesh, outs_t, out_shape)
-
-
-def _partial_result(kind: str, cur: list[Placement], first_is_arg0: bool,
-                    has_scalar: bool = False) -> Placement:
-    partials = [p for p in cur if type(p) is Partial]
-    if not partials:
-        return REPLICATE
-    if kind == "linear":
-        ops = {p.reduce_op for p in partials}
-        # x + c on a Partial("sum") would add c once per rank: only "avg" absorbs a constant
-        if len(ops) == 1 and next(iter(ops)) in (("avg",) if has_scalar else ("sum", "avg")):
-            return partials[0]
-    elif kind in ("mul", "div") and len(partials) == 1 and partials[0] == P_SUM:
-        if kind == "mul" or (first_is_arg0 and type(cur[0]) is Partial):
-            return P_SUM
-    return REPLICATE
+    """(targets, out placements, out shape, out spec) for an elementwise op: the neutral rule
+    (:func:`hyperpar.dtensor.rules.elementwise_plan`) with torch's shape and spec types."""
+    tg, outs, shape = elementwise_plan(kind, inplace, metas, first_is_arg0, mesh.ndim,
+                                       has_scalar)
+    out_shape = torch.Size(shape)
+    return tg, outs, out_shape, DTensorSpec(mesh, outs, out_shape)
 
 
 def pointwise_sharding(call: OpCall, kind: str = "other") -> Sharding:

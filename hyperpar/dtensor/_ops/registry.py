@@ -22,13 +22,10 @@ import torch.nn.functional as F
 
 from ..api import DTensor, DTensorSpec
 from ..placement import REPLICATE, Partial, Placement, Shard
+from ..rules.base import ShardingError  # one class for both frameworks
 
 Placements = tuple[Placement, ...]
 P_SUM = Partial("sum")
-
-
-class ShardingError(NotImplementedError):
-    """No sharding rule for an op with these input placements."""
 
 
 class MixedTensorError(RuntimeError):

@@ -1,0 +1,188 @@
+"""MindSpore primitive names (what ``__fallback__`` receives as ``OpCall.name``) mapped to the
+neutral op names of :mod:`hyperpar.dtensor.rules`, with how to read each call's arguments.
+
+The names were read off ``__fallback__`` in MindSpore 2.10 PyNative: ``x + y`` is ``AddExt``,
+``x + 1`` ``AddScalar``, ``1 - x`` ``Sub``, ``x * 2`` ``Muls``, ``mint.matmul``/``@``
+``MatMulExt``, ``mint.nn.functional.linear`` ``Dense``, ``x.sum()``/``ops.sum`` ``SumExt``,
+``x.view``/``reshape`` ``Reshape``, ``x.transpose(a, b)`` ``TransposeExtView``, ``x.T`` and
+``x.permute`` ``Transpose``, ``ops.gather`` (what ``nn.Embedding`` runs) the legacy primitive
+``Gather``. Add a primitive by adding a line to :data:`OPS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mindspore import Tensor
+
+
+@dataclass
+class Call:
+    """One op call read for the rules: the neutral ``op``, the argument positions of its tensor
+    inputs (in the rule's order), the rule's keyword arguments, and for view ops the global
+    output shape to give the local call (``reshape_to``)."""
+
+    op: str
+    tensors: tuple[int, ...]
+    args: dict[str, Any] = field(default_factory=dict)
+    reshape: bool = False
+
+
+Parser = Callable[[Sequence[Any], dict[str, Any]], Call]
+
+
+def _is_tensor(a: Any) -> bool:
+    # a 0-d plain tensor (a scalar fill value) is a scalar to the rules
+    return isinstance(a, Tensor) and (type(a) is not Tensor or a.ndim > 0)
+
+
+def _arg(args: Sequence[Any], kwargs: dict[str, Any], i: int, name: str, default: Any) -> Any:
+    if len(args) > i:
+        return args[i]
+    return kwargs.get(name, default)
+
+
+def elementwise(op: str, operands: int | None = None) -> Parser:
+    """An elementwise op; only the first ``operands`` arguments are operands (``AddExt``'s
+    third is ``alpha``, a scale of the second)."""
+
+    def parse(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+        head = list(args if operands is None else args[:operands])
+        pos = tuple(i for i, a in enumerate(head) if _is_tensor(a))
+        scalar = any(isinstance(a, int | float) and not isinstance(a, bool)
+                     or (isinstance(a, Tensor) and not _is_tensor(a)) for a in head)
+        return Call(op, pos, {"has_scalar": scalar, "first_is_tensor": 0 in pos})
+
+    return parse
+
+
+def _linear(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+    bias = _arg(args, kwargs, 2, "bias", None)
+    return Call("linear", (0, 1, 2) if bias is not None else (0, 1))
+
+
+def reduction(op: str, dim_at: int = 1, keep_at: int = 2, dim_name: str = "dim",
+              keep_name: str = "keepdim") -> Parser:
+    def parse(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+        dim = _arg(args, kwargs, dim_at, dim_name, None) if dim_at else None
+        keep = bool(_arg(args, kwargs, keep_at, keep_name, False)) if keep_at else False
+        return Call(op, (0,), {"dim": dim, "keepdim": keep})
+
+    return parse
+
+
+def _dims(args: Sequence[Any]) -> tuple[int, ...]:
+    """``(x, 1, 0)`` or ``(x, (1, 0))`` or ``(x, [1, 0])`` -> ``(1, 0)``."""
+    if len(args) == 2 and isinstance(args[1], list | tuple):
+        return tuple(int(d) for d in args[1])
+    return tuple(int(d) for d in args[1:])
+
+
+def _reshape(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+    shape = _dims(args) if len(args) > 1 else tuple(kwargs["shape"])
+    return Call("reshape", (0,), {"shape": shape}, reshape=True)
+
+
+def _flatten(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+    shape = tuple(args[0].shape)
+    nd = len(shape)
+    start = _arg(args, kwargs, 1, "start_dim", 0) % max(nd, 1)
+    end = _arg(args, kwargs, 2, "end_dim", -1) % max(nd, 1)
+    merged = 1
+    for s in shape[start:end + 1]:
+        merged *= s
+    return Call("reshape", (0,), {"shape": (*shape[:start], merged, *shape[end + 1:])},
+                reshape=True)
+
+
+def _expand_dims(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+    shape = list(args[0].shape)
+    axis = int(_arg(args, kwargs, 1, "axis", 0))
+    shape.insert(axis % (len(shape) + 1), 1)
+    return Call("reshape", (0,), {"shape": tuple(shape)}, reshape=True)
+
+
+def _squeeze(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+    shape = tuple(args[0].shape)
+    axis = _arg(args, kwargs, 1, "axis", None)
+    if axis is None or axis == ():
+        drop = {i for i, s in enumerate(shape) if s == 1}
+    else:
+        axes = (axis,) if isinstance(axis, int) else tuple(axis)
+        drop = {a % len(shape) for a in axes if shape[a % len(shape)] == 1}
+    return Call("reshape", (0,), {"shape": tuple(s for i, s in enumerate(shape)
+                                                 if i not in drop)}, reshape=True)
+
+
+def _transpose(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+    return Call("transpose", (0,), {"dim0": int(args[1]), "dim1": int(args[2])})
+
+
+def _permute(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+    return Call("permute", (0,), {"dims": _dims(args)})
+
+
+def softmax(op: str) -> Parser:
+    def parse(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+        dim = _arg(args, kwargs, 1, "axis", kwargs.get("dim", -1))
+        if isinstance(dim, list | tuple):
+            if len(dim) != 1:
+                return Call(f"{op} over several dims", (0,))
+            dim = dim[0]
+        return Call(op, (0,), {"dim": int(dim)})
+
+    return parse
+
+
+def _gather(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+    axis = int(_arg(args, kwargs, 2, "axis", 0))
+    batch_dims = int(_arg(args, kwargs, 3, "batch_dims", 0))
+    if axis != 0 or batch_dims != 0 or args[0].ndim != 2:
+        return Call(f"Gather(axis={axis}, batch_dims={batch_dims})", (0, 1))
+    return Call("embedding", (0, 1))
+
+
+def _embedding(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+    return Call("embedding", (1, 0))  # mint's order is (indices, weight)
+
+
+def _gather_d(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+    return Call("gather_d", (0, 2), {"dim": int(args[1])})
+
+
+_UNARY = ("Exp", "Log", "Log1p", "ReLU", "Tanh", "Sigmoid", "Sqrt", "Rsqrt", "Abs", "Square",
+          "SiLU", "Erf", "Sin", "Cos", "Reciprocal", "PowTensorScalar", "OnesLike", "ZerosLike",
+          "Floor", "Ceil", "Sign", "LogicalNot", "IsNan", "IsFinite")
+_BINARY = ("Pow", "Maximum", "Minimum", "Equal", "NotEqual", "Greater", "GreaterEqual",
+           "Less", "LessEqual", "MaskedFill", "Select", "Atan2", "LogicalAnd", "LogicalOr")
+
+#: MindSpore primitive name -> how to read its call.
+OPS: dict[str, Parser] = {
+    "AddExt": elementwise("add", 2), "AddScalar": elementwise("add", 2),
+    "Add": elementwise("add", 2), "SubExt": elementwise("sub", 2),
+    "SubScalar": elementwise("sub", 2), "Sub": elementwise("sub", 2),
+    "Neg": elementwise("neg"), "ToDtype": elementwise("identity", 1),
+    "Cast": elementwise("identity", 1), "Contiguous": elementwise("identity", 1),
+    "Mul": elementwise("mul"), "Muls": elementwise("mul"), "Div": elementwise("div"),
+    "Divs": elementwise("div"),
+    **{name: elementwise("elementwise") for name in _UNARY + _BINARY},
+    "MatMulExt": lambda a, k: Call("matmul", (0, 1)),
+    "MatMul": lambda a, k: Call("matmul", (0, 1)),
+    "BatchMatMulExt": lambda a, k: Call("bmm", (0, 1)),
+    "Dense": _linear,
+    "SumExt": reduction("sum"), "MeanExt": reduction("mean"),
+    "DeprecatedSum": reduction("sum", 1, 2, "axis", "keepdims"),
+    "ReduceMax": reduction("max"), "Max": reduction("max", 0, 0),
+    "MaxDim": reduction("max_dim"),
+    "Reshape": _reshape, "FlattenExt": _flatten, "ExpandDims": _expand_dims,
+    "Squeeze": _squeeze,
+    "TransposeExtView": _transpose, "Transpose": _permute, "TransposeView": _permute,
+    "Softmax": softmax("softmax"), "LogSoftmax": softmax("log_softmax"),
+    "LogSoftmaxExt": softmax("log_softmax"),
+    "Gather": _gather, "Embedding": _embedding, "GatherD": _gather_d,
+}
+
+#: Primitives that only inspect their input (no tensor result to lay out).
+PASSTHROUGH = frozenset({"typeof"})

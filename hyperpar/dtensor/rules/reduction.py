@@ -1,0 +1,78 @@
+"""Reductions (``sum``, ``mean``, ``max``, ``max_dim``) and the ops that normalise along a dim
+(``softmax``, ``log_softmax``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..placement import REPLICATE, Partial, Placement, Shard
+from .base import OpSharding, Shape, TensorMeta, norm_dim, rule
+
+_KEEPS = {"sum": ("sum", "avg"), "mean": ("sum", "avg"), "max": ("max",)}
+_OVER_SHARDS = {"sum": Partial("sum"), "mean": Partial("sum")}
+
+
+def reduced_dims(dim: Any, ndim: int) -> tuple[int, ...]:
+    """``dim`` (None, an int or a sequence) as sorted non-negative dims; None is every dim."""
+    if dim is None or dim == () or dim == []:
+        return tuple(range(ndim))
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    return tuple(sorted({norm_dim(d, ndim) for d in dims}))
+
+
+def _out_shape(shape: Shape, dims: tuple[int, ...], keepdim: bool) -> Shape:
+    if keepdim:
+        return tuple(1 if i in dims else s for i, s in enumerate(shape))
+    return tuple(s for i, s in enumerate(shape) if i not in dims)
+
+
+@rule("sum", "mean", "max", "max_dim")
+def _reduce(op: str, metas: tuple[TensorMeta, ...], mesh_shape: tuple[int, ...], *,
+            dim: Any = None, keepdim: bool = False, **_: Any) -> OpSharding:
+    """Over a sharded dim: ``sum``/``mean`` give Partial("sum") (a mean is a local sum divided
+    by the global count); ``max`` and ``max_dim`` gather the dim first (a Partial("max") output
+    would send the gradient to every rank's local maximum). Partial inputs of the same algebra
+    stay Partial; others reduce first."""
+    (x,) = metas
+    nd = len(x.shape)
+    dims = reduced_dims(dim, nd)
+    target: list[Placement] = []
+    outs: list[Placement] = []
+    sharded_reduced = False
+    for p in x.placements:
+        if type(p) is Shard and p.dim in dims:
+            if op in ("max", "max_dim"):
+                target.append(REPLICATE)
+                outs.append(REPLICATE)
+            else:
+                target.append(p)
+                outs.append(_OVER_SHARDS[op])
+                sharded_reduced = True
+        elif type(p) is Shard:
+            target.append(p)
+            outs.append(Shard(p.dim if keepdim else p.dim - sum(d < p.dim for d in dims)))
+        elif type(p) is Partial and op in _KEEPS and p.reduce_op in _KEEPS[op]:
+            target.append(p)
+            outs.append(p)
+        else:
+            target.append(REPLICATE)
+            outs.append(REPLICATE)
+    shape = _out_shape(x.shape, dims, keepdim)
+    divide_by = None
+    if op == "mean" and sharded_reduced:
+        divide_by = math.prod(x.shape[d] for d in dims)
+    n_out = 2 if op == "max_dim" else 1
+    return OpSharding((tuple(target),), (tuple(outs),) * n_out, (shape,) * n_out,
+                      divide_by=divide_by)
+
+
+@rule("softmax", "log_softmax")
+def _softmax(op: str, metas: tuple[TensorMeta, ...], mesh_shape: tuple[int, ...], *,
+             dim: int = -1, **_: Any) -> OpSharding:
+    """Normalising along ``dim`` needs the whole of it: that dim (and any Partial) is gathered,
+    other shards stay."""
+    (x,) = metas
+    d = norm_dim(dim, len(x.shape))
+    pl = tuple(p if type(p) is Shard and p.dim != d else REPLICATE for p in x.placements)
+    return OpSharding((pl,), (pl,), (tuple(x.shape),))

@@ -1,0 +1,215 @@
+"""The framework-neutral op rules (hyperpar.dtensor.rules), checked without any framework: a mesh
+is simulated in numpy. Each rank's input piece is cut from the whole array by the placements
+the rule asks for (a Partial("sum") input: rank 0 of that mesh dim holds it, the others zeros),
+the op runs on the pieces as the rule says (a local reshape to this rank's piece of the output,
+a mean as a local sum divided by the global count), and the pieces, put back together by the
+output placements (Partial dims summed or maxed over), must equal the op on the whole arrays.
+"""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hyperpar.dtensor.layout import shard_shape_and_offset
+from hyperpar.dtensor.placement import Partial, Replicate, Shard
+from hyperpar.dtensor.rules import (
+    P_SUM,
+    ShardingError,
+    TensorMeta,
+    broadcast_shapes,
+    propagate,
+)
+
+R = Replicate()
+S0, S1, S2 = Shard(0), Shard(1), Shard(2)
+
+
+def _piece(full: np.ndarray, placements, mesh_shape, coord) -> np.ndarray:
+    shape, off = shard_shape_and_offset(full.shape, placements, mesh_shape, coord)
+    out = full[tuple(slice(o, o + n) for o, n in zip(off, shape, strict=True))]
+    for m, p in enumerate(placements):
+        if type(p) is Partial and coord[m] != 0:
+            out = np.zeros_like(out)  # rank 0 of a Partial("sum") dim holds the value
+    return out
+
+
+def _softmax(x, dim):
+    e = np.exp(x - x.max(dim, keepdims=True))
+    return e / e.sum(dim, keepdims=True)
+
+
+def _cross_entropy(logits, target, reduction):
+    logp = np.log(_softmax(logits, 1))
+    loss = -logp[np.arange(len(target)), target]
+    return loss if reduction == "none" else loss.sum() if reduction == "sum" else loss.mean()
+
+
+# op -> numpy implementation on (arrays, args)
+NUMPY = {
+    "add": lambda xs, a: xs[0] + xs[1], "sub": lambda xs, a: xs[0] - xs[1],
+    "neg": lambda xs, a: -xs[0], "mul": lambda xs, a: xs[0] * xs[1],
+    "div": lambda xs, a: xs[0] / xs[1], "elementwise": lambda xs, a: np.exp(xs[0]),
+    "matmul": lambda xs, a: xs[0] @ xs[1], "bmm": lambda xs, a: xs[0] @ xs[1],
+    "linear": lambda xs, a: xs[0] @ xs[1].T + (xs[2] if len(xs) > 2 else 0),
+    "sum": lambda xs, a: np.sum(xs[0], _axis(a), keepdims=a.get("keepdim", False)),
+    "mean": lambda xs, a: np.mean(xs[0], _axis(a), keepdims=a.get("keepdim", False)),
+    "max": lambda xs, a: np.max(xs[0], _axis(a), keepdims=a.get("keepdim", False)),
+    "softmax": lambda xs, a: _softmax(xs[0], a["dim"]),
+    "log_softmax": lambda xs, a: np.log(_softmax(xs[0], a["dim"])),
+    "reshape": lambda xs, a: xs[0].reshape(a["shape"]),
+    "transpose": lambda xs, a: np.swapaxes(xs[0], a["dim0"], a["dim1"]),
+    "permute": lambda xs, a: np.transpose(xs[0], a["dims"]),
+    "embedding": lambda xs, a: xs[0][xs[1]],
+    "gather_d": lambda xs, a: np.take_along_axis(xs[0], xs[1], a["dim"]),
+    "cross_entropy": lambda xs, a: _cross_entropy(xs[0], xs[1], a.get("reduction", "mean")),
+}
+
+
+def _axis(args):
+    dim = args.get("dim")
+    return None if dim is None else dim if isinstance(dim, int) else tuple(dim)
+
+
+def _simulate(op, arrays, placements, mesh_shape, **args):
+    metas = tuple(TensorMeta(p, a.shape) for a, p in zip(arrays, placements, strict=True))
+    rule = propagate(op, metas, mesh_shape, **args)
+    want = np.asarray(NUMPY[op](arrays, args))
+    out_pl, out_shape = rule.outputs[0], rule.shapes[0]
+    assert out_shape == want.shape, (op, out_shape, want.shape)
+    pieces = {}
+    for coord in itertools.product(*(range(n) for n in mesh_shape)):
+        local = [_piece(a, t, mesh_shape, coord) for a, t in zip(arrays, rule.inputs,
+                                                                  strict=True)]
+        if op == "reshape":
+            shape, _ = shard_shape_and_offset(out_shape, out_pl, mesh_shape, coord)
+            y = local[0].reshape(shape)
+        elif rule.divide_by is not None:
+            y = np.sum(local[0], _axis(args), keepdims=args.get("keepdim", False)) \
+                / rule.divide_by
+        else:
+            y = np.asarray(NUMPY[op](local, args))
+        pieces[coord] = y
+    # combine over Partial mesh dims; compare each resulting piece with the whole result's
+    for coord, y in pieces.items():
+        if any(type(p) is Partial and coord[m] for m, p in enumerate(out_pl)):
+            continue
+        total = y.astype(np.float64)
+        for other, z in pieces.items():
+            if other != coord and all(other[m] == coord[m] or type(p) is Partial
+                                      for m, p in enumerate(out_pl)):
+                ops = {p.reduce_op for m, p in enumerate(out_pl)
+                       if type(p) is Partial and other[m] != coord[m]}
+                total = np.maximum(total, z) if ops == {"max"} else total + z
+        expect = _piece(want, tuple(R if type(p) is Partial else p for p in out_pl),
+                        mesh_shape, coord)
+        np.testing.assert_allclose(total, expect, rtol=1e-9, atol=1e-9,
+                                   err_msg=f"{op} {placements} on {mesh_shape} at {coord}")
+    return rule
+
+
+rng = np.random.default_rng(0)
+A56, A64, B6, B63 = (rng.standard_normal(s) for s in ((5, 6), (6, 4), (6,), (6, 3)))
+A246, A463, A465 = (rng.standard_normal(s) for s in ((2, 4, 6), (4, 6, 3), (4, 6, 5)))
+IDS = rng.integers(0, 6, (3, 5))
+TARGET = rng.integers(0, 4, (5,))
+
+CASES = [
+    ("add", [A56, B6], [(S0,), (R,)], (4,), {}),
+    ("add", [A56, A56], [(P_SUM,), (P_SUM,)], (2,), {}),
+    ("add", [A56, A56], [(S1, P_SUM), (P_SUM, S0)], (2, 2), {}),
+    ("sub", [A56, A56], [(S0,), (S1,)], (3,), {}),
+    ("neg", [A56], [(P_SUM,)], (2,), {}),
+    ("mul", [A56, B6], [(P_SUM,), (S0,)], (2,), {}),
+    ("mul", [A56, A56], [(P_SUM,), (P_SUM,)], (2,), {}),
+    ("div", [A56, A56 + 9], [(P_SUM,), (R,)], (2,), {}),
+    ("div", [A56 + 9, A56], [(R,), (P_SUM,)], (2,), {}),
+    ("elementwise", [A56], [(P_SUM,)], (2,), {}),
+    ("elementwise", [A56], [(S1, S0)], (2, 2), {}),
+    ("matmul", [A56, B63], [(S0,), (R,)], (4,), {}),
+    ("matmul", [A56, B63], [(S1,), (S0,)], (4,), {}),
+    ("matmul", [A56, B63], [(S0, S1), (R, S1)], (2, 2), {}),
+    ("matmul", [A56, B63], [(P_SUM,), (S1,)], (2,), {}),
+    ("matmul", [A246, B63], [(S0,), (R,)], (2,), {}),
+    ("bmm", [A465.transpose(0, 2, 1), A463], [(S0,), (S2,)], (2,), {}),
+    ("bmm", [A465.transpose(0, 2, 1), A463], [(S2,), (S1,)], (2,), {}),
+    ("linear", [A56, A64.T, A64[0]], [(R,), (S0,), (S0,)], (2,), {}),
+    ("linear", [A56, A64.T, A64[0]], [(S1,), (S1,), (R,)], (4,), {}),
+    ("linear", [A56, A64.T], [(S0, S1), (R, S1)], (2, 2), {}),
+    ("sum", [A56], [(S0,)], (4,), {"dim": 0}),
+    ("sum", [A56], [(S0, S1)], (2, 2), {"dim": None}),
+    ("sum", [A56], [(P_SUM,)], (2,), {"dim": 1, "keepdim": True}),
+    ("mean", [A56], [(S0,)], (4,), {"dim": (0,)}),
+    ("mean", [A56], [(S1, S0)], (2, 2), {"dim": 1, "keepdim": True}),
+    ("max", [A56], [(S0,)], (4,), {"dim": 0}),
+    ("max", [A56], [(S1,)], (2,), {"dim": 0}),
+    ("softmax", [A56], [(S1,)], (2,), {"dim": 1}),
+    ("log_softmax", [A56], [(S0, S1)], (2, 2), {"dim": 0}),
+    ("reshape", [A64], [(S0,)], (2,), {"shape": (-1,)}),
+    ("reshape", [A64], [(S0,)], (4,), {"shape": (2, 12)}),
+    ("reshape", [A56], [(S0,)], (4,), {"shape": (30,)}),
+    ("reshape", [A64], [(S1,)], (2,), {"shape": (24,)}),
+    ("reshape", [A246], [(S1, S2)], (2, 2), {"shape": (8, 6)}),
+    ("transpose", [A246], [(S0, S2)], (2, 2), {"dim0": 0, "dim1": 2}),
+    ("permute", [A246], [(P_SUM, S1)], (2, 2), {"dims": (2, 0, 1)}),
+    ("embedding", [A64, IDS], [(R,), (S1,)], (4,), {}),
+    ("embedding", [A64, IDS], [(S1,), (R,)], (2,), {}),
+    ("embedding", [A64, IDS], [(S0,), (S0,)], (2,), {}),
+    ("gather_d", [A56, IDS[:, :5].repeat(2, 0)[:5, :4] % 6], [(S0,), (R,)], (2,), {"dim": 1}),
+    ("cross_entropy", [A56[:, :4], TARGET], [(S0,), (S0,)], (2,), {"reduction": "sum"}),
+    ("cross_entropy", [A56[:, :4], TARGET], [(S1,), (S0,)], (4,), {"reduction": "none"}),
+    ("cross_entropy", [A56[:, :4], TARGET], [(S0,), (R,)], (2,), {"reduction": "mean"}),
+]
+
+
+@pytest.mark.parametrize("op,arrays,placements,mesh_shape,args", CASES,
+                         ids=[f"{c[0]}-{c[2]}-{c[3]}" for c in CASES])
+def test_rule_output_assembles_to_the_whole_result(op, arrays, placements, mesh_shape, args):
+    _simulate(op, arrays, placements, mesh_shape, **args)
+
+
+def test_the_rules_keep_communication_low_where_they_can():
+    # column-parallel linear: no input moves, the output is sharded along the features
+    r = propagate("linear", (TensorMeta((R,), (4, 6)), TensorMeta((S0,), (8, 6)),
+                             TensorMeta((S0,), (8,))), (2,))
+    assert r.inputs == ((R,), (S0,), (S0,)) and r.outputs == ((S1,),)
+    assert r.grad_sum == ((0,), (), ())  # the replicated input's gradient is summed
+    # row-parallel: Partial output, the bias added once
+    r = propagate("linear", (TensorMeta((S1,), (4, 6)), TensorMeta((S1,), (8, 6)),
+                             TensorMeta((R,), (8,))), (2,))
+    assert r.outputs == ((P_SUM,),) and r.inputs[2] == (P_SUM,)
+    # a sum over a sharded dim stays Partial; a mean too, as a sum over the global count
+    r = propagate("mean", (TensorMeta((S0,), (5, 6)),), (4,), dim=0)
+    assert r.outputs == ((P_SUM,),) and r.divide_by == 5
+    # a constant added to a Partial sum would be added once per rank: reduce first
+    r = propagate("add", (TensorMeta((P_SUM,), (5, 6)),), (2,), has_scalar=True)
+    assert r.inputs == ((R,),)
+
+
+def test_an_op_or_layout_without_a_rule_names_both():
+    with pytest.raises(ShardingError, match=r"'cumsum'.*\[Shard\(dim=0\)\] shape \(5, 6\)"):
+        propagate("cumsum", (TensorMeta((S0,), (5, 6)),), (2,))
+    with pytest.raises(ShardingError, match=r"'matmul'.*matrix-vector"):
+        propagate("matmul", (TensorMeta((S0,), (5, 6)), TensorMeta((R,), (6,))), (2,))
+
+
+def test_broadcast_shapes_is_numpys():
+    for shapes in [((5, 1, 3), (4, 1)), ((), (2, 3)), ((3,), (2, 3)), ((1,), (1, 1, 7))]:
+        assert broadcast_shapes(*shapes) == np.broadcast_shapes(*shapes)
+    with pytest.raises(ValueError):
+        broadcast_shapes((2, 3), (4,))
+
+
+def test_rules_and_layout_import_no_framework():
+    code = ("import sys\n"
+            "class Block:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in ('torch', 'mindspore', 'numpy'):\n"
+            "            raise ImportError('blocked: ' + name)\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "import hyperpar.dtensor.rules, hyperpar.dtensor.layout\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
