@@ -48,4 +48,9 @@ echo "== MindSpore backend tests (real processes, 2 and 4 ranks)"
 "$MS_VENV/bin/python" -m pytest -q -p no:cacheprovider tests/mindspore "$@"
 echo "== hyperpar run -n 2 examples/mindspore_tp_mlp.py"
 HYPERPAR_BACKEND=mindspore timeout 600 "$MS_VENV/bin/hyperpar" run -n 2 examples/mindspore_tp_mlp.py
+for n in 2 4; do
+  echo "== hyperpar run -n $n examples/mindspore_dtensor_tp.py (DTensor ops, TP + SP, loss_parallel)"
+  HYPERPAR_BACKEND=mindspore timeout 900 "$MS_VENV/bin/hyperpar" run -n $n \
+    examples/mindspore_dtensor_tp.py
+done
 echo "== done in $(( $(date +%s) - start )) s"
