@@ -21,7 +21,9 @@ KIND = {"add": "linear", "sub": "linear", "neg": "linear", "identity": "linear",
 
 def broadcast_shapes(*shapes: Shape) -> Shape:
     """numpy/torch broadcasting of ``shapes`` (pure Python)."""
-    nd = max((len(s) for s in shapes), default=0)
+    nd = 0
+    for s in shapes:  # a loop, not max(genexpr, default=): Dynamo traces this under compile
+        nd = max(nd, len(s))
     out = [1] * nd
     for s in shapes:
         for i, size in enumerate(s, start=nd - len(s)):
