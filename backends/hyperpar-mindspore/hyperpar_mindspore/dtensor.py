@@ -106,10 +106,13 @@ class DTensor(Tensor):
                 and tuple(device_mesh.shape) != tuple(self._mesh.shape):
             raise ValueError("DTensor.redistribute cannot move a tensor to another mesh; pass "
                              "the tensor's own device_mesh (or None)")
+        if placements is None:
+            raise ValueError("redistribute: placements= is required")
         mesh = self._mesh
-        dst = normalize_placements(placements if placements is not None
-                                   else (REPLICATE,) * mesh.ndim, mesh.ndim, len(self._gshape),
+        dst = normalize_placements(placements, mesh.ndim, len(self._gshape),
                                    "redistribute placements")
+        if dst == self._placements:
+            return self
         for p in dst:
             if type(p) is Partial and p not in self._placements:
                 _check_partial_target(p)

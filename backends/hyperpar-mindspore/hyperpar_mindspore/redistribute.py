@@ -17,7 +17,7 @@ from mindspore import Tensor, mint
 from mindspore.common import _Function
 
 from hyperpar.dtensor.layout import Step, _plan, _size_at, _sizes
-from hyperpar.dtensor.placement import Partial, Placement, chunk_bounds, grad_placements_of
+from hyperpar.dtensor.placement import Placement, chunk_bounds, grad_placements_of
 from hyperpar.platform import get_platform
 
 Placements = tuple[Placement, ...]
@@ -205,5 +205,5 @@ def sum_grad_over(x: Tensor, mesh: Any, dims: tuple[int, ...]) -> Tensor:
     return _SumGrad.apply(x, mesh, dims) if dims else x
 
 
-__all__ = ["Partial", "mesh_coordinate", "redistribute", "redistribute_local", "run_plan",
+__all__ = ["mesh_coordinate", "redistribute", "redistribute_local", "run_plan",
            "sum_grad_over"]
