@@ -59,8 +59,11 @@ class ParallelStyle(StyleBase):
     (:class:`~hyperpar.parallel.driver.StyleBase`); a style implements ``_apply``."""
 
     def _apply(self, cell: nn.Cell, device_mesh: DeviceMesh) -> nn.Cell:
-        """Apply the style to ``cell`` over ``device_mesh`` (1-D) in place."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement _apply")
+        """Apply the style to ``cell`` over ``device_mesh`` (1-D) in place. A subclass
+        overrides this (torch's spelling) or :meth:`apply` (HyperParallel's)."""
+        if type(self).apply is not ParallelStyle.apply:
+            return type(self).apply(self, cell, device_mesh)
+        raise NotImplementedError(f"{type(self).__name__} overrides neither _apply nor apply")
 
     def apply(self, cell: nn.Cell, device_mesh: DeviceMesh) -> nn.Cell:
         """Public spelling of ``_apply`` (refuses an already-parallelized Cell)."""
