@@ -4,58 +4,23 @@ partial operand, or all replicated."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
 from ..api import DTensor
-from ..placement import REPLICATE, Placement, Replicate, Shard
+from ..placement import REPLICATE, Shard
+from ..rules.matmul import contraction
 from .registry import P_SUM, OpCall, Placements, Sharding, ShardingError, mixing_error, register_op
 
 R = REPLICATE
 
 
 # ---------------------------------------------------------------------------- matmul family
-def _cost(cur: Placement, tgt: Placement, numel: int) -> float:
-    if cur == tgt:
-        return 0.0
-    if type(cur) is Replicate:
-        return 0.01 * numel if type(tgt) is Shard else 1.0 * numel
-    if type(cur) is Shard:
-        return 0.5 * numel if type(tgt) is Shard else 1.0 * numel
-    return (1.0 if type(tgt) is Shard else 2.0) * numel  # Partial
-
-
 def einsum_sharding(mesh, operands: list[tuple[Placements, str, tuple[int, ...]]], out: str,
                     blocked: str = "") -> tuple[list[Placements], Placements]:
-    """Placements for a contraction given by labels (``"bmk,kn->bmn"``). Per mesh dim it picks
-    the cheapest of: shard a kept label (output sharded), shard a contracted label (output
-    Partial), one Partial operand with the others replicated, or everything replicated."""
-    labels = sorted({c for _, lab, _ in operands for c in lab} - set(blocked))
-    numels = [max(1, math.prod(shape)) for _, _, shape in operands]
-    targets: list[list[Placement]] = [[] for _ in operands]
-    outs: list[Placement] = []
-    for m in range(mesh.ndim):
-        cur = [pl[m] for pl, _, _ in operands]
-        cands: list[tuple[list[Placement], Placement]] = []
-        for lab in labels:
-            tg = [Shard(ls.index(lab)) if lab in ls else R for _, ls, _ in operands]
-            cands.append((tg, Shard(out.index(lab)) if lab in out else P_SUM))
-        for k in range(len(operands)):
-            if cur[k] == P_SUM:
-                cands.append(([P_SUM if j == k else R for j in range(len(operands))], P_SUM))
-        cands.append(([R] * len(operands), R))
-        # first candidate of least cost (a plain loop: Dynamo cannot trace min(key=))
-        best, best_cost = cands[0], None
-        for c in cands:
-            cost = sum(_cost(cu, t, n) for cu, t, n in zip(cur, c[0], numels, strict=False))
-            if best_cost is None or cost < best_cost:
-                best, best_cost = c, cost
-        for k, t in enumerate(best[0]):
-            targets[k].append(t)
-        outs.append(best[1])
-    return [tuple(t) for t in targets], tuple(outs)
+    """Placements for a contraction given by labels (``"bmk,kn->bmn"``): the framework-neutral
+    :func:`hyperpar.dtensor.rules.matmul.contraction` on this mesh's dims."""
+    return contraction(operands, out, mesh.ndim, blocked)
 
 
 _LETTERS = "abcdefghij"

@@ -44,8 +44,13 @@ def contraction(operands: list[tuple[Placements, str, Shape]], out: str, mesh_nd
             if cur[k] == P_SUM:
                 cands.append(([P_SUM if j == k else R for j in range(len(operands))], P_SUM))
         cands.append(([R] * len(operands), R))
-        best = min(cands, key=lambda c: sum(_move_cost(cu, t, n) for cu, t, n
-                                            in zip(cur, c[0], numels, strict=True)))
+        # first candidate of least cost (a plain loop: Dynamo cannot trace min(key=), and the
+        # torch stack's traced matmul rule runs this function)
+        best, best_cost = cands[0], None
+        for c in cands:
+            cost = sum(_move_cost(cu, t, n) for cu, t, n in zip(cur, c[0], numels, strict=True))
+            if best_cost is None or cost < best_cost:
+                best, best_cost = c, cost
         for k, t in enumerate(best[0]):
             targets[k].append(t)
         outs.append(best[1])
