@@ -232,9 +232,14 @@ class MindSpore(Framework):
     def value_and_grad(self, fn: Callable[..., Any], inputs: Sequence[Any]
                        ) -> tuple[Any, list[Any]]:
         # MindSpore has no .backward(): gradients are a function transform, and hyperpar's wraps
-        # the gradients of DTensor inputs back into DTensors.
-        from hyperpar_mindspore.dtensor import value_and_grad
+        # the gradients of DTensor inputs back into DTensors. Plain inputs (the one-process
+        # reference) take MindSpore's own, so the reference never runs hyperpar code.
+        from hyperpar import DTensor
 
+        if any(isinstance(t, DTensor) for t in inputs):
+            from hyperpar_mindspore.dtensor import value_and_grad
+        else:
+            value_and_grad = self.ms.value_and_grad
         value, grads = value_and_grad(fn, tuple(range(len(inputs))))(*inputs)
         return value, list(grads) if isinstance(grads, (tuple, list)) else [grads]
 

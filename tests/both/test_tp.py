@@ -194,6 +194,8 @@ def _run_lm(framework: str, n: int) -> dict:
         "head": ColwiseParallel(input_layouts=Shard(1), use_local_output=False),
     }
     model = parallelize_module(_lm(fw, w), mesh, plan)
+    norm_out = model.norm_f(model.emb(ids))
+    sp_output = "DTensor" if isinstance(norm_out, DTensor) else "local"
     logits = model(ids)
     is_dtensor = isinstance(logits, DTensor)
     placements = tuple(logits.placements) if is_dtensor else None
@@ -214,7 +216,7 @@ def _run_lm(framework: str, n: int) -> dict:
     return {"losses": losses, "ref_losses": ref_losses,
             "out": fw.numpy(model(ids).full_tensor()), "ref_out": fw.numpy(ref(ids)),
             "params": params, "ref_params": ref_params, "is_dtensor": is_dtensor,
-            "placements": placements, "shape": tuple(logits.shape)}
+            "placements": placements, "shape": tuple(logits.shape), "sp_output": sp_output}
 
 
 def _check(results: list[dict]) -> None:
@@ -248,3 +250,9 @@ def test_dtensor_head_with_loss_parallel_trains_like_one_process(framework, pool
         # torch reports the class dim as given (Shard(-1) normalized or not, by version);
         # both are the vocabulary dim.
         assert res["placements"] in ((Shard(-1),), (Shard(2),)), res["placements"]
+        # A real difference, documented in docs/mindspore.md: torch's SequenceParallel returns a
+        # DTensor by default (use_local_output=False); MindSpore's returns the local slice.
+        if framework == "torch":
+            assert res["sp_output"] == "DTensor", res["sp_output"]
+        else:
+            assert res["sp_output"] == "local", res["sp_output"]
