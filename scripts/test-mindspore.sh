@@ -44,8 +44,8 @@ echo "== venv ready in $(( $(date +%s) - start )) s"
 export GLOG_v=${GLOG_v:-3}
 echo "== hyperpar info (mindspore, no torch)"
 HYPERPAR_BACKEND=mindspore "$MS_VENV/bin/hyperpar" info
-echo "== MindSpore backend tests (real processes, 2 and 4 ranks)"
-"$MS_VENV/bin/python" -m pytest -q -p no:cacheprovider tests/mindspore "$@"
+echo "== MindSpore backend tests and the one-body-two-frameworks tests (real processes, 2 and 4 ranks)"
+"$MS_VENV/bin/python" -m pytest -q -p no:cacheprovider tests/mindspore tests/both "$@"
 echo "== hyperpar run -n 2 examples/mindspore_tp_mlp.py"
 HYPERPAR_BACKEND=mindspore timeout 600 "$MS_VENV/bin/hyperpar" run -n 2 examples/mindspore_tp_mlp.py
 for n in 2 4; do

@@ -154,6 +154,8 @@ CASES = [
     ("reshape", [A56], [(S0,)], (4,), {"shape": (30,)}),
     ("reshape", [A64], [(S1,)], (2,), {"shape": (24,)}),
     ("reshape", [A246], [(S1, S2)], (2, 2), {"shape": (8, 6)}),
+    ("reshape", [A465], [(S2,)], (4,), {"shape": (24, 5)}),    # 5 over 4: 2, 2, 1, 0 kept
+    ("reshape", [A465], [(S0, S2)], (2, 2), {"shape": (24, 5)}),
     ("transpose", [A246], [(S0, S2)], (2, 2), {"dim0": 0, "dim1": 2}),
     ("permute", [A246], [(P_SUM, S1)], (2, 2), {"dims": (2, 0, 1)}),
     ("embedding", [A64, IDS], [(R,), (S1,)], (4,), {}),
@@ -185,6 +187,10 @@ def test_the_rules_keep_communication_low_where_they_can():
     # a sum over a sharded dim stays Partial; a mean too, as a sum over the global count
     r = propagate("mean", (TensorMeta((S0,), (5, 6)),), (4,), dim=0)
     assert r.outputs == ((P_SUM,),) and r.divide_by == 5
+    # a dim kept whole by a reshape keeps its uneven shard (logits (B, S, 11) -> (B * S, 11)
+    # for loss_parallel): torch.chunk's pieces do not change
+    r = propagate("reshape", (TensorMeta((S2,), (2, 8, 11)),), (4,), shape=(16, 11))
+    assert r.inputs == ((S2,),) and r.outputs == ((S1,),)
     # a constant added to a Partial sum would be added once per rank: reduce first
     r = propagate("add", (TensorMeta((P_SUM,), (5, 6)),), (2,), has_scalar=True)
     assert r.inputs == ((R,),)

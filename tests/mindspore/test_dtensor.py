@@ -50,7 +50,7 @@ def _terms(full: np.ndarray, placements, mesh_shape, coord, seed: int) -> np.nda
 
 
 def _mesh(shape):
-    from hyperpar_mindspore.mesh import init_device_mesh
+    from hyperpar import init_device_mesh  # the MindSpore mesh under HYPERPAR_BACKEND=mindspore
 
     return init_device_mesh(shape)
 

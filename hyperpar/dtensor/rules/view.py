@@ -51,15 +51,18 @@ def _blocks(src: Shape, dst: Shape) -> list[tuple[list[int], list[int]]]:
 @rule("reshape")
 def _reshape(op: str, metas: tuple[TensorMeta, ...], mesh_shape: tuple[int, ...], *,
              shape: Any, **_: Any) -> OpSharding:
-    """A shard of dim ``d`` survives when ``d`` leads its group of merged/split dims and both
-    ``d`` and the dim it becomes divide evenly over the ranks sharding it; else it is
-    gathered first."""
+    """A shard of dim ``d`` survives when ``d`` maps onto an output dim of the same size, or
+    leads its group of merged/split dims and both ``d`` and the dim it becomes divide evenly
+    over the ranks sharding it; else it is gathered first."""
     (x,) = metas
     out_shape = infer_shape(math.prod(x.shape), shape)
     lead = {}
+    same = set()  # dims that map one-to-one onto an output dim of the same size
     for a, b in _blocks(tuple(x.shape), out_shape):
         if a and b:
             lead[a[0]] = b[0]
+            if len(a) == 1 and len(b) == 1:
+                same.add(a[0])
     ways: dict[int, int] = {}
     for m, p in enumerate(x.placements):
         if type(p) is Shard:
@@ -70,7 +73,10 @@ def _reshape(op: str, metas: tuple[TensorMeta, ...], mesh_shape: tuple[int, ...]
         if type(p) is Shard:
             e = lead.get(p.dim)
             n = ways[p.dim]
-            if e is not None and x.shape[p.dim] % n == 0 and out_shape[e] % n == 0:
+            # A dim kept whole (same size, not merged or split) keeps torch.chunk's pieces
+            # however uneven: (B, S, V) -> (B * S, V) keeps a vocabulary of 11 over 4 sharded.
+            even = x.shape[p.dim] % n == 0 and out_shape[e] % n == 0 if e is not None else False
+            if e is not None and (p.dim in same or even):
                 target.append(p)
                 outs.append(Shard(e))
             else:

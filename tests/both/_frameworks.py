@@ -1,0 +1,315 @@
+"""What really differs between torch and MindSpore, and nothing else.
+
+The test bodies in ``tests/both`` are written once against hyperpar's public names; they call
+this adapter only for: tensors from numpy and back, the names of matmul / softmax / relu /
+cross-entropy, how gradients are taken (torch: ``requires_grad`` + ``torch.autograd.grad``;
+MindSpore: ``hyperpar_mindspore.dtensor.value_and_grad``, which returns DTensor gradients since
+MindSpore has no ``.backward()``), how Linear / LayerNorm / Embedding modules and a container
+module are built with given weights, reading a parameter back, and an SGD step.
+
+Nothing here imports a framework at module level: collecting ``tests/both`` in the torch venv
+must not import mindspore (and the MindSpore venv has no torch).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+#: framework -> the hyperpar backend its ranks run (torch: the CPU/gloo backend)
+BACKENDS = {"torch": "cpu", "mindspore": "mindspore"}
+
+
+def available(name: str) -> bool:
+    """Whether ``name``'s framework is importable here (``find_spec``: imports nothing)."""
+    return importlib.util.find_spec(name) is not None
+
+
+class Framework:
+    """The per-framework operations a test body needs; see the module docstring."""
+
+    name = ""
+
+    # tensors ------------------------------------------------------------------------------
+    def tensor(self, a: np.ndarray) -> Any:
+        raise NotImplementedError
+
+    def index(self, a: np.ndarray) -> Any:
+        """Integer ids / class labels (torch: int64, MindSpore's kernels: int32)."""
+        raise NotImplementedError
+
+    def numpy(self, t: Any) -> np.ndarray:
+        """A plain tensor (a DTensor's ``full_tensor()``, a shard, a parameter) as numpy."""
+        raise NotImplementedError
+
+    # ops whose names differ ----------------------------------------------------------------
+    def matmul(self, a: Any, b: Any) -> Any:
+        raise NotImplementedError
+
+    def softmax(self, x: Any, dim: int) -> Any:
+        raise NotImplementedError
+
+    def relu(self, x: Any) -> Any:
+        raise NotImplementedError
+
+    def cross_entropy(self, logits: Any, target: Any) -> Any:
+        raise NotImplementedError
+
+    # gradients ----------------------------------------------------------------------------
+    def value_and_grad(self, fn: Callable[..., Any], inputs: Sequence[Any]
+                       ) -> tuple[Any, list[Any]]:
+        """``fn(*inputs)`` (a scalar plain tensor) and its gradient for every input; a DTensor
+        input's gradient is a DTensor."""
+        raise NotImplementedError
+
+    # modules ------------------------------------------------------------------------------
+    def linear(self, weight: np.ndarray, bias: np.ndarray | None) -> Any:
+        """A Linear (torch) / Dense (MindSpore) layer with ``weight`` as (out, in)."""
+        raise NotImplementedError
+
+    def layer_norm(self, weight: np.ndarray, bias: np.ndarray) -> Any:
+        raise NotImplementedError
+
+    def embedding(self, table: np.ndarray) -> Any:
+        raise NotImplementedError
+
+    def container(self, forward: Callable[..., Any], **children: Any) -> Any:
+        """A module holding ``children`` as attributes whose forward is ``forward(self, *x)``."""
+        raise NotImplementedError
+
+    def weight(self, module: Any) -> Any:
+        """The weight parameter of a Linear / LayerNorm / Embedding (a shard on MindSpore, a
+        DTensor on torch once parallelized)."""
+        raise NotImplementedError
+
+    def bias(self, module: Any) -> Any:
+        raise NotImplementedError
+
+    def full_param(self, param: Any, mesh: Any, placement: Any, shape: tuple[int, ...]
+                   ) -> np.ndarray:
+        """The whole of a parallelized module's parameter laid out as ``placement``."""
+        raise NotImplementedError
+
+    def sgd(self, model: Any, lr: float) -> Callable[[Callable[[], Any]], float]:
+        """A training step: ``step(loss_fn)`` takes the gradient of ``loss_fn()`` (a scalar)
+        over ``model``'s parameters, applies SGD and returns the loss."""
+        raise NotImplementedError
+
+
+class Torch(Framework):
+    name = "torch"
+
+    def __init__(self) -> None:
+        import torch
+        import torch.nn.functional as F
+
+        self.torch, self.F = torch, F
+
+    def tensor(self, a: np.ndarray) -> Any:
+        return self.torch.from_numpy(np.ascontiguousarray(a))
+
+    def index(self, a: np.ndarray) -> Any:
+        return self.torch.from_numpy(a.astype(np.int64))
+
+    def numpy(self, t: Any) -> np.ndarray:
+        return t.detach().cpu().numpy()
+
+    def matmul(self, a: Any, b: Any) -> Any:
+        return self.torch.matmul(a, b)
+
+    def softmax(self, x: Any, dim: int) -> Any:
+        return self.torch.softmax(x, dim)
+
+    def relu(self, x: Any) -> Any:
+        return self.torch.relu(x)
+
+    def cross_entropy(self, logits: Any, target: Any) -> Any:
+        return self.F.cross_entropy(logits, target)
+
+    def value_and_grad(self, fn: Callable[..., Any], inputs: Sequence[Any]
+                       ) -> tuple[Any, list[Any]]:
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        value = fn(*leaves)
+        return value.detach(), list(self.torch.autograd.grad(value, leaves))
+
+    def linear(self, weight: np.ndarray, bias: np.ndarray | None) -> Any:
+        layer = self.torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+        with self.torch.no_grad():
+            layer.weight.copy_(self.tensor(weight))
+            if bias is not None:
+                layer.bias.copy_(self.tensor(bias))
+        return layer
+
+    def layer_norm(self, weight: np.ndarray, bias: np.ndarray) -> Any:
+        norm = self.torch.nn.LayerNorm(weight.shape[0])
+        with self.torch.no_grad():
+            norm.weight.copy_(self.tensor(weight))
+            norm.bias.copy_(self.tensor(bias))
+        return norm
+
+    def embedding(self, table: np.ndarray) -> Any:
+        emb = self.torch.nn.Embedding(*table.shape)
+        with self.torch.no_grad():
+            emb.weight.copy_(self.tensor(table))
+        return emb
+
+    def container(self, forward: Callable[..., Any], **children: Any) -> Any:
+        nn = self.torch.nn
+
+        class Container(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                for key, child in children.items():
+                    setattr(self, key, child)
+
+            def forward(self, *args: Any) -> Any:
+                return forward(self, *args)
+
+        return Container()
+
+    def weight(self, module: Any) -> Any:
+        return module.weight
+
+    def bias(self, module: Any) -> Any:
+        return module.bias
+
+    def full_param(self, param: Any, mesh: Any, placement: Any, shape: tuple[int, ...]
+                   ) -> np.ndarray:
+        # torch-only: parallelize_module turns parameters into DTensors laid out as planned.
+        from hyperpar import DTensor
+
+        assert isinstance(param, DTensor), type(param)
+        assert tuple(param.placements) == (placement,), (param.placements, placement)
+        assert tuple(param.shape) == shape, (tuple(param.shape), shape)
+        return self.numpy(param.full_tensor())
+
+    def sgd(self, model: Any, lr: float) -> Callable[[Callable[[], Any]], float]:
+        opt = self.torch.optim.SGD(model.parameters(), lr=lr)
+
+        def step(loss_fn: Callable[[], Any]) -> float:
+            opt.zero_grad()
+            loss = loss_fn()
+            loss.backward()
+            opt.step()
+            return float(loss.detach())
+
+        return step
+
+
+class MindSpore(Framework):
+    name = "mindspore"
+
+    def __init__(self) -> None:
+        import mindspore as ms
+        from mindspore import mint, nn, ops
+
+        self.ms, self.mint, self.nn, self.ops = ms, mint, nn, ops
+
+    def tensor(self, a: np.ndarray) -> Any:
+        return self.ms.Tensor(np.ascontiguousarray(a))
+
+    def index(self, a: np.ndarray) -> Any:
+        return self.ms.Tensor(a.astype(np.int32))
+
+    def numpy(self, t: Any) -> np.ndarray:
+        return t.asnumpy()
+
+    def matmul(self, a: Any, b: Any) -> Any:
+        return self.mint.matmul(a, b)
+
+    def softmax(self, x: Any, dim: int) -> Any:
+        return self.ops.softmax(x, dim)
+
+    def relu(self, x: Any) -> Any:
+        return self.ops.relu(x)
+
+    def cross_entropy(self, logits: Any, target: Any) -> Any:
+        return self.ops.cross_entropy(logits, target)
+
+    def value_and_grad(self, fn: Callable[..., Any], inputs: Sequence[Any]
+                       ) -> tuple[Any, list[Any]]:
+        # MindSpore has no .backward(): gradients are a function transform, and hyperpar's wraps
+        # the gradients of DTensor inputs back into DTensors. Plain inputs (the one-process
+        # reference) take MindSpore's own, so the reference never runs hyperpar code.
+        from hyperpar import DTensor
+
+        if any(isinstance(t, DTensor) for t in inputs):
+            from hyperpar_mindspore.dtensor import value_and_grad
+        else:
+            value_and_grad = self.ms.value_and_grad
+        value, grads = value_and_grad(fn, tuple(range(len(inputs))))(*inputs)
+        return value, list(grads) if isinstance(grads, (tuple, list)) else [grads]
+
+    def _set(self, param: Any, a: np.ndarray) -> None:
+        param.set_data(self.tensor(a.astype(np.float32)))
+
+    def linear(self, weight: np.ndarray, bias: np.ndarray | None) -> Any:
+        layer = self.nn.Dense(weight.shape[1], weight.shape[0], has_bias=bias is not None)
+        self._set(layer.weight, weight)
+        if bias is not None:
+            self._set(layer.bias, bias)
+        return layer
+
+    def layer_norm(self, weight: np.ndarray, bias: np.ndarray) -> Any:
+        norm = self.nn.LayerNorm((weight.shape[0],))
+        self._set(norm.gamma, weight)
+        self._set(norm.beta, bias)
+        return norm
+
+    def embedding(self, table: np.ndarray) -> Any:
+        emb = self.nn.Embedding(*table.shape)
+        self._set(emb.embedding_table, table)
+        return emb
+
+    def container(self, forward: Callable[..., Any], **children: Any) -> Any:
+        nn = self.nn
+
+        class Container(nn.Cell):
+            def __init__(self) -> None:
+                super().__init__()
+                for key, child in children.items():
+                    setattr(self, key, child)
+
+            def construct(self, *args: Any) -> Any:
+                return forward(self, *args)
+
+        return Container()
+
+    def weight(self, module: Any) -> Any:
+        if isinstance(module, self.nn.LayerNorm):
+            return module.gamma
+        if isinstance(module, self.nn.Embedding):
+            return module.embedding_table
+        return module.weight
+
+    def bias(self, module: Any) -> Any:
+        return module.beta if isinstance(module, self.nn.LayerNorm) else module.bias
+
+    def full_param(self, param: Any, mesh: Any, placement: Any, shape: tuple[int, ...]
+                   ) -> np.ndarray:
+        # MindSpore-only: a parallelized Cell holds plain Parameters (this rank's shard, so
+        # optimizers and checkpoints see shards); wrap a copy to gather it.
+        from hyperpar import DTensor
+
+        assert not isinstance(param, DTensor), type(param)
+        local = self.tensor(param.asnumpy())
+        return self.numpy(DTensor.from_local(local, mesh, [placement], shape=shape).full_tensor())
+
+    def sgd(self, model: Any, lr: float) -> Callable[[Callable[[], Any]], float]:
+        opt = self.nn.SGD(model.trainable_params(), learning_rate=lr)
+
+        def step(loss_fn: Callable[[], Any]) -> float:
+            # Gradients over the optimizer's parameters (the shards on a parallelized Cell).
+            loss, grads = self.ms.value_and_grad(loss_fn, None, opt.parameters)()
+            opt(grads)
+            return float(loss.asnumpy())
+
+        return step
+
+
+def get(name: str) -> Framework:
+    """The adapter for ``name`` ("torch" or "mindspore"), importing that framework now."""
+    return {"torch": Torch, "mindspore": MindSpore}[name]()

@@ -1,0 +1,125 @@
+"""DTensor ops, one body for torch and MindSpore: values and gradients against the same function
+on the whole tensors in one process of that framework.
+
+``x`` (7 x 5: uneven rows over 2 and 4 ranks), ``w`` (5 x 3), ``b`` (5,) and a Partial ``p``
+(4 x 3, integer terms on each rank) go through ``x + b`` (broadcast), ``x @ w``, ``sum(0)``,
+``transpose(0, 1)``, ``reshape``, softmax over a whole and over a sharded dim, and ops on the
+Partial DTensor (``p + p``, ``p * 2``, ``p @ v``, ``relu(p)``, which must reduce first). The loss
+is ``sum_k sum(full_tensor(out_k) * C_k)``; its gradients for all four inputs are compared with
+the one-process gradients.
+
+Tolerance: float32 values O(1) (normal(0, 1) inputs, softmax <= 1). A distributed result differs
+from the one-process one only in the order of float32 sums: a contraction or reduction of
+K <= 7 terms (the largest inner dim; the loss sums 21-35 terms per output, in a different order
+too) changes by at most ~K * 2^-24 * sum|terms| <= 7 * 6e-8 * 7 * scale ~ 3e-6 * scale per op,
+and the loss composes two such sums. We allow 2e-5 * max(1, max|want|): robust on any x86 CPU
+(vectorized or not), while a missed reduction, a wrong piece or a doubled Partial is O(scale).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hyperpar import Partial, Replicate, Shard
+from tests.both._frameworks import Framework, get
+from tests.both._numpy_layout import close, piece, terms
+
+pytestmark = pytest.mark.timeout(900)
+
+RTOL = 2e-5
+R, P = Replicate(), Partial()
+
+#: per mesh: the placements of x, w, b, p (2-D: x sharded on both dims, so ``x @ w`` contracts a
+#: sharded dim into a Partial, and p mixes Partial with Shard)
+LAYOUTS = {
+    (2,): ((Shard(0),), (R,), (R,), (P,)),
+    (4,): ((Shard(0),), (R,), (R,), (P,)),
+    (2, 2): ((Shard(0), Shard(1)), (R, R), (R, R), (P, Shard(0))),
+}
+
+
+def _ops(fw: Framework, x: Any, w: Any, b: Any, p: Any, v: Any) -> dict[str, Any]:
+    """The ops under test, written once: DTensors on the ranks, whole tensors in one process."""
+    h = x + b
+    y = h @ w
+    return {
+        "x + b": h,
+        "x @ w": y,
+        "sum(0)": y.sum(0),
+        "transpose(0, 1)": y.transpose(0, 1),
+        "reshape": y.reshape(7 * 3),
+        "reshape 3-D": x.reshape(7, 5, 1),
+        "softmax(-1)": fw.softmax(y, -1),
+        "softmax(0)": fw.softmax(y, 0),        # over the sharded dim
+        "p + p": p + p,
+        "p * 2": p * 2.0,
+        "p @ v": p @ v,
+        "relu(p)": fw.relu(p),                 # nonlinear: the Partial sum is reduced first
+    }
+
+
+def _run(framework: str, mesh_shape: tuple[int, ...]) -> dict:
+    from hyperpar import DTensor, distribute_tensor, init_device_mesh
+
+    fw = get(framework)
+    mesh = init_device_mesh(mesh_shape)
+    coord = tuple(mesh.get_local_rank(d) for d in range(mesh.ndim))
+    rng = np.random.default_rng(0)
+    arrays = {
+        "x": rng.standard_normal((7, 5)).astype(np.float32),
+        "w": rng.standard_normal((5, 3)).astype(np.float32),
+        "b": rng.standard_normal((5,)).astype(np.float32),
+        "p": rng.integers(-3, 4, (4, 3)).astype(np.float32),
+    }
+    v = fw.tensor(rng.standard_normal((3, 3)).astype(np.float32))  # a plain constant operand
+    lx, lw, lb, lp = LAYOUTS[mesh_shape]
+    x = distribute_tensor(fw.tensor(arrays["x"]), mesh, list(lx))
+    w = distribute_tensor(fw.tensor(arrays["w"]), mesh, list(lw))
+    b = distribute_tensor(fw.tensor(arrays["b"]), mesh, list(lb))
+    p_local = terms(piece(arrays["p"], lp, mesh_shape, coord), lp, mesh_shape, coord, seed=1)
+    p = DTensor.from_local(fw.tensor(p_local), mesh, list(lp), shape=(4, 3))
+    v_d = distribute_tensor(v, mesh, [R] * len(mesh_shape))
+
+    def full(t: Any) -> Any:
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    names = list(_ops(fw, x, w, b, p, v_d))
+    coefs = {k: rng.standard_normal(tuple(full(o).shape)).astype(np.float32)
+             for k, o in _ops(fw, x, w, b, p, v_d).items()}
+
+    def loss(x: Any, w: Any, b: Any, p: Any, v: Any) -> Any:
+        outs = _ops(fw, x, w, b, p, v)
+        return sum((full(outs[k]) * fw.tensor(coefs[k])).sum() for k in names)
+
+    dist_outs = {k: fw.numpy(full(o)) for k, o in _ops(fw, x, w, b, p, v_d).items()}
+    value, grads = fw.value_and_grad(lambda *a: loss(*a, v_d), [x, w, b, p])
+    whole = [fw.tensor(arrays[k]) for k in "xwbp"]
+    ref_outs = {k: fw.numpy(o) for k, o in _ops(fw, *whole, v).items()}
+    ref_value, ref_grads = fw.value_and_grad(lambda *a: loss(*a, v), whole)
+    return {
+        "outs": dist_outs, "ref_outs": ref_outs,
+        "value": fw.numpy(full(value)), "ref_value": fw.numpy(ref_value),
+        "grads": [fw.numpy(g.full_tensor()) for g in grads],
+        "grad_types": [type(g).__name__ for g in grads],
+        "ref_grads": [fw.numpy(g) for g in ref_grads],
+        "y_placements": tuple((x + b).__matmul__(w).placements),
+    }
+
+
+@pytest.mark.parametrize("mesh_shape", list(LAYOUTS), ids=str)
+def test_ops_values_and_gradients_match_one_process(framework, pool, mesh_shape) -> None:
+    for rank, res in enumerate(pool(int(np.prod(mesh_shape))).run(_run, framework, mesh_shape)):
+        for name, want in res["ref_outs"].items():
+            close(f"rank {rank}: {name}", res["outs"][name], want, RTOL)
+        close(f"rank {rank}: loss", res["value"], res["ref_value"], RTOL)
+        for name, got, want in zip("xwbp", res["grads"], res["ref_grads"], strict=True):
+            close(f"rank {rank}: d loss / d {name}", got, want, RTOL)
+        assert res["grad_types"] == ["DTensor"] * 4, res["grad_types"]
+        if mesh_shape == (2, 2):
+            # x sharded on the contraction dim 1 of x @ w: the product is a Partial sum there.
+            assert res["y_placements"] == (Shard(0), Partial()), res["y_placements"]
+        else:
+            assert res["y_placements"] == (Shard(0),), res["y_placements"]
