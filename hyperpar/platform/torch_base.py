@@ -169,7 +169,12 @@ class TorchPlatformBase(Platform, DimCollectives):
               ) -> list[torch.Tensor]:
         """``tensor.split(sizes, dim)`` (views)."""
         first = sizes[0]
-        if first > 0 and sizes.count(first) == len(sizes):
+        equal = first > 0
+        for size in sizes:  # a loop, not list.count: Dynamo 2.6 cannot trace count
+            if size != first:
+                equal = False
+                break
+        if equal:
             return list(tensor.chunk(len(sizes), dim))  # equal pieces: chunk is 2x faster
         return list(tensor.split(list(sizes), dim))
 
