@@ -7,24 +7,28 @@ Registered as a subcommand by ``hyperpar/cli.py`` (:func:`add_arguments`, :func:
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import time
 from collections.abc import Sequence
 
-from .devices import PROFILES, get_profile, load_profile
-from .layout import Run
-from .model import EXAMPLES, example_spec, from_hf_config
-from .report import plot, ruled_out_summary, table, write_json
-from .search import plan
+from .devices import PROFILES, DeviceProfile, get_profile, load_profile
+from .layout import Run, parse_layout
+from .model import EXAMPLES, ModelSpec, example_spec, from_hf_config
+from .report import describe_one, plot, ruled_out_summary, table, write_json
+from .search import Candidate, PlanResult, RuledOut, evaluate, plan
 
+#: The one rule for byte sizes (docs/planning.md): SI suffixes are decimal (``GB`` = 10**9, as
+#: vendors print them), ``iB`` suffixes and the bare letters binary (``GiB`` = ``G`` = 2**30,
+#: as ``nvidia-smi`` and the planner's tables print them).
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20,
           "g": 2**30, "t": 2**40}
 
 
 def parse_bytes(text: str) -> int:
-    """``80GiB``, ``80GB``, ``141G`` (binary), ``8e10`` -> bytes."""
+    """``80GiB`` / ``141G`` (binary: 2**30), ``80GB`` (decimal: 10**9), ``8e10`` -> bytes."""
     match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(
@@ -52,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="measured device profile (JSON; overrides --device)")
     p.add_argument("--device-memory", type=parse_bytes, default=None, metavar="BYTES",
-                   help="memory per device, e.g. 80GiB (default: the profile's)")
+                   help="memory per device, e.g. 80GiB or 80G (binary, 2^30) or 80GB "
+                        "(decimal, 10^9) (default: the profile's)")
     p.add_argument("--seq-len", type=int, required=True, metavar="S")
     p.add_argument("--global-batch", type=int, required=True, metavar="B",
                    help="sequences per optimizer step")
@@ -63,6 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pipeline schedule for pp > 1 (default 1f1b)")
     p.add_argument("--max-tp", type=int, default=None, metavar="T",
                    help="consider tp up to T only (default: any)")
+    p.add_argument("--layout", default=None, metavar="NAME",
+                   help="evaluate this one layout, named as the table names them (e.g. "
+                        "dp8.fsdp128.tp8.pp16.mb16, optionally .gpipe, .ac): its memory and "
+                        "time breakdown, also when it does not fit")
     p.add_argument("--top", type=int, default=10, metavar="K", help="rows of the table")
     p.add_argument("--json", default=None, metavar="OUT", help="write the plan as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png|svg",
@@ -84,9 +93,42 @@ def run(args: argparse.Namespace) -> int:
         job = Run(world=args.world, seq_len=args.seq_len, global_batch=args.global_batch,
                   param_dtype=args.param_dtype, optimizer=args.optimizer,
                   gpus_per_node=args.gpus_per_node, device_memory=memory)
+        given = parse_layout(args.layout, args.schedule) if args.layout else None
+        if given is not None and args.measure:
+            raise ValueError("--layout evaluates one layout by the model; --measure runs the "
+                             "best ones on this machine: give one of them")
+        one = evaluate(spec, job, given, profile) if given is not None else None
     except (ValueError, FileNotFoundError) as err:
         print(f"hyperpar plan: {err}", file=sys.stderr)
         return 2
+    try:
+        if one is not None:
+            return _report_one(spec, job, profile, one, args)
+        return _report_search(spec, job, profile, args)
+    except BrokenPipeError:
+        # the reader (`| head`) left: the files were written first; silence the final flush
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+def _report_one(spec: ModelSpec, job: Run, profile: DeviceProfile, one: Candidate | RuledOut,
+                args: argparse.Namespace) -> int:
+    result = PlanResult(spec, job, profile, considered=1)
+    if isinstance(one, Candidate):
+        result.ranked.append(one)
+    else:
+        result.ruled_out.append(one)
+    if args.json:
+        write_json(result, args.json)
+    print(describe_one(result, one))
+    if args.json:
+        print(f"wrote {args.json}")
+    return 0 if result.ranked else 1
+
+
+def _report_search(spec: ModelSpec, job: Run, profile: DeviceProfile,
+                   args: argparse.Namespace) -> int:
     start = time.perf_counter()
     result = plan(spec, job, profile, schedule=args.schedule, max_tp=args.max_tp)
     elapsed = time.perf_counter() - start
@@ -94,15 +136,17 @@ def run(args: argparse.Namespace) -> int:
         from .measure import measure_top
 
         measure_top(result, spec, args)
+    # files first: a reader that stops early (`| head`) must not cost them
+    written = plot(result, args.plot) if args.plot else None
+    if args.json:
+        write_json(result, args.json)
     print(table(result, args.top))
     print()
     print(ruled_out_summary(result))
     print(f"\nsearched {result.considered} layouts in {elapsed:.2f} s")
     if args.json:
-        write_json(result, args.json)
         print(f"wrote {args.json}")
-    if args.plot:
-        written = plot(result, args.plot)
+    if written:
         print(f"wrote {written}")
     return 0 if result.ranked else 1
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -109,3 +110,36 @@ class Layout:
         if self.activation_checkpointing:
             parts.append("ac")
         return ".".join(parts)
+
+
+_NAME_DIMS = {"dp": "dp_replicate", "fsdp": "dp_shard", "tp": "tp", "pp": "pp", "cp": "cp",
+              "mb": "microbatches"}
+
+
+def parse_layout(name: str, schedule: Schedule = "1f1b") -> Layout:
+    """The :class:`Layout` a name as :attr:`Layout.name` prints it stands for:
+    ``dp8.fsdp128.tp8.pp16.mb16``, optionally ``.1f1b``/``.gpipe`` and ``.ac`` (``single``:
+    one rank). Dims left out are 1; ``schedule`` applies where the name gives none."""
+    fields: dict[str, object] = {"schedule": schedule}
+    seen: set[str] = set()
+    for part in name.strip().lower().split("."):
+        match = re.fullmatch(r"(fsdp|dp|tp|pp|cp|mb)(\d+)", part)
+        if match:
+            key = _NAME_DIMS[match.group(1)]
+            if key in seen:
+                raise ValueError(f"hyperpar plan: layout {name!r} gives {match.group(1)} twice")
+            seen.add(key)
+            fields[key] = int(match.group(2))
+            if fields[key] < 1:
+                raise ValueError(f"hyperpar plan: layout {name!r}: {part} must be >= 1")
+        elif part in ("1f1b", "gpipe"):
+            fields["schedule"] = part
+        elif part == "ac":
+            fields["activation_checkpointing"] = True
+        elif part != "single":
+            raise ValueError(
+                f"hyperpar plan: layout {name!r}: {part!r} not understood; write the names "
+                "the planner prints, parts joined by '.': dpN (dp_replicate), fsdpN "
+                "(dp_shard), tpN, ppN, cpN, mbN (microbatches), 1f1b|gpipe, ac, e.g. "
+                "dp8.fsdp128.tp8.pp16.mb16")
+    return Layout(**fields)  # type: ignore[arg-type]

@@ -37,10 +37,12 @@ MEASURABLE_WORLDS = (2, 4)
 
 
 def measurable(layout: Layout, spec: ModelSpec | None = None) -> bool:
-    """Whether ``--measure`` can run ``layout`` (2 or 4 ranks; a pipeline without tp; cp with
-    dp_replicate and dp_shard, ``tp = pp = 1``)."""
+    """Whether ``--measure`` can run ``layout`` (2 or 4 ranks; a pipeline without tp, its
+    layers split evenly; cp with dp_replicate and dp_shard, ``tp = pp = 1``)."""
     if layout.world not in MEASURABLE_WORLDS:
         return False
+    if spec is not None and spec.num_layers % layout.pp:
+        return False  # _runs splits the layers evenly
     if layout.cp > 1 and (layout.tp > 1 or layout.pp > 1):
         return False
     return not (layout.pp > 1 and layout.tp > 1)
@@ -143,7 +145,7 @@ def measure_top(result: PlanResult, spec: ModelSpec, args: argparse.Namespace,
             local = plan(spec, run, profile, schedule=args.schedule)
             picked, seen = [], set()
             for c in local.ranked:
-                if measurable(c.layout) and _family(c.layout) not in seen:
+                if measurable(c.layout, spec) and _family(c.layout) not in seen:
                     seen.add(_family(c.layout))
                     picked.append(c)
             chosen = picked[:per_world]

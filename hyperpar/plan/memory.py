@@ -50,6 +50,23 @@ def gathered_numel(t: ParamTensor, tp: int, dp_shard: int) -> int:
     return dp_shard * local_numel(t, tp, dp_shard)
 
 
+def stage_layers(num_layers: int, pp: int, stage: int) -> int:
+    """Decoder layers on pipeline ``stage``: ``ceil(num_layers / pp)`` each, less one on the
+    stages that make up the difference, taken first from the first stage (which also holds the
+    embedding), then the last (the head and loss), then alternately inward, as torchtitan's
+    ``first/last_stage_less_layers`` do: Llama 3.1 405B's 126 layers on 8 stages are
+    ``15, 16 x 6, 15``; on 16 stages ``7, 8 x 14, 7``. Needs ``pp <= num_layers``."""
+    per = _cdiv(num_layers, pp)
+    short = per * pp - num_layers  # stages that hold one layer less, all distinct (< pp)
+    order = [i // 2 if i % 2 == 0 else pp - 1 - i // 2 for i in range(pp)]
+    return per - (stage in order[:short])
+
+
+def max_stage_layers(num_layers: int, pp: int) -> int:
+    """The most layers any stage holds (the stage the pipeline waits for)."""
+    return _cdiv(num_layers, pp)
+
+
 @dataclass(frozen=True)
 class StageParams:
     """Elements of one pipeline stage's parameters on rank 0: ``local`` (the shards it keeps)
@@ -70,9 +87,9 @@ def _group_numels(spec: ModelSpec, tensors: tuple[ParamTensor, ...], tp: int,
 
 @lru_cache(maxsize=65536)
 def stage_params(spec: ModelSpec, tp: int, dp_shard: int, pp: int, stage: int) -> StageParams:
-    """The parameters of ``stage`` (layers split evenly; embedding on the first stage, norm and
-    head on the last). Layers are identical, so one is computed and multiplied."""
-    per_stage = spec.num_layers // pp
+    """The parameters of ``stage`` (:func:`stage_layers` layers; embedding on the first stage,
+    norm and head on the last). Layers are identical, so one is computed and multiplied."""
+    per_stage = stage_layers(spec.num_layers, pp, stage)
     block_local, block_gathered = _group_numels(spec, tuple(spec.block_tensors()), tp, dp_shard)
     root: list[ParamTensor] = []
     if stage == 0:
@@ -183,7 +200,7 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
         buffers = block_buffers + sum(root) * cb
     tokens = microbatch_tokens(run, layout)
     full, saved = layer_activation_elems(spec, layout)
-    layers = spec.num_layers // layout.pp
+    layers = stage_layers(spec.num_layers, layout.pp, stage)
     k = in_flight(layout, stage)
     cp_token, cp_layer = cp_activation_bytes(spec, run, layout)
     # the causal mask is built once per context and shared by every layer and microbatch
@@ -223,5 +240,9 @@ def memory_per_rank(spec: ModelSpec, run: Run, layout: Layout) -> Memory:
     stages = {0, layout.pp - 1}
     if layout.pp > 2:
         stages.add(1)
+    if spec.num_layers % layout.pp:  # uneven: the first stage holding the most layers too
+        stages.add(next(s for s in range(layout.pp)
+                        if stage_layers(spec.num_layers, layout.pp, s)
+                        == max_stage_layers(spec.num_layers, layout.pp)))
     return max((stage_memory(spec, run, layout, s) for s in sorted(stages)),
                key=lambda m: m.peak)

@@ -8,9 +8,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .search import Candidate, PlanResult
+from .layout import Layout
+from .memory import Memory
+from .search import Candidate, PlanResult, RuledOut
+from .timing import StepTime
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 def _gib(n: float) -> str:
@@ -77,27 +80,88 @@ def ruled_out_summary(result: PlanResult, examples: int = 3) -> str:
     return "\n".join(lines)
 
 
+def _dims_json(lay: Layout) -> dict[str, Any]:
+    return {"name": lay.name, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
+            "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "microbatches": lay.microbatches,
+            "activation_checkpointing": lay.activation_checkpointing}
+
+
+def time_json(t: StepTime) -> dict[str, float]:
+    """The parts of a predicted step, in ms (they add up to more than ``step_ms`` where
+    collectives overlap compute: only their exposed part is in the step)."""
+    return {"compute_ms": t.compute_s * 1e3, "bubble_ms": t.bubble_s * 1e3,
+            "tp_ms": t.tp_s * 1e3, "pp_ms": t.pp_s * 1e3,
+            "fsdp_exposed_ms": t.fsdp_exposed_s * 1e3, "dp_exposed_ms": t.dp_exposed_s * 1e3,
+            "optimizer_ms": t.optimizer_s * 1e3}
+
+
 def layout_json(c: Candidate) -> dict[str, Any]:
-    lay = c.layout
     out: dict[str, Any] = {
-        "name": lay.name, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
-        "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "microbatches": lay.microbatches,
-        "activation_checkpointing": lay.activation_checkpointing,
-        "memory": c.memory.to_json(), "predicted_step_ms": c.time.step_ms,
+        **_dims_json(c.layout), "memory": c.memory.to_json(),
+        "predicted_step_ms": c.time.step_ms, "time": time_json(c.time),
     }
     if c.measured is not None:
-        out["measured"] = {"peak": c.measured.get("peak"), "step_ms": c.measured.get("step_ms")}
+        # the prediction the --measure table compares: this machine's calibrated profile, not
+        # the shipped one of predicted_step_ms above
+        out["measured"] = {key: c.measured.get(key) for key in (
+            "peak", "step_ms", "predicted_peak", "predicted_step_ms")}
+    return out
+
+
+def ruled_out_json(x: RuledOut) -> dict[str, Any]:
+    out: dict[str, Any] = {**_dims_json(x.layout), "kind": x.kind, "reason": x.reason}
+    if x.memory is not None and x.time is not None:
+        out.update(over_bytes=x.over_bytes, memory=x.memory.to_json(),
+                   predicted_step_ms=x.time.step_ms, time=time_json(x.time))
     return out
 
 
 def to_json(result: PlanResult) -> dict[str, Any]:
-    """The ``--json`` document (schema in docs/planning.md): fitting layouts, best first."""
-    return {"parameters": result.spec.parameters,
-            "layouts": [layout_json(c) for c in result.ranked]}
+    """The ``--json`` document (schema in docs/planning.md): fitting layouts, best first, and
+    the ruled-out ones with their reason (out-of-memory ones with their numbers)."""
+    return {"schema_version": SCHEMA_VERSION, "parameters": result.spec.parameters,
+            "device_memory": result.run.device_memory,
+            "layouts": [layout_json(c) for c in result.ranked],
+            "ruled_out": [ruled_out_json(x) for x in result.ruled_out]}
 
 
 def write_json(result: PlanResult, path: str | Path) -> None:
     Path(path).write_text(json.dumps(to_json(result), indent=2) + "\n")
+
+
+def _memory_lines(m: Memory) -> list[str]:
+    g = 2**30
+    held = "" if m.grads_at_peak else " (not live at the peak)"
+    return [f"  memory per rank (stage {m.stage}, GiB): params {m.params / g:.2f}, grads "
+            f"{m.grads / g:.2f}{held}, optimizer {m.optimizer / g:.2f}, fsdp buffers "
+            f"{m.fsdp_buffers / g:.2f}, activations {m.activations / g:.2f}; peak "
+            f"{m.peak / g:.2f}"]
+
+
+def describe_one(result: PlanResult, x: Candidate | RuledOut) -> str:
+    """The breakdown of one given layout (``--layout``): memory and time, and whether it fits
+    (by how much it does not)."""
+    r = result.run
+    lines = [f"{result.spec.name}: {result.spec.parameters:,} parameters; world {r.world} "
+             f"({r.gpus_per_node}/node) on {result.profile.name}; seq {r.seq_len}, global "
+             f"batch {r.global_batch}, {r.param_dtype}, {r.optimizer}; device memory "
+             f"{r.device_memory / 2**30:.2f} GiB",
+             f"layout {x.layout.name}:"]
+    if isinstance(x, RuledOut):
+        lines.append(f"  does not run: {x.reason}")
+        if x.memory is None or x.time is None:
+            return "\n".join(lines)
+        mem, t = x.memory, x.time
+    else:
+        lines.append(f"  fits, {(r.device_memory - x.memory.peak) / 2**30:.2f} GiB to spare")
+        mem, t = x.memory, x.time
+    lines += _memory_lines(mem)
+    parts = ", ".join(f"{k[:-3]} {v:.1f}" for k, v in time_json(t).items())
+    tok = r.global_batch * r.seq_len / t.step_s / r.world
+    lines.append(f"  step {t.step_ms:.1f} ms ({tok:,.0f} tok/s/device"
+                 f"{' if it had the memory' if isinstance(x, RuledOut) else ''}); parts (ms): "
+                 f"{parts}")
+    return "\n".join(lines)
 
 
 def frontier(result: PlanResult) -> list[Candidate]:

@@ -37,9 +37,20 @@ class Candidate:
 
 @dataclass
 class RuledOut:
+    """A layout that cannot run: ``kind`` ``divisibility`` (its dims do not divide the model
+    or batch; no numbers) or ``oom`` (``memory`` and ``time`` as if it had the memory)."""
+
     layout: Layout
     reason: str
     kind: str  # "divisibility" or "oom"
+    memory: Memory | None = None
+    time: StepTime | None = None
+    device_memory: int = 0
+
+    @property
+    def over_bytes(self) -> int:
+        """Bytes the peak exceeds the device by (0 unless ``oom``)."""
+        return 0 if self.memory is None else self.memory.peak - self.device_memory
 
 
 @dataclass
@@ -67,8 +78,9 @@ def shape_problems(spec: ModelSpec, run: Run, layout: Layout) -> list[str]:
     if layout.cp > 1 and run.seq_len % (2 * layout.cp):
         out.append(f"seq_len={run.seq_len} % (2*cp)={2 * layout.cp} != 0 (context parallel "
                    "splits it into 2*cp head-tail chunks)")
-    if spec.num_layers % pp:
-        out.append(f"num_hidden_layers={spec.num_layers} % pp={pp} != 0")
+    if pp > spec.num_layers:
+        out.append(f"pp={pp} > num_hidden_layers={spec.num_layers} leaves stages without a "
+                   "layer")
     if run.global_batch % dp:
         out.append(f"global_batch={run.global_batch} % (dp_replicate*dp_shard)={dp} != 0")
     elif (run.global_batch // dp) % m:
@@ -126,12 +138,34 @@ def plan(spec: ModelSpec, run: Run, profile: DeviceProfile, *,
             result.ruled_out.append(RuledOut(layout, "; ".join(problems), "divisibility"))
             continue
         mem = memory_per_rank(spec, run, layout)
-        if mem.peak > run.device_memory:
-            result.ruled_out.append(RuledOut(
-                layout, f"OOM by {gib(mem.peak - run.device_memory)} (peak {gib(mem.peak)} on "
-                        f"stage {mem.stage} > {gib(run.device_memory)})", "oom"))
-            continue
         t = step_time(spec, run, layout, profile, mem)
+        if mem.peak > run.device_memory:
+            result.ruled_out.append(RuledOut(layout, oom_reason(mem, run), "oom", mem, t,
+                                             run.device_memory))
+            continue
         result.ranked.append(Candidate(layout, mem, t, tokens / t.step_s / run.world))
     result.ranked.sort(key=lambda c: (c.time.step_s, c.memory.peak))
     return result
+
+
+def oom_reason(mem: Memory, run: Run) -> str:
+    return (f"OOM by {gib(mem.peak - run.device_memory)} (peak {gib(mem.peak)} on stage "
+            f"{mem.stage} > {gib(run.device_memory)})")
+
+
+def evaluate(spec: ModelSpec, run: Run, layout: Layout,
+             profile: DeviceProfile) -> Candidate | RuledOut:
+    """One given layout: a :class:`Candidate` when it fits, else a :class:`RuledOut` with the
+    reason (and, when only memory rules it out, its memory and time as if it fitted)."""
+    if layout.world != run.world:
+        raise ValueError(f"hyperpar plan: layout {layout.name} has {layout.world} ranks but "
+                         f"--world is {run.world}; give a layout whose dims multiply to the "
+                         "world size")
+    problems = shape_problems(spec, run, layout)
+    if problems:
+        return RuledOut(layout, "; ".join(problems), "divisibility")
+    mem = memory_per_rank(spec, run, layout)
+    t = step_time(spec, run, layout, profile, mem)
+    if mem.peak > run.device_memory:
+        return RuledOut(layout, oom_reason(mem, run), "oom", mem, t, run.device_memory)
+    return Candidate(layout, mem, t, run.global_batch * run.seq_len / t.step_s / run.world)

@@ -19,7 +19,14 @@ from dataclasses import dataclass, field
 
 from .devices import GROUP_COSTS, DeviceProfile
 from .layout import Layout, Run
-from .memory import MASTER_BYTES, Memory, microbatch_tokens, stage_params
+from .memory import (
+    MASTER_BYTES,
+    Memory,
+    max_stage_layers,
+    microbatch_tokens,
+    stage_layers,
+    stage_params,
+)
 from .model import ModelSpec
 
 
@@ -87,7 +94,7 @@ def collectives(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> list[C
     ds = layout.fsdp_shard  # fully_shard's group: dp_shard, or the flattened dp_shard x cp
     cb = run.compute_bytes
     tokens = microbatch_tokens(run, layout)
-    layers = spec.num_layers // pp
+    layers = stage_layers(spec.num_layers, pp, stage)
     first, last = stage == 0, stage == pp - 1
     out: list[Collective] = []
     if tp > 1:
@@ -151,7 +158,7 @@ def cp_collectives(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> lis
     ``dp_shard x cp`` group instead (in :func:`collectives`, booked on ``dp_shard``)."""
     if layout.cp == 1:
         return []
-    layers = spec.num_layers // layout.pp
+    layers = stage_layers(spec.num_layers, layout.pp, stage)
     kv = microbatch_tokens(run, layout) * layout.cp * spec.kv_dim // layout.tp * run.compute_bytes
     passes = 2 if layout.activation_checkpointing else 1
     out = [Collective("cp", "ag", kv, 2 * passes * layers, "microbatch", "attention K, V"),
@@ -197,7 +204,7 @@ def cp_attention_flops(spec: ModelSpec, run: Run, layout: Layout) -> float:
 
 def local_tensors(spec: ModelSpec, layout: Layout, stage: int) -> int:
     """Parameter tensors a rank of ``stage`` holds (what the optimizer loops over)."""
-    n = spec.num_layers // layout.pp * len(spec.block_tensors())
+    n = stage_layers(spec.num_layers, layout.pp, stage) * len(spec.block_tensors())
     if stage == 0:
         n += len(spec.embed_tensors())
     if stage == layout.pp - 1:
@@ -256,11 +263,12 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
     rate = profile.flops_at(run.param_dtype, matmul_size(spec, run, layout))
     compute_step = step_flops(spec, run, layout.activation_checkpointing) / run.world / rate
     compute_mb = compute_step / m
-    layers = spec.num_layers // pp
+    layers = max_stage_layers(spec.num_layers, pp)  # the stage the pipeline waits for
     colls = collectives(spec, run, layout, memory.stage)
     tp_on = layout.tp > 1
     compute_step += cp_attention_flops(spec, run, layout) / run.world / rate
-    compute_mb = compute_step / m
+    # uneven stages: the pipeline runs at the pace of the stage with the most layers
+    compute_mb = compute_step / m * (layers * pp / spec.num_layers)
     comm: dict[str, float] = {"tp": 0.0, "dp_shard": 0.0, "dp_replicate": 0.0, "pp": 0.0,
                               "cp": 0.0}
     for c in colls:

@@ -14,7 +14,9 @@ from hyperpar.cli import main
 from ._common import LLAMA2_7B, ROOT
 
 LAYOUT_KEYS = {"name", "dp_replicate", "dp_shard", "tp", "pp", "cp", "microbatches",
-               "activation_checkpointing", "memory", "predicted_step_ms"}
+               "activation_checkpointing", "memory", "predicted_step_ms", "time"}
+TIME_KEYS = {"compute_ms", "bubble_ms", "tp_ms", "pp_ms", "fsdp_exposed_ms", "dp_exposed_ms",
+             "optimizer_ms"}
 MEMORY_KEYS = {"params", "grads", "optimizer", "activations", "peak", "grads_at_peak"}
 
 
@@ -27,12 +29,13 @@ def test_json_schema(tmp_path, capsys) -> None:
     out = tmp_path / "plan.json"
     assert main(_plan("--json", str(out))) == 0
     doc = json.loads(out.read_text())
-    assert set(doc) == {"parameters", "layouts"}
+    assert set(doc) == {"schema_version", "parameters", "device_memory", "layouts", "ruled_out"}
     assert doc["parameters"] == 6_738_415_616
     assert doc["layouts"]
     for lay in doc["layouts"]:
         assert set(lay) == LAYOUT_KEYS
         assert set(lay["memory"]) == MEMORY_KEYS
+        assert set(lay["time"]) == TIME_KEYS
         mem = lay["memory"]
         assert all(isinstance(v, int) for v in mem.values())
         assert isinstance(mem["grads_at_peak"], bool)
@@ -111,3 +114,77 @@ def test_profile_file_round_trips_and_bad_keys_are_named(tmp_path, capsys) -> No
     path.write_text('{"name": "x", "flops": 1}')
     with pytest.raises(ValueError, match=r"unknown keys \['flops'\]"):
         load_profile(path)
+
+
+def test_json_carries_ruled_out_layouts_with_numbers(tmp_path) -> None:
+    out = tmp_path / "plan.json"
+    assert main(_plan("--json", str(out))) == 0
+    doc = json.loads(out.read_text())
+    kinds = {x["kind"] for x in doc["ruled_out"]}
+    assert kinds == {"oom", "divisibility"}
+    for x in doc["ruled_out"]:
+        assert x["reason"]
+        if x["kind"] == "oom":
+            assert x["memory"]["peak"] - doc["device_memory"] == x["over_bytes"] > 0
+            assert x["predicted_step_ms"] > 0 and set(x["time"]) == TIME_KEYS
+        else:
+            assert "memory" not in x
+    # the reasons name the dims: tp=64 does not divide 32 heads
+    assert any("num_attention_heads=32 % tp=64" in x["reason"] for x in doc["ruled_out"])
+
+
+def test_device_memory_units_one_rule() -> None:
+    from hyperpar.plan.cli import parse_bytes
+
+    assert parse_bytes("80GB") == 80 * 10**9          # decimal, as vendors print it
+    assert parse_bytes("80GiB") == 80 * 2**30         # binary
+    assert parse_bytes("80G") == parse_bytes("80gib")  # bare letters are binary
+    assert parse_bytes("512MB") == 512 * 10**6 and parse_bytes("512MiB") == 512 * 2**20
+    doc = (ROOT / "docs" / "planning.md").read_text()
+    assert "`80GB` = 80·10⁹ bytes" in doc and "`80GiB` = `80G` = 80·2³⁰ bytes" in doc
+
+
+def test_device_memory_80gb_is_applied_as_decimal(capsys) -> None:
+    # 80 GB = 74.51 GiB is the limit the layout is checked against
+    assert main(_plan("--device-memory", "80GB", "--layout", "dp64.mb1")) == 1
+    assert "device memory 74.51 GiB" in capsys.readouterr().out
+
+
+def test_json_survives_a_reader_that_leaves(tmp_path) -> None:
+    """`hyperpar plan ... --json out.json | head -1`: the JSON is written, no traceback."""
+    out = tmp_path / "plan.json"
+    proc = subprocess.Popen([sys.executable, "-m", "hyperpar.plan.cli", *_plan(
+        "--json", str(out), "--top", "200")[1:]], cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, bufsize=0)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.readline()
+    proc.stdout.close()  # what `head -1` does after its line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err
+    assert json.loads(out.read_text())["layouts"]
+
+
+def test_one_layout_is_evaluated_even_when_it_does_not_fit(tmp_path, capsys) -> None:
+    out = tmp_path / "one.json"
+    assert main(_plan("--layout", "dp64.mb1", "--json", str(out))) == 1
+    text = capsys.readouterr().out
+    assert "layout dp64.mb1:" in text and "does not run: OOM by" in text
+    assert "step" in text and "activations" in text
+    doc = json.loads(out.read_text())
+    assert doc["layouts"] == [] and len(doc["ruled_out"]) == 1
+    assert doc["ruled_out"][0]["over_bytes"] > 0
+    assert main(_plan("--layout", "fsdp64.mb1")) == 0
+    assert "fits" in capsys.readouterr().out
+    assert main(_plan("--layout", "tp64.mb1")) == 1
+    assert "num_attention_heads=32 % tp=64" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name,message", [
+    ("dp8.fsdp4.mb1", "has 32 ranks but --world is 64"),
+    ("dp64.mb1.zz", "'zz' not understood"),
+    ("dp8.dp8.mb1", "gives dp twice"),
+])
+def test_bad_layout_is_named(name, message, capsys) -> None:
+    assert main(_plan("--layout", name)) == 2
+    assert message in capsys.readouterr().err
