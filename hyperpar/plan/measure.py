@@ -103,6 +103,14 @@ def compare(example: str | dict[str, int], layout: Layout, run: Run, profile: De
             "step_ms_predicted": pred.step_ms, "step_ms_measured": got["step_ms"]}
 
 
+def measured_entry(row: dict[str, Any]) -> dict[str, float]:
+    """What ``--json`` keeps of a ``--measure`` row: the measured peak and step and the
+    prediction the printed table compares them with (this machine's calibrated profile)."""
+    return {"peak": row["peak_measured"], "step_ms": row["step_ms_measured"],
+            "predicted_peak": row["peak_predicted"],
+            "predicted_step_ms": row["step_ms_predicted"]}
+
+
 def print_rows(rows: list[dict[str, Any]]) -> None:
     print(f"{'world':>5}  {'layout':<22} {'states pred':>12} {'states meas':>12} "
           f"{'peak pred':>10} {'peak meas':>10} {'err':>5} {'step ms pred':>12} "
@@ -154,8 +162,7 @@ def measure_top(result: PlanResult, spec: ModelSpec, args: argparse.Namespace,
             for c in chosen:
                 row = compare(args.example, c.layout, run, profile, pool=pool)
                 rows.append(row)
-                c.measured = {"peak": row["peak_measured"],
-                              "step_ms": row["step_ms_measured"]}
+                c.measured = measured_entry(row)
                 if world == result.run.world:
                     for mine in result.ranked:
                         if mine.layout == c.layout:

@@ -188,3 +188,31 @@ def test_one_layout_is_evaluated_even_when_it_does_not_fit(tmp_path, capsys) -> 
 def test_bad_layout_is_named(name, message, capsys) -> None:
     assert main(_plan("--layout", name)) == 2
     assert message in capsys.readouterr().err
+
+
+def test_measured_json_carries_the_calibrated_prediction() -> None:
+    """Bug (d): --json put the shipped profile's prediction beside this machine's measured step;
+    the entry now carries the prediction the printed --measure table compares (the row's). The
+    measurement itself runs in tests/plan/test_measure.py; here the row is built from two real
+    predictions so that the two figures differ."""
+    from hyperpar.plan import Layout, Run, example_spec, get_profile, plan
+    from hyperpar.plan.measure import measured_entry
+    from hyperpar.plan.memory import memory_per_rank
+    from hyperpar.plan.report import to_json
+    from hyperpar.plan.timing import step_time
+
+    spec, run = example_spec("tiny"), Run(world=2, seq_len=16, global_batch=8,
+                                          param_dtype="float32")
+    result = plan(spec, run, get_profile("h100"))
+    best = result.ranked[0]
+    other = get_profile("a100")  # stands for the calibrated profile
+    mem = memory_per_rank(spec, run, best.layout)
+    calibrated = step_time(spec, run, best.layout, other, mem).step_ms
+    row = {"peak_measured": 1000, "step_ms_measured": 12.5, "peak_predicted": mem.peak,
+           "step_ms_predicted": calibrated}
+    best.measured = measured_entry(row)
+    doc = to_json(result)["layouts"][0]
+    assert doc["measured"] == {"peak": 1000, "step_ms": 12.5, "predicted_peak": mem.peak,
+                               "predicted_step_ms": calibrated}
+    assert doc["predicted_step_ms"] != calibrated
+    assert isinstance(best.layout, Layout)

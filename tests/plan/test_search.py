@@ -23,8 +23,11 @@ def test_dims_that_do_not_divide_are_named() -> None:
     assert "num_attention_heads=32 % tp=3" in "; ".join(shape_problems(SPEC, run,
                                                                        Layout(tp=3, pp=2,
                                                                               microbatches=2)))
-    problems = shape_problems(SPEC, run, Layout(dp_shard=2, pp=3, microbatches=3))
-    assert any("num_hidden_layers=32 % pp=3" in p for p in problems)
+    # 32 layers on 3 stages are split unevenly (11, 11, 10 less the first's): no problem
+    assert shape_problems(SPEC, run, Layout(dp_shard=2, pp=3, microbatches=3)) == []
+    problems = shape_problems(SPEC, Run(world=64, seq_len=4096, global_batch=64),
+                              Layout(pp=64, microbatches=64))
+    assert any("pp=64 > num_hidden_layers=32" in p for p in problems)
     problems = shape_problems(SPEC, Run(world=8, seq_len=4096, global_batch=12),
                               Layout(dp_shard=8))
     assert any("global_batch=12 % (dp_replicate*dp_shard)=8" in p for p in problems)
@@ -69,7 +72,9 @@ def test_pipeline_time_matches_the_schedule_simulator(schedule: str, pp: int, m:
     pytest.importorskip("torch")  # hyperpar.pipeline's package imports torch
     from hyperpar.pipeline.schedules import gpipe_plan, one_f_one_b_plan, timeline
 
-    spec = example_spec("llama")
+    from dataclasses import replace
+
+    spec = replace(example_spec("llama"), num_layers=8)  # layers for every stage
     run = Run(world=pp, seq_len=64, global_batch=m)
     lay = Layout(pp=pp, microbatches=m, schedule=schedule)  # type: ignore[arg-type]
     # communication free, so the simulator (which ignores it) and the model agree exactly
@@ -224,3 +229,36 @@ def test_llama2_7b_on_1024_ranks_has_fully_sharded_cp_layouts_that_fit() -> None
     assert all(x.kind == "oom" for x in result.ruled_out
                if x.layout.cp > 1 and x.layout.dp_shard == 1
                and not shape_problems(SPEC, run, x.layout))
+
+
+def test_uneven_pipeline_stages_126_layers() -> None:
+    """Bug (c): Llama 3.1 405B's 126 layers on pp=8 and pp=16 are split as torchtitan splits
+    them (one layer less on the first and last stage), not refused."""
+    from hyperpar.plan.memory import stage_layers, stage_params
+    from hyperpar.plan.model import ModelSpec
+    from hyperpar.plan.search import evaluate
+
+    assert [stage_layers(126, 8, s) for s in range(8)] == [15] + [16] * 6 + [15]
+    assert [stage_layers(126, 16, s) for s in range(16)] == [7] + [8] * 14 + [7]
+    assert [stage_layers(10, 4, s) for s in range(4)] == [2, 3, 3, 2]
+    assert [stage_layers(11, 4, s) for s in range(4)] == [2, 3, 3, 3]
+    for layers, pp in ((126, 8), (126, 16), (7, 3), (32, 5)):
+        assert sum(stage_layers(layers, pp, s) for s in range(pp)) == layers
+    spec = ModelSpec("llama-3.1-405b", 16384, 53248, 126, 128, 8, 128256)
+    run = Run(world=512, seq_len=8192, global_batch=64)
+    layout = Layout(dp_shard=8, tp=8, pp=8, microbatches=8)
+    got = evaluate(spec, run, layout, get_profile("h100"))
+    assert got.memory is not None  # evaluated, not refused for divisibility
+    # the stages' parameters add up to the model's (tp=1, no fsdp: exact counts)
+    total = sum(stage_params(spec, 1, 1, 8, s).local for s in range(8))
+    assert total == spec.parameters
+    first, middle = (stage_params(spec, 1, 1, 8, s).local for s in (0, 1))
+    assert middle - first == spec.block_params - spec.vocab_size * spec.hidden_size
+
+
+def test_layout_names_parse_back() -> None:
+    from hyperpar.plan.layout import parse_layout
+    from hyperpar.plan.search import enumerate_layouts
+
+    for lay in enumerate_layouts(SPEC, Run(world=16, seq_len=2048, global_batch=32)):
+        assert parse_layout(lay.name) == lay
