@@ -66,6 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", choices=("adamw", "sgd", "sgd-momentum"), default="adamw")
     p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
                    help="pipeline schedule for pp > 1 (default 1f1b)")
+    p.add_argument("--loss-parallel", action="store_true",
+                   help="layouts with tp compute the loss on vocabulary shards "
+                        "(hyperpar.loss_parallel; names end in .lp) instead of all-gathering "
+                        "the logits")
     p.add_argument("--max-tp", type=int, default=None, metavar="T",
                    help="consider tp up to T only (default: any)")
     p.add_argument("--layout", default=None, metavar="NAME",
@@ -130,7 +134,8 @@ def _report_one(spec: ModelSpec, job: Run, profile: DeviceProfile, one: Candidat
 def _report_search(spec: ModelSpec, job: Run, profile: DeviceProfile,
                    args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    result = plan(spec, job, profile, schedule=args.schedule, max_tp=args.max_tp)
+    result = plan(spec, job, profile, schedule=args.schedule, max_tp=args.max_tp,
+                  loss_parallel=args.loss_parallel)
     elapsed = time.perf_counter() - start
     if args.measure:
         from .measure import measure_top

@@ -69,6 +69,9 @@ class Layout:
     microbatches: int = 1
     activation_checkpointing: bool = False
     schedule: Schedule = "1f1b"
+    #: under tp, compute the loss on the vocabulary shards (``hyperpar.loss_parallel``)
+    #: instead of all-gathering the logits: no rank holds full-vocabulary logits
+    loss_parallel: bool = False
 
     @property
     def world(self) -> int:
@@ -109,6 +112,8 @@ class Layout:
             parts.append(self.schedule)
         if self.activation_checkpointing:
             parts.append("ac")
+        if self.loss_parallel:
+            parts.append("lp")
         return ".".join(parts)
 
 
@@ -118,7 +123,7 @@ _NAME_DIMS = {"dp": "dp_replicate", "fsdp": "dp_shard", "tp": "tp", "pp": "pp", 
 
 def parse_layout(name: str, schedule: Schedule = "1f1b") -> Layout:
     """The :class:`Layout` a name as :attr:`Layout.name` prints it stands for:
-    ``dp8.fsdp128.tp8.pp16.mb16``, optionally ``.1f1b``/``.gpipe`` and ``.ac`` (``single``:
+    ``dp8.fsdp128.tp8.pp16.mb16``, optionally ``.1f1b``/``.gpipe``, ``.ac`` and ``.lp`` (``single``:
     one rank). Dims left out are 1; ``schedule`` applies where the name gives none."""
     fields: dict[str, object] = {"schedule": schedule}
     seen: set[str] = set()
@@ -136,10 +141,13 @@ def parse_layout(name: str, schedule: Schedule = "1f1b") -> Layout:
             fields["schedule"] = part
         elif part == "ac":
             fields["activation_checkpointing"] = True
+        elif part == "lp":
+            fields["loss_parallel"] = True
         elif part != "single":
             raise ValueError(
                 f"hyperpar plan: layout {name!r}: {part!r} not understood; write the names "
                 "the planner prints, parts joined by '.': dpN (dp_replicate), fsdpN "
-                "(dp_shard), tpN, ppN, cpN, mbN (microbatches), 1f1b|gpipe, ac, e.g. "
+                "(dp_shard), tpN, ppN, cpN, mbN (microbatches), 1f1b|gpipe, ac, lp (loss "
+                "parallel), e.g. "
                 "dp8.fsdp128.tp8.pp16.mb16")
     return Layout(**fields)  # type: ignore[arg-type]

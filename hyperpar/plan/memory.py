@@ -215,9 +215,12 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
         # before the logits are all-gathered to replicate (the plan without loss_parallel)
         held = layout.microbatches if layout.pp > 1 and layout.schedule == "gpipe" else 1
         vocab = spec.vocab_size
+        if tp > 1 and layout.loss_parallel:
+            # loss_parallel: logits, log-softmax and its gradient stay vocabulary shards
+            vocab = _cdiv(vocab, tp)
         act += held * tokens * vocab * MASTER_BYTES
         around_loss = tokens * vocab * (cb + MASTER_BYTES)
-        if tp > 1:
+        if tp > 1 and not layout.loss_parallel:
             around_loss += tokens * _cdiv(vocab, tp) * cb
         if ds > 1 and not layout.activation_checkpointing:
             # fully_shard reshards every block after its forward and gathers the last one

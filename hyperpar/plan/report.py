@@ -83,7 +83,8 @@ def ruled_out_summary(result: PlanResult, examples: int = 3) -> str:
 def _dims_json(lay: Layout) -> dict[str, Any]:
     return {"name": lay.name, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
             "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "microbatches": lay.microbatches,
-            "activation_checkpointing": lay.activation_checkpointing}
+            "activation_checkpointing": lay.activation_checkpointing,
+            "loss_parallel": lay.loss_parallel}
 
 
 def time_json(t: StepTime) -> dict[str, float]:

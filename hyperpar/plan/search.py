@@ -99,7 +99,7 @@ def _factorisations(n: int, parts: int) -> list[tuple[int, ...]]:
 
 
 def enumerate_layouts(spec: ModelSpec, run: Run, *, schedule: Schedule = "1f1b",
-                      max_tp: int | None = None) -> list[Layout]:
+                      max_tp: int | None = None, loss_parallel: bool = False) -> list[Layout]:
     """Every ``dp_replicate x dp_shard x tp x pp`` of ``run.world``, and every
     ``dp_replicate x dp_shard x cp`` with ``cp > 1`` (context parallelism is searched with
     ``tp = pp = 1``: its composition with tp and pp is not modelled; with ``dp_shard > 1``
@@ -118,7 +118,8 @@ def enumerate_layouts(spec: ModelSpec, run: Run, *, schedule: Schedule = "1f1b",
             for ac in (False, True):
                 out.append(Layout(dp_replicate=dr, dp_shard=ds, tp=tp, pp=pp, cp=cp,
                                   microbatches=m,
-                                  activation_checkpointing=ac, schedule=schedule))
+                                  activation_checkpointing=ac, schedule=schedule,
+                                  loss_parallel=loss_parallel and tp > 1))
     return out
 
 
@@ -127,11 +128,14 @@ def gib(n: float) -> str:
 
 
 def plan(spec: ModelSpec, run: Run, profile: DeviceProfile, *,
-         schedule: Schedule = "1f1b", max_tp: int | None = None) -> PlanResult:
-    """Search every layout of ``run`` for ``spec`` on ``profile``'s devices."""
+         schedule: Schedule = "1f1b", max_tp: int | None = None,
+         loss_parallel: bool = False) -> PlanResult:
+    """Search every layout of ``run`` for ``spec`` on ``profile``'s devices
+    (``loss_parallel``: the layouts with tp compute the loss on vocabulary shards)."""
     result = PlanResult(spec, run, profile)
     tokens = run.global_batch * run.seq_len
-    for layout in enumerate_layouts(spec, run, schedule=schedule, max_tp=max_tp):
+    for layout in enumerate_layouts(spec, run, schedule=schedule, max_tp=max_tp,
+                                    loss_parallel=loss_parallel):
         result.considered += 1
         problems = shape_problems(spec, run, layout)
         if problems:

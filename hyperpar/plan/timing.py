@@ -109,9 +109,15 @@ def collectives(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> list[C
                     Collective("tp", "ag", act, 1, "microbatch", "embedding grad")]
         if last:  # head input gathered (grad reduce-scattered), logits gathered to replicate
             out += [Collective("tp", "ag", act, 1, "microbatch", "head input"),
-                    Collective("tp", "rs", act, 1, "microbatch", "head input grad"),
-                    Collective("tp", "ag", tokens * spec.vocab_size * cb, 1, "microbatch",
-                               "logits")]
+                    Collective("tp", "rs", act, 1, "microbatch", "head input grad")]
+            if layout.loss_parallel:
+                # the loss on vocabulary shards: the max, the sum of exponentials and the
+                # target's logit are all-reduced per token (fp32), not the logits gathered
+                out.append(Collective("tp", "ar", tokens * MASTER_BYTES, 3, "microbatch",
+                                      "loss-parallel reductions"))
+            else:
+                out.append(Collective("tp", "ag", tokens * spec.vocab_size * cb, 1,
+                                      "microbatch", "logits"))
         # norm weights see a sequence slice: their gradients are all-reduced over tp
         norms = 2 * layers + (1 if last else 0)
         out.append(Collective("tp", "ar", spec.hidden_size * MASTER_BYTES, norms, "step",

@@ -119,3 +119,25 @@ def test_llama2_7b_fully_sharded_cp_fits_80_gib_at_1024_ranks() -> None:
     loss_transient = tokens * SPEC.vocab_size * (2 + 4)
     assert loss_transient < fsdp_cp.fsdp_buffers
     assert replicas_cp.activations - fsdp_cp.activations == loss_transient
+
+
+def test_loss_parallel_keeps_vocabulary_shards() -> None:
+    """Under tp without loss_parallel every rank holds the full-vocabulary fp32 log-softmax,
+    the logits and their gradient, plus its shard before the all-gather; with loss_parallel
+    those are shards of ``vocab / tp``. The difference is exact (ds == 1: no buffer overlap)."""
+    from hyperpar.plan.memory import stage_memory
+    from hyperpar.plan.timing import collectives
+
+    run = Run(world=8, seq_len=4096, global_batch=8)
+    tp8 = Layout(tp=8, microbatches=1)
+    lp8 = Layout(tp=8, microbatches=1, loss_parallel=True)
+    tokens, v, cb = 8 * 4096, SPEC.vocab_size, 2  # one microbatch of 8 sequences
+    full = tokens * v * 4 + tokens * v * (cb + 4) + tokens * (v // 8) * cb
+    shard = tokens * (v // 8) * 4 + tokens * (v // 8) * (cb + 4)
+    a, b = stage_memory(SPEC, run, tp8, 0), stage_memory(SPEC, run, lp8, 0)
+    assert a.activations - b.activations == full - shard
+    assert a.states == b.states
+    what = {c.what for c in collectives(SPEC, run, lp8, 0)}
+    assert "logits" not in what and "loss-parallel reductions" in what
+    assert "logits" in {c.what for c in collectives(SPEC, run, tp8, 0)}
+    assert lp8.name == "tp8.mb1.lp"

@@ -70,9 +70,9 @@ def test_a_model_too_big_for_any_layout_ranks_none() -> None:
 @pytest.mark.parametrize("pp,m", [(2, 2), (4, 4), (4, 8)])
 def test_pipeline_time_matches_the_schedule_simulator(schedule: str, pp: int, m: int) -> None:
     pytest.importorskip("torch")  # hyperpar.pipeline's package imports torch
-    from hyperpar.pipeline.schedules import gpipe_plan, one_f_one_b_plan, timeline
-
     from dataclasses import replace
+
+    from hyperpar.pipeline.schedules import gpipe_plan, one_f_one_b_plan, timeline
 
     spec = replace(example_spec("llama"), num_layers=8)  # layers for every stage
     run = Run(world=pp, seq_len=64, global_batch=m)
