@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 
 from .devices import PROFILES, DeviceProfile, get_profile, load_profile
-from .layout import Run, parse_layout
+from .layout import SCHEDULES, Run, parse_layout
 from .model import EXAMPLES, ModelSpec, example_spec, from_hf_config
 from .report import describe_one, plot, ruled_out_summary, table, write_json
 from .search import Candidate, PlanResult, RuledOut, evaluate, plan
@@ -64,8 +64,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--param-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="compute dtype (bfloat16: mixed precision with fp32 masters)")
     p.add_argument("--optimizer", choices=("adamw", "sgd", "sgd-momentum"), default="adamw")
-    p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
-                   help="pipeline schedule for pp > 1 (default 1f1b)")
+    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
+                   help="pipeline schedule for pp > 1 (default 1f1b; interleaved1f1b with "
+                        "--virtual-stages chunks per rank; zbh1: zero-bubble H1)")
+    p.add_argument("--virtual-stages", type=int, default=2, metavar="V",
+                   help="model chunks per pipeline rank under interleaved1f1b (default 2)")
     p.add_argument("--loss-parallel", action="store_true",
                    help="layouts with tp compute the loss on vocabulary shards "
                         "(hyperpar.loss_parallel; names end in .lp) instead of all-gathering "
@@ -97,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
         job = Run(world=args.world, seq_len=args.seq_len, global_batch=args.global_batch,
                   param_dtype=args.param_dtype, optimizer=args.optimizer,
                   gpus_per_node=args.gpus_per_node, device_memory=memory)
-        given = parse_layout(args.layout, args.schedule) if args.layout else None
+        given = (parse_layout(args.layout, args.schedule, args.virtual_stages) if args.layout
+                 else None)
         if given is not None and args.measure:
             raise ValueError("--layout evaluates one layout by the model; --measure runs the "
                              "best ones on this machine: give one of them")
@@ -135,7 +139,7 @@ def _report_search(spec: ModelSpec, job: Run, profile: DeviceProfile,
                    args: argparse.Namespace) -> int:
     start = time.perf_counter()
     result = plan(spec, job, profile, schedule=args.schedule, max_tp=args.max_tp,
-                  loss_parallel=args.loss_parallel)
+                  loss_parallel=args.loss_parallel, virtual_stages=args.virtual_stages)
     elapsed = time.perf_counter() - start
     if args.measure:
         from .measure import measure_top

@@ -6,7 +6,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-Schedule = Literal["1f1b", "gpipe"]
+Schedule = Literal["1f1b", "gpipe", "interleaved1f1b", "zbh1"]
+SCHEDULES = ("1f1b", "gpipe", "interleaved1f1b", "zbh1")
 Optimizer = Literal["adamw", "sgd", "sgd-momentum"]
 DType = Literal["bfloat16", "float32"]
 
@@ -72,6 +73,8 @@ class Layout:
     #: under tp, compute the loss on the vocabulary shards (``hyperpar.loss_parallel``)
     #: instead of all-gathering the logits: no rank holds full-vocabulary logits
     loss_parallel: bool = False
+    #: model chunks per pipeline rank (``interleaved1f1b`` only; 1 otherwise)
+    virtual_stages: int = 1
 
     @property
     def world(self) -> int:
@@ -110,6 +113,8 @@ class Layout:
         parts.append(f"mb{self.microbatches}")
         if self.pp > 1:
             parts.append(self.schedule)
+            if self.virtual_stages > 1:
+                parts.append(f"v{self.virtual_stages}")
         if self.activation_checkpointing:
             parts.append("ac")
         if self.loss_parallel:
@@ -118,17 +123,18 @@ class Layout:
 
 
 _NAME_DIMS = {"dp": "dp_replicate", "fsdp": "dp_shard", "tp": "tp", "pp": "pp", "cp": "cp",
-              "mb": "microbatches"}
+              "mb": "microbatches", "v": "virtual_stages"}
 
 
-def parse_layout(name: str, schedule: Schedule = "1f1b") -> Layout:
+def parse_layout(name: str, schedule: Schedule = "1f1b", virtual_stages: int = 2) -> Layout:
     """The :class:`Layout` a name as :attr:`Layout.name` prints it stands for:
     ``dp8.fsdp128.tp8.pp16.mb16``, optionally ``.1f1b``/``.gpipe``, ``.ac`` and ``.lp`` (``single``:
-    one rank). Dims left out are 1; ``schedule`` applies where the name gives none."""
+    one rank). Dims left out are 1; ``schedule`` applies where the name gives none, and
+    ``virtual_stages`` to an interleaved pipeline whose name gives no ``vN``."""
     fields: dict[str, object] = {"schedule": schedule}
     seen: set[str] = set()
     for part in name.strip().lower().split("."):
-        match = re.fullmatch(r"(fsdp|dp|tp|pp|cp|mb)(\d+)", part)
+        match = re.fullmatch(r"(fsdp|dp|tp|pp|cp|mb|v)(\d+)", part)
         if match:
             key = _NAME_DIMS[match.group(1)]
             if key in seen:
@@ -137,7 +143,7 @@ def parse_layout(name: str, schedule: Schedule = "1f1b") -> Layout:
             fields[key] = int(match.group(2))
             if fields[key] < 1:
                 raise ValueError(f"hyperpar plan: layout {name!r}: {part} must be >= 1")
-        elif part in ("1f1b", "gpipe"):
+        elif part in SCHEDULES:
             fields["schedule"] = part
         elif part == "ac":
             fields["activation_checkpointing"] = True
@@ -147,7 +153,11 @@ def parse_layout(name: str, schedule: Schedule = "1f1b") -> Layout:
             raise ValueError(
                 f"hyperpar plan: layout {name!r}: {part!r} not understood; write the names "
                 "the planner prints, parts joined by '.': dpN (dp_replicate), fsdpN "
-                "(dp_shard), tpN, ppN, cpN, mbN (microbatches), 1f1b|gpipe, ac, lp (loss "
+                "(dp_shard), tpN, ppN, cpN, mbN (microbatches), a schedule "
+                "(1f1b|gpipe|interleaved1f1b|zbh1), vN (virtual stages), ac, lp (loss "
                 "parallel), e.g. "
                 "dp8.fsdp128.tp8.pp16.mb16")
+    if (fields["schedule"] == "interleaved1f1b" and "virtual_stages" not in seen
+            and int(fields.get("pp", 1)) > 1):  # type: ignore[call-overload]
+        fields["virtual_stages"] = virtual_stages
     return Layout(**fields)  # type: ignore[arg-type]

@@ -135,14 +135,21 @@ class Memory:
                 "grads_at_peak": self.grads_at_peak}
 
 
-def in_flight(layout: Layout, stage: int) -> int:
-    """Microbatches whose activations a stage holds at once: GPipe all of them, 1F1B
-    ``pp - stage`` (at most ``microbatches``), no pipeline one (gradient accumulation)."""
+def in_flight(layout: Layout, stage: int) -> float:
+    """Microbatches whose activations (of all the stage's layers) a stage holds at once: GPipe
+    all of them, 1F1B and ZB-H1 ``pp - stage`` (at most ``microbatches``; ZB-H1 keeps 1F1B's
+    peak, Qi et al. 2023), interleaved 1F1B with ``v`` chunks per rank ``pp - stage`` times
+    ``1 + (pp - 1) / (pp v)`` on the first (Narayanan et al. 2021, sec. 2.2.2: the first
+    stage's factor), no pipeline one (gradient accumulation)."""
     if layout.pp == 1:
         return 1
     if layout.schedule == "gpipe":
         return layout.microbatches
-    return min(layout.pp - stage, layout.microbatches)
+    k = min(layout.pp - stage, layout.microbatches)
+    if layout.schedule == "interleaved1f1b":
+        v = layout.virtual_stages
+        return min(k * (1 + (layout.pp - 1) / (layout.pp * v)), layout.microbatches)
+    return k
 
 
 def microbatch_tokens(run: Run, layout: Layout) -> int:

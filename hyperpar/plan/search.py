@@ -87,6 +87,18 @@ def shape_problems(spec: ModelSpec, run: Run, layout: Layout) -> list[str]:
         out.append(f"per-replica batch {run.global_batch // dp} % microbatches={m} != 0")
     if pp > 1 and m < pp:
         out.append(f"microbatches={m} < pp={pp} leaves stages idle")
+    v = layout.virtual_stages
+    if layout.schedule == "interleaved1f1b":
+        if v < 2:
+            out.append(f"interleaved1f1b needs virtual_stages >= 2, got {v}")
+        if pp > 1 and m % pp:
+            out.append(f"microbatches={m} % pp={pp} != 0 (interleaved 1F1B runs microbatches "
+                       "in groups of pp)")
+        if pp * v > spec.num_layers:
+            out.append(f"pp*virtual_stages={pp * v} > num_hidden_layers={spec.num_layers}")
+    elif v != 1:
+        out.append(f"virtual_stages={v} needs schedule interleaved1f1b, not "
+                   f"{layout.schedule}")
     if layout.world != run.world:
         out.append(f"layout has {layout.world} ranks, the run {run.world}")
     return out
@@ -99,7 +111,8 @@ def _factorisations(n: int, parts: int) -> list[tuple[int, ...]]:
 
 
 def enumerate_layouts(spec: ModelSpec, run: Run, *, schedule: Schedule = "1f1b",
-                      max_tp: int | None = None, loss_parallel: bool = False) -> list[Layout]:
+                      max_tp: int | None = None, loss_parallel: bool = False,
+                      virtual_stages: int = 2) -> list[Layout]:
     """Every ``dp_replicate x dp_shard x tp x pp`` of ``run.world``, and every
     ``dp_replicate x dp_shard x cp`` with ``cp > 1`` (context parallelism is searched with
     ``tp = pp = 1``: its composition with tp and pp is not modelled; with ``dp_shard > 1``
@@ -119,7 +132,9 @@ def enumerate_layouts(spec: ModelSpec, run: Run, *, schedule: Schedule = "1f1b",
                 out.append(Layout(dp_replicate=dr, dp_shard=ds, tp=tp, pp=pp, cp=cp,
                                   microbatches=m,
                                   activation_checkpointing=ac, schedule=schedule,
-                                  loss_parallel=loss_parallel and tp > 1))
+                                  loss_parallel=loss_parallel and tp > 1,
+                                  virtual_stages=virtual_stages
+                                  if schedule == "interleaved1f1b" and pp > 1 else 1))
     return out
 
 
@@ -129,13 +144,15 @@ def gib(n: float) -> str:
 
 def plan(spec: ModelSpec, run: Run, profile: DeviceProfile, *,
          schedule: Schedule = "1f1b", max_tp: int | None = None,
-         loss_parallel: bool = False) -> PlanResult:
+         loss_parallel: bool = False, virtual_stages: int = 2) -> PlanResult:
     """Search every layout of ``run`` for ``spec`` on ``profile``'s devices
-    (``loss_parallel``: the layouts with tp compute the loss on vocabulary shards)."""
+    (``loss_parallel``: the layouts with tp compute the loss on vocabulary shards;
+    ``virtual_stages``: chunks per pipeline rank under ``interleaved1f1b``)."""
     result = PlanResult(spec, run, profile)
     tokens = run.global_batch * run.seq_len
     for layout in enumerate_layouts(spec, run, schedule=schedule, max_tp=max_tp,
-                                    loss_parallel=loss_parallel):
+                                    loss_parallel=loss_parallel,
+                                    virtual_stages=virtual_stages):
         result.considered += 1
         problems = shape_problems(spec, run, layout)
         if problems:

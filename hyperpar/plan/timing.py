@@ -263,6 +263,19 @@ def ramp_speed(run: Run, layout: Layout, profile: DeviceProfile) -> float:
     return max(ranks / 2 / profile.cores, 1.0) / shared
 
 
+def bubble_factor(layout: Layout) -> float:
+    """The pipeline bubble relative to 1F1B's ``(pp - 1)`` slots of one microbatch's forward
+    + backward: interleaved 1F1B with ``v`` chunks per rank ``1 / v`` (Narayanan et al. 2021,
+    eq. 2); ZB-H1 ``1 / 3``: ``(pp - 1)(T_F + T_B - T_W)`` with forward, input-gradient and
+    weight-gradient passes of equal cost (Qi et al. 2023, "Zero Bubble Pipeline
+    Parallelism", sec. 3.1); GPipe and 1F1B 1."""
+    if layout.schedule == "interleaved1f1b":
+        return 1 / layout.virtual_stages
+    if layout.schedule == "zbh1":
+        return 1 / 3
+    return 1.0
+
+
 def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
               memory: Memory) -> StepTime:
     m, pp = layout.microbatches, layout.pp
@@ -300,7 +313,8 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
                 if c.dim in ("tp", "cp") and c.per == "microbatch")
     tp_step = sum(seconds(c) * c.count for c in colls if c.dim == "tp" and c.per == "step")
     # pipeline: a stage waits for one activation forward and one gradient backward
-    pp_mb = sum(2 * seconds(c) for c in colls if c.dim == "pp")
+    # (interleaved: each of a rank's v chunks sends and receives)
+    pp_mb = sum(2 * seconds(c) for c in colls if c.dim == "pp") * layout.virtual_stages
     # fully_shard (and HSDP's replica all-reduces): prefetching one unit ahead hides the
     # collectives behind compute (the part ``comm_overlap`` allows), all but the first
     # all-gather and whatever exceeds the compute
@@ -330,7 +344,7 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
     if layout.cp > 1:
         overhead_mb += layers * ac_factor * fixed("cp_layer_overhead_s")
     tau = compute_mb + overhead_mb + tp_mb + pp_mb + fsdp_mb_exposed
-    bubble = (pp - 1) * tau * ramp_speed(run, layout, profile)
+    bubble = (pp - 1) * tau * ramp_speed(run, layout, profile) * bubble_factor(layout)
     pipe = m * tau + bubble
 
     # data_parallel replicas: one all-reduce of the gradients per step, in buckets launched

@@ -262,3 +262,38 @@ def test_layout_names_parse_back() -> None:
 
     for lay in enumerate_layouts(SPEC, Run(world=16, seq_len=2048, global_batch=32)):
         assert parse_layout(lay.name) == lay
+
+
+@pytest.mark.parametrize("schedule,v,factor", [
+    ("1f1b", 1, 1.0), ("interleaved1f1b", 2, 1 / 2), ("interleaved1f1b", 4, 1 / 4),
+    ("zbh1", 1, 1 / 3)])
+def test_pipeline_bubble_by_schedule(schedule, v, factor) -> None:
+    """The bubble is 1F1B's ``(pp - 1)`` microbatch slots times 1/v (interleaved, Narayanan
+    et al. 2021 eq. 2) or 1/3 (ZB-H1 with equal F, B, W passes, Qi et al. 2023)."""
+    run = Run(world=8, seq_len=2048, global_batch=16)
+    base = Layout(pp=8, microbatches=16)
+    lay = Layout(pp=8, microbatches=16, schedule=schedule, virtual_stages=v)
+    assert shape_problems(SPEC, run, lay) == []
+    one = step_time(SPEC, run, base, H100, memory_per_rank(SPEC, run, base))
+    got = step_time(SPEC, run, lay, H100, memory_per_rank(SPEC, run, lay))
+    # the pp messages are sent v times over; all else per microbatch is the same
+    extra_pp = got.pp_s - one.pp_s
+    assert extra_pp == pytest.approx(one.pp_s * (v - 1), rel=1e-9)
+    tau = (got.step_s - got.bubble_s - got.optimizer_s - got.dp_exposed_s) / 16
+    assert got.bubble_s == pytest.approx(7 * tau * factor, rel=1e-9)
+
+
+def test_interleaved_first_stage_holds_more_activations() -> None:
+    from hyperpar.plan.memory import in_flight
+
+    lay = Layout(pp=4, microbatches=8, schedule="interleaved1f1b", virtual_stages=2)
+    assert in_flight(lay, 0) == pytest.approx(4 * (1 + 3 / 8))
+    assert in_flight(Layout(pp=4, microbatches=8, schedule="zbh1"), 0) == 4
+    run = Run(world=4, seq_len=2048, global_batch=8)
+    problems = shape_problems(SPEC, run, Layout(pp=4, microbatches=6,
+                                                schedule="interleaved1f1b", virtual_stages=16))
+    assert any("microbatches=6 % pp=4" in p for p in problems)
+    assert any("pp*virtual_stages=64 > num_hidden_layers=32" in p for p in problems)
+    assert any("needs schedule interleaved1f1b" in p
+               for p in shape_problems(SPEC, run, Layout(pp=4, microbatches=4,
+                                                         virtual_stages=2)))
