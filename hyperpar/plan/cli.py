@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from .devices import PROFILES, DeviceProfile, get_profile, load_profile
+from .devices import PROFILES, DeviceProfile, get_profile, load_profile, with_topology
 from .layout import SCHEDULES, Run, parse_layout
 from .model import EXAMPLES, ModelSpec, example_spec, from_hf_config
 from .report import describe_one, plot, ruled_out_summary, table, write_json
@@ -41,6 +41,21 @@ def parse_bytes(text: str) -> int:
     return int(value * _UNITS[match.group(2).lower()])
 
 
+def parse_rate(text: str) -> float:
+    """``50GB/s`` (bytes, decimal), ``400Gb/s`` or ``400Gbit/s`` (bits, decimal), ``5e10``
+    (bytes/s) -> bytes per second."""
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgGtT]?)(B|b|bit)?(/s)?\s*", text)
+    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+    try:
+        assert match
+        value = float(match.group(1)) * scale[match.group(2).lower()]
+    except (AssertionError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"bandwidth {text!r} not understood; write e.g. 50GB/s (bytes) or 400Gb/s "
+            "(bits)") from None
+    return value / 8 if match.group(3) in ("b", "bit") else value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--config", metavar="HF_CONFIG.json",
@@ -51,6 +66,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world", type=int, required=True, metavar="N", help="number of devices")
     p.add_argument("--gpus-per-node", type=int, default=8, metavar="G",
                    help="devices per node (default 8)")
+    p.add_argument("--intra-node-bandwidth", type=parse_rate, default=None, metavar="RATE",
+                   help="per device inside a node, one direction, e.g. 450GB/s (default: "
+                        "the profile's)")
+    p.add_argument("--nics-per-node", type=int, default=None, metavar="K",
+                   help="network cards per node, shared by its devices (default: one per "
+                        "device at the profile's speed)")
+    p.add_argument("--nic-bandwidth", type=parse_rate, default=None, metavar="RATE",
+                   help="one NIC, one direction, e.g. 400Gb/s (default: the profile's "
+                        "per-device inter-node figure)")
     p.add_argument("--device", default="h100", metavar="NAME",
                    help=f"shipped device profile: {', '.join(sorted(PROFILES))} (default h100)")
     p.add_argument("--profile", default=None, metavar="FILE",
@@ -96,6 +120,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec = from_hf_config(args.config) if args.config else example_spec(args.example)
         profile = load_profile(args.profile) if args.profile else get_profile(args.device)
+        profile = with_topology(profile, gpus_per_node=args.gpus_per_node,
+                                intra_bytes_per_s=args.intra_node_bandwidth,
+                                nics_per_node=args.nics_per_node,
+                                nic_bytes_per_s=args.nic_bandwidth)
         memory = args.device_memory or profile.memory_bytes
         job = Run(world=args.world, seq_len=args.seq_len, global_batch=args.global_batch,
                   param_dtype=args.param_dtype, optimizer=args.optimizer,

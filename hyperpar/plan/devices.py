@@ -175,6 +175,29 @@ PROFILES: dict[str, DeviceProfile] = {
 }
 
 
+def with_topology(profile: DeviceProfile, *, gpus_per_node: int,
+                  intra_bytes_per_s: float | None = None, nics_per_node: int | None = None,
+                  nic_bytes_per_s: float | None = None) -> DeviceProfile:
+    """``profile`` with its links replaced by a node's: ``intra_bytes_per_s`` per device inside
+    a node; between nodes the node's ``nics_per_node`` NICs of ``nic_bytes_per_s`` each,
+    shared by its ``gpus_per_node`` devices (every rank of a node runs its group's collective
+    at the same time, so each gets ``nics x nic / gpus``). A NIC count without a NIC speed
+    keeps the profile's per-device figure as one NIC's speed."""
+    from dataclasses import replace
+
+    changes: dict[str, float] = {}
+    if intra_bytes_per_s is not None:
+        changes["intra_bytes_per_s"] = intra_bytes_per_s
+    if nics_per_node is not None or nic_bytes_per_s is not None:
+        nics = nics_per_node if nics_per_node is not None else gpus_per_node
+        nic = nic_bytes_per_s if nic_bytes_per_s is not None else profile.inter_bytes_per_s
+        if nics < 1 or nic <= 0:
+            raise ValueError(f"hyperpar plan: nics per node ({nics}) and NIC bandwidth ({nic}) "
+                             "must be positive")
+        changes["inter_bytes_per_s"] = nics * nic / gpus_per_node
+    return replace(profile, **changes) if changes else profile
+
+
 def get_profile(name: str) -> DeviceProfile:
     """A shipped profile by short name (``h100``, ``h200``, ``a100``, ``910b``)."""
     key = name.lower().replace("ascend", "").replace("-", "").replace(" ", "")

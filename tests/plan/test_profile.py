@@ -157,3 +157,25 @@ def test_bad_cores_in_a_profile_is_refused(tmp_path, value) -> None:
     data["cores"] = value
     with pytest.raises(ValueError, match="cores must be a number >= 0"):
         load_profile(_write(tmp_path, data))
+
+
+def test_node_topology_sets_the_inter_node_share() -> None:
+    from hyperpar.plan.cli import parse_rate
+    from hyperpar.plan.devices import get_profile, with_topology
+    from hyperpar.plan.layout import Layout, Run
+    from hyperpar.plan.timing import link_for
+
+    assert parse_rate("400Gb/s") == 50e9 and parse_rate("400Gbit/s") == 50e9
+    assert parse_rate("50GB/s") == 50e9 and parse_rate("5e10") == 5e10
+    h100 = get_profile("h100")
+    assert with_topology(h100, gpus_per_node=8) is h100
+    four = with_topology(h100, gpus_per_node=8, nics_per_node=4)
+    assert four.inter_bytes_per_s == 4 * h100.inter_bytes_per_s / 8
+    fast = with_topology(h100, gpus_per_node=8, nics_per_node=8, nic_bytes_per_s=parse_rate(
+        "800Gb/s"), intra_bytes_per_s=900e9)
+    assert fast.inter_bytes_per_s == 100e9 and fast.intra_bytes_per_s == 900e9
+    run = Run(world=64, seq_len=2048, global_batch=64)
+    lay = Layout(dp_shard=64)
+    assert link_for("dp_shard", lay, run, four).bytes_per_s == 25e9 * h100.link_efficiency
+    with pytest.raises(ValueError, match="must be positive"):
+        with_topology(h100, gpus_per_node=8, nics_per_node=0)
