@@ -97,6 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="layouts with tp compute the loss on vocabulary shards "
                         "(hyperpar.loss_parallel; names end in .lp) instead of all-gathering "
                         "the logits")
+    p.add_argument("--no-reshard-after-forward", action="store_true",
+                   help="fully_shard(reshard_after_forward=False): layers stay gathered from "
+                        "forward to backward (one all-gather per microbatch; names end in .nrf)")
     p.add_argument("--max-tp", type=int, default=None, metavar="T",
                    help="consider tp up to T only (default: any)")
     p.add_argument("--layout", default=None, metavar="NAME",
@@ -167,7 +170,8 @@ def _report_search(spec: ModelSpec, job: Run, profile: DeviceProfile,
                    args: argparse.Namespace) -> int:
     start = time.perf_counter()
     result = plan(spec, job, profile, schedule=args.schedule, max_tp=args.max_tp,
-                  loss_parallel=args.loss_parallel, virtual_stages=args.virtual_stages)
+                  loss_parallel=args.loss_parallel, virtual_stages=args.virtual_stages,
+                  reshard_after_forward=not args.no_reshard_after_forward)
     elapsed = time.perf_counter() - start
     if args.measure:
         from .measure import measure_top

@@ -75,6 +75,9 @@ class Layout:
     loss_parallel: bool = False
     #: model chunks per pipeline rank (``interleaved1f1b`` only; 1 otherwise)
     virtual_stages: int = 1
+    #: fully_shard's ``reshard_after_forward``: False keeps every layer gathered from its
+    #: forward to its backward (no second all-gather, the stage's layers held whole)
+    reshard_after_forward: bool = True
 
     @property
     def world(self) -> int:
@@ -119,6 +122,8 @@ class Layout:
             parts.append("ac")
         if self.loss_parallel:
             parts.append("lp")
+        if not self.reshard_after_forward:
+            parts.append("nrf")
         return ".".join(parts)
 
 
@@ -149,13 +154,15 @@ def parse_layout(name: str, schedule: Schedule = "1f1b", virtual_stages: int = 2
             fields["activation_checkpointing"] = True
         elif part == "lp":
             fields["loss_parallel"] = True
+        elif part == "nrf":
+            fields["reshard_after_forward"] = False
         elif part != "single":
             raise ValueError(
                 f"hyperpar plan: layout {name!r}: {part!r} not understood; write the names "
                 "the planner prints, parts joined by '.': dpN (dp_replicate), fsdpN "
                 "(dp_shard), tpN, ppN, cpN, mbN (microbatches), a schedule "
                 "(1f1b|gpipe|interleaved1f1b|zbh1), vN (virtual stages), ac, lp (loss "
-                "parallel), e.g. "
+                "parallel), nrf (no reshard after forward), e.g. "
                 "dp8.fsdp128.tp8.pp16.mb16")
     if (fields["schedule"] == "interleaved1f1b" and "virtual_stages" not in seen
             and int(fields.get("pp", 1)) > 1):  # type: ignore[call-overload]

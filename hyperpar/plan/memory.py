@@ -204,6 +204,10 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
         # root unit (embedding, norm, head) stays gathered from its forward to its backward
         block, *root = sp.unit_gathered
         block_buffers = 3 * block * cb
+        if not layout.reshard_after_forward:
+            # every layer of the stage stays gathered from its forward to its backward, plus
+            # the one prefetched and one layer's unsharded gradients
+            block_buffers = (stage_layers(spec.num_layers, layout.pp, stage) + 2) * block * cb
         buffers = block_buffers + sum(root) * cb
     tokens = microbatch_tokens(run, layout)
     full, saved = layer_activation_elems(spec, layout)

@@ -133,7 +133,9 @@ def collectives(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> list[C
         # each layer: all-gather forward and again backward, reduce-scatter its gradients;
         # the root unit stays gathered from forward to backward. Under cp the group is the
         # flattened dp_shard x cp one; its bytes are booked on "dp_shard" (group_size)
-        out += [Collective("dp_shard", "ag", block * cb, 2 * layers, "microbatch", "layers"),
+        gathers = 2 if layout.reshard_after_forward else 1  # backward reuses the forward's
+        out += [Collective("dp_shard", "ag", block * cb, gathers * layers, "microbatch",
+                           "layers"),
                 Collective("dp_shard", "rs", block * cb, layers, "microbatch", "layer grads")]
         for r in root:
             out += [Collective("dp_shard", "ag", r * cb, 1, "microbatch", "root"),

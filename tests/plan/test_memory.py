@@ -141,3 +141,22 @@ def test_loss_parallel_keeps_vocabulary_shards() -> None:
     assert "logits" not in what and "loss-parallel reductions" in what
     assert "logits" in {c.what for c in collectives(SPEC, run, tp8, 0)}
     assert lp8.name == "tp8.mb1.lp"
+
+
+def test_no_reshard_after_forward_holds_the_stage_gathered_and_gathers_once() -> None:
+    from hyperpar.plan.memory import stage_params
+    from hyperpar.plan.search import shape_problems
+    from hyperpar.plan.timing import collectives
+
+    run = Run(world=8, seq_len=4096, global_batch=8)
+    on, off = Layout(dp_shard=8), Layout(dp_shard=8, reshard_after_forward=False)
+    block = stage_params(SPEC, 1, 8, 1, 0).unit_gathered[0]
+    a, b = stage_memory(SPEC, run, on, 0), stage_memory(SPEC, run, off, 0)
+    # 3 gathered layers at a time (in use, prefetched, unsharded grads) -> all 32 + 2
+    assert b.fsdp_buffers - a.fsdp_buffers == (SPEC.num_layers + 2 - 3) * block * 2
+    gathers = {lay: next(c.count for c in collectives(SPEC, run, lay, 0) if c.what == "layers")
+               for lay in (on, off)}
+    assert gathers == {on: 2 * SPEC.num_layers, off: SPEC.num_layers}
+    assert off.name == "fsdp8.mb1.nrf"
+    assert any("needs fully_shard" in p for p in shape_problems(
+        SPEC, run, Layout(dp_replicate=8, reshard_after_forward=False)))
