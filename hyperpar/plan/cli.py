@@ -100,6 +100,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-reshard-after-forward", action="store_true",
                    help="fully_shard(reshard_after_forward=False): layers stay gathered from "
                         "forward to backward (one all-gather per microbatch; names end in .nrf)")
+    p.add_argument("--no-sequence-parallel", action="store_true",
+                   help="layouts with tp run it without sequence parallelism (names end in "
+                        ".nosp)")
     p.add_argument("--max-tp", type=int, default=None, metavar="T",
                    help="consider tp up to T only (default: any)")
     p.add_argument("--layout", default=None, metavar="NAME",
@@ -171,7 +174,8 @@ def _report_search(spec: ModelSpec, job: Run, profile: DeviceProfile,
     start = time.perf_counter()
     result = plan(spec, job, profile, schedule=args.schedule, max_tp=args.max_tp,
                   loss_parallel=args.loss_parallel, virtual_stages=args.virtual_stages,
-                  reshard_after_forward=not args.no_reshard_after_forward)
+                  reshard_after_forward=not args.no_reshard_after_forward,
+                  sequence_parallel=not args.no_sequence_parallel)
     elapsed = time.perf_counter() - start
     if args.measure:
         from .measure import measure_top

@@ -78,6 +78,10 @@ class Layout:
     #: fully_shard's ``reshard_after_forward``: False keeps every layer gathered from its
     #: forward to its backward (no second all-gather, the stage's layers held whole)
     reshard_after_forward: bool = True
+    #: sequence parallelism with tp (the torchtitan plan); False: tp without it, norms and
+    #: dropout-free elementwise work on the whole sequence, all-reduces instead of
+    #: all-gather / reduce-scatter pairs
+    sp: bool = True
 
     @property
     def world(self) -> int:
@@ -95,7 +99,7 @@ class Layout:
 
     @property
     def sequence_parallel(self) -> bool:
-        return self.tp > 1
+        return self.tp > 1 and self.sp
 
     def size(self, dim: str) -> int:
         return int(getattr(self, dim))
@@ -124,6 +128,8 @@ class Layout:
             parts.append("lp")
         if not self.reshard_after_forward:
             parts.append("nrf")
+        if not self.sp:
+            parts.append("nosp")
         return ".".join(parts)
 
 
@@ -156,13 +162,16 @@ def parse_layout(name: str, schedule: Schedule = "1f1b", virtual_stages: int = 2
             fields["loss_parallel"] = True
         elif part == "nrf":
             fields["reshard_after_forward"] = False
+        elif part == "nosp":
+            fields["sp"] = False
         elif part != "single":
             raise ValueError(
                 f"hyperpar plan: layout {name!r}: {part!r} not understood; write the names "
                 "the planner prints, parts joined by '.': dpN (dp_replicate), fsdpN "
                 "(dp_shard), tpN, ppN, cpN, mbN (microbatches), a schedule "
                 "(1f1b|gpipe|interleaved1f1b|zbh1), vN (virtual stages), ac, lp (loss "
-                "parallel), nrf (no reshard after forward), e.g. "
+                "parallel), nrf (no reshard after forward), nosp (tp without sequence "
+                "parallel), e.g. "
                 "dp8.fsdp128.tp8.pp16.mb16")
     if (fields["schedule"] == "interleaved1f1b" and "virtual_stages" not in seen
             and int(fields.get("pp", 1)) > 1):  # type: ignore[call-overload]

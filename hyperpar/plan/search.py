@@ -87,6 +87,8 @@ def shape_problems(spec: ModelSpec, run: Run, layout: Layout) -> list[str]:
         out.append(f"per-replica batch {run.global_batch // dp} % microbatches={m} != 0")
     if pp > 1 and m < pp:
         out.append(f"microbatches={m} < pp={pp} leaves stages idle")
+    if not layout.sp and tp == 1:
+        out.append("sp=False (tp without sequence parallel) needs tp > 1")
     if not layout.reshard_after_forward and layout.fsdp_shard == 1:
         out.append("reshard_after_forward=False needs fully_shard (dp_shard > 1)")
     v = layout.virtual_stages
@@ -115,7 +117,8 @@ def _factorisations(n: int, parts: int) -> list[tuple[int, ...]]:
 def enumerate_layouts(spec: ModelSpec, run: Run, *, schedule: Schedule = "1f1b",
                       max_tp: int | None = None, loss_parallel: bool = False,
                       virtual_stages: int = 2,
-                      reshard_after_forward: bool = True) -> list[Layout]:
+                      reshard_after_forward: bool = True,
+                      sequence_parallel: bool = True) -> list[Layout]:
     """Every ``dp_replicate x dp_shard x tp x pp`` of ``run.world``, and every
     ``dp_replicate x dp_shard x cp`` with ``cp > 1`` (context parallelism is searched with
     ``tp = pp = 1``: its composition with tp and pp is not modelled; with ``dp_shard > 1``
@@ -138,7 +141,8 @@ def enumerate_layouts(spec: ModelSpec, run: Run, *, schedule: Schedule = "1f1b",
                                   loss_parallel=loss_parallel and tp > 1,
                                   virtual_stages=virtual_stages
                                   if schedule == "interleaved1f1b" and pp > 1 else 1,
-                                  reshard_after_forward=reshard_after_forward or ds == 1))
+                                  reshard_after_forward=reshard_after_forward or ds == 1,
+                                  sp=sequence_parallel or tp == 1))
     return out
 
 
@@ -149,17 +153,19 @@ def gib(n: float) -> str:
 def plan(spec: ModelSpec, run: Run, profile: DeviceProfile, *,
          schedule: Schedule = "1f1b", max_tp: int | None = None,
          loss_parallel: bool = False, virtual_stages: int = 2,
-         reshard_after_forward: bool = True) -> PlanResult:
+         reshard_after_forward: bool = True, sequence_parallel: bool = True) -> PlanResult:
     """Search every layout of ``run`` for ``spec`` on ``profile``'s devices
     (``loss_parallel``: the layouts with tp compute the loss on vocabulary shards;
     ``virtual_stages``: chunks per pipeline rank under ``interleaved1f1b``;
-    ``reshard_after_forward=False``: fully_shard keeps layers gathered to their backward)."""
+    ``reshard_after_forward=False``: fully_shard keeps layers gathered to their backward;
+    ``sequence_parallel=False``: tensor parallelism without sequence parallelism)."""
     result = PlanResult(spec, run, profile)
     tokens = run.global_batch * run.seq_len
     for layout in enumerate_layouts(spec, run, schedule=schedule, max_tp=max_tp,
                                     loss_parallel=loss_parallel,
                                     virtual_stages=virtual_stages,
-                                    reshard_after_forward=reshard_after_forward):
+                                    reshard_after_forward=reshard_after_forward,
+                                    sequence_parallel=sequence_parallel):
         result.considered += 1
         problems = shape_problems(spec, run, layout)
         if problems:

@@ -97,7 +97,10 @@ def collectives(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> list[C
     layers = stage_layers(spec.num_layers, pp, stage)
     first, last = stage == 0, stage == pp - 1
     out: list[Collective] = []
-    if tp > 1:
+    if tp > 1 and not layout.sequence_parallel:
+        out += _tp_without_sp(spec, layout, tokens * spec.hidden_size * cb, layers, first, last,
+                              tokens, cb)
+    elif tp > 1:
         act = tokens * spec.hidden_size * cb
         # sequence parallel: per layer 2 all-gathers + 2 reduce-scatters forward, the same
         # backward, and again in a recomputed forward
@@ -152,6 +155,28 @@ def collectives(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> list[C
         # data_parallel: the gradients accumulate locally (no_sync), one all-reduce per step
         out.append(Collective("dp_replicate", "ar", sp.local * cb, 1, "step", "grads"))
     out += cp_collectives(spec, run, layout, stage)
+    return out
+
+
+def _tp_without_sp(spec: ModelSpec, layout: Layout, act: float, layers: int, first: bool,
+                   last: bool, tokens: int, cb: int) -> list[Collective]:
+    """Tensor parallelism without sequence parallelism (Megatron's f/g operators): per layer an
+    all-reduce after each row-parallel linear forward and of each column-parallel linear's
+    input gradient backward (again in a recomputed forward); the vocabulary-parallel
+    embedding's output all-reduced; the head's input gradient all-reduced; norms replicated
+    on the whole sequence, so their gradients agree without a collective."""
+    passes = 3 if layout.activation_checkpointing else 2
+    out = [Collective("tp", "ar", act, 2 * passes * layers, "microbatch", "layer all-reduces")]
+    if first:
+        out.append(Collective("tp", "ar", act, 1, "microbatch", "embedding output"))
+    if last:
+        out.append(Collective("tp", "ar", act, 1, "microbatch", "head input grad"))
+        if layout.loss_parallel:
+            out.append(Collective("tp", "ar", tokens * MASTER_BYTES, 3, "microbatch",
+                                  "loss-parallel reductions"))
+        else:
+            out.append(Collective("tp", "ag", tokens * spec.vocab_size * cb, 1, "microbatch",
+                                  "logits"))
     return out
 
 
