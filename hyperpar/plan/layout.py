@@ -69,6 +69,9 @@ class Layout:
     cp: int = 1
     microbatches: int = 1
     activation_checkpointing: bool = False
+    #: torchtitan's selective "op" checkpointing instead: per layer the outputs of every other
+    #: matmul (wq, wv, w1, w2) and of attention are saved, the rest recomputed
+    selective_ac: bool = False
     schedule: Schedule = "1f1b"
     #: under tp, compute the loss on the vocabulary shards (``hyperpar.loss_parallel``)
     #: instead of all-gathering the logits: no rank holds full-vocabulary logits
@@ -124,6 +127,8 @@ class Layout:
                 parts.append(f"v{self.virtual_stages}")
         if self.activation_checkpointing:
             parts.append("ac")
+        if self.selective_ac:
+            parts.append("sac")
         if self.loss_parallel:
             parts.append("lp")
         if not self.reshard_after_forward:
@@ -158,6 +163,8 @@ def parse_layout(name: str, schedule: Schedule = "1f1b", virtual_stages: int = 2
             fields["schedule"] = part
         elif part == "ac":
             fields["activation_checkpointing"] = True
+        elif part == "sac":
+            fields["selective_ac"] = True
         elif part == "lp":
             fields["loss_parallel"] = True
         elif part == "nrf":
@@ -169,9 +176,9 @@ def parse_layout(name: str, schedule: Schedule = "1f1b", virtual_stages: int = 2
                 f"hyperpar plan: layout {name!r}: {part!r} not understood; write the names "
                 "the planner prints, parts joined by '.': dpN (dp_replicate), fsdpN "
                 "(dp_shard), tpN, ppN, cpN, mbN (microbatches), a schedule "
-                "(1f1b|gpipe|interleaved1f1b|zbh1), vN (virtual stages), ac, lp (loss "
-                "parallel), nrf (no reshard after forward), nosp (tp without sequence "
-                "parallel), e.g. "
+                "(1f1b|gpipe|interleaved1f1b|zbh1), vN (virtual stages), ac, sac "
+                "(selective), lp (loss parallel), nrf (no reshard after forward), nosp "
+                "(tp without sequence parallel), e.g. "
                 "dp8.fsdp128.tp8.pp16.mb16")
     if (fields["schedule"] == "interleaved1f1b" and "virtual_stages" not in seen
             and int(fields.get("pp", 1)) > 1):  # type: ignore[call-overload]

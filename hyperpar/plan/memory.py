@@ -188,6 +188,19 @@ def layer_activation_elems(spec: ModelSpec, layout: Layout) -> tuple[float, floa
     return inner + outer, saved
 
 
+def sac_saved_elems(spec: ModelSpec, layout: Layout, compute_bytes: int) -> float:
+    """Elements per token one layer saves under torchtitan's selective "op" checkpointing:
+    the layer's input (split under sequence parallelism), the outputs of the odd-numbered
+    matmuls in forward order (wq, wv, w1 split over tp; w2's, whole before its reduction),
+    attention's output (split) and its fp32 log-sum-exp per head (split). The even matmuls
+    (wk, wo, w3), norms, rotary and SwiGLU's elementwise ops are recomputed."""
+    h, tp = spec.hidden_size, layout.tp
+    layer_input = h / tp if layout.sequence_parallel else h
+    split = (spec.q_dim + spec.kv_dim + spec.intermediate_size + spec.q_dim) / tp
+    lse = spec.num_heads / tp * MASTER_BYTES / compute_bytes
+    return layer_input + split + h + lse
+
+
 def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memory:
     tp, ds = layout.tp, layout.fsdp_shard  # fully_shard's group: dp_shard (x cp)
     sp = stage_params(spec, tp, ds, layout.pp, stage)
@@ -217,6 +230,11 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
     # the causal mask is built once per context and shared by every layer and microbatch
     if layout.activation_checkpointing:
         act = k * layers * saved * tokens * cb + full * tokens * cb + cp_token * tokens + cp_layer
+    elif layout.selective_ac:
+        # the saved part of every layer held, and one layer's recomputed rest in its backward
+        sac = sac_saved_elems(spec, layout, cb)
+        act = (k * layers * (sac * tokens * cb + cp_token * tokens)
+               + (full - sac) * tokens * cb + cp_layer)
     else:
         act = k * layers * (full * tokens * cb + cp_token * tokens) + cp_layer
     if stage == layout.pp - 1:

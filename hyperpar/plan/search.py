@@ -87,6 +87,8 @@ def shape_problems(spec: ModelSpec, run: Run, layout: Layout) -> list[str]:
         out.append(f"per-replica batch {run.global_batch // dp} % microbatches={m} != 0")
     if pp > 1 and m < pp:
         out.append(f"microbatches={m} < pp={pp} leaves stages idle")
+    if layout.activation_checkpointing and layout.selective_ac:
+        out.append("activation_checkpointing and selective_ac: choose one (ac or sac)")
     if not layout.sp and tp == 1:
         out.append("sp=False (tp without sequence parallel) needs tp > 1")
     if not layout.reshard_after_forward and layout.fsdp_shard == 1:
@@ -123,8 +125,9 @@ def enumerate_layouts(spec: ModelSpec, run: Run, *, schedule: Schedule = "1f1b",
     ``dp_replicate x dp_shard x cp`` with ``cp > 1`` (context parallelism is searched with
     ``tp = pp = 1``: its composition with tp and pp is not modelled; with ``dp_shard > 1``
     fully_shard runs over the flattened ``dp_shard x cp`` group), every microbatch count
-    dividing the per-replica batch (or the smallest ones for pp>1), AC on and off. Layouts
-    whose dims do not even divide are kept so that they can be reported."""
+    dividing the per-replica batch (or the smallest ones for pp>1), activation checkpointing
+    off, full and selective. Layouts whose dims do not even divide are kept so that they can
+    be reported."""
     out = []
     shapes = [(dr, ds, tp, pp, 1) for dr, ds, tp, pp in _factorisations(run.world, 4)]
     shapes += [(dr, ds, 1, 1, cp) for dr, ds, cp in _factorisations(run.world, 3) if cp > 1]
@@ -134,9 +137,9 @@ def enumerate_layouts(spec: ModelSpec, run: Run, *, schedule: Schedule = "1f1b",
         dp = dr * ds
         per_replica = run.global_batch // dp if run.global_batch % dp == 0 else 1
         for m in divisors(per_replica):
-            for ac in (False, True):
+            for ac, sac in ((False, False), (True, False), (False, True)):
                 out.append(Layout(dp_replicate=dr, dp_shard=ds, tp=tp, pp=pp, cp=cp,
-                                  microbatches=m,
+                                  microbatches=m, selective_ac=sac,
                                   activation_checkpointing=ac, schedule=schedule,
                                   loss_parallel=loss_parallel and tp > 1,
                                   virtual_stages=virtual_stages

@@ -60,14 +60,27 @@ def link_for(dim: str, layout: Layout, run: Run, profile: DeviceProfile) -> Link
     return Link(profile.inter_bytes_per_s * profile.link_efficiency, profile.inter_alpha_s)
 
 
-def step_flops(spec: ModelSpec, run: Run, activation_checkpointing: bool) -> float:
+def sac_recomputed_parameters(spec: ModelSpec) -> int:
+    """Matmul parameters per layer whose forward selective "op" checkpointing repeats: the
+    even-numbered matmuls wk, wo and w3."""
+    h = spec.hidden_size
+    return spec.kv_dim * h + h * spec.q_dim + spec.intermediate_size * h
+
+
+def step_flops(spec: ModelSpec, run: Run, activation_checkpointing: bool,
+               selective_ac: bool = False) -> float:
     """FLOPs of one optimizer step over all ranks: ``6 * P * tokens`` for the matmuls
     (forward 2, backward 4; 8 with activation checkpointing, which repeats the forward) plus
-    causal attention, ``2 * seq * q_dim`` per token per layer forward."""
+    causal attention, ``2 * seq * q_dim`` per token per layer forward. Selective checkpointing
+    repeats only the forward of wk, wo and w3 (:func:`sac_recomputed_parameters`), not
+    attention's."""
     tokens = run.global_batch * run.seq_len
     factor = 8 if activation_checkpointing else 6
     attn_fwd = 2 * run.seq_len * spec.q_dim * spec.num_layers
-    return factor * spec.matmul_parameters * tokens + factor / 2 * attn_fwd * tokens
+    out = factor * spec.matmul_parameters * tokens + factor / 2 * attn_fwd * tokens
+    if selective_ac and not activation_checkpointing:
+        out += 2 * sac_recomputed_parameters(spec) * spec.num_layers * tokens
+    return out
 
 
 @dataclass(frozen=True)
@@ -105,7 +118,10 @@ def collectives(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> list[C
         # sequence parallel: per layer 2 all-gathers + 2 reduce-scatters forward, the same
         # backward, and again in a recomputed forward
         passes = 3 if layout.activation_checkpointing else 2
-        out += [Collective("tp", "ag", act, 2 * passes * layers, "microbatch", "layer inputs"),
+        # selective: wk and w3 are recomputed from their norms' gathered inputs (gathered
+        # again); the reduce-scattered outputs are saved
+        gathers = 3 if layout.selective_ac else passes
+        out += [Collective("tp", "ag", act, 2 * gathers * layers, "microbatch", "layer inputs"),
                 Collective("tp", "rs", act, 2 * passes * layers, "microbatch", "layer outputs")]
         if first:  # vocab-parallel embedding: reduce-scatter out, all-gather its gradient back
             out += [Collective("tp", "rs", act, 1, "microbatch", "embedding output"),
@@ -307,7 +323,8 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
               memory: Memory) -> StepTime:
     m, pp = layout.microbatches, layout.pp
     rate = profile.flops_at(run.param_dtype, matmul_size(spec, run, layout))
-    compute_step = step_flops(spec, run, layout.activation_checkpointing) / run.world / rate
+    compute_step = step_flops(spec, run, layout.activation_checkpointing,
+                              layout.selective_ac) / run.world / rate
     compute_mb = compute_step / m
     layers = max_stage_layers(spec.num_layers, pp)  # the stage the pipeline waits for
     colls = collectives(spec, run, layout, memory.stage)
@@ -358,6 +375,9 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
         return profile.fixed_cost(key, layout.size(GROUP_COSTS[key]))
 
     ac_factor = 4 / 3 if layout.activation_checkpointing else 1.0  # one more forward
+    if layout.selective_ac:  # the share of the forward's matmuls repeated
+        block = sum(t.numel for t in spec.block_tensors() if t.tp_dim is not None)
+        ac_factor = 1 + sac_recomputed_parameters(spec) / block / 3
     overhead_mb = layers * ac_factor * (profile.layer_overhead_s
                                         + (fixed("tp_layer_overhead_s") if tp_on else 0.0))
     if layout.dp_shard > 1:  # paid over fully_shard's group (dp_shard, x cp when flattened)

@@ -14,8 +14,8 @@ from hyperpar.cli import main
 from ._common import LLAMA2_7B, ROOT
 
 LAYOUT_KEYS = {"name", "dp_replicate", "dp_shard", "tp", "pp", "cp", "microbatches",
-               "activation_checkpointing", "loss_parallel", "memory", "predicted_step_ms",
-               "time"}
+               "activation_checkpointing", "selective_ac", "loss_parallel", "memory",
+               "predicted_step_ms", "time"}
 TIME_KEYS = {"compute_ms", "bubble_ms", "tp_ms", "pp_ms", "fsdp_exposed_ms", "dp_exposed_ms",
              "optimizer_ms"}
 MEMORY_KEYS = {"params", "grads", "optimizer", "activations", "peak", "grads_at_peak"}
