@@ -183,3 +183,28 @@ def test_tp_without_sequence_parallel_keeps_the_norm_tensors_whole() -> None:
     assert shape_problems(SPEC, Run(world=8, seq_len=4100, global_batch=8), nosp) == []
     assert any("needs tp > 1" in p for p in shape_problems(
         SPEC, run, Layout(dp_replicate=8, sp=False)))
+
+
+def test_selective_op_checkpointing_saves_the_odd_matmuls_and_attention() -> None:
+    """torchtitan's op policy, Llama-2-7B (h = q = kv = 4096, f = 11008, 32 heads), no tp:
+    per token and layer the input (h), wq (q), wv (kv), w1 (f), w2 (h), attention's output (q)
+    and its fp32 log-sum-exp (32 heads x 4 bytes) are saved; one layer's recomputed rest is
+    live in its backward. The activations lie between none and full checkpointing."""
+    from hyperpar.plan.memory import layer_activation_elems
+    from hyperpar.plan.timing import step_flops
+
+    run = Run(world=8, seq_len=4096, global_batch=8)
+    sac = Layout(dp_shard=8, selective_ac=True)
+    tokens, cb = 4096, 2
+    saved_bytes = (4096 * 5 + 11008) * cb + 32 * 4
+    full, _ = layer_activation_elems(SPEC, sac)
+    none = stage_memory(SPEC, run, Layout(dp_shard=8), 0)
+    got = stage_memory(SPEC, run, sac, 0)
+    layers = SPEC.num_layers * tokens * saved_bytes + tokens * (full * cb - saved_bytes)
+    assert got.activations - none.activations == layers - SPEC.num_layers * tokens * full * cb
+    ac = stage_memory(SPEC, run, Layout(dp_shard=8, activation_checkpointing=True), 0)
+    assert ac.activations < got.activations < none.activations
+    # the forward of wk, wo and w3 is repeated: 2 FLOPs per parameter and token
+    extra = step_flops(SPEC, run, False, True) - step_flops(SPEC, run, False)
+    assert extra == 2 * (4096 * 4096 * 2 + 11008 * 4096) * 32 * 8 * 4096
+    assert sac.name == "fsdp8.mb1.sac"
