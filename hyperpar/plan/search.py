@@ -94,7 +94,7 @@ def shape_problems(spec: ModelSpec, run: Run, layout: Layout) -> list[str]:
     if not layout.reshard_after_forward and layout.fsdp_shard == 1:
         out.append("reshard_after_forward=False needs fully_shard (dp_shard > 1)")
     v = layout.virtual_stages
-    if layout.schedule == "interleaved1f1b":
+    if layout.schedule == "interleaved1f1b" and pp > 1:
         if v < 2:
             out.append(f"interleaved1f1b needs virtual_stages >= 2, got {v}")
         if pp > 1 and m % pp:

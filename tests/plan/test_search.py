@@ -297,3 +297,11 @@ def test_interleaved_first_stage_holds_more_activations() -> None:
     assert any("needs schedule interleaved1f1b" in p
                for p in shape_problems(SPEC, run, Layout(pp=4, microbatches=4,
                                                          virtual_stages=2)))
+
+
+@pytest.mark.parametrize("schedule", ["interleaved1f1b", "zbh1", "gpipe"])
+def test_every_schedule_still_plans_layouts_without_a_pipeline(schedule) -> None:
+    run = Run(world=16, seq_len=2048, global_batch=32)
+    result = plan(SPEC, run, H100, schedule=schedule)
+    assert any(c.layout.pp == 1 for c in result.ranked)
+    assert any(c.layout.pp > 1 and c.layout.schedule == schedule for c in result.ranked)
