@@ -93,6 +93,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--virtual-stages chunks per rank; zbh1: zero-bubble H1)")
     p.add_argument("--virtual-stages", type=int, default=2, metavar="V",
                    help="model chunks per pipeline rank under interleaved1f1b (default 2)")
+    p.add_argument("--attention", choices=("flash", "eager"), default="flash",
+                   help="flash: a fused kernel (default); eager: materialised attention, its "
+                        "seq x seq softmax probabilities saved per layer")
     p.add_argument("--loss-parallel", action="store_true",
                    help="layouts with tp compute the loss on vocabulary shards "
                         "(hyperpar.loss_parallel; names end in .lp) instead of all-gathering "
@@ -133,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
         memory = args.device_memory or profile.memory_bytes
         job = Run(world=args.world, seq_len=args.seq_len, global_batch=args.global_batch,
                   param_dtype=args.param_dtype, optimizer=args.optimizer,
-                  gpus_per_node=args.gpus_per_node, device_memory=memory)
+                  gpus_per_node=args.gpus_per_node, device_memory=memory,
+                  attention=args.attention)
         given = (parse_layout(args.layout, args.schedule, args.virtual_stages) if args.layout
                  else None)
         if given is not None and args.measure:

@@ -26,6 +26,9 @@ class Run:
     optimizer: Optimizer = "adamw"
     gpus_per_node: int = 8
     device_memory: int = 80 * 2**30
+    #: ``flash``: a fused kernel, no ``seq x seq`` scores kept; ``eager``: materialised
+    #: attention, the softmax probabilities saved for backward
+    attention: Literal["flash", "eager"] = "flash"
 
     def __post_init__(self) -> None:
         for key in ("world", "seq_len", "global_batch", "gpus_per_node", "device_memory"):
@@ -34,6 +37,9 @@ class Run:
         if self.param_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"hyperpar plan: param dtype {self.param_dtype!r}; accepted: "
                              "bfloat16, float32")
+        if self.attention not in ("flash", "eager"):
+            raise ValueError(f"hyperpar plan: attention {self.attention!r}; accepted: flash, "
+                             "eager")
         if self.optimizer not in ("adamw", "sgd", "sgd-momentum"):
             raise ValueError(f"hyperpar plan: optimizer {self.optimizer!r}; accepted: adamw, "
                              "sgd, sgd-momentum")

@@ -201,6 +201,18 @@ def sac_saved_elems(spec: ModelSpec, layout: Layout, compute_bytes: int) -> floa
     return layer_input + split + h + lse
 
 
+def eager_scores_bytes(spec: ModelSpec, run: Run, layout: Layout) -> float:
+    """What materialised (``eager``) attention saves per layer and microbatch on one rank: the
+    softmax probabilities, ``heads / tp`` of ``(seq / cp) x seq`` per sequence in the compute
+    dtype (the ``5 a s / h`` term of Korthikanti et al. 2022 less its dropout mask and
+    pre-softmax scores, which a dropout-free block does not keep). 0 with a fused kernel."""
+    if run.attention == "flash":
+        return 0.0
+    sequences = run.global_batch // (layout.dp * layout.microbatches)
+    return (sequences * spec.num_heads / layout.tp * (run.seq_len // layout.cp) * run.seq_len
+            * run.compute_bytes)
+
+
 def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memory:
     tp, ds = layout.tp, layout.fsdp_shard  # fully_shard's group: dp_shard (x cp)
     sp = stage_params(spec, tp, ds, layout.pp, stage)
@@ -228,15 +240,18 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
     k = in_flight(layout, stage)
     cp_token, cp_layer = cp_activation_bytes(spec, run, layout)
     # the causal mask is built once per context and shared by every layer and microbatch
+    scores = eager_scores_bytes(spec, run, layout)
     if layout.activation_checkpointing:
         act = k * layers * saved * tokens * cb + full * tokens * cb + cp_token * tokens + cp_layer
+        act += scores  # one layer's, recomputed in its backward
     elif layout.selective_ac:
         # the saved part of every layer held, and one layer's recomputed rest in its backward
         sac = sac_saved_elems(spec, layout, cb)
         act = (k * layers * (sac * tokens * cb + cp_token * tokens)
                + (full - sac) * tokens * cb + cp_layer)
+        act += scores  # attention's output is saved, its probabilities recomputed
     else:
-        act = k * layers * (full * tokens * cb + cp_token * tokens) + cp_layer
+        act = k * layers * (full * tokens * cb + cp_token * tokens + scores) + cp_layer
     if stage == layout.pp - 1:
         # the loss: each microbatch held to its backward keeps its fp32 log-softmax (GPipe
         # holds them all); around the loss of one exist the logits in the compute dtype and

@@ -208,3 +208,20 @@ def test_selective_op_checkpointing_saves_the_odd_matmuls_and_attention() -> Non
     extra = step_flops(SPEC, run, False, True) - step_flops(SPEC, run, False)
     assert extra == 2 * (4096 * 4096 * 2 + 11008 * 4096) * 32 * 8 * 4096
     assert sac.name == "fsdp8.mb1.sac"
+
+
+def test_eager_attention_keeps_the_softmax_probabilities() -> None:
+    """Materialised attention saves heads/tp x seq x seq probabilities per sequence and layer
+    (bf16); under full checkpointing only the recomputed layer's are live."""
+    run = Run(world=8, seq_len=4096, global_batch=16)
+    eager = Run(world=8, seq_len=4096, global_batch=16, attention="eager")
+    lay = Layout(dp_shard=4, tp=2)  # 4 sequences per rank, 16 heads per rank
+    probs = 4 * 16 * 4096 * 4096 * 2
+    diff = (stage_memory(SPEC, eager, lay, 0).activations
+            - stage_memory(SPEC, run, lay, 0).activations)
+    assert diff == SPEC.num_layers * probs
+    ac = Layout(dp_shard=4, tp=2, activation_checkpointing=True)
+    assert (stage_memory(SPEC, eager, ac, 0).activations
+            - stage_memory(SPEC, run, ac, 0).activations) == probs
+    with pytest.raises(ValueError, match="attention 'sdpa'; accepted: flash, eager"):
+        Run(world=8, seq_len=4096, global_batch=16, attention="sdpa")  # type: ignore[arg-type]
