@@ -96,6 +96,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", choices=("flash", "eager"), default="flash",
                    help="flash: a fused kernel (default); eager: materialised attention, its "
                         "seq x seq softmax probabilities saved per layer")
+    p.add_argument("--reduce-dtype", choices=("compute", "float32"), default="compute",
+                   help="dtype gradients are reduced in over data-parallel ranks (default: "
+                        "the compute dtype)")
     p.add_argument("--loss-parallel", action="store_true",
                    help="layouts with tp compute the loss on vocabulary shards "
                         "(hyperpar.loss_parallel; names end in .lp) instead of all-gathering "
@@ -137,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         job = Run(world=args.world, seq_len=args.seq_len, global_batch=args.global_batch,
                   param_dtype=args.param_dtype, optimizer=args.optimizer,
                   gpus_per_node=args.gpus_per_node, device_memory=memory,
-                  attention=args.attention)
+                  attention=args.attention, reduce_dtype=args.reduce_dtype)
         given = (parse_layout(args.layout, args.schedule, args.virtual_stages) if args.layout
                  else None)
         if given is not None and args.measure:

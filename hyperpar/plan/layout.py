@@ -29,6 +29,9 @@ class Run:
     #: ``flash``: a fused kernel, no ``seq x seq`` scores kept; ``eager``: materialised
     #: attention, the softmax probabilities saved for backward
     attention: Literal["flash", "eager"] = "flash"
+    #: dtype data parallelism reduces gradients in: the compute dtype (hyperpar's default) or
+    #: fp32 (torchtitan's ``mixed_precision_reduce`` default)
+    reduce_dtype: Literal["compute", "float32"] = "compute"
 
     def __post_init__(self) -> None:
         for key in ("world", "seq_len", "global_batch", "gpus_per_node", "device_memory"):
@@ -37,6 +40,9 @@ class Run:
         if self.param_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"hyperpar plan: param dtype {self.param_dtype!r}; accepted: "
                              "bfloat16, float32")
+        if self.reduce_dtype not in ("compute", "float32"):
+            raise ValueError(f"hyperpar plan: reduce dtype {self.reduce_dtype!r}; accepted: "
+                             "compute, float32")
         if self.attention not in ("flash", "eager"):
             raise ValueError(f"hyperpar plan: attention {self.attention!r}; accepted: flash, "
                              "eager")
@@ -48,6 +54,11 @@ class Run:
     def compute_bytes(self) -> int:
         """Bytes per element of the compute dtype (gathered params, activations, comms)."""
         return 2 if self.param_dtype == "bfloat16" else 4
+
+    @property
+    def reduce_bytes(self) -> int:
+        """Bytes per element of a gradient reduction."""
+        return 4 if self.reduce_dtype == "float32" else self.compute_bytes
 
     @property
     def optimizer_states(self) -> int:

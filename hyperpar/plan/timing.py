@@ -106,6 +106,7 @@ def collectives(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> list[C
     tp, pp, dr = layout.tp, layout.pp, layout.dp_replicate
     ds = layout.fsdp_shard  # fully_shard's group: dp_shard, or the flattened dp_shard x cp
     cb = run.compute_bytes
+    rb = run.reduce_bytes  # gradients are reduced in the compute dtype, or fp32
     tokens = microbatch_tokens(run, layout)
     layers = stage_layers(spec.num_layers, pp, stage)
     first, last = stage == 0, stage == pp - 1
@@ -155,21 +156,21 @@ def collectives(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> list[C
         gathers = 2 if layout.reshard_after_forward else 1  # backward reuses the forward's
         out += [Collective("dp_shard", "ag", block * cb, gathers * layers, "microbatch",
                            "layers"),
-                Collective("dp_shard", "rs", block * cb, layers, "microbatch", "layer grads")]
+                Collective("dp_shard", "rs", block * rb, layers, "microbatch", "layer grads")]
         for r in root:
             out += [Collective("dp_shard", "ag", r * cb, 1, "microbatch", "root"),
-                    Collective("dp_shard", "rs", r * cb, 1, "microbatch", "root grads")]
+                    Collective("dp_shard", "rs", r * rb, 1, "microbatch", "root grads")]
     if dr > 1 and ds > 1:
         # HSDP: every unit's reduce-scattered gradient shard is all-reduced over the replicas
         block, *root = sp.unit_gathered
-        out.append(Collective("dp_replicate", "ar", block // ds * cb, layers, "microbatch",
+        out.append(Collective("dp_replicate", "ar", block // ds * rb, layers, "microbatch",
                               "layer grad shards"))
         for r in root:
-            out.append(Collective("dp_replicate", "ar", r // ds * cb, 1, "microbatch",
+            out.append(Collective("dp_replicate", "ar", r // ds * rb, 1, "microbatch",
                                   "root grad shards"))
     elif dr > 1 and layout.cp == 1:
         # data_parallel: the gradients accumulate locally (no_sync), one all-reduce per step
-        out.append(Collective("dp_replicate", "ar", sp.local * cb, 1, "step", "grads"))
+        out.append(Collective("dp_replicate", "ar", sp.local * rb, 1, "step", "grads"))
     out += cp_collectives(spec, run, layout, stage)
     return out
 
@@ -214,7 +215,7 @@ def cp_collectives(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> lis
            Collective("cp", "rs", kv, 2 * layers, "microbatch", "attention dK, dV")]
     if layout.dp_shard == 1:
         local = stage_params(spec, layout.tp, 1, layout.pp, stage).local
-        out.append(Collective("cp", "ar", local * run.compute_bytes, 1, "step",
+        out.append(Collective("cp", "ar", local * run.reduce_bytes, 1, "step",
                               "grads over dp_replicate x cp"))
     return out
 

@@ -305,3 +305,17 @@ def test_every_schedule_still_plans_layouts_without_a_pipeline(schedule) -> None
     result = plan(SPEC, run, H100, schedule=schedule)
     assert any(c.layout.pp == 1 for c in result.ranked)
     assert any(c.layout.pp > 1 and c.layout.schedule == schedule for c in result.ranked)
+
+
+def test_fp32_gradient_reduction_doubles_the_reduced_bytes() -> None:
+    from hyperpar.plan.timing import collectives
+
+    bf16 = Run(world=16, seq_len=2048, global_batch=16)
+    fp32 = Run(world=16, seq_len=2048, global_batch=16, reduce_dtype="float32")
+    for lay in (Layout(dp_replicate=2, dp_shard=8), Layout(dp_replicate=16)):
+        a = {c.what: c.nbytes for c in collectives(SPEC, bf16, lay, 0)}
+        b = {c.what: c.nbytes for c in collectives(SPEC, fp32, lay, 0)}
+        for what in a:
+            grads = "grad" in what
+            assert b[what] == (2 * a[what] if grads else a[what]), what
+        assert any("grad" in w for w in a)
