@@ -143,6 +143,9 @@ def run(args: argparse.Namespace) -> int:
                   attention=args.attention, reduce_dtype=args.reduce_dtype)
         given = (parse_layout(args.layout, args.schedule, args.virtual_stages) if args.layout
                  else None)
+        if args.measure and spec.block != "llama":
+            raise ValueError("--measure runs the Llama example (examples/llama); a GPT-style "
+                             "block is predicted only: leave out --measure")
         if given is not None and args.measure:
             raise ValueError("--layout evaluates one layout by the model; --measure runs the "
                              "best ones on this machine: give one of them")

@@ -170,16 +170,34 @@ def cp_activation_bytes(spec: ModelSpec, run: Run, layout: Layout) -> tuple[floa
     return per_token, run.seq_len // layout.cp * run.seq_len
 
 
-def layer_activation_elems(spec: ModelSpec, layout: Layout) -> tuple[float, float]:
+def layer_activation_elems(spec: ModelSpec, layout: Layout,
+                           compute_bytes: int = 2) -> tuple[float, float]:
     """(elements saved per token by one layer for backward, elements saved per token under
-    activation checkpointing). Counts the tensors autograd keeps in the reference block:
-    norm inputs/outputs (4h), q/k/v before and after rotary (2q + 3kv), attention output (q),
-    the SwiGLU intermediates (4f); assumes a fused attention kernel (no ``s x s`` scores).
-    Under tp the head/hidden tensors are split; with sequence parallelism the norm tensors are
-    too, but the all-gathered inputs of the column-parallel linears (2h) are kept whole."""
+    activation checkpointing), in the compute dtype (one-byte dropout masks counted as
+    ``1 / compute_bytes`` elements). Assumes a fused attention kernel (no ``s x s`` scores; see
+    :func:`eager_scores_bytes`).
+
+    Llama block: norm inputs/outputs (4h), q/k/v before and after rotary (2q + 3kv), attention
+    output (q), the SwiGLU intermediates (4f). GPT block (Korthikanti et al. 2022, sec. 4.1):
+    the LayerNorms' inputs and the linears' inputs they feed (4h), q/k/v (q + 2kv), attention
+    output (q), GeLU's input and output (2f), and with dropout two masks (2h bytes).
+
+    Under tp the head/hidden tensors are split; with sequence parallelism the norm tensors and
+    masks are too, but the all-gathered inputs of the column-parallel linears (2h) are kept
+    whole, as hyperpar's block saves them (Megatron-LM saves them split and gathers again in
+    backward: the paper's ``34 s b h / t`` vs hyperpar's ``(30 / t + 4) s b h`` in fp16)."""
     h, f, tp = spec.hidden_size, spec.intermediate_size, layout.tp
+    sp = layout.sequence_parallel
+    if spec.block == "gpt":
+        inner = (2 * spec.q_dim + 2 * spec.kv_dim + 2 * f) / tp
+        masks = 2 * h / compute_bytes if spec.dropout else 0.0
+        if sp:  # LN inputs and masks split; LN outputs only feed the all-gathers
+            outer = (2 * h + masks) / tp + 2 * h
+        else:
+            outer = 4 * h + masks
+        return inner + outer, h / tp if sp else h
     inner = (3 * spec.q_dim + 3 * spec.kv_dim + 4 * f) / tp
-    if layout.sequence_parallel:
+    if sp:
         outer = 4 * h / tp + 2 * h
         saved = h / tp
     else:
@@ -198,6 +216,8 @@ def sac_saved_elems(spec: ModelSpec, layout: Layout, compute_bytes: int) -> floa
     layer_input = h / tp if layout.sequence_parallel else h
     split = (spec.q_dim + spec.kv_dim + spec.intermediate_size + spec.q_dim) / tp
     lse = spec.num_heads / tp * MASTER_BYTES / compute_bytes
+    if spec.block == "gpt":  # wq, wk, wv, wo, fc1, fc2: the odd ones are wq, wv and fc1
+        return layer_input + split + lse
     return layer_input + split + h + lse
 
 
@@ -205,12 +225,15 @@ def eager_scores_bytes(spec: ModelSpec, run: Run, layout: Layout) -> float:
     """What materialised (``eager``) attention saves per layer and microbatch on one rank: the
     softmax probabilities, ``heads / tp`` of ``(seq / cp) x seq`` per sequence in the compute
     dtype (the ``5 a s / h`` term of Korthikanti et al. 2022 less its dropout mask and
-    pre-softmax scores, which a dropout-free block does not keep). 0 with a fused kernel."""
+    pre-softmax scores, which a dropout-free block does not keep; with ``spec.dropout`` its
+    one-byte mask and its output in the compute dtype too: ``5 a s / h`` in fp16). 0 with a
+    fused kernel."""
     if run.attention == "flash":
         return 0.0
     sequences = run.global_batch // (layout.dp * layout.microbatches)
+    per_elem = run.compute_bytes + (1 + run.compute_bytes if spec.dropout else 0)
     return (sequences * spec.num_heads / layout.tp * (run.seq_len // layout.cp) * run.seq_len
-            * run.compute_bytes)
+            * per_elem)
 
 
 def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memory:
@@ -235,7 +258,7 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
             block_buffers = (stage_layers(spec.num_layers, layout.pp, stage) + 2) * block * cb
         buffers = block_buffers + sum(root) * cb
     tokens = microbatch_tokens(run, layout)
-    full, saved = layer_activation_elems(spec, layout)
+    full, saved = layer_activation_elems(spec, layout, cb)
     layers = stage_layers(spec.num_layers, layout.pp, stage)
     k = in_flight(layout, stage)
     cp_token, cp_layer = cp_activation_bytes(spec, run, layout)

@@ -27,7 +27,7 @@ from .memory import (
     stage_layers,
     stage_params,
 )
-from .model import ModelSpec
+from .model import ModelSpec, is_matmul
 
 
 @dataclass
@@ -377,7 +377,7 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
 
     ac_factor = 4 / 3 if layout.activation_checkpointing else 1.0  # one more forward
     if layout.selective_ac:  # the share of the forward's matmuls repeated
-        block = sum(t.numel for t in spec.block_tensors() if t.tp_dim is not None)
+        block = sum(t.numel for t in spec.block_tensors() if is_matmul(t))
         ac_factor = 1 + sac_recomputed_parameters(spec) / block / 3
     overhead_mb = layers * ac_factor * (profile.layer_overhead_s
                                         + (fixed("tp_layer_overhead_s") if tp_on else 0.0))
