@@ -27,7 +27,7 @@ from .memory import (
     stage_layers,
     stage_params,
 )
-from .model import ModelSpec, is_matmul
+from .model import ModelSpec, ParamTensor, is_matmul
 
 
 @dataclass
@@ -138,8 +138,12 @@ def collectives(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> list[C
             else:
                 out.append(Collective("tp", "ag", tokens * spec.vocab_size * cb, 1,
                                       "microbatch", "logits"))
-        # norm weights see a sequence slice: their gradients are all-reduced over tp
-        norms = 2 * layers + (1 if last else 0)
+        # tp-replicated h-sized tensors (norms; a GPT block's LayerNorm biases and
+        # row-parallel biases) see a sequence slice: their gradients are all-reduced over tp
+        def replicated(ts: list[ParamTensor]) -> int:
+            return sum(1 for t in ts if t.tp_dim is None)
+        norms = (replicated(spec.block_tensors()) * layers
+                 + (replicated(spec.final_tensors()) if last else 0))
         out.append(Collective("tp", "ar", spec.hidden_size * MASTER_BYTES, norms, "step",
                               "norm weight grads"))
     if pp > 1:

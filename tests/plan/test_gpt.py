@@ -104,3 +104,22 @@ def test_gpt2_config_parameters_and_errors(tmp_path: Path) -> None:
                            "--measure"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode != 0
     assert "GPT-style block is predicted only" in proc.stderr + proc.stdout
+
+
+def test_gpt_block_replicated_gradients_are_all_reduced_over_tp() -> None:
+    """Under tp with sequence parallelism every tp-replicated h-sized tensor's gradient is
+    all-reduced: a GPT layer has six (two LayerNorms' weight and bias, the biases of the two
+    row-parallel linears), its last stage two more (the final LayerNorm); a Llama layer two."""
+    from hyperpar.plan.timing import collectives
+
+    run = Run(world=8, seq_len=S, global_batch=8)
+    lay = Layout(dp_replicate=2, tp=4)
+
+    def count(spec: ModelSpec) -> int:
+        cs = collectives(spec, run, lay, 0)
+        return next(c.count for c in cs if c.what == "norm weight grads")
+
+    assert count(GPT) == 6 * GPT.num_layers + 2
+    llama = ModelSpec(name="l", hidden_size=256, intermediate_size=512, num_layers=3,
+                      num_heads=4, num_kv_heads=4, vocab_size=100)
+    assert count(llama) == 2 * 3 + 1
