@@ -97,7 +97,7 @@ _EXPORTS: dict[str, str] = {
 _FRAMEWORK_BOUND = frozenset({
     "DeviceMesh", "init_device_mesh", "DTensor", "distribute_tensor", "ParallelStyle",
     "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput",
-    "PrepareModuleOutput", "PrepareModuleInputOutput", "loss_parallel",
+    "PrepareModuleOutput", "PrepareModuleInputOutput", "loss_parallel", "data_parallel",
 })
 
 #: subpackages reachable as attributes (``hyperpar.checkpoint.save``)

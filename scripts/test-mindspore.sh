@@ -12,10 +12,10 @@ PREPARE=0
 [ "${1:-}" = "--prepare" ] && { PREPARE=1; shift; }
 PY=${PYTHON:-python3}
 start=$(date +%s)
-if [ ! -x "$MS_VENV/bin/python" ] || ! "$MS_VENV/bin/python" -c "import mindspore, pluggy, pytest" 2>/dev/null; then
+if [ ! -x "$MS_VENV/bin/python" ] || ! "$MS_VENV/bin/python" -c "import mindspore, pluggy, pytest, safetensors.numpy" 2>/dev/null; then
   echo "== building $MS_VENV (MindSpore 2.10, numpy<2, no torch)"
   "$PY" -m venv "$MS_VENV"
-  if ! "$MS_VENV/bin/python" -m pip install -q "numpy<2" "mindspore==2.10.0" pluggy pytest pytest-timeout \
+  if ! "$MS_VENV/bin/python" -m pip install -q "numpy<2" "mindspore==2.10.0" pluggy pytest pytest-timeout safetensors \
       "setuptools>=77"; then
     rm -rf "$MS_VENV"
     if [ "${CI:-}" = "true" ]; then
@@ -45,6 +45,8 @@ export GLOG_v=${GLOG_v:-3}
 echo "== hyperpar info (mindspore, no torch)"
 HYPERPAR_BACKEND=mindspore "$MS_VENV/bin/hyperpar" info
 echo "== MindSpore backend tests and the one-body-two-frameworks tests (real processes, 2 and 4 ranks)"
+# tests/mindspore/test_checkpoint.py runs its torch half in the torch venv (this checkout's .venv,
+# or $HYPERPAR_TORCH_PYTHON); without one that test is skipped, saying so.
 "$MS_VENV/bin/python" -m pytest -q -p no:cacheprovider tests/mindspore tests/both "$@"
 echo "== hyperpar run -n 2 examples/mindspore_tp_mlp.py"
 HYPERPAR_BACKEND=mindspore timeout 600 "$MS_VENV/bin/hyperpar" run -n 2 examples/mindspore_tp_mlp.py

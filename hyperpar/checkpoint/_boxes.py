@@ -14,9 +14,11 @@ import torch
 
 from hyperpar.platform import get_platform
 
+from ._commit import Box, overlap, owners
 from ._format import CheckpointError, dtype_name
 
-Box = tuple[str, tuple[int, ...], tuple[int, ...]]
+__all__ = ["Box", "Piece", "copy_box", "host", "local_box", "overlap", "owned", "owners",
+           "pieces"]
 
 
 def is_dtensor(t: Any) -> bool:
@@ -83,15 +85,6 @@ def pieces(state: dict[str, Any]) -> list[Piece]:
     return out
 
 
-def owners(metas: list[list[dict[str, Any]]]) -> dict[Box, int]:
-    """Each distinct box -> the lowest rank holding it (the one that writes or sends it)."""
-    owner: dict[Box, int] = {}
-    for r, items in enumerate(metas):
-        for m in items:
-            owner.setdefault((m["key"], tuple(m["offset"]), tuple(m["local_shape"])), r)
-    return owner
-
-
 def owned(mine: list[Piece], extra: Any = None
           ) -> tuple[list[Piece], list[list[dict[str, Any]]], list[Any]]:
     """The pieces this rank writes, every rank's box metadata, and every rank's ``extra``
@@ -115,16 +108,6 @@ def host(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
         seen.add(h.untyped_storage().data_ptr())
         out.append(h)
     return out
-
-
-def overlap(a_off: list[int], a_shape: list[int], b_off: list[int], b_shape: list[int]
-            ) -> tuple[list[int], list[int]] | None:
-    """``(lo, hi)`` corners of the intersection of two boxes, or None when they don't meet."""
-    lo = [max(x, y) for x, y in zip(a_off, b_off, strict=True)]
-    hi = [min(x + n, y + m) for x, n, y, m in zip(a_off, a_shape, b_off, b_shape, strict=True)]
-    if any(h <= low for low, h in zip(lo, hi, strict=True)):
-        return None
-    return lo, hi
 
 
 def copy_box(value: torch.Tensor, box: torch.Tensor) -> None:

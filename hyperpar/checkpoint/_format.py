@@ -16,7 +16,7 @@ import re
 import stat
 from typing import Any, NamedTuple
 
-import torch
+# No framework at import time: the MindSpore backend writes this format too (numpy arrays).
 
 __all__ = ["INDEX_FILE", "CheckpointError", "CorruptCheckpointError", "LoadResult",
            "read_index"]
@@ -57,18 +57,23 @@ def is_checkpoint_file(name: str) -> bool:
     return bool(_OWN_FILE.match(name))
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: Any) -> str:
+    """The index's name of a dtype: torch's without the prefix (``float32``); numpy's and
+    MindSpore's names of the common dtypes are the same strings."""
     return str(dtype).removeprefix("torch.")
 
 
-def dtype_of(name: str) -> torch.dtype:
+def dtype_of(name: str) -> Any:
+    """The torch dtype an index names."""
+    import torch
+
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise CheckpointError(f"checkpoint index names an unknown dtype {name!r}")
     return dtype
 
 
-def digest(t: torch.Tensor) -> str:
+def digest(t: Any) -> str:
     """sha256 of the raw bytes of host tensor ``t`` (any dtype, read in place, no numpy)."""
     t = t.contiguous()
     n = t.numel() * t.element_size()
@@ -76,6 +81,14 @@ def digest(t: torch.Tensor) -> str:
     if n:
         h.update(memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B"))
     return h.hexdigest()
+
+
+def digest_array(a: Any) -> str:
+    """sha256 of the raw bytes of numpy array ``a``: the same digest :func:`digest` gives the
+    torch tensor with those bytes, so either framework checks the other's files."""
+    import numpy as np
+
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
 
 
 def read_index(path: str | os.PathLike) -> dict[str, Any]:

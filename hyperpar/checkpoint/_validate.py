@@ -20,8 +20,6 @@ import os
 import stat
 from typing import Any
 
-import torch
-
 from ._format import INDEX_FILE, VERSION, CheckpointError, CorruptCheckpointError
 
 #: torch dtype name (as the index writes it) -> safetensors header code.
@@ -31,6 +29,24 @@ SAFETENSORS_DTYPE = {
     "uint16": "U16", "uint32": "U32", "uint64": "U64", "bool": "BOOL",
     "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "complex64": "C64",
 }
+#: bytes per element of each dtype name (what an index written without torch may name)
+ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+            "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8,
+            "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "complex64": 8,
+            "complex128": 16}
+
+
+def itemsize(name: str) -> int | None:
+    """Bytes per element of dtype ``name`` (torch's names), None for no dtype: torch's
+    answer where torch is installed, else the table above (a MindSpore-only install)."""
+    try:
+        import torch
+    except ImportError:
+        return ITEMSIZE.get(name)
+    dtype = getattr(torch, name, None)
+    return dtype.itemsize if isinstance(dtype, torch.dtype) else None
+
+
 #: A safetensors header larger than this is refused before it is read (the format caps it).
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
@@ -128,7 +144,7 @@ def _check_entry(file: str, key: str, entry: Any, files: dict[str, Any] | None) 
     if not _ints(shape):
         raise _malformed(file, f"{where}.shape", "a list of non-negative integers", shape)
     dtype = entry.get("dtype")
-    if not isinstance(dtype, str) or not isinstance(getattr(torch, dtype, None), torch.dtype):
+    if not isinstance(dtype, str) or itemsize(dtype) is None:
         raise _malformed(file, f"{where}.dtype", "a torch dtype name such as 'float32'", dtype)
     chunks = entry.get("chunks")
     if not isinstance(chunks, list):
@@ -244,9 +260,8 @@ def _check_header(full: str, size: int,
             problem = f"has no tensor {name!r}"
         else:
             want_dtype = SAFETENSORS_DTYPE.get(entry["dtype"])
-            itemsize = getattr(torch, entry["dtype"]).itemsize
             offsets = info.get("data_offsets")
-            nbytes = math.prod(chunk["shape"]) * itemsize
+            nbytes = math.prod(chunk["shape"]) * (itemsize(entry["dtype"]) or 0)
             if want_dtype is not None and info.get("dtype") != want_dtype:
                 problem = (f"stores {name!r} as {info.get('dtype')!r} but index.json says "
                            f"{entry['dtype']!r} ({want_dtype})")

@@ -18,12 +18,13 @@ from torch import nn
 from hyperpar.platform import get_platform
 
 from ._boxes import copy_box, local_box
-from ._format import CheckpointError, CorruptCheckpointError, LoadResult, read_index
+from ._commit import agree_or_raise, show_keys
+from ._format import CheckpointError, LoadResult, read_index
 from ._read import Reader, assemble
 from ._validate import check_files
 from .optim import check_optimizer, load_optimizer, optimizer_keys
 
-__all__ = ["load", "verify"]
+__all__ = ["agree_or_raise", "load", "show_keys", "verify"]
 
 
 def load(model: nn.Module, path: str | os.PathLike, *,
@@ -105,11 +106,6 @@ def _check_keys(state: dict[str, torch.Tensor], index: dict[str, Any], path: str
     return LoadResult(missing, unexpected)
 
 
-def show_keys(keys: list[str], n: int = 8) -> str:
-    return ", ".join(repr(k) for k in keys[:n]) + (f" ... ({len(keys) - n} more)"
-                                                   if len(keys) > n else "")
-
-
 def _copy_in(state: dict[str, torch.Tensor], saved: dict[str, Any], reader: Reader) -> None:
     """Copy this rank's box of every model tensor found in the checkpoint."""
     for key, value in state.items():
@@ -118,28 +114,6 @@ def _copy_in(state: dict[str, torch.Tensor], saved: dict[str, Any], reader: Read
             continue
         offset, shape, _ = local_box(value)
         copy_box(value, assemble(entry, key, list(offset), list(shape), reader))
-
-
-#: Error types a rank may re-raise for a peer's failure (anything else: CheckpointError).
-_SHARED_ERRORS: dict[str, type[Exception]] = {
-    cls.__name__: cls for cls in (CheckpointError, CorruptCheckpointError, FileNotFoundError)}
-
-
-def agree_or_raise(error: Exception | None) -> None:
-    """Raise on every rank if any rank failed: the failing rank its own error, the others the
-    first failure's type and message, naming its rank. Collective."""
-    platform = get_platform()
-    errors = platform.all_gather_object(
-        None if error is None else (type(error).__name__, str(error)))
-    bad = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if not bad:
-        return
-    if error is not None:
-        raise error
-    r, (name, message) = bad[0]
-    cls = _SHARED_ERRORS.get(name)
-    raise (cls or CheckpointError)(f"rank {r}: {message}" if cls else
-                                   f"rank {r}: {name}: {message}")
 
 
 def verify(path: str | os.PathLike) -> int:

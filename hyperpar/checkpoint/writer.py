@@ -7,8 +7,6 @@ checkpoint exactly as it was.
 from __future__ import annotations
 
 import os
-import secrets
-import time
 from typing import Any
 
 import torch
@@ -17,18 +15,9 @@ from torch import nn
 from hyperpar.platform import get_platform
 
 from ._boxes import Piece, host, owned, pieces
-from ._format import (
-    DIGEST,
-    FORMAT,
-    INDEX_FILE,
-    VERSION,
-    CheckpointError,
-    digest,
-    is_checkpoint_file,
-    shard_name,
-    write_index,
-)
-from ._lock import ConcurrentSaveError, acquire, release
+from ._commit import build_index, remove_stale, take_lock
+from ._format import FORMAT, INDEX_FILE, CheckpointError, digest, shard_name, write_index
+from ._lock import release
 from .optim import merge_extras, optimizer_state
 
 __all__ = ["save"]
@@ -63,27 +52,7 @@ def save(model: nn.Module | dict[str, Any], path: str | os.PathLike, *,
     state, extras = _state_to_save(model, optimizer)
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
-    platform = get_platform()
-    rank = platform.rank()
-
-    # 0. Rank 0 takes the folder's save lock (one save at a time); every rank learns the
-    #    outcome and rank 0's fresh save id before anything is written.
-    lock, taken = None, None
-    if rank == 0:
-        save_id = _new_save_id()
-        try:
-            lock = acquire(path, save_id, force=force)
-            taken = ("ok", save_id)
-        except (CheckpointError, OSError) as exc:
-            taken = (type(exc).__name__, str(exc))
-    status, detail = platform.broadcast_object(taken, 0)
-    if status != "ok":
-        cls = ConcurrentSaveError if status == ConcurrentSaveError.__name__ else CheckpointError
-        where = "" if rank == 0 else "rank 0: "
-        if cls is CheckpointError:
-            detail = f"save: cannot create the lock file in {path}: {status}: {detail}"
-        raise cls(where + detail)
-    save_id = detail
+    lock, save_id = take_lock(path, force)
     try:
         return _save_locked(state, extras, optimizer is not None, path, file_format, save_id)
     finally:
@@ -111,11 +80,11 @@ def _save_locked(state: dict[str, Any], extras: dict[str, Any], with_optimizer: 
     outcome = None
     if rank == 0:
         try:
-            index = _build_index(metas, files, file_format, world, save_id)
+            index = build_index(metas, files, file_format, world, save_id)
             if with_optimizer:
                 index["optimizer"] = merge_extras(proposals)
             write_index(path, index, save_id)
-            _remove_stale(path, {f["file"] for f in files})
+            remove_stale(path, {f["file"] for f in files})
         except Exception as exc:  # shared below so no rank waits for a commit that failed
             outcome = f"{type(exc).__name__}: {exc}"
     outcome = platform.broadcast_object(outcome, 0)
@@ -156,11 +125,6 @@ def _state_to_save(model: nn.Module | dict[str, Any], optimizer: torch.optim.Opt
     return {**state, **opt_tensors}, extras
 
 
-def _new_save_id() -> str:
-    """Unique per save: a clock part (sortable) and a random part (two saves in one tick)."""
-    return f"{time.time_ns() // 1_000_000:x}{secrets.token_hex(3)}"
-
-
 def _write_shard(path: str, name: str, mine: list[Piece], file_format: str) -> dict[str, Any]:
     """Write ``mine`` to a new file ``name``, durably; its size and per-chunk digests, or the
     error."""
@@ -184,41 +148,3 @@ def _write_file(full: str, tensors: dict[str, torch.Tensor], file_format: str) -
         st.save_file(tensors, full, metadata={"format": FORMAT})
     else:
         torch.save(tensors, full)
-
-
-def _build_index(metas: list[list[dict[str, Any]]], files: list[dict[str, Any]],
-                 file_format: str, world: int, save_id: str) -> dict[str, Any]:
-    """The index of this save: every tensor's layout and where each distinct box lives."""
-    entries: dict[str, Any] = {}
-    written: set[tuple] = set()
-    for r, items in enumerate(metas):
-        for m in items:
-            key = m["key"]
-            entry = entries.setdefault(key, {
-                "shape": m["shape"], "dtype": m["dtype"], "placements": m["placements"],
-                "mesh_shape": m["mesh_shape"], "chunks": []})
-            if entry["shape"] != m["shape"]:
-                raise CheckpointError(f"save: {key!r} has global shape {m['shape']} on rank "
-                                      f"{r} but {entry['shape']} on a lower rank")
-            box = (key, tuple(m["offset"]), tuple(m["local_shape"]))
-            if box in written:
-                continue
-            written.add(box)
-            name = f"{key}@{','.join(map(str, m['offset']))}"
-            entry["chunks"].append({
-                "file": files[r]["file"], "key": name, "offset": m["offset"],
-                "shape": m["local_shape"], "rank": r, "digest": files[r]["digests"][name]})
-    return {"format": FORMAT, "version": VERSION, "file_format": file_format,
-            "world_size": world, "save_id": save_id, "digest": DIGEST,
-            "files": {f["file"]: {"rank": r, "bytes": f["bytes"]} for r, f in enumerate(files)},
-            "tensors": entries}
-
-
-def _remove_stale(path: str, keep: set[str]) -> None:
-    """Remove files of earlier (or crashed) saves: everything a save writes but ``keep``."""
-    for name in os.listdir(path):
-        if name not in keep and name != INDEX_FILE and is_checkpoint_file(name):
-            try:
-                os.remove(os.path.join(path, name))
-            except FileNotFoundError:
-                pass

@@ -19,17 +19,9 @@ import torch
 
 from hyperpar.platform import get_platform
 
+from .bucket_plan import averaging
 
-def averaging(group: Any, divisor: int | None = None) -> tuple[str, float | None]:
-    """``(op, scale)`` that averages over ``group`` (or divides by ``divisor``, e.g. the whole
-    HSDP world when the replicas' sum follows): the library's ``avg`` when native and the
-    divisor is the group's size, else ``sum`` of inputs pre-multiplied by ``scale``."""
-    platform = get_platform()
-    n = platform.world_size(group)
-    divisor = n if divisor is None else divisor
-    if divisor == n and "reduce op 'avg'" not in platform.collective_fallbacks():
-        return "avg", None
-    return "sum", (None if divisor == 1 else 1.0 / divisor)
+__all__ = ["Bucket", "averaging", "pack"]
 
 
 def pack(block: torch.Tensor, grad: torch.Tensor | None, scale: float | None) -> None:

@@ -42,6 +42,7 @@ from torch import nn
 from hyperpar.platform import get_platform
 
 from ._bucket import Bucket, averaging, pack
+from .bucket_plan import FIRST_BUCKET_BYTES, plan_buckets, resolve_group  # noqa: F401 (re-exported)
 
 __all__ = ["DataParallelModule", "data_parallel", "finish_gradient_sync", "no_sync"]
 
@@ -73,24 +74,6 @@ def engine_callback() -> Any:
             "queue_callback, which data_parallel needs to finish averaging the gradients at the "
             "end of backward; install a torch version hyperpar supports (see the README)")
     return queue_callback
-
-
-def resolve_group(mesh: Any = None, dim: str | int | None = "dp", group: Any = None) -> Any:
-    """The process group of mesh dimension ``dim`` (resolved by ``mesh.get_mesh(dim,
-    default="dp")``: an unnamed 1-D mesh needs no name), or ``group`` as given, or the world
-    group when neither is given."""
-    if group is not None:
-        if mesh is not None:
-            raise ValueError("data_parallel: pass either mesh= (with dim=) or group=, not both")
-        return group
-    if mesh is None:
-        return None
-    return mesh.get_mesh(dim, default="dp").get_group()
-
-
-#: DDP's rule: the first bucket (the last layers' gradients, ready first) is small, so its
-#: all-reduce starts early in backward and overlaps the rest of it.
-FIRST_BUCKET_BYTES = 1024 * 1024
 
 
 @dataclass
@@ -130,21 +113,10 @@ class _Reducer:
         self.leaf_ids: tuple[int, ...] = ()
         #: buckets launched before the end of the last backward (overlapped with it)
         self.launched_during_backward = 0
-        # Gradients arrive roughly in reverse registration order: bucket from the end.
-        current: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        sizes: dict[tuple[torch.dtype, torch.device], int] = {}
-        for p in reversed(params):
-            key = (p.dtype, p.device)
-            current.setdefault(key, []).append(p)
-            sizes[key] = sizes.get(key, 0) + p.numel() * p.element_size()
-            cap = min(bucket_cap_bytes, FIRST_BUCKET_BYTES) if not self.buckets else (
-                bucket_cap_bytes)
-            if sizes[key] >= cap:
-                self._add_bucket(current.pop(key))
-                sizes[key] = 0
-        for group_params in current.values():
-            if group_params:
-                self._add_bucket(group_params)
+        # one bucket plan for every framework (bucket_plan.py): filled from the end
+        keys = [((p.dtype, p.device), p.numel() * p.element_size()) for p in params]
+        for indices in plan_buckets(keys, bucket_cap_bytes):
+            self._add_bucket([params[i] for i in indices])
         for p in params:
             self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
 

@@ -41,6 +41,9 @@ _EXPORTS = {
     "PrepareModuleInput": ".prepare",
     "PrepareModuleOutput": ".prepare",
     "PrepareModuleInputOutput": ".prepare",
+    "data_parallel": ".data_parallel",
+    "DataParallelCell": ".data_parallel",
+    "reduce_gradients": ".data_parallel",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -110,6 +110,10 @@ def wrap_output(y: Any, mesh: DeviceMesh, placement: Placement, length: int | No
     return _dtensor_cls().from_local(y, mesh, (placement,), shape=tuple(shape))
 
 
+#: attribute of a shard Parameter: the group it is split over (``SHARD_PLACEMENTS`` says how)
+SHARD_GROUP = "_hyperpar_group"
+
+
 def shard_parameter(platform: MindSporePlatform, cell: nn.Cell, name: str, dim: int | None,
                     group: MSGroup, src_data_rank: int | None) -> Parameter | None:
     """Replace ``cell.<name>`` by this rank's ``torch.chunk`` piece along ``dim`` (``None``:
@@ -132,6 +136,7 @@ def shard_parameter(platform: MindSporePlatform, cell: nn.Cell, name: str, dim: 
     new = Parameter(Tensor(np.ascontiguousarray(data)), name=param.name,
                     requires_grad=param.requires_grad)
     setattr(new, SHARD_PLACEMENTS, (Replicate(),) if dim is None else (Shard(dim),))
+    setattr(new, SHARD_GROUP, group)  # checkpoints place the shard in the global tensor
     cell._params[name] = new
     return new
 

@@ -1,0 +1,146 @@
+"""hyperpar checkpoints of MindSpore Cells: the same folder format as PyTorch models
+(``hyperpar.checkpoint``: safetensors shards, an atomically committed ``index.json``, sha256
+per chunk, resharded on load), written and read through :mod:`hyperpar.checkpoint.arrays`.
+
+>>> checkpoint.save(cell, "ckpt/step-100")                  # doctest: +SKIP
+>>> checkpoint.load(cell, "ckpt/step-100")                  # any tp layout, or one process
+>>> checkpoint.load(cell, "ckpt/torch-run", name_map=torch_name_map(cell))   # torch's names
+
+``hyperpar.checkpoint.save`` / ``load`` call these for a Cell. A tensor-parallel shard (a
+``Parameter`` ``parallelize_module`` split) is saved as its box of the global tensor, so a
+folder saved on 2 ranks loads on 1 and the reverse. Keys are the Cell's parameter paths
+(``parameters_and_names()``), or what ``name_map`` makes of them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import mindspore as ms
+import numpy as np
+from mindspore import nn
+
+from hyperpar.checkpoint._format import CheckpointError, LoadResult
+from hyperpar.checkpoint.arrays import ArrayBox, Want, load_arrays, save_arrays
+from hyperpar.dtensor.placement import Shard
+from hyperpar.platform import get_platform
+
+from .parallel import SHARD_GROUP
+from .platform import SHARD_PLACEMENTS
+
+__all__ = ["load", "save", "torch_name_map"]
+
+NameMap = Mapping[str, str] | Callable[[str], str] | None
+
+
+def torch_name_map(model: nn.Cell) -> dict[str, str]:
+    """MindSpore parameter path -> PyTorch's name of the same tensor, for the layers whose
+    names differ: ``LayerNorm`` ``gamma``/``beta`` -> ``weight``/``bias``, ``Embedding``
+    ``embedding_table`` -> ``weight``, ``BatchNorm`` ``gamma``/``beta``/``moving_mean``/
+    ``moving_variance`` -> ``weight``/``bias``/``running_mean``/``running_var``. ``Dense``
+    weights are ``(out, in)`` in both, so their names and values match as they are."""
+    renames = {nn.LayerNorm: {"gamma": "weight", "beta": "bias"},
+               nn.Embedding: {"embedding_table": "weight"}}
+    bn = {"gamma": "weight", "beta": "bias", "moving_mean": "running_mean",
+          "moving_variance": "running_var"}
+    out: dict[str, str] = {}
+    for path, cell in model.cells_and_names():
+        table = next((t for cls, t in renames.items() if isinstance(cell, cls)), None)
+        if table is None and type(cell).__name__.startswith("BatchNorm"):
+            table = bn
+        for attr, torch_name in (table or {}).items():
+            if cell._params.get(attr) is not None:
+                prefix = f"{path}." if path else ""
+                out[prefix + attr] = prefix + torch_name
+    return out
+
+
+def _key(name: str, name_map: NameMap) -> str:
+    if name_map is None:
+        return name
+    if callable(name_map):
+        return name_map(name)
+    return name_map.get(name, name)
+
+
+def _layout(model: nn.Cell, name_map: NameMap) -> dict[str, tuple[Any, ArrayBox | Want]]:
+    """key -> (parameter, its box): where this rank's piece of each parameter sits in the
+    global tensor. One collective (every rank's shard lengths)."""
+    if not isinstance(model, nn.Cell):
+        raise TypeError(f"checkpoint: expected a mindspore.nn.Cell, got {type(model).__name__}")
+    platform = get_platform()
+    params = list(model.parameters_and_names())
+    keys: dict[str, str] = {}
+    for name, _p in params:
+        key = _key(name, name_map)
+        if key in keys:
+            raise ValueError(f"checkpoint: name_map sends both {keys[key]!r} and {name!r} to "
+                             f"{key!r}; give every parameter its own checkpoint name")
+        keys[key] = name
+    sharded = {}
+    for name, p in params:
+        placements = getattr(p, SHARD_PLACEMENTS, None)
+        group = getattr(p, SHARD_GROUP, None)
+        if placements and isinstance(placements[0], Shard) and group is not None and (
+                platform.world_size(group) > 1):
+            d = placements[0].dim % len(p.shape)
+            sharded[_key(name, name_map)] = (d, int(p.shape[d]), tuple(group.ranks))
+    everyone = platform.all_gather_object(sharded)
+    me = platform.rank()
+    out: dict[str, tuple[Any, Any]] = {}
+    for name, p in params:
+        key = _key(name, name_map)
+        local = tuple(int(s) for s in p.shape)
+        shape, offset = list(local), [0] * len(local)
+        placements: list[str] = []
+        mesh_shape: list[int] = []
+        if key in sharded:
+            d, _, ranks = sharded[key]
+            lengths = [everyone[r][key][1] for r in ranks]
+            shape[d] = sum(lengths)
+            offset[d] = sum(lengths[:ranks.index(me)])
+            placements, mesh_shape = [repr(Shard(d))], [len(ranks)]
+        out[key] = (p, ArrayBox(tuple(shape), tuple(offset), p.asnumpy(), placements,
+                                mesh_shape))
+    return out
+
+
+def save(model: nn.Cell, path: str | os.PathLike, *, name_map: NameMap = None,
+         optimizer: Any = None, file_format: str = "auto", force: bool = False) -> str:
+    """Save ``model``'s parameters as a hyperpar checkpoint folder ``path`` (collective; every
+    rank calls it). ``name_map``: parameter path -> checkpoint key (a dict, missing names kept,
+    or a function), e.g. :func:`torch_name_map` for a folder a PyTorch model loads. Returns
+    the index path."""
+    if optimizer is not None:
+        raise NotImplementedError(
+            "checkpoint.save(optimizer=...) is not implemented for MindSpore Cells yet: save "
+            "the model only, or save the optimizer with mindspore.save_checkpoint")
+    if file_format not in ("auto", "safetensors"):
+        raise ValueError(f"checkpoint.save: a MindSpore Cell is saved as safetensors; got "
+                         f"file_format={file_format!r} (use 'auto' or 'safetensors')")
+    state = {key: box for key, (_p, box) in _layout(model, name_map).items()}
+    return save_arrays(state, path, force=force)
+
+
+def load(model: nn.Cell, path: str | os.PathLike, *, name_map: NameMap = None,
+         optimizer: Any = None, strict: bool = True, verify: bool = True) -> LoadResult:
+    """Load checkpoint folder ``path`` (saved by either framework, in any layout) into
+    ``model``'s current layout: each rank reads its box of every parameter. ``strict`` and the
+    result are ``hyperpar.checkpoint.load``'s; values are cast to each parameter's dtype."""
+    if optimizer is not None:
+        raise NotImplementedError(
+            "checkpoint.load(optimizer=...) is not implemented for MindSpore Cells yet")
+    layout = _layout(model, name_map)
+    wanted = {key: Want(box.shape, box.offset, tuple(box.array.shape))
+              for key, (_p, box) in layout.items()}
+    arrays, result = load_arrays(wanted, path, strict=strict, verify=verify)
+    for key, arr in arrays.items():
+        param = layout[key][0]
+        want = ms.dtype_to_nptype(param.dtype)
+        if arr.shape != tuple(param.shape):
+            raise CheckpointError(f"load: {key!r}: read {arr.shape}, parameter holds "
+                                  f"{tuple(param.shape)}")
+        param.set_data(ms.Tensor(np.ascontiguousarray(arr.astype(want, copy=False))))
+    return result

@@ -1,0 +1,262 @@
+"""Save and load a checkpoint folder from numpy arrays: hyperpar's format (safetensors shards,
+``index.json`` committed atomically, sha256 per chunk, boxes resharded on load) with no deep
+learning framework. The MindSpore backend (``hyperpar_mindspore.checkpoint``) turns a Cell's
+parameters into :class:`ArrayBox` es and back; the lock, the index and the commit are the same
+steps the PyTorch writer runs (:mod:`._commit`), so either framework reads the other's folders.
+
+Needs ``numpy`` and ``safetensors`` (its numpy API); imports neither torch nor MindSpore.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from hyperpar.platform import get_platform
+
+from ._commit import (
+    agree_or_raise,
+    build_index,
+    overlap,
+    owners,
+    remove_stale,
+    show_keys,
+    take_lock,
+)
+from ._format import (
+    FORMAT,
+    INDEX_FILE,
+    CheckpointError,
+    CorruptCheckpointError,
+    LoadResult,
+    digest_array,
+    dtype_name,
+    read_index,
+    shard_name,
+    write_index,
+)
+from ._lock import release
+from ._validate import check_files, confined_file
+
+__all__ = ["ArrayBox", "load_arrays", "save_arrays"]
+
+OPTIM_PREFIX = "optimizer."
+
+
+@dataclass
+class ArrayBox:
+    """This rank's box of one tensor: ``array`` sits at ``offset`` in the global ``shape``.
+    ``placements`` / ``mesh_shape`` are recorded in the index (``repr`` of each placement and
+    the mesh's shape; empty for a plain tensor)."""
+
+    shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    array: np.ndarray
+    placements: list[str] = field(default_factory=list)
+    mesh_shape: list[int] = field(default_factory=list)
+
+    def meta(self, key: str) -> dict[str, Any]:
+        return {"key": key, "shape": list(self.shape), "dtype": dtype_name(self.array.dtype),
+                "offset": list(self.offset), "local_shape": list(self.array.shape),
+                "placements": self.placements, "mesh_shape": self.mesh_shape}
+
+
+def save_arrays(state: dict[str, ArrayBox], path: str | os.PathLike, *,
+                force: bool = False) -> str:
+    """Write ``state`` (this rank's boxes) as checkpoint folder ``path``; returns the index
+    path. Collective; the same steps and guarantees as :func:`hyperpar.checkpoint.save`."""
+    for key, box in state.items():
+        if box.array.dtype.kind not in "biuf" or box.array.dtype.itemsize > 8:
+            raise CheckpointError(f"save: {key!r} has dtype {box.array.dtype}, which the "
+                                  "numpy checkpoint path does not store; cast it to float32")
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    lock, save_id = take_lock(path, force)
+    try:
+        return _save_locked(state, path, save_id)
+    finally:
+        if lock is not None:
+            release(lock, save_id)
+
+
+def _save_locked(state: dict[str, ArrayBox], path: str, save_id: str) -> str:
+    platform = get_platform()
+    rank, world = platform.rank(), platform.world_size()
+    metas = platform.all_gather_object([box.meta(key) for key, box in state.items()])
+    owner = owners(metas)
+    mine = {key: box for key, box in state.items()
+            if owner[(key, tuple(box.offset), tuple(box.array.shape))] == rank}
+    written = _write_shard(path, shard_name(rank, world, save_id, "safetensors"), mine)
+    files = platform.all_gather_object(written)  # doubles as the barrier before the commit
+    failed = [(r, w["error"]) for r, w in enumerate(files) if "error" in w]
+    if failed:
+        raise CheckpointError(f"save: rank {failed[0][0]} could not write its shard: "
+                              f"{failed[0][1]}; {path} still holds the previous checkpoint")
+    outcome = None
+    if rank == 0:
+        try:
+            write_index(path, build_index(metas, files, "safetensors", world, save_id), save_id)
+            remove_stale(path, {f["file"] for f in files})
+        except Exception as exc:  # shared below so no rank waits for a commit that failed
+            outcome = f"{type(exc).__name__}: {exc}"
+    outcome = platform.broadcast_object(outcome, 0)
+    if outcome is not None:
+        raise CheckpointError(f"save: committing {path} failed on rank 0: {outcome}")
+    return os.path.join(path, INDEX_FILE)
+
+
+def _write_shard(path: str, name: str, mine: dict[str, ArrayBox]) -> dict[str, Any]:
+    full = os.path.join(path, name)
+    try:
+        from safetensors.numpy import save_file
+
+        tensors = {f"{key}@{','.join(map(str, box.offset))}": np.ascontiguousarray(box.array)
+                   for key, box in mine.items()}
+        digests = {k: digest_array(a) for k, a in tensors.items()}
+        save_file(tensors, full, metadata={"format": FORMAT})
+        with open(full, "rb") as f:
+            os.fsync(f.fileno())
+        return {"file": name, "bytes": os.path.getsize(full), "digests": digests}
+    except Exception as exc:
+        return {"file": name, "error": f"{full}: {type(exc).__name__}: {exc}"}
+
+
+# --------------------------------------------------------------------------------- load
+@dataclass
+class Want:
+    """The box of one tensor this rank holds now: global ``shape``, ``offset``, ``local``
+    shape."""
+
+    shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    local: tuple[int, ...]
+
+
+def load_arrays(wanted: dict[str, Want], path: str | os.PathLike, *, strict: bool = True,
+                verify: bool = True) -> tuple[dict[str, np.ndarray], LoadResult]:
+    """Read this rank's box of every tensor in ``wanted`` from checkpoint folder ``path``
+    (whatever layout it was saved in). Returns the arrays found and ``LoadResult(missing,
+    unexpected)`` over all ranks. ``strict``: a missing or unexpected tensor raises
+    :class:`CheckpointError` (on every rank). Collective."""
+    path = os.fspath(path)
+    platform = get_platform()
+    error: Exception | None = None
+    index: dict[str, Any] = {}
+    try:
+        index = read_index(path)
+        if index["file_format"] != "safetensors":
+            raise CheckpointError(f"load: {path} was saved with file_format="
+                                  f"{index['file_format']!r}; without torch only safetensors "
+                                  "checkpoints load: save with file_format='safetensors'")
+        check_files(path, index, part=(platform.rank(), platform.world_size()))
+    except Exception as exc:  # shared: a rank that failed alone must not leave others waiting
+        error = exc
+    agree_or_raise(error)
+    result = _check_keys(wanted, index, path, strict)
+    out: dict[str, np.ndarray] = {}
+    try:
+        reader = _Reader(path, index, verify)
+        for key, want in wanted.items():
+            entry = index["tensors"].get(key)
+            if entry is not None:
+                out[key] = reader.assemble(entry, key, list(want.offset), list(want.local))
+    except Exception as exc:
+        error = exc
+    agree_or_raise(error)
+    return out, result
+
+
+def _check_keys(wanted: dict[str, Want], index: dict[str, Any], path: str,
+                strict: bool) -> LoadResult:
+    saved = index["tensors"]
+    problems = [f"{key!r} has global shape {list(w.shape)} in the model but "
+                f"{saved[key]['shape']} in {path}"
+                for key, w in wanted.items()
+                if key in saved and list(w.shape) != saved[key]["shape"]]
+    gathered = get_platform().all_gather_object((sorted(wanted), problems))
+    model_keys = {k for keys, _ in gathered for k in keys}
+    problems = sorted({p for _, ps in gathered for p in ps})
+    saved_model_keys = {k for k in saved if not ("optimizer" in index
+                                                 and k.startswith(OPTIM_PREFIX))}
+    missing = sorted(model_keys - set(saved))
+    unexpected = sorted(saved_model_keys - model_keys)
+    if strict and missing:
+        problems.append(f"{len(missing)} tensor(s) of the model are not in {path}: "
+                        f"{show_keys(missing)}")
+    if strict and unexpected:
+        problems.append(f"{len(unexpected)} tensor(s) in {path} are not in the model: "
+                        f"{show_keys(unexpected)}")
+    if problems:
+        hint = ""
+        if strict and (missing or unexpected):
+            hint = (" (pass strict=False to load the matching tensors only, or name_map= to "
+                    "map the model's names to the checkpoint's)")
+        raise CheckpointError("load: " + "; ".join(problems) + hint)
+    return LoadResult(missing, unexpected)
+
+
+class _Reader:
+    """Shard files opened lazily with safetensors' numpy API; each chunk is checked against
+    its digest (``verify``) before use."""
+
+    def __init__(self, path: str, index: dict[str, Any], verify: bool) -> None:
+        self.path, self.verify = path, verify
+        self._open: dict[str, Any] = {}
+
+    def _handle(self, file: str) -> Any:
+        if file not in self._open:
+            from safetensors import safe_open
+
+            full = confined_file(self.path, file, what=f"index.json of {self.path}")
+            try:
+                self._open[file] = safe_open(full, framework="numpy")
+            except Exception as exc:
+                raise CorruptCheckpointError(f"{full} cannot be opened as a safetensors file "
+                                             f"({type(exc).__name__}: {exc})") from exc
+        return self._open[file]
+
+    def read(self, chunk: dict[str, Any], key: str) -> np.ndarray:
+        full = os.path.join(self.path, chunk["file"])
+        try:
+            whole = self._handle(chunk["file"]).get_tensor(chunk["key"])
+        except CorruptCheckpointError:
+            raise
+        except Exception as exc:
+            raise CorruptCheckpointError(f"{full}: cannot read {chunk['key']!r} of {key!r} "
+                                         f"({type(exc).__name__}: {exc})") from exc
+        if list(whole.shape) != list(chunk["shape"]) or (
+                self.verify and "digest" in chunk and digest_array(whole) != chunk["digest"]):
+            raise CorruptCheckpointError(
+                f"{full}: the bytes of {key!r} (chunk at offset {chunk['offset']}) do not match "
+                "the sha256 digest in index.json: the file was modified after the save; restore "
+                "it or save again")
+        return whole
+
+    def assemble(self, entry: dict[str, Any], key: str, offset: list[int],
+                 shape: list[int]) -> np.ndarray:
+        try:
+            dtype = np.dtype(entry["dtype"])
+        except TypeError:
+            raise CheckpointError(f"load: {key!r} is stored as {entry['dtype']}, which numpy "
+                                  "(the checkpoint path without torch) cannot hold") from None
+        out = np.empty(shape, dtype=dtype)
+        covered = 0
+        for chunk in entry["chunks"]:
+            ov = overlap(offset, shape, chunk["offset"], chunk["shape"])
+            if ov is None:
+                continue
+            lo, hi = ov
+            src = tuple(slice(a - c, b - c) for a, b, c in zip(lo, hi, chunk["offset"],
+                                                               strict=True))
+            dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset, strict=True))
+            out[dst] = self.read(chunk, key)[src]
+            covered += math.prod(b - a for a, b in zip(lo, hi, strict=True))
+        if covered != math.prod(shape):
+            raise CorruptCheckpointError(
+                f"load: the saved chunks of {key!r} cover {covered} of the {math.prod(shape)} "
+                f"elements of box offset={offset} shape={shape}; the checkpoint is incomplete")
+        return out

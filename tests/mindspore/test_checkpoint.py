@@ -1,0 +1,205 @@
+"""hyperpar checkpoints of MindSpore Cells, on real ranks: the folder format of
+``hyperpar.checkpoint`` (docs/checkpoint.md) written from numpy through safetensors.
+
+* saved on 2 tensor-parallel ranks, loaded in one process, and the reverse (resharding);
+* ★ cross-framework: a checkpoint saved by a PyTorch model (the torch venv, as a subprocess)
+  loads into the same architecture written as a MindSpore Cell through
+  ``name_map=torch_name_map(cell)``, and a Cell's checkpoint (saved on 2 tp ranks) loads into
+  the torch model.
+
+The model: LayerNorm(8) -> Dense(8, 7) -> ReLU -> Dense(7, 8), tp plan
+``{"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}`` (7 rows: 4 + 3 on 2 ranks). A checkpoint
+moves bytes: loaded parameters must equal the saved ones to the last bit (``array_equal``). The
+losses on one batch are computed by different kernels (torch / MindSpore, 1 or 2 ranks: the
+row-parallel sum is split), so they agree to float32 rounding of sums of <= 8 O(1) terms:
+rtol 1e-5; a wrong or transposed tensor is O(1) off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.mindspore._ckpt_model import SHAPES, weights
+from tests.mindspore.conftest import _pool
+
+pytestmark = pytest.mark.timeout(900)
+
+ROOT = Path(__file__).resolve().parents[2]
+RTOL = 1e-5
+#: (placement, global shape) of each parameter under the tp plan, by torch's names
+TP_LAYOUT = {"fc1.weight": ("shard0", SHAPES["fc1.weight"]), "fc1.bias": ("shard0", (7,)),
+             "fc2.weight": ("shard1", SHAPES["fc2.weight"])}
+
+
+@pytest.fixture
+def pool1(ms_pools):
+    return _pool(ms_pools, 1)
+
+
+def _net(seed: int, tp: int):
+    """The Cell with weights from ``seed``, tensor-parallel over ``tp`` ranks when > 1."""
+    import mindspore as ms
+    from hyperpar_mindspore.checkpoint import torch_name_map
+    from mindspore import nn, ops
+
+    from hyperpar import ColwiseParallel, RowwiseParallel, init_device_mesh, parallelize_module
+
+    class Net(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            # torch.nn.LayerNorm's eps (MindSpore's default is 1e-7): the same architecture
+            self.norm = nn.LayerNorm((8,), epsilon=1e-5)
+            self.fc1, self.fc2 = nn.Dense(8, 7), nn.Dense(7, 8)
+
+        def construct(self, x):
+            return self.fc2(ops.relu(self.fc1(self.norm(x))))
+
+    net = Net()
+    names = torch_name_map(net)
+    w = weights(seed)
+    for name, p in net.parameters_and_names():
+        p.set_data(ms.Tensor(w[names.get(name, name)]))
+    mesh = None
+    if tp > 1:
+        mesh = init_device_mesh((tp,), mesh_dim_names=("tp",))
+        parallelize_module(net, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    return net, names, mesh
+
+
+def _report(net, names, mesh) -> dict:
+    """Loss on the fixed batch and every parameter, whole (gathered over tp), by torch's
+    names."""
+    import mindspore as ms
+
+    from hyperpar import DTensor, Shard
+    from tests.mindspore._ckpt_model import batch
+
+    x, y = (ms.Tensor(a) for a in batch())
+    loss = float(((net(x) - y) ** 2).mean().asnumpy())
+    params = {}
+    for name, p in net.parameters_and_names():
+        key = names.get(name, name)
+        local = p.asnumpy()
+        if mesh is not None and key in TP_LAYOUT:
+            placement, shape = TP_LAYOUT[key]
+            d = int(placement[-1])
+            local = DTensor.from_local(ms.Tensor(local), mesh, [Shard(d)],
+                                       shape=shape).full_tensor().asnumpy()
+        params[key] = local
+    return {"loss": loss, "params": params}
+
+
+def _save(folder: str, tp: int, seed: int) -> dict:
+    from hyperpar import checkpoint
+
+    net, names, mesh = _net(seed, tp)
+    checkpoint.save(net, folder, name_map=names)
+    return _report(net, names, mesh)
+
+
+def _load(folder: str, tp: int, seed: int) -> dict:
+    from hyperpar import checkpoint
+
+    net, names, mesh = _net(seed, tp)
+    result = checkpoint.load(net, folder, name_map=names)
+    assert tuple(result) == ([], []), result
+    return _report(net, names, mesh)
+
+
+def _same_params(got: dict, want: dict, what: str) -> None:
+    assert sorted(got) == sorted(want), (what, sorted(got), sorted(want))
+    for key in want:
+        assert got[key].dtype == np.float32 and np.array_equal(got[key], want[key]), (
+            f"{what}: {key} differs (max |diff| "
+            f"{np.max(np.abs(got[key] - want[key]))})")
+
+
+def _close(got: float, want: float, what: str) -> None:
+    assert abs(got - want) <= RTOL * max(1.0, abs(want)), f"{what}: {got} vs {want}"
+
+
+def test_tp2_checkpoint_loads_in_one_process_and_one_process_checkpoint_loads_on_tp2(
+        pool1, pool2, tmp_path) -> None:
+    tp2, one = str(tmp_path / "tp2"), str(tmp_path / "one")
+    saved = pool2.run(_save, tp2, 2, 0)
+    index = json.loads((tmp_path / "tp2" / "index.json").read_text())
+    fc1 = index["tensors"]["fc1.weight"]
+    assert fc1["shape"] == [7, 8] and fc1["placements"] == ["Shard(dim=0)"], fc1
+    assert sorted(c["shape"][0] for c in fc1["chunks"]) == [3, 4], fc1["chunks"]
+    _same_params(saved[0]["params"], weights(0), "saved on tp2")
+    loaded = pool1.run(_load, tp2, 1, 3)[0]  # other weights before the load
+    _same_params(loaded["params"], weights(0), "tp2 -> one process")
+    _close(loaded["loss"], saved[0]["loss"], "loss, tp2 -> one process")
+
+    saved1 = pool1.run(_save, one, 1, 5)[0]
+    for rank, res in enumerate(pool2.run(_load, one, 2, 3)):
+        _same_params(res["params"], weights(5), f"rank {rank}: one process -> tp2")
+        _close(res["loss"], saved1["loss"], f"rank {rank}: loss, one process -> tp2")
+
+
+def _torch_python() -> Path:
+    """The torch venv's python: $HYPERPAR_TORCH_PYTHON, else the checkout's .venv (where
+    scripts/test.sh builds it)."""
+    given = os.environ.get("HYPERPAR_TORCH_PYTHON")
+    return Path(given) if given else ROOT / ".venv" / "bin" / "python"
+
+
+def _torch_side(mode: str, folder: str, out: Path, seed: int) -> dict:
+    python = _torch_python()
+    env = {**os.environ, "HYPERPAR_BACKEND": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "backends" / "hyperpar-cpu")])}
+    done = subprocess.run(
+        [str(python), "-m", "hyperpar.cli", "run", "-n", "1",
+         str(ROOT / "tests" / "mindspore" / "_torch_side.py"), mode, folder, str(out),
+         str(seed)], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    report["params"] = {k: np.frombuffer(bytes.fromhex(v), np.float32).reshape(SHAPES[k])
+                        for k, v in report["params"].items()}
+    return report
+
+
+def test_torch_checkpoint_loads_into_the_mindspore_cell_and_back(pool2, tmp_path) -> None:
+    if not _torch_python().exists():
+        if os.environ.get("CI") == "true":  # CI builds the torch venv first: its absence is a bug
+            pytest.fail(f"no torch venv at {_torch_python()} under CI (set HYPERPAR_TORCH_PYTHON)")
+        pytest.skip(f"no torch venv at {_torch_python()} (set HYPERPAR_TORCH_PYTHON): the "
+                    "torch side of this test runs there")
+    # torch (one process) -> MindSpore (2 tp ranks: resharded on the way)
+    from_torch = _torch_side("save", str(tmp_path / "torch"), tmp_path / "t.json", 0)
+    _same_params(from_torch["params"], weights(0), "torch model before saving")
+    for rank, res in enumerate(pool2.run(_load, str(tmp_path / "torch"), 2, 3)):
+        _same_params(res["params"], weights(0), f"rank {rank}: torch -> MindSpore")
+        _close(res["loss"], from_torch["loss"], f"rank {rank}: loss, torch -> MindSpore")
+    # MindSpore (2 tp ranks) -> torch (one process)
+    from_ms = pool2.run(_save, str(tmp_path / "ms"), 2, 9)[0]
+    in_torch = _torch_side("load", str(tmp_path / "ms"), tmp_path / "m.json", 3)
+    _same_params(in_torch["params"], weights(9), "MindSpore -> torch")
+    _close(in_torch["loss"], from_ms["loss"], "loss, MindSpore -> torch")
+    assert sys.modules.get("torch") is None  # this process stayed torch-free
+
+
+def _load_without_name_map(folder: str) -> str:
+    from hyperpar import checkpoint
+
+    net, _names, _mesh = _net(1, 1)
+    try:
+        checkpoint.load(net, folder)
+    except Exception as exc:  # every rank must raise, naming the fix
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
+def test_torch_names_without_name_map_are_refused_on_every_rank(pool2, tmp_path) -> None:
+    folder = str(tmp_path / "torch-names")
+    pool2.run(_save, folder, 2, 0)  # saved under torch's names (name_map=torch_name_map)
+    for rank, err in enumerate(pool2.run(_load_without_name_map, folder)):
+        assert err.startswith("CheckpointError") and "name_map=" in err, (rank, err)
+        assert "'norm.gamma'" in err and "'norm.weight'" in err, (rank, err)
