@@ -190,3 +190,38 @@ def test_emulated_ascend_under_msrun_pins_each_rank_and_keeps_launches_async(tmp
         assert (f"EMULATED rank {rank} target Ascend asked [('Ascend', {rank})] "
                 f"current {rank} blocking 0") in line[0]
         assert "asynchronous" in line[0] and line[0].endswith("sum 3")
+
+
+# ---------------------------------------------------------------- in this process
+def test_info_shows_the_tuning_of_each_target(monkeypatch):
+    from hyperpar_mindspore.platform import MindSporePlatform
+
+    from hyperpar.platform import registry
+    from hyperpar.platform.info import collect_info
+
+    monkeypatch.delenv("HYPERPAR_MS_KEEP_THREADS", raising=False)
+    monkeypatch.setenv("HYPERPAR_BACKEND", "mindspore")
+    monkeypatch.setenv("HYPERPAR_MS_DEVICE", "CPU")
+    registry.reset()
+    try:
+        text = collect_info().to_text()
+    finally:
+        registry.reset()
+    assert "runtime settings: op threads 1, dispatch threads 1, kernel launches blocking" in text
+    monkeypatch.setenv("HYPERPAR_MS_DEVICE", "Ascend")  # only read: no device is touched
+    assert MindSporePlatform().runtime_settings() == {
+        "kernel launches": "asynchronous (MindSpore's default)"}
+
+
+def test_a_world_of_one_after_ops_ran(monkeypatch):
+    import mindspore as ms
+    from hyperpar_mindspore.platform import MindSporePlatform
+
+    for var in ("MS_ROLE", "WORLD_SIZE", "MS_WORKER_NUM", "RANK", "RANK_SIZE", "DEVICE_ID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HYPERPAR_MS_DEVICE", "CPU")
+    assert float((ms.Tensor([1.0]) + 1).asnumpy()[0]) == 2.0  # the runtime starts here
+    p = MindSporePlatform()
+    p.init_process_group()
+    assert (p.rank(), p.world_size()) == (0, 1)
+    p.destroy_process_group()
