@@ -424,6 +424,11 @@ class Platform(abc.ABC):
         default) to let ``hyperpar run`` use torchrun."""
         return None
 
+    def runtime_settings(self) -> dict[str, str]:
+        """Process-wide settings the platform applies when joining a group (threads, launch
+        mode), by name; ``hyperpar info`` shows them. Default: none."""
+        return {}
+
     # ------------------------------------------------------------------ framework API
     def parallel_api(self) -> Any:
         """The module implementing hyperpar's parallel API (``init_device_mesh``,

@@ -37,6 +37,7 @@ class InfoReport:
     device_count: int | None = None
     max_local_ranks: int | None = None
     fallbacks: dict[str, str] = field(default_factory=dict)
+    settings: dict[str, str] = field(default_factory=dict)
     frameworks: dict[str, str] = field(default_factory=dict)
 
     def to_text(self) -> str:
@@ -70,6 +71,9 @@ class InfoReport:
                 lines += [f"  {op}: {how}" for op, how in sorted(self.fallbacks.items())]
             else:
                 lines.append("collective fallbacks in use: none")
+            if self.settings:
+                lines.append("runtime settings: " + ", ".join(
+                    f"{name} {value}" for name, value in self.settings.items()))
         else:
             lines.append(f"selected: none -- {self.selection_error}")
         return "\n".join(lines)
@@ -109,6 +113,7 @@ def collect_info() -> InfoReport:
     except Exception as exc:  # a device that fails to count is worth reporting, not crashing
         report.selection_error = f"device_count() raised {exc!r}"
     report.fallbacks = platform.collective_fallbacks()
+    report.settings = platform.runtime_settings()
     return report
 
 

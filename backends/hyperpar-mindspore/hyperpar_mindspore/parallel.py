@@ -191,6 +191,13 @@ class _ShardingStyle(ParallelStyle):
         linear/embedding Cell."""
         super()._check_applicable(cell, fqn, pending)
         self._kind(get_platform(), cell, fqn)
+        if getattr(cell, "_recompute_cell", None) is not None:
+            # MindSpore's recompute() captures the Cell's parameters when called: the shards
+            # would then get the gradients of the replaced full parameters (measured: silently
+            # wrong losses from the second step on).
+            raise ValueError(
+                f"{fqn or 'the root Cell'!r} ({type(cell).__name__}) was set to recompute() "
+                f"before parallelize_module; call recompute() after parallelize_module")
 
     def _param_placements(self, cell: nn.Cell, owner: nn.Cell, name: str) -> Any:
         if owner is not cell:

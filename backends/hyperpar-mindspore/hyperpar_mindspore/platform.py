@@ -9,8 +9,11 @@ operation from collectives that exist and :meth:`MindSporePlatform.collective_fa
   (every rank calls it with the same ranks) and creates the MindSpore group on the members only;
 * ``mint.distributed`` caches the name of the world group at import, which breaks point-to-point
   calls on CPU until the cache is pointed at the real world group after ``init()``;
-* the default thread settings oversubscribe the cores (collectives 5-10x slower): the platform
-  sets one op thread, one dispatch thread and blocking launches before joining the group.
+* the default thread settings oversubscribe the cores (collectives 5-10x slower): on CPU the
+  platform sets one op thread, one dispatch thread and blocking launches before joining the
+  group (on Ascend/GPU launches stay asynchronous);
+* launchers name ranks and devices differently (msrun sets ``DEVICE_ID``, not ``LOCAL_RANK``):
+  :mod:`hyperpar_mindspore.launch_env` reads each.
 
 This module imports MindSpore lazily: the backend is listed (and probed) without the import.
 """
@@ -18,6 +21,7 @@ This module imports MindSpore lazily: the backend is listed (and probed) without
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -29,6 +33,8 @@ from typing import Any
 from hyperpar.platform import Availability
 from hyperpar.platform.base import REDUCE_OPS, Group, P2POp, Platform, Work
 from hyperpar.platform.dim_collectives import DimCollectives
+
+from .launch_env import ranks_needed_here, read_launch_env
 
 #: attribute a MindSpore parallel style sets on each Parameter it made: its placements.
 SHARD_PLACEMENTS = "_hyperpar_placements"
@@ -154,10 +160,37 @@ class MindSporePlatform(Platform, DimCollectives):
         else:
             ms.set_device(self.target, index)
 
+    def pin_device(self, index: int) -> None:
+        """``set_device`` for this rank, unless a kernel already ran and the runtime is on
+        ``index`` of this target: then that device is left alone (scripts may run MindSpore ops
+        before ``init_device_mesh``, as on torch). Any other device in use is an error."""
+        ms = _ms()
+        try:
+            self.set_device(index)
+            return
+        except RuntimeError as exc:
+            if "runtime has been initialized" not in str(exc):
+                raise
+        target = ms.get_context("device_target")
+        used = int(ms.get_context("device_id") or 0)
+        if target == self.target and (self.target == "CPU" or used == index):
+            return
+        raise RuntimeError(
+            f"MindSpore already runs kernels on {target}:{used}, but this rank must use "
+            f"{self.target}:{index} (from the launcher's DEVICE_ID/LOCAL_RANK). Call "
+            f"init_device_mesh (or get_platform().init_process_group()) before the first "
+            f"MindSpore op, or call ms.set_device({self.target!r}, {index}) first")
+
     def current_device(self) -> int:
         if self.target == "CPU":
             return 0
-        return int(os.environ.get("DEVICE_ID", os.environ.get("LOCAL_RANK", "0")))
+        return read_launch_env(os.environ).device_id
+
+    def runtime_settings(self) -> dict[str, str]:
+        """The thread and launch settings :func:`tune_threads` applies on this target."""
+        if os.environ.get("HYPERPAR_MS_KEEP_THREADS"):
+            return {"tuning": "off (HYPERPAR_MS_KEEP_THREADS is set): MindSpore's defaults"}
+        return dict(TUNING[self.target])
 
     def synchronize(self) -> None:
         _ms().runtime.synchronize()
@@ -254,17 +287,22 @@ class MindSporePlatform(Platform, DimCollectives):
         """
         if self._initialized:
             return
-        ms = _ms()
-        tune_threads(ms)
-        self.set_device(int(os.environ.get("LOCAL_RANK", "0")) if self.target != "CPU" else 0)
         env = os.environ
-        world = int(world_size or env.get("MS_WORKER_NUM") or env.get("WORLD_SIZE") or 1)
+        launch = read_launch_env(env)
+        if world_size is not None:
+            launch = dataclasses.replace(launch, world_size=int(world_size))
+        if rank is not None:
+            launch = dataclasses.replace(launch, rank=int(rank))
+        if launch.world_size > 1:  # refuse before the device or any peer is touched
+            self.check_world_fits(ranks_needed_here(launch))
+        tune_threads(_ms(), self.target)
+        self.pin_device(launch.device_id)
+        world = launch.world_size
         if "MS_ROLE" not in env and world == 1:
             self._rank, self._world, self._initialized = 0, 1, True
             return
-        self.check_world_fits(int(env.get("LOCAL_WORLD_SIZE", world)))
         if "MS_ROLE" not in env:
-            me = int(rank if rank is not None else env.get("RANK", "0"))
+            me = launch.rank
             host, port = _address(init_method)
             env.update({"MS_ROLE": "MS_WORKER", "MS_NODE_ID": str(me),
                         "MS_WORKER_NUM": str(world), "MS_SCHED_HOST": host,
@@ -519,10 +557,20 @@ class MindSporePlatform(Platform, DimCollectives):
 
 
 
-def tune_threads(ms: Any) -> None:
-    """One op thread, one dispatch thread, blocking launches: MindSpore's defaults start many
-    threads per process, which on a shared host makes every collective 5-10x slower."""
-    if os.environ.get("HYPERPAR_MS_KEEP_THREADS"):
+#: What :func:`tune_threads` sets per target. CPU: MindSpore's defaults start many threads per
+#: process, which on a shared host made every collective 5-10x slower. Ascend/GPU: nothing is
+#: forced -- a blocking launch would make every kernel launch on the NPU/GPU synchronous.
+TUNING = {
+    "CPU": {"op threads": "1", "dispatch threads": "1", "kernel launches": "blocking"},
+    "Ascend": {"kernel launches": "asynchronous (MindSpore's default)"},
+    "GPU": {"kernel launches": "asynchronous (MindSpore's default)"},
+}
+
+
+def tune_threads(ms: Any, target: str = "CPU") -> None:
+    """Apply :data:`TUNING` for ``target`` (CPU only: one op thread, one dispatch thread,
+    blocking launches). ``HYPERPAR_MS_KEEP_THREADS=1`` keeps MindSpore's defaults."""
+    if os.environ.get("HYPERPAR_MS_KEEP_THREADS") or target != "CPU":
         return
     try:
         ms.device_context.cpu.op_tuning.threads_num(1)
