@@ -307,6 +307,41 @@ def case_forward_method(api: Any, n: int) -> Any:
 
 
 @case
+def case_unused_param_grad_none(api: Any, n: int) -> Any:
+    """A parameter the unit's forward method never used keeps grad None (AdamW's weight decay
+    then leaves it alone; a zero gradient would move it)."""
+    class WithExtra(Net):
+        def __init__(self) -> None:
+            super().__init__()
+            self.extra = nn.Linear(4, 4)
+
+        def generate(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(torch.tanh(self.norm(self.inp(x))))
+
+    torch.manual_seed(0)
+    model = WithExtra()
+    api.fully_shard(model.inp)
+    api.fully_shard(model)
+    api.register_fsdp_forward_method(model, "generate")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    per = BATCH // n
+    rows = slice(world_rank() * per, (world_rank() + 1) * per)
+    losses, grads = [], {}
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss = F.mse_loss(model.generate(x[rows]), y[rows])
+        loss.backward()
+        losses.append(torch.tensor(loss.item()))
+        if step == 0:
+            grads = {k: None if p.grad is None else full(p.grad)
+                     for k, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "grads": grads,
+            "params": {k: full(p) for k, p in model.named_parameters()}}
+
+
+@case
 def case_fsdp_module_methods(api: Any, n: int) -> Any:
     """Every public method of torch's FSDPModule exists (hyperpar's also has nn.Module's,
     ``sync_gradients`` and ``set_implicit_prefetch``)."""
