@@ -287,17 +287,19 @@ def _dp_tp_clip(api: Any, dp_mesh: Any, tp_mesh: Any) -> Any:
     dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
     per = BATCH // dp_size
     rows = slice(dp_rank * per, (dp_rank + 1) * per)
-    losses, norms = [], []
+    losses, norms, grads = [], [], {}
     for step in range(STEPS):
         x, y = batch(step)
         loss = F.mse_loss(model(x[rows]), y[rows])
         loss.backward()
         losses.append(torch.tensor(loss.item()))
+        if step == 0:
+            grads = {k: full(p.grad) for k, p in model.named_parameters()}
         norms.append(full(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
         opt.step()
         opt.zero_grad()
     return {"losses": losses, "norms": norms, "layout": layout, "local_shapes": local_shapes,
-            "colwise_mesh": colwise_mesh, "grads": {},
+            "colwise_mesh": colwise_mesh, "grads": grads,
             "params": {k: full(p) for k, p in model.named_parameters()}}
 
 
