@@ -102,3 +102,31 @@ def _tiles_nothing() -> str:
 def test_dp_mesh_over_the_tp_ranks_is_refused_on_every_rank(run_on_ranks):
     for msg in run_on_ranks(4, _tiles_nothing):
         assert "not a slice of the same named mesh" in msg, msg
+
+
+def _transposed_meshes() -> dict:
+    from hyperpar import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh((2, 2), mesh_dim_names=("dp", "tp"))
+    flipped = mesh["tp", "dp"]  # the same four ranks, dims in the other order
+    x = torch.arange(32.0).reshape(8, 4)
+    a = distribute_tensor(x, mesh, [Shard(0), Shard(1)])
+    b = distribute_tensor(2 * x, flipped, [Shard(1), Shard(0)])  # the same split of x
+    nested_tp_first = distribute_tensor(x, flipped, [Shard(0), Shard(0)])
+    nested_dp_first = distribute_tensor(x, mesh, [Shard(0), Shard(0)])
+    try:
+        nested_tp_first + nested_dp_first  # rows split in another order: no common mesh
+        refused = "no error"
+    except ValueError as exc:
+        refused = str(exc)
+    return {"sum": (a + b).full_tensor(),
+            "stacked": torch.stack([a.sum(), nested_tp_first.pow(2).sum()]).full_tensor(),
+            "refused": refused}
+
+
+def test_dtensors_on_transposed_meshes_of_the_same_ranks_meet_in_one_op(run_on_ranks):
+    x = torch.arange(32.0).reshape(8, 4)
+    for res in run_on_ranks(4, _transposed_meshes):
+        torch.testing.assert_close(res["sum"], 3 * x)  # exact: small integers
+        torch.testing.assert_close(res["stacked"], torch.stack([x.sum(), x.pow(2).sum()]))
+        assert "different meshes" in res["refused"], res["refused"]
