@@ -56,6 +56,9 @@ class ParamGroup:
             p.offset = offset
             offset += p.padded_numel
         self.flat_numel = offset
+        # the reduce-scatter buffer adds one "had a gradient" flag per parameter after the
+        # gradients: a parameter no rank's backward reached keeps grad None, as in torch
+        self.reduce_numel = offset + len(params)
         self.state = SHARDED
         self._work: Any = None
         self._gathered: torch.Tensor | None = None
@@ -183,11 +186,14 @@ class ParamGroup:
             else:
                 self._averaging = averaging(self.shard_group, self.shard_size * replicas)
         op, scale = self._averaging
-        bucket = Bucket(self.shard_size, self.flat_numel, self.reduce_dtype, self.device,
+        bucket = Bucket(self.shard_size, self.reduce_numel, self.reduce_dtype, self.device,
                         self.shard_group)
-        for p in self.params:
+        flags = bucket.block(self.flat_numel, len(self.params))
+        for i, p in enumerate(self.params):
             grad = p.flat_grad()
             pack(bucket.block(p.offset, p.padded_numel), grad, scale)
+            # every rank's row holds this rank's flag: each rank receives the reduced flags
+            flags[:, i] = 0.0 if grad is None else 1.0
             if grad is not None:
                 p.unsharded.grad = None
         out = bucket.reduce_scatter(op)
@@ -201,8 +207,10 @@ class ParamGroup:
                 self.platform.world_size(self.replicate_group) > 1:
             # the pieces were pre-scaled by 1/(whole dp world): the replicas' sum is the mean
             self.platform.all_reduce(out, op="sum", group=self.replicate_group)
-        for p in self.params:
-            if p.requires_grad:
+        # > 0: some rank had a gradient (avg or sum of 0/1 flags, summed over replicas)
+        reached = (out[self.flat_numel:] > 0).tolist()
+        for p, had_grad in zip(self.params, reached, strict=True):
+            if p.requires_grad and had_grad:
                 p.accumulate_shard_grad(out)
         _free(out)
 

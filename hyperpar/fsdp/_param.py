@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from hyperpar.dtensor.api import DTensor, DTensorSpec
-from hyperpar.dtensor.mesh import DeviceMesh
+from hyperpar.dtensor.mesh import DeviceMesh, _nested, _slices
 from hyperpar.dtensor.placement import Placement, Replicate, Shard, chunk_bounds
 
 
@@ -222,10 +222,12 @@ def _sharded_spec(param: nn.Parameter, dp_mesh: DeviceMesh,
         return DTensorSpec(dp_mesh, dp_places, param.shape), dp_mesh
     tp_mesh = param.device_mesh
     tp_names, dp_names = tp_mesh.mesh_dim_names, dp_mesh.mesh_dim_names
-    if tp_mesh._root is not dp_mesh._root or not tp_names or not dp_names:
+    if not tp_names or not dp_names or (
+            tp_mesh._root is not dp_mesh._root and _joined(dp_mesh, tp_mesh) is None):
         raise ValueError(
             f"fully_shard: parameter is a DTensor on {tp_mesh!r}, which is not a slice of the "
-            f"same named mesh as the data-parallel mesh {dp_mesh!r}; build one mesh, e.g. "
+            f"same named mesh as the data-parallel mesh {dp_mesh!r} (nor of a view of the same "
+            "devices whose dp and TP groups tile one grid); build one mesh, e.g. "
             "init_device_mesh((dp, tp), mesh_dim_names=('dp', 'tp')), and pass mesh['tp'] to "
             "parallelize_module and mesh['dp'] to fully_shard")
     if set(tp_names) & set(dp_names):
@@ -238,6 +240,47 @@ def _sharded_spec(param: nn.Parameter, dp_mesh: DeviceMesh,
         names, places = tuple(tp_names) + tuple(dp_names), tp_places + dp_places
     else:
         names, places = tuple(dp_names) + tuple(tp_names), dp_places + tp_places
-    mesh = tp_mesh._root[names]
+    if tp_mesh._root is dp_mesh._root:
+        mesh = tp_mesh._root[names]
+    else:  # two views (e.g. unflattenings) of the same devices: one mesh of both
+        mesh = _joined(tp_mesh, dp_mesh) if nested else _joined(dp_mesh, tp_mesh)
     return DTensorSpec(mesh, places, param.shape), mesh
+
+
+_JOINED: dict[tuple[DeviceMesh, DeviceMesh], DeviceMesh | None] = {}
+
+
+def _joined(outer: DeviceMesh, inner: DeviceMesh) -> DeviceMesh | None:
+    """The mesh of ``outer``'s dims then ``inner``'s when the two come from different root
+    meshes over the same devices (torch accepts a TP and a dp mesh from two unflattenings of
+    the world); None when they do not tile one grid. Every rank computes the same grid from
+    the two roots, and the new mesh reuses both meshes' process groups (no collective)."""
+    key = (outer, inner)
+    if key in _JOINED:
+        return _JOINED[key]
+    root = inner._root
+    slice_of = {r: ranks for ranks in _slices(root._shape, root._ranks, list(inner._root_dims))
+                for r in ranks}
+    grid: list[int] = []
+    ok = outer.device_type == inner.device_type
+    mine = inner._ranks.index(inner._rank) if inner._rank in inner._ranks else -1
+    for r in outer._ranks:
+        ranks = slice_of.get(r)
+        # each outer rank at this rank's inner position: outer's groups are the new mesh's
+        if not ok or ranks is None or len(ranks) != inner.size() or \
+                set(ranks) & set(outer._ranks) != {r} or ranks.index(r) != mine:
+            ok = False
+            break
+        grid.extend(ranks)
+    mesh = None
+    if ok and len(set(grid)) == len(grid) and tuple(slice_of.get(outer._rank, ())) == \
+            tuple(inner._ranks):
+        shape = tuple(outer.shape) + tuple(inner.shape)
+        mesh = DeviceMesh(outer.device_type, _nested(tuple(grid), shape),
+                          mesh_dim_names=tuple(outer.mesh_dim_names) +
+                          tuple(inner.mesh_dim_names),
+                          _groups=[outer.get_group(d) for d in range(outer.ndim)] +
+                          [inner.get_group(d) for d in range(inner.ndim)])
+    _JOINED[key] = mesh
+    return mesh
 

@@ -160,7 +160,8 @@ class FSDPModule(nn.Module):
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
                                          recurse: bool = True) -> None:
         """hyperpar always includes parameters unused in forward in the group's one
-        reduce-scatter (as zeros): accepted, no effect."""
+        reduce-scatter (as zeros, with a flag: one that no rank's backward reached keeps
+        ``grad`` None, as in torch): accepted, no effect."""
 
     def set_post_optim_event(self, event: object) -> None:
         """A CUDA event the next all-gather waits for. hyperpar's collectives are ordered

@@ -236,10 +236,9 @@ def _cross_entropy_on_dtensor(found: tuple[int, Group, int], input: Any, target:
                                         ignore_index=ignore_index, reduction=reduction,
                                         weight=weight, label_smoothing=label_smoothing,
                                         num_classes=input.shape[1])
-    if reduction != "none":
-        return loss
-    # Per-element losses stay a DTensor (replicated: every rank holds every row), as torch's:
-    # a script goes on with ``loss.placements`` / ``full_tensor()`` / a DTensor gradient.
+    # The loss is a DTensor replicated over the logits' mesh for every reduction, as torch's:
+    # a script goes on with ``loss.placements`` / ``full_tensor()``; ``loss.backward()`` on the
+    # scalar seeds a replicated gradient of 1 (every rank holds the same value).
     mesh = input.device_mesh
     return DTensor.from_local(loss, mesh, (Replicate(),) * mesh.ndim, run_check=False,
                               shape=tuple(loss.shape))
@@ -252,11 +251,12 @@ def loss_parallel() -> Iterator[None]:
     without gathering the logits (:func:`vocab_parallel_cross_entropy`).
 
     Class ``weight``, ``label_smoothing``, ``ignore_index`` and every ``reduction`` are
-    supported, forward and backward. ``reduction="none"`` gives a replicated DTensor of
-    per-element losses, as torch does. Difference from
-    ``torch.distributed.tensor.parallel.loss_parallel``: a reduced (``"mean"``/``"sum"``) loss
-    comes back as a plain (replicated) scalar tensor, so ``backward()`` may run inside or
-    outside the context and ``loss.item()`` needs no DTensor. Other inputs pass through.
+    supported, forward and backward. The loss is a DTensor replicated over the logits' mesh,
+    as in ``torch.distributed.tensor.parallel.loss_parallel``: per-element losses for
+    ``reduction="none"``, a scalar for ``"mean"``/``"sum"`` (``loss.item()`` works on it,
+    ``loss.backward()`` seeds a replicated 1). Unlike torch, whose backward must run inside
+    the context, hyperpar's backward is local and may also run outside it. Other inputs pass
+    through.
     """
     with LOSS_PARALLEL_RULES.active():
         yield

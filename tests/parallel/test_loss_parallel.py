@@ -40,7 +40,7 @@ def test_vocab_parallel_cross_entropy_sum_and_none_on_four_ranks(run_on_ranks):
 def _loss_parallel_context_on_dtensor_logits() -> None:
     from torch import nn
 
-    from hyperpar.dtensor import DTensor, Shard, init_device_mesh
+    from hyperpar.dtensor import DTensor, Replicate, Shard, init_device_mesh
     from hyperpar.parallel import loss_parallel
 
     platform = get_platform()
@@ -60,7 +60,8 @@ def _loss_parallel_context_on_dtensor_logits() -> None:
         loss = nn.CrossEntropyLoss(ignore_index=-1)(dt, target)
         plain = F.cross_entropy(logits, target, ignore_index=-1)  # plain tensors pass through
     loss.backward()
-    assert_close_to_reference(loss, expected.detach(), what="loss")
+    assert isinstance(loss, DTensor) and loss.placements == (Replicate(),), loss  # as torch's
+    assert_close_to_reference(loss.full_tensor(), expected.detach(), what="loss")
     assert_close_to_reference(plain, expected.detach(), what="pass-through loss")
     assert_close_to_reference(local.grad, full.grad.chunk(n, 1)[rank], what="grad")
 

@@ -456,6 +456,25 @@ def _loss_parallel(api: Any, n: int, *, classes: int = 16, rows: int = 6, extra:
 
 
 @case
+def case_loss_parallel_reduced_is_replicate_dtensor(api: Any, n: int) -> Any:
+    """A 'mean'/'sum' loss is a Replicate DTensor scalar; a bare ``backward()`` seeds 1."""
+    mesh = tp_mesh(api, n)
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 16, generator=g)
+    target = torch.randint(16, (6,), generator=g)
+    out = {}
+    for reduction in ("mean", "sum"):
+        dist_logits = api.distribute_tensor(logits, mesh, [api.Shard(1)]).requires_grad_()
+        with api.loss_parallel():
+            loss = F.cross_entropy(dist_logits, target, reduction=reduction)
+            loss.backward()
+        out[reduction] = {"placements": norm(getattr(loss, "placements", None)),
+                          "shape": tuple(loss.shape), "item": loss.item(),
+                          "grad": full(dist_logits.grad)}
+    return out
+
+
+@case
 def case_loss_parallel_mean(api: Any, n: int) -> Any:
     return _loss_parallel(api, n)
 

@@ -267,6 +267,48 @@ def case_dp_tp(api: Any, n: int) -> Any:
     return res
 
 
+def _dp_tp_clip(api: Any, dp_mesh: Any, tp_mesh: Any) -> Any:
+    """FSDP2 x TP as torchtitan does it: every parameter on the one (dp, tp) mesh, so
+    ``clip_grad_norm_`` stacks the per-parameter norms; trains with clipping each step."""
+    model = seeded(MLP)
+    api.parallelize_module(model, tp_mesh, {"up": api.ColwiseParallel(),
+                                            "down": api.RowwiseParallel()})
+    api.fully_shard(model, mesh=dp_mesh)
+    # torch writes a colwise weight split twice on dim 0 as _StridedShard on ("dp", "tp"):
+    # its local shapes and values are compared, its mesh is a known difference
+    layout = {k: {"mesh": tuple(p.device_mesh.mesh_dim_names),
+                  "ranks": p.device_mesh.mesh.tolist(),
+                  "placements": placements(p)}
+              for k, p in model.named_parameters() if k.startswith("down.")}
+    local_shapes = {k: tuple(p.to_local().shape) for k, p in model.named_parameters()}
+    colwise_mesh = {k: tuple(p.device_mesh.mesh_dim_names)
+                    for k, p in model.named_parameters() if k.startswith("up.")}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
+    per = BATCH // dp_size
+    rows = slice(dp_rank * per, (dp_rank + 1) * per)
+    losses, norms, grads = [], [], {}
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss = F.mse_loss(model(x[rows]), y[rows])
+        loss.backward()
+        losses.append(torch.tensor(loss.item()))
+        if step == 0:
+            grads = {k: full(p.grad) for k, p in model.named_parameters()}
+        norms.append(full(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "norms": norms, "layout": layout, "local_shapes": local_shapes,
+            "colwise_mesh": colwise_mesh, "grads": grads,
+            "params": {k: full(p) for k, p in model.named_parameters()}}
+
+
+@case
+def case_dp_tp_clip_grad_norm(api: Any, n: int) -> Any:
+    mesh = api.init_device_mesh(DEVICE, (n // 2, 2), mesh_dim_names=("dp", "tp"))
+    return _dp_tp_clip(api, mesh["dp"], mesh["tp"])
+
+
 @case
 def case_root_reshard_true(api: Any, n: int) -> Any:
     model = seeded(Net)
@@ -304,6 +346,41 @@ def case_forward_method(api: Any, n: int) -> Any:
     with torch.no_grad():
         y = model.generate(torch.ones(2, 6))
     return {"y": y, "sharded_after": hasattr(model.out.weight, "placements")}
+
+
+@case
+def case_unused_param_grad_none(api: Any, n: int) -> Any:
+    """A parameter the unit's forward method never used keeps grad None (AdamW's weight decay
+    then leaves it alone; a zero gradient would move it)."""
+    class WithExtra(Net):
+        def __init__(self) -> None:
+            super().__init__()
+            self.extra = nn.Linear(4, 4)
+
+        def generate(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(torch.tanh(self.norm(self.inp(x))))
+
+    torch.manual_seed(0)
+    model = WithExtra()
+    api.fully_shard(model.inp)
+    api.fully_shard(model)
+    api.register_fsdp_forward_method(model, "generate")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    per = BATCH // n
+    rows = slice(world_rank() * per, (world_rank() + 1) * per)
+    losses, grads = [], {}
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss = F.mse_loss(model.generate(x[rows]), y[rows])
+        loss.backward()
+        losses.append(torch.tensor(loss.item()))
+        if step == 0:
+            grads = {k: None if p.grad is None else full(p.grad)
+                     for k, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "grads": grads,
+            "params": {k: full(p) for k, p in model.named_parameters()}}
 
 
 @case

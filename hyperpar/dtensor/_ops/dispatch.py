@@ -18,6 +18,7 @@ import torch
 
 from hyperpar.platform import get_platform
 
+from .._remesh import onto_one_mesh
 from ..api import DTensor, DTensorSpec, TracedDTensor, _wrap
 from ..placement import REPLICATE, Replicate, Shard
 from ..redistribute import redistribute_autograd
@@ -375,6 +376,9 @@ def _decide(rule: Callable[[OpCall], Sharding], func: Any, args: Sequence, kwarg
     mesh = dts[0]._spec.mesh
     for d in dts[1:]:
         if d._spec.mesh != mesh:
+            moved = onto_one_mesh(args, kwargs, dts)  # the same devices, dims transposed
+            if moved is not None:
+                return func(*moved[0], **moved[1])
             raise ValueError(
                 f"{op_name(func)}: DTensor inputs live on different meshes "
                 f"({mesh!r} and {d._spec.mesh!r}); redistribute them onto one mesh"

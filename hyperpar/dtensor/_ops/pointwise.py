@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .._remesh import onto_one_mesh
 from ..api import DTensor, DTensorSpec, _wrap
 from ..rules import elementwise_plan
 from .dispatch import (
@@ -174,6 +175,9 @@ def _pointwise_slow(func: Any, args: Sequence, kwargs: dict, kind: str, inplace:
         mesh = dts[0]._spec.mesh
         for d in dts[1:]:
             if d._spec.mesh != mesh:
+                moved = onto_one_mesh(args, kwargs, dts)  # the same devices, dims transposed
+                if moved is not None:
+                    return func(*moved[0], **moved[1])
                 raise ValueError(f"{op_name(func)}: DTensor inputs live on different meshes")
         if inplace and not first:
             raise ShardingError(f"{op_name(func)}: in-place op on a plain tensor with DTensor "
