@@ -177,7 +177,13 @@ def test_foreach_and_fused_optimizers_with_clipping_match_plain_torch(run_on_ran
 
 
 def _foreach_facts():
-    from hyperpar.dtensor import Replicate, Shard, ShardingError, distribute_tensor, init_device_mesh
+    from hyperpar.dtensor import (
+        Replicate,
+        Shard,
+        ShardingError,
+        distribute_tensor,
+        init_device_mesh,
+    )
 
     mesh = init_device_mesh((2,), mesh_dim_names=("dp",))
     torch.manual_seed(0)
@@ -337,3 +343,41 @@ def test_to_empty_moves_dtensor_parameters_and_buffers_off_meta(run_on_ranks):
         assert f["params"] == ["Parameter", "Parameter"] or all(
             p in ("Parameter", "DTensor") for p in f["params"])
         torch.testing.assert_close(f["grad"], w.grad, rtol=TOL, atol=TOL)
+
+
+# ----------------------------------------------------------------------------- custom Function
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        ctx.save_for_backward(x)
+        return (x * x).sum(-1)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        return 2 * x * g.unsqueeze(-1)
+
+
+def _custom_function_facts():
+    from hyperpar import local_map
+    from hyperpar.dtensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh((2,), mesh_dim_names=("dp",))
+    torch.manual_seed(0)
+    x = distribute_tensor(torch.randn(4, 6), mesh, [Shard(0)]).requires_grad_()
+    sq = local_map(_Square.apply, out_placements=[Shard(0)], in_placements=([Shard(0)],))
+    loss = (sq(x) + x.sum(-1)).sum()
+    loss.backward()
+    return {"loss": loss.full_tensor().detach(), "grad": x.grad.full_tensor()}
+
+
+def test_custom_autograd_function_through_local_map_keeps_its_gradient(run_on_ranks):
+    """The documented way to run a custom autograd.Function on DTensors (applying it to the
+    DTensors directly is cut from the graph: docs/migration.md)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, requires_grad=True)
+    loss = (_Square.apply(x) + x.sum(-1)).sum()
+    loss.backward()
+    for f in run_on_ranks(2, _custom_function_facts):
+        torch.testing.assert_close(f["loss"], loss.detach(), rtol=TOL, atol=TOL)
+        torch.testing.assert_close(f["grad"], x.grad, rtol=TOL, atol=TOL)
