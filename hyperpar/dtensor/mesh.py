@@ -333,7 +333,8 @@ class DeviceMesh:
         if not isinstance(names, Sequence) or not all(isinstance(n, str) for n in names):
             raise TypeError(
                 f"a DeviceMesh is sliced by dimension name (mesh['tp'] or mesh['dp', 'tp']), as "
-                f"torch's is; got {names!r}. For a dimension by index use mesh[i] or mesh.get_mesh(i)"
+                f"torch's is; got {names!r}. For a dimension by index use mesh[i] or "
+                f"mesh.get_mesh(i)"
             )
         names = tuple(names)
         if not self.mesh_dim_names:

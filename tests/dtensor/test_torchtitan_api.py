@@ -381,3 +381,29 @@ def test_custom_autograd_function_through_local_map_keeps_its_gradient(run_on_ra
     for f in run_on_ranks(2, _custom_function_facts):
         torch.testing.assert_close(f["loss"], loss.detach(), rtol=TOL, atol=TOL)
         torch.testing.assert_close(f["grad"], x.grad, rtol=TOL, atol=TOL)
+
+
+def _cut_facts():
+    from hyperpar.dtensor import Shard, distribute_tensor, init_device_mesh
+    from hyperpar.dtensor._ops.dispatch import CustomFunctionError
+
+    mesh = init_device_mesh((2,), mesh_dim_names=("dp",))
+    x = distribute_tensor(torch.randn(4, 6), mesh, [Shard(0)]).requires_grad_()
+    out = {}
+    try:
+        _Square.apply(x)
+        out["error"] = None
+    except CustomFunctionError as exc:
+        out["error"] = str(exc)
+    with torch.no_grad():  # plain no_grad and inference mode stay allowed
+        out["no_grad"] = (x * 2).requires_grad
+    with torch.inference_mode():
+        out["inference"] = (x * 2).requires_grad
+    return out
+
+
+def test_custom_function_applied_to_dtensors_raises_instead_of_cutting_the_graph(run_on_ranks):
+    for f in run_on_ranks(2, _cut_facts):
+        assert "inside a custom torch.autograd.Function" in f["error"]
+        assert "local_map" in f["error"]
+        assert f["no_grad"] is False and f["inference"] is False
