@@ -34,6 +34,7 @@ _EXPORTS: dict[str, str] = {
     "Partial": "hyperpar.dtensor",
     "Placement": "hyperpar.dtensor",
     "distribute_tensor": "hyperpar.dtensor",
+    "local_map": "hyperpar.dtensor",
     "current_mesh": "hyperpar.dtensor",
     "MeshDimError": "hyperpar.dtensor",
     "ShardingError": "hyperpar.dtensor",

@@ -28,6 +28,7 @@ if _torch is not None:
     )
     from .api import DTensor, DTensorSpec, distribute_tensor
     from .factories import empty, full, ones, rand, randn, zeros
+    from .local_map import local_map
     from .module import distribute_module
     from .random import manual_seed
 
@@ -50,6 +51,7 @@ __all__ = [
     "empty",
     "full",
     "init_device_mesh",
+    "local_map",
     "manual_seed",
     "ones",
     "rand",

@@ -322,14 +322,19 @@ class DeviceMesh:
         return self._group_ranks[self._dim(mesh_dim)]
 
     # -------------------------------------------------------------- slicing
-    def __getitem__(self, names: str | Sequence[str]) -> DeviceMesh:
-        """The sub-mesh of the named dimensions (in the order given) containing this rank."""
+    def __getitem__(self, names: str | int | Sequence[str]) -> DeviceMesh:
+        """The sub-mesh of the named dimensions (in the order given) containing this rank.
+        An int ``mesh[i]`` is the 1-D sub-mesh of dimension ``i`` (as :meth:`get_mesh`), for
+        code that walks a mesh's dimensions by index."""
+        if isinstance(names, int) and not isinstance(names, bool):
+            return self._submesh((self._dim(names),))
         if isinstance(names, str):
             names = (names,)
         if not isinstance(names, Sequence) or not all(isinstance(n, str) for n in names):
             raise TypeError(
                 f"a DeviceMesh is sliced by dimension name (mesh['tp'] or mesh['dp', 'tp']), as "
-                f"torch's is; got {names!r}. For a dimension by index use mesh.get_mesh(i)"
+                f"torch's is; got {names!r}. For a dimension by index use mesh[i] or "
+                f"mesh.get_mesh(i)"
             )
         names = tuple(names)
         if not self.mesh_dim_names:
@@ -434,6 +439,49 @@ class DeviceMesh:
         return flat
 
     _flatten = flatten  # torch's spelling
+
+    def _unflatten(self, dim: MeshDim, mesh_sizes: Sequence[int],
+                   mesh_dim_names: Sequence[str], backend_override: Any = None) -> DeviceMesh:
+        """A mesh over the same ranks with dimension ``dim`` split into ``mesh_sizes`` (row-
+        major), named ``mesh_dim_names`` (torch's ``DeviceMesh._unflatten``, which torchtitan's
+        ``ParallelDims`` builds all its meshes with).
+
+        Collective over the world: every rank must call it. Several unflattenings of one mesh
+        describe the same devices: their sub-meshes of equal ranks and names compare equal and
+        share process groups, so DTensors on them combine. Only a mesh over the whole world can
+        be unflattened (unflatten the world mesh, then slice)."""
+        what = "DeviceMesh._unflatten"
+        if backend_override is not None:
+            raise NotImplementedError(f"{what}: backend_override is not supported by hyperpar "
+                                      f"(the backend is chosen per platform); leave it out")
+        if isinstance(dim, str) and (not self.mesh_dim_names or dim not in self.mesh_dim_names):
+            raise ValueError(f"{what}: dim {dim!r} is not in {self.mesh_dim_names}; pass one "
+                             f"of these names or an index")
+        d = self._dim(dim)
+        if isinstance(mesh_sizes, int) or not all(
+                hasattr(s, "__index__") and not isinstance(s, bool) for s in mesh_sizes):
+            raise TypeError(f"{what}: mesh_sizes must be a tuple of ints, got {mesh_sizes!r}")
+        sizes = tuple(operator.index(s) for s in mesh_sizes)
+        names = (mesh_dim_names,) if isinstance(mesh_dim_names, str) else tuple(mesh_dim_names)
+        if len(sizes) != len(names):
+            raise ValueError(f"{what}: {len(sizes)} mesh_sizes {sizes} but {len(names)} "
+                             f"mesh_dim_names {names}; give one name per size")
+        if any(s < 1 for s in sizes) or math.prod(sizes) != self._shape[d]:
+            raise ValueError(
+                f"{what}: mesh_sizes {sizes} (product {math.prod(sizes)}) must be positive and "
+                f"multiply to the size {self._shape[d]} of dimension {dim!r} of {self!r}")
+        world = get_platform().world_size()
+        if sorted(self._ranks) != list(range(world)):
+            raise NotImplementedError(
+                f"{what}: {self!r} does not cover the world of {world} ranks; hyperpar "
+                f"unflattens only a mesh over the whole world: unflatten the world mesh and "
+                f"slice the result (as torchtitan's ParallelDims does)")
+        old = self.mesh_dim_names or tuple(f"_dim{i}" for i in range(self.ndim))
+        new_names = old[:d] + names + old[d + 1:]
+        _names_tuple(new_names, len(new_names), what)  # unique strings, else a clear error
+        shape = self._shape[:d] + sizes + self._shape[d + 1:]
+        return DeviceMesh(self.device_type, _nested(self._ranks, shape),
+                          mesh_dim_names=new_names)
 
     # -------------------------------------------------------------- current mesh
     def __enter__(self) -> DeviceMesh:

@@ -11,10 +11,11 @@ import torch
 import hyperpar.dtensor._ops as ops_pkg
 from hyperpar.dtensor._ops import OP_TABLE, OpEntry, OpOverlay, PlanCache, register_op
 
-FAMILIES = {"pointwise", "matmul", "reduction", "view", "factory", "nn", "tensor"}
+FAMILIES = {"pointwise", "matmul", "reduction", "view", "factory", "nn", "tensor", "complex",
+            "foreach"}
 # the order a module may import from: each imports only modules before it
 LAYERS = ["registry", "dispatch", "pointwise", "matmul", "reduction", "view", "factory", "nn",
-          "tensor"]
+          "tensor", "complex", "foreach"]
 
 
 def test_every_table_entry_was_registered_by_the_decorator_in_a_family_with_a_docstring():

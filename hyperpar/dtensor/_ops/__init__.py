@@ -5,12 +5,14 @@
 errors; ``dispatch`` is ``DTensor.__torch_function__`` with the one bounded plan cache. Each
 family file registers its ops: ``pointwise``, ``matmul``, ``reduction``, ``view``, ``factory``,
 ``nn`` (softmax, norms, attention, embedding, dropout, losses), ``tensor`` (metadata, autograd,
-comparisons). Importing this package fills the table.
+comparisons), ``foreach`` (foreach and fused optimizer ops). Importing this package fills the table.
 """
 
 from . import (  # noqa: F401  (dispatch installs __torch_function__)  # noqa: F401
+    complex,
     dispatch,
     factory,
+    foreach,
     matmul,
     nn,
     pointwise,  # noqa: F401,I001  (first: the families below override some entries)

@@ -117,9 +117,38 @@ def _check_not_a_copy(func: Any, args: Sequence) -> None:
         f"x.full_tensor() -> edit -> distribute_tensor(...) or x.copy_(new)")
 
 
+class CustomFunctionError(RuntimeError):
+    """DTensors that require grad used inside a custom ``torch.autograd.Function``'s forward:
+    hyperpar records autograd on the local tensors, so the Function's output would be cut
+    from the graph (a silently missing gradient)."""
+
+
+_grad_enabled = torch._C.is_grad_enabled
+_fwd_grad_enabled = torch._C._is_fwd_grad_enabled
+
+
+def _check_not_in_custom_function(func: Any, args: Sequence, kwargs: dict) -> None:
+    """Called with grad and forward-grad both off: the state inside a custom autograd
+    Function's forward (``torch.no_grad`` keeps forward grad on; inference mode and compiled
+    tracing are excluded)."""
+    if (torch.is_inference_mode_enabled() or _is_compiling()
+            or torch._C._are_functorch_transforms_active()):
+        return
+    if any(d._local.requires_grad for d in collect_dtensors(args, kwargs)):
+        raise CustomFunctionError(
+            f"{op_name(func)} on a DTensor that requires grad inside a custom "
+            f"torch.autograd.Function's forward: hyperpar DTensors record autograd on their "
+            f"local tensors, which Function.apply does not see, so the result would be cut "
+            f"from the graph (no gradient). Apply the Function to local tensors instead: "
+            f"hyperpar.local_map(MyFunction.apply, out_placements=..., in_placements=...), or "
+            f"call it on dtensor.to_local() and wrap the result with DTensor.from_local")
+
+
 def _torch_function(cls, func, types, args=(), kwargs=None):
     if _COPIES and args:
         _check_not_a_copy(func, args)
+    if not _grad_enabled() and not _fwd_grad_enabled():
+        _check_not_in_custom_function(func, args, kwargs or _EMPTY)
     entry = OP_TABLE.get(func)
     if entry is None:
         return _fallback(func, args, kwargs or _EMPTY)

@@ -45,7 +45,8 @@ def like_rule(func, args, kwargs):
     local_shape, offset = out_spec.local_shape_and_offset()
     dtype = kwargs.pop("dtype", None) or x._local.dtype
     requires_grad = kwargs.pop("requires_grad", False)
-    device = x._local.device
+    # device= moves the shard (Module.to_empty: meta -> a real device)
+    device = kwargs.pop("device", None) or x._local.device
     if fill in ("rand", "randn"):
         block = _random.uniform_block if fill == "rand" else _random.normal_block
         local = block(tuple(spec.shape), local_shape, offset, dtype, device)

@@ -167,9 +167,12 @@ def _autograd_grad(func, args, kwargs):
 # ---------------------------------------------------------------------------- module plumbing
 @register_op(torch._has_compatible_shallow_copy_type, raw=True)
 def _compatible(func, args, kwargs):
-    """Module ``_apply`` support: two DTensors of one spec may swap ``.data``."""
+    """Module ``_apply`` support: two DTensors of one spec on one device type may swap
+    ``.data``; otherwise (``to_empty`` from meta, a device move) the module makes a new
+    parameter of the result, as torch does for incompatible tensors."""
     a, b = args[0], args[1]
-    return isinstance(a, DTensor) and isinstance(b, DTensor) and a._spec is b._spec
+    return (isinstance(a, DTensor) and isinstance(b, DTensor) and a._spec is b._spec
+            and torch._has_compatible_shallow_copy_type(a._local, b._local))
 
 
 @register_op(torch.Tensor.data.__set__, raw=True)

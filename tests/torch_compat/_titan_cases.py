@@ -1,0 +1,175 @@
+"""torchtitan-style cases (issue 31 B): the DeviceMesh and DTensor calls torchtitan's llama3
+path makes, each written once against torch's names and run with torch's own DTensor and with
+hyperpar's (only the imports differ; see ``test_titan_compat.py``)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from _cases import full
+
+CASES: dict[str, Callable[[Any, int], Any]] = {}
+
+
+def case(fn: Callable[[Any, int], Any]) -> Callable[[Any, int], Any]:
+    CASES[fn.__name__.removeprefix("case_")] = fn
+    return fn
+
+
+def titan_api(name: str) -> SimpleNamespace:
+    """torch's or hyperpar's: the mesh, DTensor basics, ``local_map`` and functional
+    collectives, from where a torchtitan script imports them."""
+    if name == "torch":
+        tensor = importlib.import_module("torch.distributed.tensor")
+        return SimpleNamespace(
+            name="torch",
+            init_device_mesh=importlib.import_module(
+                "torch.distributed.device_mesh").init_device_mesh,
+            distribute_tensor=tensor.distribute_tensor, Shard=tensor.Shard,
+            Replicate=tensor.Replicate, Partial=tensor.Partial,
+            local_map=importlib.import_module(
+                "torch.distributed.tensor.experimental").local_map,
+            funcol=importlib.import_module("torch.distributed._functional_collectives"))
+    import hyperpar
+
+    return SimpleNamespace(
+        name="hyperpar", init_device_mesh=hyperpar.init_device_mesh,
+        distribute_tensor=hyperpar.distribute_tensor, Shard=hyperpar.Shard,
+        Replicate=hyperpar.Replicate, Partial=hyperpar.Partial,
+        local_map=importlib.import_module("hyperpar.dtensor.experimental").local_map,
+        funcol=importlib.import_module("hyperpar.dtensor.functional_collectives"))
+
+
+def _world(api: Any, n: int) -> Any:
+    return api.init_device_mesh("cpu", (n,), mesh_dim_names=("world",))
+
+
+@case
+def case_unflatten_meshes(api: Any, n: int) -> Any:
+    """ParallelDims: several unflattenings of the world mesh, sliced and flattened."""
+    world = _world(api, n)
+    dense = world._unflatten(0, (n // 2, 2), ("dp", "tp"))
+    loader = world._unflatten(0, (n // 2, 2), ("batch", "tp"))
+    flat = dense["dp", "tp"]._flatten("dp_tp")
+    torch.manual_seed(0)
+    t = torch.randn(4, 6)
+    a = api.distribute_tensor(t, dense["tp"], [api.Shard(0)])
+    b = api.distribute_tensor(t, loader["tp"], [api.Shard(0)])
+    return {"dense": (dense.mesh.tolist(), dense.mesh_dim_names, dense.get_coordinate()),
+            "tp": dense["tp"].mesh.tolist(), "dp": dense["dp"].mesh.tolist(),
+            "dp_tp": flat.mesh.tolist(), "same": dense["tp"] == loader["tp"],
+            "sizes": (dense.size(), dense["tp"].size(), dense.get_local_rank("tp")),
+            "sum": full(a + b)}
+
+
+@case
+def case_functional_all_reduce(api: Any, n: int) -> Any:
+    """torchtitan's dist_max / dist_mean / dist_sum over a mesh."""
+    mesh = _world(api, n)
+    x = torch.tensor([1.0, 2.0]) * (mesh.get_rank() + 1)
+    return {op: api.funcol.wait_tensor(api.funcol.all_reduce(x, op, group=mesh))
+            for op in ("sum", "max", "min", "avg")}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+
+
+def _steps(api: Any, n: int, **opt_kwargs: Any) -> Any:
+    mesh = _world(api, n)
+    model = _model()
+    for mod in (model[0], model[2]):
+        mod.weight = torch.nn.Parameter(api.distribute_tensor(mod.weight.detach(), mesh,
+                                                              [api.Shard(0)]))
+        mod.bias = torch.nn.Parameter(api.distribute_tensor(mod.bias.detach(), mesh,
+                                                            [api.Replicate()]))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, **opt_kwargs)
+    torch.manual_seed(1)
+    norms = []
+    for _ in range(2):
+        x = api.distribute_tensor(torch.randn(5, 6), mesh, [api.Replicate()])
+        opt.zero_grad()
+        model(x).pow(2).sum().backward()
+        norms.append(full(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5,
+                                                         foreach=True)))
+        opt.step()
+    return {"norms": norms, "params": [full(p) for p in model.parameters()]}
+
+
+@case
+def case_adamw_foreach_clip(api: Any, n: int) -> Any:
+    """Default (foreach) AdamW after foreach gradient clipping, on sharded parameters."""
+    return _steps(api, n, foreach=True)
+
+
+@case
+def case_adamw_fused_clip(api: Any, n: int) -> Any:
+    """AdamW(fused=True) after foreach gradient clipping."""
+    return _steps(api, n, fused=True)
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+
+@case
+def case_local_map(api: Any, n: int) -> Any:
+    """A local kernel on row shards; the replicated weight's gradient comes back Partial."""
+    mesh = _world(api, n)
+    torch.manual_seed(0)
+    x = api.distribute_tensor(torch.randn(4, 6), mesh, [api.Shard(0)]).requires_grad_()
+    w = api.distribute_tensor(torch.randn(6), mesh, [api.Replicate()]).requires_grad_()
+    fn = api.local_map(_rms, out_placements=[api.Shard(0)],
+                       in_placements=([api.Shard(0)], [api.Replicate()]),
+                       in_grad_placements=([api.Shard(0)], [api.Partial()]), device_mesh=mesh)
+    y = fn(x, w)
+    y.sum().backward()
+    return {"y": full(y), "gx": full(x.grad), "gw": full(w.grad)}
+
+
+@case
+def case_rope_complex_gather(api: Any, n: int) -> Any:
+    """Rotary embedding through view_as_complex / view_as_real, then gather."""
+    mesh = _world(api, n)
+    torch.manual_seed(0)
+    x = api.distribute_tensor(torch.randn(4, 8), mesh, [api.Shard(0)]).requires_grad_()
+    freqs = api.distribute_tensor(torch.polar(torch.ones(4, 4), torch.randn(4, 4)), mesh,
+                                  [api.Shard(0)])
+    idx = api.distribute_tensor(torch.randint(0, 8, (4, 5)), mesh, [api.Shard(0)])
+    xc = torch.view_as_complex(x.reshape(4, 4, 2))
+    y = torch.gather(torch.view_as_real(xc * freqs).flatten(-2), 1, idx)
+    (y * y).sum().backward()
+    return {"y": full(y), "gx": full(x.grad)}
+
+
+@case
+def case_to_empty(api: Any, n: int) -> Any:
+    """Meta-device init: DTensor parameters materialised by Module.to_empty."""
+    mesh = _world(api, n)
+    with torch.device("meta"):
+        model = torch.nn.Linear(6, 4)
+    model.weight = torch.nn.Parameter(api.distribute_tensor(model.weight, mesh,
+                                                            [api.Shard(0)]))
+    model.bias = torch.nn.Parameter(api.distribute_tensor(model.bias, mesh,
+                                                          [api.Replicate()]))
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.weight.fill_(0.25)
+        model.bias.fill_(0.5)
+    x = api.distribute_tensor(torch.ones(3, 6), mesh, [api.Replicate()])
+    model(x).sum().backward()
+    return {"device": (model.weight.device.type, model.weight.to_local().device.type),
+            "grad": full(model.weight.grad)}
+
+
+def run_titan_cases(names: list[str], n: int | None = None) -> dict[str, dict[str, Any]]:
+    """On every rank: each case with torch's API and with hyperpar's."""
+    from _cases import run_side_by_side
+
+    apis = {name: titan_api(name) for name in ("torch", "hyperpar")}
+    return run_side_by_side(CASES, apis, names, n)
