@@ -18,7 +18,6 @@ import importlib
 import torch
 from torch import nn
 
-from hyperpar.dtensor.mesh import ensure_world
 from hyperpar.platform import get_platform
 
 WIDTH, BATCH, LR = 16, 16, 0.05
@@ -45,7 +44,8 @@ def main() -> None:
     pp = importlib.import_module("torch.distributed.pipelining" if args.torch
                                  else "hyperpar.pipelining")
     platform = get_platform()
-    ensure_world(platform)   # join the launcher's world (hyperpar run / torchrun)
+    if not platform.is_initialized():   # torch scripts call dist.init_process_group() here
+        platform.init_process_group()
     rank, world = platform.rank(), platform.world_size()
     virtual = 2 if args.schedule == "interleaved" else 1
     n_stages = world * virtual
