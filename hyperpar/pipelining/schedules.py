@@ -257,6 +257,7 @@ class _PipelineSchedule:
         kwargs = self._mb_kwargs[mb] if self._mb_kwargs is not None else {}
         if s == 0:
             args = tuple(self._mb_args[mb])
+            stage.check_shapes("input", [a for a in args if isinstance(a, torch.Tensor)])
             ins: list[torch.Tensor] = []
         else:
             x = self._act_in.pop((s, mb))
