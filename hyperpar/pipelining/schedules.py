@@ -1,0 +1,391 @@
+"""``torch.distributed.pipelining`` schedules on hyperpar's written-once plans.
+
+Each schedule names a plan of :mod:`hyperpar.pipeline.schedules` (GPipe, 1F1B, interleaved
+1F1B), lowered to batched sends/receives by the same :func:`lower` and checked for
+deadlock by the same :func:`check_plans`; activations and gradients travel by platform P2P
+(:class:`hyperpar.pipeline.p2p.P2P`). So one microbatch schedule runs on every backend.
+
+Semantics follow torch: ``step`` returns the merged last-stage outputs (``None`` elsewhere),
+``losses`` receives the per-microbatch losses, each microbatch's loss is backpropagated
+unscaled and, with ``scale_grads=True``, the stage gradients are divided by the microbatch
+count after the step. ``fully_shard`` modules inside a stage accumulate without gradient sync
+until their stage's last backward of the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from hyperpar.fsdp.api import FSDPModule
+from hyperpar.pipeline._faults import pipeline_step
+from hyperpar.pipeline.executor import merge_microbatches, split_microbatches
+from hyperpar.pipeline.p2p import P2P, Meta, flatten, meta_of
+from hyperpar.pipeline.schedules import (
+    Action,
+    B,
+    Backward,
+    Comm,
+    F,
+    Forward,
+    Plan,
+    PlanFn,
+    Step,
+    check_plans,
+    choose_lowering,
+    gpipe_plan,
+    interleaved_1f1b_plan,
+    lower,
+    one_f_one_b_plan,
+)
+from hyperpar.platform.health import P2P_COUNTER
+
+from .stage import PipelineStage
+
+
+def looped_bfs_plan(n_stages: int, n_microbatches: int, rank: int,
+                    n_ranks: int | None = None) -> Plan:
+    """Looped BFS (breadth-first): every microbatch through each local stage in turn, then the
+    backwards, last local stage first."""
+    p = n_stages if n_ranks is None else n_ranks
+    local = list(range(rank, n_stages, p))
+    return ([F(mb, s) for s in local for mb in range(n_microbatches)]
+            + [B(mb, s) for s in reversed(local) for mb in range(n_microbatches)])
+
+
+def _leaf(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    t = t.detach()
+    return t.requires_grad_() if requires_grad and (t.is_floating_point() or t.is_complex()) \
+        else t
+
+
+def _detach(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, tuple | list):
+        return type(value)(_detach(v) for v in value)
+    return value
+
+
+class _PipelineSchedule:
+    """Shared executor of the torch-compatible schedules."""
+
+    plan_fn: ClassVar[PlanFn]
+    multi: ClassVar[bool] = False
+
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int,
+                 loss_fn: Callable[..., torch.Tensor] | None, args_chunk_spec: Any,
+                 kwargs_chunk_spec: Any, output_merge_spec: Any, scale_grads: bool,
+                 dynamic_shapes: bool) -> None:
+        name = type(self).__name__
+        for what, spec in (("args_chunk_spec", args_chunk_spec),
+                           ("kwargs_chunk_spec", kwargs_chunk_spec),
+                           ("output_merge_spec", output_merge_spec)):
+            if spec is not None:
+                raise NotImplementedError(
+                    f"{name}: {what} is not supported by hyperpar.pipelining; inputs are split "
+                    f"and outputs merged along dim 0 (torch's default). Leave it None")
+        if not isinstance(n_microbatches, int) or n_microbatches < 1:
+            raise ValueError(f"{name}: n_microbatches must be a positive int, got "
+                             f"{n_microbatches!r}")
+        if not stages or not all(isinstance(s, PipelineStage) for s in stages):
+            raise TypeError(f"{name}: expected hyperpar.pipelining.PipelineStage objects, got "
+                            f"{[type(s).__name__ for s in stages]}")
+        first = stages[0]
+        for s in stages:
+            if (s.num_stages, s.stage_ranks) != (first.num_stages, first.stage_ranks):
+                raise ValueError(f"{name}: the stages of one rank disagree on num_stages or "
+                                 f"group: {list(stages)}")
+        n_ranks, n_stages = first.group_size, first.num_stages
+        if len(stages) * n_ranks != n_stages:
+            raise ValueError(
+                f"{name}: {len(stages)} stage(s) on each of {n_ranks} ranks make "
+                f"{len(stages) * n_ranks} stages, but the stages say num_stages={n_stages}; "
+                f"give every rank num_stages / group size = {n_stages / n_ranks:g} stages")
+        self._stages = {s.stage_index: s for s in stages}
+        if len(self._stages) != len(stages):
+            raise ValueError(f"{name}: duplicate stage indices {[s.stage_index for s in stages]}")
+        self._n_microbatches = n_microbatches
+        self._loss_fn = loss_fn
+        self.scale_grads = scale_grads
+        self._has_backward = loss_fn is not None
+        self.n_stages, self.n_ranks = n_stages, n_ranks
+        # what hyperpar.pipeline._faults needs to name a failing stage on every rank
+        self.stage_ranks, self.stage_id = first.stage_ranks, first.group_rank
+        plan_fn = type(self).plan_fn
+        self.fuse = choose_lowering(plan_fn, n_stages, n_microbatches, n_ranks)
+        self._plan = plan_fn(n_stages, n_microbatches, self.stage_id, n_ranks)
+        self._program = lower(self._plan, n_stages, n_ranks, fuse=self.fuse)
+        self._last_backward = {a.stage: a for a in self._plan if isinstance(a, Backward)}
+        # eval: the training plan's forwards in their order. (forward_only_plan runs each
+        # local stage to the end first, which deadlocks under rendezvous sends once a later
+        # stage comes back to this rank with more than a few microbatches.)
+        plans = [[a for a in plan_fn(n_stages, n_microbatches, r, n_ranks)
+                  if isinstance(a, Forward)] for r in range(n_ranks)]
+        check_plans(plans, n_stages, n_microbatches, n_ranks, forward_only=True)
+        self._eval_program = lower(plans[self.stage_id], n_stages, n_ranks)
+        self._train_p2p = P2P(first.group, first.stage_ranks, dynamic_shapes)
+        self._eval_p2p = P2P(first.group, first.stage_ranks, dynamic_shapes)
+
+    # ------------------------------------------------------------------ public API
+    def plan(self) -> list[Action]:
+        """This rank's compute actions for one training step."""
+        return list(self._plan)
+
+    def step(self, *args: Any, target: Any = None, losses: list | None = None,
+             return_outputs: bool = True, **kwargs: Any) -> Any:
+        """One step over the whole batch: split ``args``/``kwargs`` (and ``target`` on the last
+        stage's rank) into microbatches along dim 0, run the schedule, and return the merged
+        last-stage outputs there (``None`` on other ranks). With a ``loss_fn`` this is a
+        training step; ``losses`` is cleared and filled with the per-microbatch losses."""
+        if self._has_backward and not torch.is_grad_enabled():
+            raise RuntimeError(f"{type(self).__name__}.step() needs gradients enabled for its "
+                               f"backward; it was called under torch.no_grad(). Call eval() "
+                               f"for a forward-only pass")
+        if self._has_backward:
+            return self._execute(self._program, self._train_p2p, True, args, kwargs, target,
+                                 losses, return_outputs)
+        with torch.no_grad():
+            return self._execute(self._eval_program, self._eval_p2p, False, args, kwargs,
+                                 target, losses, return_outputs)
+
+    def eval(self, *args: Any, target: Any = None, losses: list | None = None,
+             **kwargs: Any) -> Any:
+        """Forward only (no gradients): merged outputs on the last stage's rank; with a
+        ``target`` and ``loss_fn`` the per-microbatch losses go to ``losses``."""
+        with torch.no_grad():
+            return self._execute(self._eval_program, self._eval_p2p, False, args, kwargs,
+                                 target, losses, True)
+
+    # ------------------------------------------------------------------ execution
+    def _execute(self, program: list[Step], p2p: P2P, train: bool, args: tuple, kwargs: dict,
+                 target: Any, losses: list | None, return_outputs: bool) -> Any:
+        m, last = self._n_microbatches, self.n_stages - 1
+        self._p2p, self._train = p2p, train
+        self._act_in: dict[tuple[int, int], Any] = {}
+        self._grad_in: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._inputs: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._outputs: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._out_meta: dict[tuple[int, int], Meta] = {}
+        self._outbox: dict[Comm, tuple[Sequence[torch.Tensor], bool]] = {}
+        self._losses: list[torch.Tensor | None] = [None] * m
+        self._mb_outputs: list[Any] = [None] * m
+        self._current: int | None = None
+        self._peers: list[int] = []
+        with pipeline_step(self, lambda: self._current, lambda: self._peers):
+            self._mb_args = self._mb_kwargs = self._mb_targets = None
+            if 0 in self._stages:
+                if not args:
+                    raise ValueError("step(): the rank holding stage 0 needs the model inputs; "
+                                     "pass them to step()/eval() there")
+                self._mb_args = split_microbatches(tuple(args), m)
+            self._mb_kwargs = split_microbatches(dict(kwargs), m)
+            if last in self._stages and target is not None:
+                self._mb_targets = split_microbatches(target, m)
+            if last in self._stages and train and self._mb_targets is None:
+                raise ValueError(f"step(): no target on the rank holding the last stage "
+                                 f"({last}), but the schedule has a loss_fn; pass target= to "
+                                 f"step() there")
+            for step in program:
+                if step.comms:
+                    self._communicate(step.comms)
+                if step.action is not None:
+                    self._current = step.action.stage
+                    if isinstance(step.action, Forward):
+                        self._forward(step.action.stage, step.action.mb)
+                    else:
+                        self._backward(step.action.stage, step.action.mb)
+            self._current = None
+            self._peers = list(self.stage_ranks)
+            p2p.wait_sends()
+            self._peers = []
+        if train:
+            factor = m if self.scale_grads else 1
+            for stage in self._stages.values():
+                stage.scale_grads(factor)
+        if last not in self._stages:
+            return None
+        if losses is not None and (train or self._mb_targets is not None):
+            losses.clear()
+            losses.extend(loss for loss in self._losses if loss is not None)
+        if not return_outputs:
+            return None
+        return merge_microbatches(self._mb_outputs)
+
+    def _communicate(self, comms: Sequence[Comm]) -> None:
+        sends, recvs = [], []
+        ranks = self.stage_ranks
+        self._peers = [ranks[c.peer] for c in sorted(comms, key=lambda c: c.kind != "recv")]
+        for c in comms:
+            P2P_COUNTER.enter(c.kind, ranks[c.peer])
+            if c.kind == "send":
+                self._current = c.stage
+                tensors, single = self._outbox.pop(c)
+                sends.append((c, tensors, single))
+            elif c.what == "act":
+                recvs.append((c, None))
+            else:
+                meta = self._out_meta[(c.stage - 1, c.mb)]
+                recvs.append((c, Meta(False, tuple(t for t in meta.tensors if t.requires_grad))))
+        got = self._p2p.exchange(sends, recvs)
+        for c, bufs in got.items():
+            if c.what == "act":
+                meta = self._p2p.meta(c)
+                leaves = [_leaf(b, t.requires_grad)
+                          for b, t in zip(bufs, meta.tensors, strict=True)]
+                self._act_in[(c.stage + 1, c.mb)] = leaves[0] if meta.single else tuple(leaves)
+            else:
+                self._grad_in[(c.stage - 1, c.mb)] = bufs
+        self._peers = []
+
+    def _hand_off(self, what: str, stage: int, mb: int, tensors: Sequence[torch.Tensor],
+                  single: bool) -> None:
+        nxt = stage + 1 if what == "act" else stage - 1
+        if nxt in self._stages:   # next stage on this rank (one-rank pipeline)
+            if what == "act":
+                leaves = [_leaf(t, t.requires_grad) for t in tensors]
+                self._act_in[(nxt, mb)] = leaves[0] if single else tuple(leaves)
+            else:
+                self._grad_in[(nxt, mb)] = list(tensors)
+            return
+        self._outbox[Comm("send", what, mb, stage, nxt % self.n_ranks)] = (tensors, single)
+
+    def _forward(self, s: int, mb: int) -> None:
+        stage = self._stages[s]
+        kwargs = self._mb_kwargs[mb] if self._mb_kwargs is not None else {}
+        if s == 0:
+            args = tuple(self._mb_args[mb])
+            stage.check_shapes("input", [a for a in args if isinstance(a, torch.Tensor)])
+            ins: list[torch.Tensor] = []
+        else:
+            x = self._act_in.pop((s, mb))
+            args = (x,) if isinstance(x, torch.Tensor) else tuple(x)
+            stage.check_shapes("input", args)
+            ins = [t for t in args if t.requires_grad]
+        self._inputs[(s, mb)] = ins
+        out = stage.submod(*args, **kwargs)
+        tensors, single = flatten(out, f"output of stage {s}")
+        stage.check_shapes("output", tensors)
+        if s == self.n_stages - 1:
+            self._mb_outputs[mb] = _detach(out)
+            target = self._mb_targets[mb] if self._mb_targets is not None else None
+            if self._loss_fn is None or (target is None and not self._train):
+                return
+            loss = self._loss_fn(out, target)
+            self._losses[mb] = loss.detach()
+            if self._train:
+                self._outputs[(s, mb)] = [loss]
+            return
+        self._out_meta[(s, mb)] = meta_of(tensors, single)
+        self._outputs[(s, mb)] = [t for t in tensors if t.requires_grad]
+        self._hand_off("act", s, mb, tensors, single)
+
+    def _backward(self, s: int, mb: int) -> None:
+        stage = self._stages[s]
+        last = self._last_backward[s] == B(mb, s)
+        # torch's rule for data parallelism inside a stage: accumulate unsynced gradients
+        # and reduce once, in the stage's last backward of the step.
+        fsdp = [mod for mod in stage.submod.modules() if isinstance(mod, FSDPModule)]
+        for mod in fsdp:
+            mod.set_requires_gradient_sync(last, recurse=False)
+        if isinstance(stage.submod, FSDPModule):
+            stage.submod.set_is_last_backward(last)
+        outs = self._outputs.pop((s, mb))
+        grads = None if s == self.n_stages - 1 else self._grad_in.pop((s, mb))
+        if outs:
+            torch.autograd.backward(outs, grads)
+        if s > 0:
+            ins = self._inputs.pop((s, mb))
+            full = [t.grad if t.grad is not None else torch.zeros_like(t) for t in ins]
+            self._hand_off("grad", s, mb, full, False)
+        else:
+            self._inputs.pop((s, mb), None)
+
+
+class PipelineScheduleSingle(_PipelineSchedule):
+    """A schedule with one stage per rank: ``Schedule(stage, n_microbatches, loss_fn=None,
+    args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None, scale_grads=True)``
+    as in torch (``dynamic_shapes=True``, hyperpar's addition, re-sends shapes every step)."""
+
+    def __init__(self, stage: PipelineStage, n_microbatches: int,
+                 loss_fn: Callable[..., torch.Tensor] | None = None,
+                 args_chunk_spec: Any = None, kwargs_chunk_spec: Any = None,
+                 output_merge_spec: Any = None, scale_grads: bool = True, *,
+                 dynamic_shapes: bool = False) -> None:
+        if not isinstance(stage, PipelineStage):
+            raise TypeError(f"{type(self).__name__} takes one PipelineStage, got "
+                            f"{type(stage).__name__}; use ScheduleInterleaved1F1B for "
+                            f"several stages per rank")
+        self._stage = stage
+        super().__init__([stage], n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec,
+                         output_merge_spec, scale_grads, dynamic_shapes)
+
+
+class PipelineScheduleMulti(_PipelineSchedule):
+    """A schedule with several stages per rank: ``Schedule(stages, n_microbatches, loss_fn=None,
+    args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None, scale_grads=True)``."""
+
+    multi = True
+
+    def __init__(self, stages: list[PipelineStage], n_microbatches: int,
+                 loss_fn: Callable[..., torch.Tensor] | None = None,
+                 args_chunk_spec: Any = None, kwargs_chunk_spec: Any = None,
+                 output_merge_spec: Any = None, scale_grads: bool = True, *,
+                 dynamic_shapes: bool = False) -> None:
+        if isinstance(stages, PipelineStage):
+            stages = [stages]
+        self._stages_list = list(stages)
+        super().__init__(self._stages_list, n_microbatches, loss_fn, args_chunk_spec,
+                         kwargs_chunk_spec, output_merge_spec, scale_grads, dynamic_shapes)
+
+
+class ScheduleGPipe(PipelineScheduleSingle):
+    """GPipe: all forwards, then all backwards."""
+
+    plan_fn = staticmethod(gpipe_plan)
+
+
+class Schedule1F1B(PipelineScheduleSingle):
+    """1F1B: warm-up forwards, then one forward and one backward alternately."""
+
+    plan_fn = staticmethod(one_f_one_b_plan)
+
+
+class ScheduleInterleaved1F1B(PipelineScheduleMulti):
+    """Interleaved 1F1B (Megatron-LM) over several stages per rank; ``n_microbatches`` below
+    ``2 * ranks`` or a multiple of the rank count."""
+
+    plan_fn = staticmethod(interleaved_1f1b_plan)
+
+
+class _NotImplementedSchedule:
+    """A torch schedule hyperpar.pipelining does not run; constructing it raises."""
+
+    why = ("its split backward (input and weight gradients apart) over an arbitrary stage "
+           "module is not built")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(
+            f"hyperpar.pipelining.{type(self).__name__} is not implemented: {self.why}. Use "
+            f"ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B, or hyperpar.pipeline's "
+            f"ScheduleZeroBubble over a PipelineModule")
+
+
+class ScheduleLoopedBFS(_NotImplementedSchedule):
+    """Not implemented: every microbatch through stage ``r`` before stage ``r + p`` makes
+    the last rank send activations back to a rank still sending its own, which deadlocks
+    when a send waits for its receive (the rendezvous model every plan here is checked
+    against, NCCL's included). :func:`looped_bfs_plan` is kept to show it."""
+
+    why = ("its plan deadlocks under rendezvous sends (see looped_bfs_plan and "
+           "hyperpar.pipeline.check_plans)")
+
+
+class ScheduleInterleavedZeroBubble(_NotImplementedSchedule):
+    """Not implemented (raises :class:`NotImplementedError` naming the alternatives)."""
+
+
+class ScheduleZBVZeroBubble(_NotImplementedSchedule):
+    """Not implemented (raises :class:`NotImplementedError` naming the alternatives)."""
