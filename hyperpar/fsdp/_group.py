@@ -71,6 +71,7 @@ class ParamGroup:
         self.pending: set[int] = set()
         self.used_in_backward = False
         self.reduced_in_backward = False
+        self._all_had_grads = True   # set by reduce_grads: every parameter had a local grad
         self._hooks: list[Any] = []
 
     # ------------------------------------------------------------------ unshard / reshard
@@ -189,11 +190,14 @@ class ParamGroup:
         bucket = Bucket(self.shard_size, self.reduce_numel, self.reduce_dtype, self.device,
                         self.shard_group)
         flags = bucket.block(self.flat_numel, len(self.params))
+        self._all_had_grads = True
         for i, p in enumerate(self.params):
             grad = p.flat_grad()
             pack(bucket.block(p.offset, p.padded_numel), grad, scale)
             # every rank's row holds this rank's flag: each rank receives the reduced flags
             flags[:, i] = 0.0 if grad is None else 1.0
+            if grad is None and p.requires_grad:
+                self._all_had_grads = False
             if grad is not None:
                 p.unsharded.grad = None
         out = bucket.reduce_scatter(op)
@@ -207,8 +211,13 @@ class ParamGroup:
                 self.platform.world_size(self.replicate_group) > 1:
             # the pieces were pre-scaled by 1/(whole dp world): the replicas' sum is the mean
             self.platform.all_reduce(out, op="sum", group=self.replicate_group)
-        # > 0: some rank had a gradient (avg or sum of 0/1 flags, summed over replicas)
-        reached = (out[self.flat_numel:] > 0).tolist()
+        if self._all_had_grads or out.is_meta:
+            # this rank's backward reached every parameter, so some rank did: the flags need
+            # not be read (reading them waits for the device; meta tensors have no values)
+            reached = [True] * len(self.params)
+        else:
+            # > 0: some rank had a gradient (avg or sum of 0/1 flags, summed over replicas)
+            reached = (out[self.flat_numel:] > 0).tolist()
         for p, had_grad in zip(self.params, reached, strict=True):
             if p.requires_grad and had_grad:
                 p.accumulate_shard_grad(out)

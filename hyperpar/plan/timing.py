@@ -158,25 +158,39 @@ def collectives(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> list[C
         # the root unit stays gathered from forward to backward. Under cp the group is the
         # flattened dp_shard x cp one; its bytes are booked on "dp_shard" (group_size)
         gathers = 2 if layout.reshard_after_forward else 1  # backward reuses the forward's
+        # the reduce-scatter also carries one "had a gradient" flag per parameter and rank
+        # (fully_shard leaves grad None where no rank's backward reached a parameter)
+        block_flags = ds * len(spec.block_tensors())
+        root_flags = ds * len(_root_tensors(spec, pp, first, last))
         out += [Collective("dp_shard", "ag", block * cb, gathers * layers, "microbatch",
                            "layers"),
-                Collective("dp_shard", "rs", block * rb, layers, "microbatch", "layer grads")]
+                Collective("dp_shard", "rs", (block + block_flags) * rb, layers, "microbatch",
+                           "layer grads")]
         for r in root:
             out += [Collective("dp_shard", "ag", r * cb, 1, "microbatch", "root"),
-                    Collective("dp_shard", "rs", r * rb, 1, "microbatch", "root grads")]
+                    Collective("dp_shard", "rs", (r + root_flags) * rb, 1, "microbatch",
+                               "root grads")]
     if dr > 1 and ds > 1:
         # HSDP: every unit's reduce-scattered gradient shard is all-reduced over the replicas
         block, *root = sp.unit_gathered
-        out.append(Collective("dp_replicate", "ar", block // ds * rb, layers, "microbatch",
-                              "layer grad shards"))
+        n_block = len(spec.block_tensors())
+        n_root = len(_root_tensors(spec, pp, first, last))
+        out.append(Collective("dp_replicate", "ar", (block // ds + n_block) * rb, layers,
+                              "microbatch", "layer grad shards"))
         for r in root:
-            out.append(Collective("dp_replicate", "ar", r // ds * rb, 1, "microbatch",
-                                  "root grad shards"))
+            out.append(Collective("dp_replicate", "ar", (r // ds + n_root) * rb, 1,
+                                  "microbatch", "root grad shards"))
     elif dr > 1 and layout.cp == 1:
         # data_parallel: the gradients accumulate locally (no_sync), one all-reduce per step
         out.append(Collective("dp_replicate", "ar", sp.local * rb, 1, "step", "grads"))
     out += cp_collectives(spec, run, layout, stage)
     return out
+
+
+def _root_tensors(spec: ModelSpec, pp: int, first: bool, last: bool) -> list:
+    """The parameters of a stage's root fully_shard unit (embedding first, norm and head last)."""
+    return ((spec.embed_tensors() if first else [])
+            + (spec.final_tensors(pipeline=pp > 1) if last else []))
 
 
 def _tp_without_sp(spec: ModelSpec, layout: Layout, act: float, layers: int, first: bool,
