@@ -154,7 +154,9 @@ TORCH_FREE_MODULES = (
 NEUTRAL_MODULES = ("hyperpar.dtensor.mesh", "hyperpar.dtensor.placement",
                    "hyperpar.dtensor.layout", "hyperpar.dtensor.rules",
                    "hyperpar.platform.dim_collectives", "hyperpar.parallel.spec",
-                   "hyperpar.parallel.driver")
+                   "hyperpar.parallel.driver", "hyperpar.parallel.bucket_plan",
+                   "hyperpar.checkpoint", "hyperpar.checkpoint.arrays",
+                   "hyperpar.checkpoint._commit")
 
 _BLOCK_MINDSPORE = """
 class _NoMindSpore(importlib.abc.MetaPathFinder):
