@@ -16,9 +16,10 @@ from typing import Any, ClassVar
 import torch
 
 from hyperpar.platform import get_platform
-from hyperpar.platform.health import P2P_COUNTER
 
 from ._faults import pipeline_step
+from .mailbox import StageMailbox
+from .mailbox import as_leaf as _leaf
 from .module import PipelineModule
 from .p2p import P2P, Meta, flatten, meta_of
 from .schedules import (
@@ -73,12 +74,6 @@ def merge_microbatches(chunks: Sequence[Any], dim: int = 0) -> Any:
     return first
 
 
-def _leaf(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-    t = t.detach()
-    return t.requires_grad_() if requires_grad and (t.is_floating_point() or t.is_complex()) \
-        else t
-
-
 @dataclass
 class _Unit:
     layers: list[int]
@@ -104,7 +99,7 @@ class StepTimings:
         return 1.0 - self.compute_s / self.step_s if self.step_s else 0.0
 
 
-class PipelineSchedule:
+class PipelineSchedule(StageMailbox):
     """Base executor; subclasses set :attr:`plan_fn`.
 
     ``PipelineSchedule(module, n_microbatches, *, loss_fn=None, batch_dim=0,
@@ -299,46 +294,11 @@ class PipelineSchedule:
         return loss
 
     # ------------------------------------------------------------------ communication
-    def _communicate(self, comms: Sequence[Comm]) -> None:
-        sends, recvs = [], []
-        ranks = self.module.stage_ranks
-        # The peers a failure would wait on (receives first: a send completes in the background).
-        self._fault_peers = [ranks[c.peer] for c in sorted(comms, key=lambda c: c.kind != "recv")]
-        for c in comms:
-            P2P_COUNTER.enter(c.kind, ranks[c.peer])
-            if c.kind == "send":
-                self._fault_stage = c.stage   # a send raising locally (shape change) is ours
-                tensors, single = self._outbox.pop(c)
-                sends.append((c, tensors, single))
-            elif c.what == "act":
-                recvs.append((c, None))
-            else:  # gradient for our stage c.stage - 1's outputs: shapes known locally
-                meta = self._out_meta[(c.stage - 1, c.mb)]
-                recvs.append((c, Meta(False, tuple(t for t in meta.tensors
-                                                   if t.requires_grad))))
-        got = self._p2p.exchange(sends, recvs)
-        for c, bufs in got.items():
-            if c.what == "act":
-                meta = self._p2p.meta(c)
-                leaves = [_leaf(b, t.requires_grad)
-                          for b, t in zip(bufs, meta.tensors, strict=True)]
-                self._act_in[(c.stage + 1, c.mb)] = leaves[0] if meta.single else tuple(leaves)
-            else:
-                self._grad_in[(c.stage - 1, c.mb)] = bufs
-        self._fault_peers = []
+    def _stage_ranks(self) -> Sequence[int]:
+        return self.module.stage_ranks
 
-    def _hand_off(self, what: str, stage: int, mb: int, tensors: Sequence[torch.Tensor],
-                  single: bool) -> None:
-        """Deliver to the neighbour stage: locally if it is on this rank, else via the outbox."""
-        nxt = stage + 1 if what == "act" else stage - 1
-        if nxt % self.n_ranks == stage % self.n_ranks:   # same rank (one-rank pipeline)
-            if what == "act":
-                leaves = [_leaf(t, t.requires_grad) for t in tensors]
-                self._act_in[(nxt, mb)] = leaves[0] if single else tuple(leaves)
-            else:
-                self._grad_in[(nxt, mb)] = list(tensors)
-            return
-        self._outbox[Comm("send", what, mb, stage, nxt % self.n_ranks)] = (tensors, single)
+    def _is_local(self, stage: int, neighbour: int) -> bool:
+        return neighbour % self.n_ranks == stage % self.n_ranks   # a one-rank pipeline
 
     # ------------------------------------------------------------------ compute
     def _run(self, action: Action) -> None:

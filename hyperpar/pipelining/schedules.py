@@ -22,6 +22,7 @@ import torch
 from hyperpar.fsdp.api import FSDPModule
 from hyperpar.pipeline._faults import pipeline_step
 from hyperpar.pipeline.executor import merge_microbatches, split_microbatches
+from hyperpar.pipeline.mailbox import StageMailbox
 from hyperpar.pipeline.p2p import P2P, Meta, flatten, meta_of
 from hyperpar.pipeline.schedules import (
     Action,
@@ -40,7 +41,6 @@ from hyperpar.pipeline.schedules import (
     lower,
     one_f_one_b_plan,
 )
-from hyperpar.platform.health import P2P_COUNTER
 
 from .stage import PipelineStage
 
@@ -55,12 +55,6 @@ def looped_bfs_plan(n_stages: int, n_microbatches: int, rank: int,
             + [B(mb, s) for s in reversed(local) for mb in range(n_microbatches)])
 
 
-def _leaf(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-    t = t.detach()
-    return t.requires_grad_() if requires_grad and (t.is_floating_point() or t.is_complex()) \
-        else t
-
-
 def _detach(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach()
@@ -69,7 +63,7 @@ def _detach(value: Any) -> Any:
     return value
 
 
-class _PipelineSchedule:
+class _PipelineSchedule(StageMailbox):
     """Shared executor of the torch-compatible schedules."""
 
     plan_fn: ClassVar[PlanFn]
@@ -172,9 +166,9 @@ class _PipelineSchedule:
         self._outbox: dict[Comm, tuple[Sequence[torch.Tensor], bool]] = {}
         self._losses: list[torch.Tensor | None] = [None] * m
         self._mb_outputs: list[Any] = [None] * m
-        self._current: int | None = None
-        self._peers: list[int] = []
-        with pipeline_step(self, lambda: self._current, lambda: self._peers):
+        self._fault_stage: int | None = None
+        self._fault_peers: list[int] = []
+        with pipeline_step(self, lambda: self._fault_stage, lambda: self._fault_peers):
             self._mb_args = self._mb_kwargs = self._mb_targets = None
             if 0 in self._stages:
                 if not args:
@@ -192,15 +186,15 @@ class _PipelineSchedule:
                 if step.comms:
                     self._communicate(step.comms)
                 if step.action is not None:
-                    self._current = step.action.stage
+                    self._fault_stage = step.action.stage
                     if isinstance(step.action, Forward):
                         self._forward(step.action.stage, step.action.mb)
                     else:
                         self._backward(step.action.stage, step.action.mb)
-            self._current = None
-            self._peers = list(self.stage_ranks)
+            self._fault_stage = None
+            self._fault_peers = list(self.stage_ranks)
             p2p.wait_sends()
-            self._peers = []
+            self._fault_peers = []
         if train:
             factor = m if self.scale_grads else 1
             for stage in self._stages.values():
@@ -214,43 +208,11 @@ class _PipelineSchedule:
             return None
         return merge_microbatches(self._mb_outputs)
 
-    def _communicate(self, comms: Sequence[Comm]) -> None:
-        sends, recvs = [], []
-        ranks = self.stage_ranks
-        self._peers = [ranks[c.peer] for c in sorted(comms, key=lambda c: c.kind != "recv")]
-        for c in comms:
-            P2P_COUNTER.enter(c.kind, ranks[c.peer])
-            if c.kind == "send":
-                self._current = c.stage
-                tensors, single = self._outbox.pop(c)
-                sends.append((c, tensors, single))
-            elif c.what == "act":
-                recvs.append((c, None))
-            else:
-                meta = self._out_meta[(c.stage - 1, c.mb)]
-                recvs.append((c, Meta(False, tuple(t for t in meta.tensors if t.requires_grad))))
-        got = self._p2p.exchange(sends, recvs)
-        for c, bufs in got.items():
-            if c.what == "act":
-                meta = self._p2p.meta(c)
-                leaves = [_leaf(b, t.requires_grad)
-                          for b, t in zip(bufs, meta.tensors, strict=True)]
-                self._act_in[(c.stage + 1, c.mb)] = leaves[0] if meta.single else tuple(leaves)
-            else:
-                self._grad_in[(c.stage - 1, c.mb)] = bufs
-        self._peers = []
+    def _stage_ranks(self) -> Sequence[int]:
+        return self.stage_ranks
 
-    def _hand_off(self, what: str, stage: int, mb: int, tensors: Sequence[torch.Tensor],
-                  single: bool) -> None:
-        nxt = stage + 1 if what == "act" else stage - 1
-        if nxt in self._stages:   # next stage on this rank (one-rank pipeline)
-            if what == "act":
-                leaves = [_leaf(t, t.requires_grad) for t in tensors]
-                self._act_in[(nxt, mb)] = leaves[0] if single else tuple(leaves)
-            else:
-                self._grad_in[(nxt, mb)] = list(tensors)
-            return
-        self._outbox[Comm("send", what, mb, stage, nxt % self.n_ranks)] = (tensors, single)
+    def _is_local(self, stage: int, neighbour: int) -> bool:
+        return neighbour in self._stages   # the next stage on this rank (one-rank pipeline)
 
     def _forward(self, s: int, mb: int) -> None:
         stage = self._stages[s]
