@@ -47,7 +47,7 @@ HYPERPAR_BACKEND=mindspore "$MS_VENV/bin/hyperpar" info
 echo "== MindSpore backend tests and the one-body-two-frameworks tests (real processes, 2 and 4 ranks)"
 # tests/mindspore/test_checkpoint.py runs its torch half in the torch venv (this checkout's .venv,
 # or $HYPERPAR_TORCH_PYTHON); without one that test is skipped, saying so.
-"$MS_VENV/bin/python" -m pytest -q -p no:cacheprovider tests/mindspore tests/both "$@"
+"$MS_VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 tests/mindspore tests/both "$@"
 echo "== hyperpar run -n 2 examples/mindspore_tp_mlp.py"
 HYPERPAR_BACKEND=mindspore timeout 600 "$MS_VENV/bin/hyperpar" run -n 2 examples/mindspore_tp_mlp.py
 for n in 2 4; do

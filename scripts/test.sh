@@ -29,7 +29,7 @@ if [ -f mkdocs.yml ]; then
   mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
 fi
 echo "== unit and multi-process tests"
-pytest -q -p no:cacheprovider tests "$@"
+pytest -q -p no:cacheprovider --durations=25 tests "$@"
 echo "== (main checks done in $(( $(date +%s) - start )) s)"
 # A failed background build is reported here; the job scripts then retry it themselves and
 # decide (skip without a network, fail under CI=true).
