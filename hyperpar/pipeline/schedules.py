@@ -233,10 +233,18 @@ def zero_bubble_plan(n_stages: int, n_microbatches: int, rank: int,
 # ---------------------------------------------------------------------------------- inference
 def forward_only_plan(n_stages: int, n_microbatches: int, rank: int,
                       n_ranks: int | None = None) -> Plan:
-    """Forwards only (evaluation): each of the rank's stages runs every microbatch, stages in
-    order -- the data flow itself, so it cannot wait on a later stage."""
+    """Forwards only (evaluation), in groups of ``n_ranks`` microbatches: each of the rank's
+    stages runs the group, stages in order, then the next group.
+
+    Running every microbatch through one stage before the next (stage-major) deadlocks once a
+    rank holds two stages and there are more microbatches than ranks: the rank keeps sending
+    its first stage's outputs while its peer waits to hand back the output meant for its
+    second stage. Groups of ``n_ranks`` are the interleaved schedule's forward order.
+    """
     n_ranks = _check(n_stages, n_microbatches, rank, n_ranks)
-    return [F(mb, s) for s in range(rank, n_stages, n_ranks) for mb in range(n_microbatches)]
+    local = range(rank, n_stages, n_ranks)
+    return [F(mb, s) for first in range(0, n_microbatches, n_ranks) for s in local
+            for mb in range(first, min(first + n_ranks, n_microbatches))]
 
 
 # ---------------------------------------------------------------------------------- lowering

@@ -47,5 +47,6 @@ def test_pipelines_in_a_larger_world_mesh_and_tied_broadcast(run_on_ranks):
 
 
 def test_outputs_merge_batch_size_may_change_and_eval_runs_forward_only(run_on_ranks):
-    expected = ["batch 8", "batch 5", "eval 1f1b", "eval interleaved1f1b"]
+    expected = ["batch 8", "batch 5", "eval 1f1b x3", "eval interleaved1f1b x3",
+                "eval interleaved1f1b x4"]
     assert run_on_ranks(2, run_shape_cases, timeout_s=60) == [expected] * 2

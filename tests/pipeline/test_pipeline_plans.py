@@ -145,8 +145,11 @@ def test_interleaving_shrinks_the_unit_time_bubble_by_the_virtual_stage_count():
 def test_forward_only_plans_follow_the_data_flow():
     from hyperpar.pipeline import forward_only_plan
 
-    for p, v, m in [(2, 1, 3), (4, 2, 5), (3, 3, 1)]:
+    # (2, 2, 4) and (2, 4, 7): two or more stages per rank and more microbatches than ranks --
+    # stage-major forwards deadlocked there
+    for p, v, m in [(2, 1, 3), (4, 2, 5), (3, 3, 1), (2, 2, 4), (2, 4, 7), (3, 2, 9)]:
         plans = [forward_only_plan(p * v, m, r, p) for r in range(p)]
         check_plans(plans, p * v, m, p, forward_only=True)
+        check_plans(plans, p * v, m, p, forward_only=True, fuse=True)
     with pytest.raises(ScheduleError, match="one F per microbatch"):
         check_plans([one_f_one_b_plan(2, 2, r) for r in range(2)], 2, 2, forward_only=True)
