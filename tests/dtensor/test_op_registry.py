@@ -93,3 +93,44 @@ def _ops_over_many_shapes(n_shapes: int) -> tuple[int, int]:
 def test_the_plan_cache_stays_bounded_over_many_shapes(run_on_ranks):
     peak, cap = run_on_ranks(2, _ops_over_many_shapes, 60)[0]
     assert cap < peak * 2 and peak <= cap, (peak, cap)
+
+
+_COUNT_OVERWRITES = """
+import importlib.abc, importlib.util, pathlib, sys
+
+class Recording(dict):
+    overwritten = []
+    def __setitem__(self, key, value):
+        if key in self:
+            Recording.overwritten.append((getattr(key, "__name__", repr(key)),
+                                          dict.__getitem__(self, key).rule.__module__,
+                                          value.rule.__module__))
+        super().__setitem__(key, value)
+
+class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        if name == "hyperpar.dtensor._ops.registry":
+            return importlib.util.spec_from_loader(name, self)
+    def create_module(self, spec):
+        return None
+    def exec_module(self, module):
+        path = pathlib.Path(sys.argv[1])
+        exec(compile(path.read_text(), str(path), "exec"), module.__dict__)
+        module.OP_TABLE = Recording(module.OP_TABLE)
+
+sys.meta_path.insert(0, Finder())
+import hyperpar.dtensor._ops
+print(Recording.overwritten)
+"""
+
+
+def test_no_torch_function_is_registered_by_two_families():
+    """Families are imported in any order: none may silently replace another's rule."""
+    import subprocess
+    import sys
+
+    registry = Path(ops_pkg.__file__).parent / "registry.py"
+    done = subprocess.run([sys.executable, "-c", _COUNT_OVERWRITES, str(registry)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"rules replaced (op, first, second): {done.stdout}"

@@ -8,14 +8,16 @@ family file registers its ops: ``pointwise``, ``matmul``, ``reduction``, ``view`
 comparisons), ``foreach`` (foreach and fused optimizer ops). Importing this package fills the table.
 """
 
-from . import (  # noqa: F401  (dispatch installs __torch_function__)  # noqa: F401
+# Order does not matter: no torch function is registered by two families (checked by
+# tests/dtensor/test_op_registry.py); dispatch installs __torch_function__.
+from . import (  # noqa: F401
     complex,
     dispatch,
     factory,
     foreach,
     matmul,
     nn,
-    pointwise,  # noqa: F401,I001  (first: the families below override some entries)
+    pointwise,
     reduction,
     registry,
     tensor,
