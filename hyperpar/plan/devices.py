@@ -160,6 +160,12 @@ PROFILES: dict[str, DeviceProfile] = {
     # 3.35 TB/s, NVLink 900 GB/s (both directions), 400 Gb/s InfiniBand per GPU.
     "h100": DeviceProfile("NVIDIA H100 SXM 80GB", 989e12, 67e12, 81559 * MIB, 3.35e12,
                           450 * GB, 50 * GB),
+    # The H100 of Meta's Grand Teton hosts that torchtitan's published runs used (torchtitan
+    # docs/performance.md): SXM, 96 GB HBM2e at 2.4 TB/s, 500 W power limit, whose peak the
+    # page puts "between SXM and NVL": the H100 NVL datasheet's 835 TFLOP/s dense BF16 (1,671
+    # with sparsity) and 60 TFLOP/s FP32, the lower bound; NVLink 900 GB/s, 400 Gb/s per GPU.
+    "h100gt": DeviceProfile("NVIDIA H100 SXM 96GB HBM2e 500W (Grand Teton)", 835e12, 60e12,
+                            96 * 10**9, 2.4e12, 450 * GB, 50 * GB),
     # NVIDIA H200 SXM: same compute as H100, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
     "h200": DeviceProfile("NVIDIA H200 SXM 141GB", 989e12, 67e12, 143771 * MIB, 4.8e12,
                           450 * GB, 50 * GB),
@@ -199,7 +205,8 @@ def with_topology(profile: DeviceProfile, *, gpus_per_node: int,
 
 
 def get_profile(name: str) -> DeviceProfile:
-    """A shipped profile by short name (``h100``, ``h200``, ``a100``, ``910b``)."""
+    """A shipped profile by short name (``h100``, ``h100-gt``, ``h200``, ``a100``,
+    ``910b``)."""
     key = name.lower().replace("ascend", "").replace("-", "").replace(" ", "")
     if key not in PROFILES:
         raise ValueError(f"hyperpar plan: unknown device {name!r}; shipped profiles: "

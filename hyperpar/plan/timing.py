@@ -53,11 +53,28 @@ def wire_bytes(n: int, nbytes: float, kind: str) -> float:
     return (2 if kind == "ar" else 1) * (n - 1) / n * nbytes
 
 
+def ranks_per_node(dim: str, layout: Layout, run: Run) -> int:
+    """Members of one ``dim`` group inside one node: consecutive members are ``stride`` ranks
+    apart, so a node of ``gpus_per_node`` holds ``gpus_per_node // stride`` of them (at least
+    one, at most the group)."""
+    stride = layout.stride(dim)
+    return max(1, min(layout.size(dim), run.gpus_per_node // stride))
+
+
 def link_for(dim: str, layout: Layout, run: Run, profile: DeviceProfile) -> Link:
+    """The link a ring over ``dim`` runs at. Inside a node: the per-device intra-node
+    bandwidth. Across nodes, a ring with ``g`` members per node (:func:`ranks_per_node`)
+    enters and leaves each node once per ring, and NCCL runs one ring per NIC: the ``g``
+    members together use ``g`` devices' share of the node's NICs (``g x inter_bytes_per_s``)
+    while their intra-node hops ride NVLink, so the ring's bandwidth is
+    ``min(intra, g x inter)``. With one member per node (``tp`` inside, the group across
+    nodes) that is one device's NIC share, as before."""
     span = layout.stride(dim) * layout.size(dim)
     if span <= run.gpus_per_node:
         return Link(profile.intra_bytes_per_s * profile.link_efficiency, profile.intra_alpha_s)
-    return Link(profile.inter_bytes_per_s * profile.link_efficiency, profile.inter_alpha_s)
+    g = ranks_per_node(dim, layout, run)
+    bw = min(profile.intra_bytes_per_s, g * profile.inter_bytes_per_s)
+    return Link(bw * profile.link_efficiency, profile.inter_alpha_s)
 
 
 def sac_recomputed_parameters(spec: ModelSpec) -> int:

@@ -176,6 +176,30 @@ def test_node_topology_sets_the_inter_node_share() -> None:
     assert fast.inter_bytes_per_s == 100e9 and fast.intra_bytes_per_s == 900e9
     run = Run(world=64, seq_len=2048, global_batch=64)
     lay = Layout(dp_shard=64)
-    assert link_for("dp_shard", lay, run, four).bytes_per_s == 25e9 * h100.link_efficiency
+    # 8 members of the group per node share the node's 4 NICs of 50 GB/s: 200 GB/s per ring
+    assert link_for("dp_shard", lay, run, four).bytes_per_s == 8 * 25e9 * h100.link_efficiency
     with pytest.raises(ValueError, match="must be positive"):
         with_topology(h100, gpus_per_node=8, nics_per_node=0)
+
+
+def test_a_ring_across_nodes_uses_its_members_share_of_the_nics() -> None:
+    """Hand-computed: A100 (25 GB/s per device, NVLink 300 GB/s), 8 devices per node. A ring
+    with g members per node gets min(300, g x 25) GB/s; one member per node (tp8 inside) 25."""
+    from hyperpar.plan.devices import get_profile
+    from hyperpar.plan.layout import Layout, Run
+    from hyperpar.plan.timing import link_for, ranks_per_node
+
+    a100 = get_profile("a100")
+    eff = a100.link_efficiency
+    run = Run(world=64, seq_len=2048, global_batch=64)
+    assert ranks_per_node("dp_shard", Layout(dp_shard=64), run) == 8
+    assert link_for("dp_shard", Layout(dp_shard=64), run, a100).bytes_per_s == 200e9 * eff
+    lay = Layout(dp_shard=32, tp=2)  # stride 2: 4 members per node
+    assert ranks_per_node("dp_shard", lay, run) == 4
+    assert link_for("dp_shard", lay, run, a100).bytes_per_s == 100e9 * eff
+    lay = Layout(dp_shard=8, tp=8)  # one member per node: one device's NIC
+    assert link_for("dp_shard", lay, run, a100).bytes_per_s == 25e9 * eff
+    assert link_for("tp", lay, run, a100).bytes_per_s == 300e9 * eff  # inside the node
+    fat = Run(world=64, seq_len=2048, global_batch=64, gpus_per_node=16)
+    # 16 members per node: 400 GB/s of NICs, capped by the 300 GB/s NVLink hops
+    assert link_for("dp_shard", Layout(dp_shard=64), fat, a100).bytes_per_s == 300e9 * eff
