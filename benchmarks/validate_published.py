@@ -145,7 +145,7 @@ def megatron_rows() -> list[tuple]:
                     continue
                 layout = f"dp{dp}.tp{t}.pp{p}.mb{mb}.ac" + (".nosp" if t > 1 else "")
                 args = ["plan", "--config", str(config), "--world", str(n), "--seq-len",
-                        str(MEGATRON_SEQ), "--global-batch", str(batch), "--device", "a100",
+                        str(MEGATRON_SEQ), "--global-batch", str(batch), "--device", "a100", "--attention", "eager",
                         "--layout", layout]
                 out_json = Path(tmp) / "one.json"
                 with redirect_stdout(io.StringIO()):

@@ -22,6 +22,8 @@ from .layout import Layout, Run
 from .memory import (
     MASTER_BYTES,
     Memory,
+    eager_scores_bytes,
+    layer_activation_elems,
     max_stage_layers,
     microbatch_tokens,
     stage_layers,
@@ -355,6 +357,35 @@ def bubble_factor(layout: Layout) -> float:
     return 1.0
 
 
+#: HBM passes over a layer's activations outside the matmuls: forward writes each one and
+#: the next op reads it (2), backward reads it, reads its gradient and writes the gradient of
+#: its input (3); a recomputed forward (full or selective checkpointing) repeats the 2.
+ELEMENTWISE_PASSES = 5
+RECOMPUTE_PASSES = 2
+
+
+def elementwise_seconds(spec: ModelSpec, run: Run, layout: Layout,
+                        profile: DeviceProfile) -> float:
+    """Seconds per step (one rank, the stage with the most layers) of the non-matmul ops:
+    memory-bound, so priced as HBM traffic, :data:`ELEMENTWISE_PASSES` (+
+    :data:`RECOMPUTE_PASSES` under checkpointing) over every byte a layer's forward produces
+    for backward (:func:`hyperpar.plan.memory.layer_activation_elems`, plus materialised
+    attention's probabilities with ``--attention eager``: its softmax, mask and dropout run
+    over ``seq x seq`` per head). Their share grows as the matmuls shrink (``1 / h``) and as
+    FLOP/s outgrow memory bandwidth. 0 where the profile measures them
+    (``elementwise_hbm`` off)."""
+    if not profile.elementwise_hbm:
+        return 0.0
+    tokens = microbatch_tokens(run, layout)
+    full, _ = layer_activation_elems(spec, layout, run.compute_bytes)
+    per_layer = full * tokens * run.compute_bytes + eager_scores_bytes(spec, run, layout)
+    passes = ELEMENTWISE_PASSES
+    if layout.activation_checkpointing or layout.selective_ac:
+        passes += RECOMPUTE_PASSES
+    layers = max_stage_layers(spec.num_layers, layout.pp)
+    return passes * per_layer * layers * layout.microbatches / profile.hbm_bytes_per_s
+
+
 def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
               memory: Memory) -> StepTime:
     m, pp = layout.microbatches, layout.pp
@@ -368,6 +399,9 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
     compute_step += cp_attention_flops(spec, run, layout) / run.world / rate
     # uneven stages: the pipeline runs at the pace of the stage with the most layers
     compute_mb = compute_step / m * (layers * pp / spec.num_layers)
+    elementwise = elementwise_seconds(spec, run, layout, profile)  # that stage's already
+    compute_step += elementwise
+    compute_mb += elementwise / m
     comm: dict[str, float] = {"tp": 0.0, "dp_shard": 0.0, "dp_replicate": 0.0, "pp": 0.0,
                               "cp": 0.0}
     for c in colls:

@@ -203,3 +203,26 @@ def test_a_ring_across_nodes_uses_its_members_share_of_the_nics() -> None:
     fat = Run(world=64, seq_len=2048, global_batch=64, gpus_per_node=16)
     # 16 members per node: 400 GB/s of NICs, capped by the 300 GB/s NVLink hops
     assert link_for("dp_shard", Layout(dp_shard=64), fat, a100).bytes_per_s == 300e9 * eff
+
+
+def test_elementwise_ops_are_priced_as_hbm_traffic() -> None:
+    """Hand-computed: a Llama block (h 64, f 128, 4 heads, no GQA), one rank, 2 layers, a
+    microbatch of 2 x 16 tokens in bf16. Per token a layer keeps (3q + 3kv + 4f) + 4h =
+    192 + 192 + 512 + 256 = 1152 elements, 2304 bytes; 32 tokens: 73,728 bytes per layer; 5
+    passes x 2 layers x 1 microbatch = 737,280 bytes at 1e12 B/s. Full checkpointing adds 2
+    passes (7); a calibrated profile (elementwise_hbm off) prices nothing."""
+    from dataclasses import replace
+
+    from hyperpar.plan.devices import get_profile
+    from hyperpar.plan.layout import Layout, Run
+    from hyperpar.plan.model import example_spec
+    from hyperpar.plan.timing import elementwise_seconds
+
+    spec = example_spec("llama")
+    run = Run(world=1, seq_len=16, global_batch=2)
+    prof = replace(get_profile("a100"), hbm_bytes_per_s=1e12)
+    assert elementwise_seconds(spec, run, Layout(), prof) == pytest.approx(737_280 / 1e12)
+    ac = Layout(activation_checkpointing=True)
+    assert elementwise_seconds(spec, run, ac, prof) == pytest.approx(7 * 147_456 / 1e12)
+    off = replace(prof, elementwise_hbm=False)
+    assert elementwise_seconds(spec, run, Layout(), off) == 0.0
