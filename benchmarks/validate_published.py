@@ -11,7 +11,8 @@ checkpointing as bounds.
 Second table: Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU
 Clusters Using Megatron-LM", SC'21, Table 1: GPT 1.7B-1T, weak scaling on Selene's 80 GB
 A100s, vocabulary 51,200, sequence 2048, full activation recomputation, tensor parallelism
-without sequence parallelism). The table gives no memory and no microbatch size: each row is
+without sequence parallelism, materialised attention: ``--attention eager``, flash attention
+came in 2022). The table gives no memory and no microbatch size: each row is
 predicted at every microbatch count that divides the batch and the planner's fastest fitting
 one is reported. Throughput is compared in the paper's unit, TFLOP/s per GPU, both sides from
 the paper's Eq. 3, ``96 B s l h^2 (1 + s / (6h) + V / (16 l h))`` per step.
@@ -54,7 +55,8 @@ MODELS = {
 #: al. 2024, arXiv:2410.06511): Grand Teton hosts, 8 H100 SXM 96 GB HBM2e at 500 W per host,
 #: NVLink, 400 Gb/s RDMA per GPU (``--device h100-gt``: its own profile). Sequence 8192 where
 #: the table does not say (torchtitan's llama3 tomls); gradients reduced in fp32
-#: (``mixed_precision_reduce`` default); loss parallel on with tp (torchtitan's default).
+#: (``mixed_precision_reduce`` default); loss parallel on with tp (torchtitan's default);
+#: with pp, ``reshard_after_forward=False`` (``.nrf``: torchtitan's default policy under pp).
 #: Tables 2 and 4-6 ran torch.compile + Float8, which the planner does not model: their
 #: throughput is shown but not counted, their memory is counted (Float8 linears save the
 #: same bf16 inputs; compile fuses elementwise ops, which the planner does not count either).
@@ -76,14 +78,12 @@ ROWS = [
      "h100-gt", 2540, 84.2, False),
     ("torchtitan H100 T2, FSDP2 CP4 (F8)", "llama-3.1-8b", 8, 131072, 2, "fsdp2.cp4.mb1.ac",
      "h100-gt", 1071, 84.0, False),
-    ("torchtitan H100 T2, CP8 (F8)", "llama-3.1-8b", 8, 262144, 1, "cp8.mb1.ac", "h100-gt",
-     548, 84.5, False),
     ("torchtitan H100 T4, FSDP32 TP8 (F8)", "llama-3.1-70b", 256, 8192, 512,
      "fsdp32.tp8.mb1.ac.lp", "h100-gt", 829, 71.9, False),
     ("torchtitan H100 T5, FSDP8 TP8 PP8 1F1B (F8)", "llama-3.1-405b", 512, 8192, 256,
-     "fsdp8.tp8.pp8.mb32.ac.lp", "h100-gt", 100, 82.5, False),
+     "fsdp8.tp8.pp8.mb32.ac.lp.nrf", "h100-gt", 100, 82.5, False),
     ("torchtitan H100 T5, FSDP8 TP8 PP8 interleaved (F8)", "llama-3.1-405b", 512, 8192, 256,
-     "fsdp8.tp8.pp8.mb32.ac.lp.interleaved1f1b", "h100-gt", 128, 72.7, False),
+     "fsdp8.tp8.pp8.mb32.ac.lp.nrf.interleaved1f1b", "h100-gt", 128, 72.7, False),
     ("torchtitan A100, Llama 3 8B sel. op", "llama-3.1-8b", 64, 8192, 64, "fsdp64.mb1.sac",
      "a100", 2973, None, True),
     ("torchtitan A100, Llama 3 70B full", "llama-3.1-70b", 64, 8192, 64, "fsdp64.mb1.ac",
@@ -101,6 +101,8 @@ ROWS = [
 NOT_EXPRESSIBLE = [
     "torchtitan H100 Table 6 (Llama 3.1 405B, FSDP x CP x TP8 x PP8): cp with tp and pp",
     "torchtitan A100 'selective layer' rows (every other layer checkpointed)",
+    "torchtitan H100 Table 2, FSDP 1 x CP 8 (262,144 tokens): torchtitan shards the parameters "
+    "over the cp ranks; the planner's cp8 without dp_shard replicates them (data_parallel)",
 ]
 
 #: Narayanan et al. 2021, Table 1: (params B, heads, hidden, layers, t, p, GPUs, batch,
@@ -145,7 +147,8 @@ def megatron_rows() -> list[tuple]:
                     continue
                 layout = f"dp{dp}.tp{t}.pp{p}.mb{mb}.ac" + (".nosp" if t > 1 else "")
                 args = ["plan", "--config", str(config), "--world", str(n), "--seq-len",
-                        str(MEGATRON_SEQ), "--global-batch", str(batch), "--device", "a100", "--attention", "eager",
+                        str(MEGATRON_SEQ), "--global-batch", str(batch), "--device", "a100",
+                        "--attention", "eager",
                         "--layout", layout]
                 out_json = Path(tmp) / "one.json"
                 with redirect_stdout(io.StringIO()):
