@@ -58,9 +58,12 @@ def wire_bytes(n: int, nbytes: float, kind: str) -> float:
 def ranks_per_node(dim: str, layout: Layout, run: Run) -> int:
     """Members of one ``dim`` group inside one node: consecutive members are ``stride`` ranks
     apart, so a node of ``gpus_per_node`` holds ``gpus_per_node // stride`` of them (at least
-    one, at most the group)."""
-    stride = layout.stride(dim)
-    return max(1, min(layout.size(dim), run.gpus_per_node // stride))
+    one, at most the group). fully_shard's flattened ``dp_shard x cp`` group (booked on
+    ``dp_shard``) has ``dp_shard * cp`` members, cp's stride apart."""
+    stride, size = layout.stride(dim), layout.size(dim)
+    if dim == "dp_shard" and layout.cp > 1:
+        stride, size = layout.stride("cp"), layout.fsdp_shard
+    return max(1, min(size, run.gpus_per_node // stride))
 
 
 def link_for(dim: str, layout: Layout, run: Run, profile: DeviceProfile) -> Link:

@@ -200,6 +200,11 @@ def test_a_ring_across_nodes_uses_its_members_share_of_the_nics() -> None:
     lay = Layout(dp_shard=8, tp=8)  # one member per node: one device's NIC
     assert link_for("dp_shard", lay, run, a100).bytes_per_s == 25e9 * eff
     assert link_for("tp", lay, run, a100).bytes_per_s == 300e9 * eff  # inside the node
+    # fully_shard over the flattened dp_shard x cp group: 16 x 4 members, cp's stride (tp 1)
+    # apart: 8 per node
+    flat = Layout(dp_shard=16, cp=4)
+    assert ranks_per_node("dp_shard", flat, run) == 8
+    assert link_for("dp_shard", flat, run, a100).bytes_per_s == 200e9 * eff
     fat = Run(world=64, seq_len=2048, global_batch=64, gpus_per_node=16)
     # 16 members per node: 400 GB/s of NICs, capped by the 300 GB/s NVLink hops
     assert link_for("dp_shard", Layout(dp_shard=64), fat, a100).bytes_per_s == 300e9 * eff
