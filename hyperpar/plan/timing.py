@@ -89,17 +89,28 @@ def sac_recomputed_parameters(spec: ModelSpec) -> int:
     return spec.kv_dim * h + h * spec.q_dim + spec.intermediate_size * h
 
 
+def attention_passes(run: Run, activation_checkpointing: bool) -> float:
+    """Attention's FLOPs per step in units of its forward's. Forward: two matmuls (``Q K^T``
+    and ``P V``). Materialised attention's backward: four (``dP = dO V^T``, ``dV = P^T dO``,
+    ``dQ = dS K``, ``dK = dS^T Q``), 2 forwards. A fused (flash) kernel keeps no ``P`` and
+    computes ``Q K^T`` again in backward: five, 2.5 forwards (Dao et al. 2022, Algorithm 4).
+    Full checkpointing repeats the forward."""
+    backward = 2.5 if run.attention == "flash" else 2.0
+    return 1 + backward + (1 if activation_checkpointing else 0)
+
+
 def step_flops(spec: ModelSpec, run: Run, activation_checkpointing: bool,
                selective_ac: bool = False) -> float:
     """FLOPs of one optimizer step over all ranks: ``6 * P * tokens`` for the matmuls
     (forward 2, backward 4; 8 with activation checkpointing, which repeats the forward) plus
-    causal attention, ``2 * seq * q_dim`` per token per layer forward. Selective checkpointing
-    repeats only the forward of wk, wo and w3 (:func:`sac_recomputed_parameters`), not
-    attention's."""
+    causal attention, ``2 * seq * q_dim`` per token per layer forward, times
+    :func:`attention_passes`. Selective checkpointing repeats only the forward of wk, wo and
+    w3 (:func:`sac_recomputed_parameters`), not attention's."""
     tokens = run.global_batch * run.seq_len
     factor = 8 if activation_checkpointing else 6
     attn_fwd = 2 * run.seq_len * spec.q_dim * spec.num_layers
-    out = factor * spec.matmul_parameters * tokens + factor / 2 * attn_fwd * tokens
+    out = (factor * spec.matmul_parameters * tokens
+           + attention_passes(run, activation_checkpointing) * attn_fwd * tokens)
     if selective_ac and not activation_checkpointing:
         out += 2 * sac_recomputed_parameters(spec) * spec.num_layers * tokens
     return out
@@ -288,8 +299,8 @@ def cp_attention_flops(spec: ModelSpec, run: Run, layout: Layout) -> float:
     if layout.cp == 1:
         return 0.0
     tokens = run.global_batch * run.seq_len
-    factor = 8 if layout.activation_checkpointing else 6
-    return factor / 2 * 2 * run.seq_len * spec.q_dim * spec.num_layers * tokens
+    passes = attention_passes(run, layout.activation_checkpointing)
+    return passes * 2 * run.seq_len * spec.q_dim * spec.num_layers * tokens
 
 
 def local_tensors(spec: ModelSpec, layout: Layout, stage: int) -> int:

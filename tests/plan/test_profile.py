@@ -231,3 +231,23 @@ def test_elementwise_ops_are_priced_as_hbm_traffic() -> None:
     assert elementwise_seconds(spec, run, ac, prof) == pytest.approx(7 * 147_456 / 1e12)
     off = replace(prof, elementwise_hbm=False)
     assert elementwise_seconds(spec, run, Layout(), off) == 0.0
+
+
+def test_attention_flops_count_flash_attentions_recomputed_scores() -> None:
+    """Hand-computed: examples/llama (h 64, 2 layers, q_dim 64, 256 vocabulary; matmul
+    parameters 2 x 40,960 + 16,384 = 98,304), 2 sequences of 16 tokens (32 tokens). Matmuls:
+    6 x 98,304 x 32 = 18,874,368. Attention forward: 2 x 16 x 64 x 2 layers = 4,096 per token,
+    131,072 in all; flash: 3.5 of them (forward 1, backward 2.5: Q K^T again), eager 3, full
+    checkpointing one forward more."""
+    from dataclasses import replace
+
+    from hyperpar.plan.layout import Run
+    from hyperpar.plan.model import example_spec
+    from hyperpar.plan.timing import step_flops
+
+    spec = example_spec("llama")
+    run = Run(world=1, seq_len=16, global_batch=2)
+    assert spec.matmul_parameters == 98_304
+    assert step_flops(spec, run, False) == 18_874_368 + 3.5 * 131_072
+    assert step_flops(spec, replace(run, attention="eager"), False) == 18_874_368 + 3 * 131_072
+    assert step_flops(spec, run, True) == 8 * 98_304 * 32 + 4.5 * 131_072
