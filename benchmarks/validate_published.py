@@ -11,7 +11,8 @@ checkpointing as bounds.
 Second table: Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU
 Clusters Using Megatron-LM", SC'21, Table 1: GPT 1.7B-1T, weak scaling on Selene's 80 GB
 A100s, vocabulary 51,200, sequence 2048, full activation recomputation, tensor parallelism
-without sequence parallelism). The table gives no memory and no microbatch size: each row is
+without sequence parallelism, materialised attention: ``--attention eager``, flash attention
+came in 2022). The table gives no memory and no microbatch size: each row is
 predicted at every microbatch count that divides the batch and the planner's fastest fitting
 one is reported. Throughput is compared in the paper's unit, TFLOP/s per GPU, both sides from
 the paper's Eq. 3, ``96 B s l h^2 (1 + s / (6h) + V / (16 l h))`` per step.
@@ -33,21 +34,188 @@ sys.path.insert(0, str(ROOT))
 
 from hyperpar.cli import main  # noqa: E402
 
-#: Llama 3.1 8B (its Hugging Face config.json).
-LLAMA31_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-              "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256}
+#: Model sizes from each model's Hugging Face config.json.
+MODELS = {
+    "llama-3.1-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "num_key_value_heads": 8,
+                     "vocab_size": 128256},
+    "llama-3.1-70b": {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                      "num_attention_heads": 64, "num_key_value_heads": 8,
+                      "vocab_size": 128256},
+    "llama-3.1-405b": {"hidden_size": 16384, "intermediate_size": 53248,
+                       "num_hidden_layers": 126, "num_attention_heads": 128,
+                       "num_key_value_heads": 8, "vocab_size": 128256},
+    "llama-2-13b": {"hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40,
+                    "num_attention_heads": 40, "vocab_size": 32000},
+    "llama-2-70b": {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                    "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 32000},
+}
 
-#: torchtitan docs/performance.md (pytorch/torchtitan; also Liang et al. 2024, "TorchTitan",
-#: arXiv:2410.06511): H100 96 GB HBM2e at 500 W, 8 per host, NVLink, 400 Gb/s RDMA per GPU.
-#: Sequence length 8192: torchtitan's llama3_8b.toml default (the tables do not restate it);
-#: gradients reduced in fp32: torchtitan's ``mixed_precision_reduce`` default.
+#: torchtitan docs/performance.md at commit eaea6f6 (pytorch/torchtitan; the runs of Liang et
+#: al. 2024, arXiv:2410.06511): Grand Teton hosts, 8 H100 SXM 96 GB HBM2e at 500 W per host,
+#: NVLink, 400 Gb/s RDMA per GPU (``--device h100-gt``: its own profile). Sequence 8192 where
+#: the table does not say (torchtitan's llama3 tomls); gradients reduced in fp32
+#: (``mixed_precision_reduce`` default); loss parallel on with tp (torchtitan's default);
+#: with pp, ``reshard_after_forward=False`` (``.nrf``: torchtitan's default policy under pp).
+#: Tables 2 and 4-6 ran torch.compile + Float8, which the planner does not model: their
+#: throughput is shown but not counted, their memory is counted (Float8 linears save the
+#: same bf16 inputs; compile fuses elementwise ops, which the planner does not count either).
+#:
+#: torchtitan docs/performance.md at commit 0413364 (its first performance page): 64 A100
+#: 80 GB (8 per host), FSDP, bf16, torch.compile off (the default then), WPS per GPU;
+#: Llama 3 at sequence 8192 and Llama 2 at 4096 (stated on the page). No memory figures.
+#: Its "selective layer" rows checkpoint every other layer (``.ac2``, torchtitan's
+#: ``selective_ac_option = "2"``).
 ROWS = [
-    {"source": "torchtitan Table 1, FSDP", "world": 8, "layout": "fsdp8.mb1",
-     "global_batch": 16, "tps_per_gpu": 5762, "memory_gib": 82.4},
-    {"source": "torchtitan Table 3, FSDP", "world": 128, "layout": "fsdp128.mb1",
-     "global_batch": 256, "tps_per_gpu": 5605, "memory_gib": 67.0},
+    # source, model, world, seq, global batch, layout, device, device memory, TPS/GPU,
+    # memory GiB (None: not published), counted for throughput
+    ("torchtitan H100 T1, FSDP", "llama-3.1-8b", 8, 8192, 16, "fsdp8.mb1.sac", "h100-gt",
+     5762, 82.4, True),
+    ("torchtitan H100 T3, FSDP", "llama-3.1-8b", 128, 8192, 256, "fsdp128.mb1.sac", "h100-gt",
+     5605, 67.0, True),
+    ("torchtitan H100 T2, FSDP8 (F8)", "llama-3.1-8b", 8, 32768, 8, "fsdp8.mb1.ac",
+     "h100-gt", 3890, 83.9, False),
+    ("torchtitan H100 T2, FSDP4 CP2 (F8)", "llama-3.1-8b", 8, 65536, 4, "fsdp4.cp2.mb1.ac",
+     "h100-gt", 2540, 84.2, False),
+    ("torchtitan H100 T2, FSDP2 CP4 (F8)", "llama-3.1-8b", 8, 131072, 2, "fsdp2.cp4.mb1.ac",
+     "h100-gt", 1071, 84.0, False),
+    ("torchtitan H100 T4, FSDP32 TP8 (F8)", "llama-3.1-70b", 256, 8192, 512,
+     "fsdp32.tp8.mb1.ac.lp", "h100-gt", 829, 71.9, False),
+    ("torchtitan H100 T5, FSDP8 TP8 PP8 1F1B (F8)", "llama-3.1-405b", 512, 8192, 256,
+     "fsdp8.tp8.pp8.mb32.ac.lp.nrf", "h100-gt", 100, 82.5, False),
+    ("torchtitan H100 T5, FSDP8 TP8 PP8 interleaved (F8)", "llama-3.1-405b", 512, 8192, 256,
+     "fsdp8.tp8.pp8.mb32.ac.lp.nrf.interleaved1f1b", "h100-gt", 128, 72.7, False),
+    # Table 6: 405B, TP8 x PP8 (1F1B), FSDP x CP; local batch 8 (8 microbatches of 1)
+    *[(f"torchtitan H100 T6, FSDP{8 // cp} CP{cp} TP8 PP8 (F8)", "llama-3.1-405b", 512,
+       32768 * cp, 64 // cp, f"fsdp{8 // cp}.tp8.pp8.cp{cp}.mb8.ac.lp.nrf" if cp > 1
+       else "fsdp8.tp8.pp8.mb8.ac.lp.nrf", "h100-gt", tps, mem, False)
+      for cp, tps, mem in ((1, 76, 75.3), (2, 47, 75.9), (4, 31, 77.1))],
+    ("torchtitan A100, Llama 3 8B sel. op", "llama-3.1-8b", 64, 8192, 64, "fsdp64.mb1.sac",
+     "a100", 2973, None, True),
+    ("torchtitan A100, Llama 3 8B sel. layer", "llama-3.1-8b", 64, 8192, 64,
+     "fsdp64.mb1.ac2", "a100", 2904, None, True),
+    ("torchtitan A100, Llama 3 70B full", "llama-3.1-70b", 64, 8192, 64, "fsdp64.mb1.ac",
+     "a100", 331, None, True),
+    ("torchtitan A100, Llama 2 13B no AC", "llama-2-13b", 64, 4096, 128, "fsdp64.mb1",
+     "a100", 2162, None, True),
+    ("torchtitan A100, Llama 2 13B sel. layer", "llama-2-13b", 64, 4096, 128,
+     "fsdp64.mb1.ac2", "a100", 1914, None, True),
+    ("torchtitan A100, Llama 2 13B sel. op", "llama-2-13b", 64, 4096, 128, "fsdp64.mb1.sac",
+     "a100", 1904, None, True),
+    ("torchtitan A100, Llama 2 70B sel. op", "llama-2-70b", 64, 4096, 64, "fsdp64.mb1.sac",
+     "a100", 355, None, True),
+    ("torchtitan A100, Llama 2 70B full", "llama-2-70b", 64, 4096, 128, "fsdp64.mb1.ac",
+     "a100", 353, None, True),
 ]
-SEQ = 8192
+#: Published layouts the planner cannot express yet (shown, not counted).
+NOT_EXPRESSIBLE = [
+    "torchtitan H100 Table 6, FSDP 1 x CP 8 x TP8 x PP8: as Table 2's FSDP 1 x CP 8 below",
+    "torchtitan H100 Table 2, FSDP 1 x CP 8 (262,144 tokens): torchtitan shards the parameters "
+    "over the cp ranks; the planner's cp8 without dp_shard replicates them (data_parallel)",
+]
+
+#: MPT (mosaicml/llm-foundry scripts/train/benchmarking/README.md at commit 061f2c7): Composer
+#: FSDP FULL_SHARD over every GPU, flash attention, no dropout, tied head, vocabulary 50,368,
+#: gradient accumulation (``GradAccum`` microbatches, re-gathered and reduce-scattered per
+#: microbatch), "MP Mode" DEFAULT: bf16 compute, fp32 reduction (PURE: bf16 reduction).
+#: Rows kept by one rule: every row at sequence 2048 and the 7B/13B rows at 32k-65k, of the
+#: "H100 80GB BF16" and "A100 80GB with 1600 Gbps node-node interconnect" tables (8 GPUs per
+#: node, 200 Gb/s per GPU on A100). MPT blocks are GPT-style (LayerNorm, GeLU MLP of 4h; ALiBi
+#: and no biases, which the planner's GPT-2 block approximates with learned positions and
+#: biases: under 0.2% of the parameters). Sizes: (d_model, heads, layers).
+MPT_SIZES = {"125m": (768, 12, 12), "350m": (1024, 16, 24), "760m": (1536, 12, 24),
+             "1b": (2048, 16, 24), "3b": (2560, 20, 32), "7b": (4096, 32, 32),
+             "13b": (5120, 40, 40), "30b": (7168, 56, 48), "70b": (8192, 64, 80)}
+#: (model, seq, GPUs, microbatch size, grad accum, global batch, T/s/GPU, AC, fp32 reduce)
+MPT_H100 = [
+    ("70b", 2048, 64, 8, 4, 2048, 1039, True, True),
+    ("70b", 2048, 32, 2, 16, 1024, 882, True, True),
+    ("30b", 2048, 32, 14, 3, 1344, 2308, True, True),
+    ("30b", 2048, 16, 10, 3, 480, 2263, True, True),
+    ("30b", 2048, 8, 3, 21, 504, 2002, True, True),
+    ("13b", 2048, 64, 2, 1, 128, 4800, False, True),
+    ("13b", 2048, 32, 2, 1, 64, 4811, False, True),
+    ("13b", 2048, 16, 2, 1, 32, 4767, False, True),
+    ("13b", 2048, 8, 2, 1, 16, 4792, False, True),
+    ("7b", 2048, 8, 6, 1, 48, 10643, False, True),
+    ("3b", 2048, 64, 6, 3, 1152, 22525, False, True),
+    ("3b", 2048, 32, 6, 3, 576, 23021, False, True),
+    ("3b", 2048, 16, 10, 3, 480, 24142, False, True),
+    ("1b", 2048, 64, 20, 1, 1280, 44402, False, True),
+    ("1b", 2048, 32, 20, 1, 640, 45130, False, True),
+    ("1b", 2048, 16, 20, 1, 320, 46037, False, True),
+    ("1b", 2048, 8, 14, 1, 112, 45455, False, True),
+    ("760m", 2048, 32, 24, 1, 768, 67971, False, True),
+    ("760m", 2048, 16, 24, 1, 384, 68551, False, True),
+    ("760m", 2048, 8, 24, 2, 384, 63147, False, True),
+    ("13b", 32768, 8, 1, 3, 24, 1976, True, True),
+    ("7b", 65536, 8, 1, 2, 16, 1956, True, True),
+    ("7b", 32768, 8, 2, 2, 32, 3318, True, True),
+]
+MPT_A100 = [
+    ("70b", 2048, 64, 8, 4, 2048, 410, True, False),
+    ("70b", 2048, 32, 2, 16, 1024, 373, True, False),
+    ("30b", 2048, 8, 3, 21, 504, 916, True, True),
+    ("13b", 2048, 8, 2, 3, 48, 2262, False, True),
+    ("7b", 2048, 8, 6, 2, 96, 4641, False, True),
+    ("3b", 2048, 8, 10, 2, 160, 10811, False, True),
+    ("1b", 2048, 8, 14, 4, 448, 20513, False, True),
+    ("760m", 2048, 8, 24, 2, 384, 32434, False, True),
+    ("350m", 2048, 8, 32, 2, 512, 58782, False, True),
+    ("125m", 2048, 8, 40, 2, 640, 142830, False, True),
+    ("125m", 2048, 8, 32, 2, 512, 141737, False, True),
+    ("13b", 32768, 8, 1, 3, 24, 1016, True, True),
+    ("7b", 65536, 8, 1, 2, 16, 1013, True, True),
+    ("7b", 32768, 8, 2, 2, 32, 1672, True, True),
+]
+
+
+def mpt_rows() -> list[tuple]:
+    """Every MPT row predicted with ``--layout fsdpN.mbK[.ac]``."""
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for device, rows in (("h100", MPT_H100), ("a100", MPT_A100)):
+            for model, seq, n, micro, accum, batch, tps_pub, ac, fp32 in rows:
+                d, heads, layers = MPT_SIZES[model]
+                config = Path(tmp) / f"mpt-{model}-{seq}.json"
+                config.write_text(json.dumps({
+                    "model_type": "gpt2", "n_embd": d, "n_layer": layers, "n_head": heads,
+                    "n_positions": seq, "vocab_size": 50368}))
+                assert micro * accum * n == batch, (model, seq, n)
+                layout = f"fsdp{n}.mb{accum}" + (".ac" if ac else "")
+                args = ["plan", "--config", str(config), "--world", str(n), "--seq-len",
+                        str(seq), "--global-batch", str(batch), "--device", device,
+                        "--reduce-dtype", "float32" if fp32 else "compute", "--layout", layout]
+                out_json = Path(tmp) / "one.json"
+                with redirect_stdout(io.StringIO()):
+                    main([*args, "--json", str(out_json)])
+                doc = json.loads(out_json.read_text())
+                e = (doc["layouts"] or doc["ruled_out"])[0]
+                tps = batch * seq / (e["predicted_step_ms"] / 1e3) / n
+                cmd = " ".join(["hyperpar", *args]).replace(str(config), config.name)
+                out.append((device, model, seq, n, layout, tps_pub, tps, bool(doc["layouts"]),
+                            cmd))
+    return out
+
+
+def print_mpt() -> tuple[int, int]:
+    rows = mpt_rows()
+    print("\n| MPT (llm-foundry) | GPU | seq | GPUs | layout | T/s/GPU published | predicted "
+          "| error |")
+    print("|---|---|---|---|---|---|---|---|")
+    within = 0
+    for device, model, seq, n, layout, pub, tps, fits, _ in rows:
+        err = tps / pub - 1
+        within += abs(err) <= 0.25
+        note = "" if fits else " (planner: does not fit)"
+        print(f"| MPT-{model} | {device} | {seq} | {n} | `{layout}` | {pub:,} | {tps:,.0f} | "
+              f"{err:+.0%}{note} |")
+    print(f"\nMPT rows within ±25% throughput: {within}/{len(rows)}")
+    print("\ncommands:")
+    for *_, cmd in rows:
+        print("  " + cmd)
+    return within, len(rows)
+
 
 #: Narayanan et al. 2021, Table 1: (params B, heads, hidden, layers, t, p, GPUs, batch,
 #: published TFLOP/s per GPU). Read from three independent transcriptions of the table that
@@ -92,6 +260,7 @@ def megatron_rows() -> list[tuple]:
                 layout = f"dp{dp}.tp{t}.pp{p}.mb{mb}.ac" + (".nosp" if t > 1 else "")
                 args = ["plan", "--config", str(config), "--world", str(n), "--seq-len",
                         str(MEGATRON_SEQ), "--global-batch", str(batch), "--device", "a100",
+                        "--attention", "eager",
                         "--layout", layout]
                 out_json = Path(tmp) / "one.json"
                 with redirect_stdout(io.StringIO()):
@@ -113,7 +282,7 @@ def megatron_rows() -> list[tuple]:
     return out
 
 
-def print_megatron() -> None:
+def print_megatron() -> tuple[int, int]:
     rows = megatron_rows()
     print("\n| Narayanan et al. 2021 Table 1 | t | p | GPUs | batch | TFLOP/s/GPU published | "
           "predicted | error | predicted peak GiB |")
@@ -128,58 +297,75 @@ def print_megatron() -> None:
         print(f"| GPT {params}B | {t} | {p} | {n} | {batch} | {pub} | {tf:.0f} | {err:+.0%} | "
               f"{mem:.1f} |")
     print(f"\nMegatron rows within ±25% throughput: {within}/{len(rows)}")
+    megatron_within = within
     print("\ncommands (the fastest fitting microbatch count; configs are GPT-2-style JSON with "
           "the row's sizes):")
     for *_, cmd in rows:
         if cmd:
             print("  " + cmd)
+    return megatron_within, len(rows)
 
 
-def predict(row: dict, ac: str, config: Path) -> tuple[list[str], dict]:
-    layout = row["layout"] + {"none": "", "full": ".ac", "selective op": ".sac"}[ac]
+def predict(row: tuple, config: Path) -> tuple[list[str], dict]:
+    """The planner's entry for one row (the layouts that fit, else the ruled-out one)."""
+    _, _, world, seq, batch, layout, device, *_ = row
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "one.json"
-        args = ["plan", "--config", str(config), "--world", str(row["world"]), "--seq-len",
-                str(SEQ), "--global-batch", str(row["global_batch"]), "--device", "h100",
-                "--device-memory", "96GB", "--reduce-dtype", "float32", "--layout", layout]
+        args = ["plan", "--config", str(config), "--world", str(world), "--seq-len", str(seq),
+                "--global-batch", str(batch), "--device", device, "--reduce-dtype", "float32",
+                "--layout", layout]
         with redirect_stdout(io.StringIO()):
             main([*args, "--json", str(out)])
         doc = json.loads(out.read_text())
     entry = (doc["layouts"] or doc["ruled_out"])[0]
-    return ["hyperpar", *args, "--json", "one.json"], entry
+    return ["hyperpar", *args], entry
 
 
-def main_() -> None:
+def main_() -> tuple[int, int, int, int]:
+    """Print the torchtitan table; return (memory within, memory rows, throughput within,
+    throughput rows)."""
+    rows = []
+    wm = nm = wt = nt = 0
     with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "llama-3.1-8b.json"
-        config.write_text(json.dumps(LLAMA31_8B))
-        rows, within_mem, within_tps, n = [], 0, 0, 0
+        configs = {}
+        for name, cfg in MODELS.items():
+            configs[name] = Path(tmp) / f"{name}.json"
+            configs[name].write_text(json.dumps(cfg))
         for row in ROWS:
-            for ac in ("selective op", "none", "full"):
-                cmd, e = predict(row, ac, config)
-                tokens = row["global_batch"] * SEQ
-                tps = tokens / (e["predicted_step_ms"] / 1e3) / row["world"]
-                mem = e["memory"]["peak"] / 2**30
-                dm = mem / row["memory_gib"] - 1
-                dt = tps / row["tps_per_gpu"] - 1
-                if ac == "selective op":  # what the runs used; the others are bounds
-                    n += 1
-                    within_mem += abs(dm) <= 0.15
-                    within_tps += abs(dt) <= 0.25
-                rows.append((row["source"], ac, row["memory_gib"],
-                             mem, dm, row["tps_per_gpu"], tps, dt, " ".join(cmd)))
-    print("| source | planner AC | memory GiB published | predicted | error | TPS/GPU "
-          "published | predicted | error |")
+            src, model, world, seq, batch, layout, device, tps_pub, mem_pub, counted = row
+            cmd, e = predict(row, configs[model])
+            tps = batch * seq / (e["predicted_step_ms"] / 1e3) / world
+            mem = e["memory"]["peak"] / 2**30
+            dt = tps / tps_pub - 1
+            dm = None if mem_pub is None else mem / mem_pub - 1
+            if dm is not None:
+                nm += 1
+                wm += abs(dm) <= 0.15
+            if counted:
+                nt += 1
+                wt += abs(dt) <= 0.25
+            rows.append((src, layout, mem_pub, mem, dm, tps_pub, tps, dt, counted,
+                         " ".join(cmd).replace(str(configs[model]), f"{model}.json")))
+    print("| source | layout | memory GiB published | predicted | error | TPS/GPU published | "
+          "predicted | error |")
     print("|---|---|---|---|---|---|---|---|")
-    for src, ac, pm, m, dm, pt, t, dt, _ in rows:
-        print(f"| {src} | {ac} | {pm} | {m:.1f} | {dm:+.0%} | {pt:,} | {t:,.0f} | {dt:+.0%} |")
-    print(f"\nselective-op rows within ±15% memory: {within_mem}/{n}; within ±25% throughput: "
-          f"{within_tps}/{n}")
-    print("\ncommands (the config is Llama 3.1 8B's sizes, written to a temporary file):")
+    for src, layout, pm, m, dm, pt, t, dt, counted, _ in rows:
+        mem_cells = "— | " + f"{m:.1f} | —" if pm is None else f"{pm} | {m:.1f} | {dm:+.0%}"
+        err = f"{dt:+.0%}" if counted else f"({dt:+.0%}, not counted)"
+        print(f"| {src} | `{layout}` | {mem_cells} | {pt:,} | {t:,.0f} | {err} |")
+    print(f"\ntorchtitan rows within ±15% memory: {wm}/{nm}; within ±25% throughput "
+          f"(bf16 rows): {wt}/{nt}")
+    for what in NOT_EXPRESSIBLE:
+        print(f"not expressible: {what}")
+    print("\ncommands (configs are the models' sizes, written to temporary files):")
     for *_, cmd in rows:
-        print("  " + cmd.replace(str(config), "llama-3.1-8b.json"))
+        print("  " + cmd)
+    return wm, nm, wt, nt
 
 
 if __name__ == "__main__":
-    main_()
-    print_megatron()
+    wm, nm, wt, nt = main_()
+    w2, n2 = print_megatron()
+    w3, n3 = print_mpt()
+    print(f"\nall sources: memory within ±15%: {wm}/{nm}; throughput within ±25%: "
+          f"{wt + w2 + w3}/{nt + n2 + n3}")

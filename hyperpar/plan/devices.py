@@ -102,6 +102,10 @@ class DeviceProfile:
     matmul_flops_by_size: dict[str, float] = field(default_factory=dict, hash=False)
     comm_overlap: float = 1.0
     cores: float = 0
+    #: price the non-matmul ops (norms, activations, dropout, softmax, residuals) as HBM
+    #: traffic (:func:`hyperpar.plan.timing.elementwise_seconds`); off for calibrated
+    #: profiles, whose ``layer_overhead_s`` measures them
+    elementwise_hbm: bool = False
     source: str = "datasheet"
 
     def latency(self, n: int) -> float | None:
@@ -159,19 +163,27 @@ PROFILES: dict[str, DeviceProfile] = {
     # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16, 67 TFLOP/s FP32, 80 GB HBM3 at
     # 3.35 TB/s, NVLink 900 GB/s (both directions), 400 Gb/s InfiniBand per GPU.
     "h100": DeviceProfile("NVIDIA H100 SXM 80GB", 989e12, 67e12, 81559 * MIB, 3.35e12,
-                          450 * GB, 50 * GB),
+                          450 * GB, 50 * GB, elementwise_hbm=True),
+    # The H100 of Meta's Grand Teton hosts that torchtitan's published runs used (torchtitan
+    # docs/performance.md): SXM, 96 GB HBM2e at 2.4 TB/s, 500 W power limit, whose peak the
+    # page puts "between SXM and NVL": the H100 NVL datasheet's 835 TFLOP/s dense BF16 (1,671
+    # with sparsity) and 60 TFLOP/s FP32, the lower bound; NVLink 900 GB/s, 400 Gb/s per GPU.
+    "h100gt": DeviceProfile("NVIDIA H100 SXM 96GB HBM2e 500W (Grand Teton)", 835e12, 60e12,
+                            96 * 10**9, 2.4e12, 450 * GB, 50 * GB, elementwise_hbm=True),
     # NVIDIA H200 SXM: same compute as H100, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
     "h200": DeviceProfile("NVIDIA H200 SXM 141GB", 989e12, 67e12, 143771 * MIB, 4.8e12,
-                          450 * GB, 50 * GB),
+                          450 * GB, 50 * GB, elementwise_hbm=True),
     # NVIDIA A100 SXM 80GB: 312 TFLOP/s dense BF16, 19.5 TFLOP/s FP32, 2.039 TB/s,
+    # matmuls at 60% of peak (the one A100 figure; with the elementwise ops priced as HBM
+    # traffic it puts torchtitan's A100 FSDP runs and Megatron-LM 2021 Table 1 within 25%),
     # NVLink 600 GB/s (both directions), 200 Gb/s InfiniBand per GPU.
     "a100": DeviceProfile("NVIDIA A100 SXM 80GB", 312e12, 19.5e12, 81920 * MIB, 2.039e12,
-                          300 * GB, 25 * GB),
+                          300 * GB, 25 * GB, elementwise_hbm=True, compute_efficiency=0.6),
     # Huawei Ascend 910B: ~313 TFLOP/s FP16 as commonly published (variants range about
     # 280-376), 64 GB HBM2e at ~1.6 TB/s, HCCS ~196 GB/s per direction, 200 Gb/s RoCE.
     # FP32 is not in the sources we used: assumed a quarter of FP16.
     "910b": DeviceProfile("Huawei Ascend 910B 64GB", 313e12, 313e12 / 4, 65536 * MIB, 1.6e12,
-                          196 * GB, 25 * GB),
+                          196 * GB, 25 * GB, elementwise_hbm=True),
 }
 
 
@@ -199,7 +211,8 @@ def with_topology(profile: DeviceProfile, *, gpus_per_node: int,
 
 
 def get_profile(name: str) -> DeviceProfile:
-    """A shipped profile by short name (``h100``, ``h200``, ``a100``, ``910b``)."""
+    """A shipped profile by short name (``h100``, ``h100-gt``, ``h200``, ``a100``,
+    ``910b``)."""
     key = name.lower().replace("ascend", "").replace("-", "").replace(" ", "")
     if key not in PROFILES:
         raise ValueError(f"hyperpar plan: unknown device {name!r}; shipped profiles: "

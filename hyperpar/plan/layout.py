@@ -86,6 +86,9 @@ class Layout:
     cp: int = 1
     microbatches: int = 1
     activation_checkpointing: bool = False
+    #: with activation_checkpointing: every ``ac_every``-th layer is checkpointed (layers
+    #: ``0, k, 2k, ...``, torchtitan's selective "layer" policy; 1: every layer)
+    ac_every: int = 1
     #: torchtitan's selective "op" checkpointing instead: per layer the outputs of every other
     #: matmul (wq, wv, w1, w2) and of attention are saved, the rest recomputed
     selective_ac: bool = False
@@ -143,7 +146,7 @@ class Layout:
             if self.virtual_stages > 1:
                 parts.append(f"v{self.virtual_stages}")
         if self.activation_checkpointing:
-            parts.append("ac")
+            parts.append("ac" if self.ac_every == 1 else f"ac{self.ac_every}")
         if self.selective_ac:
             parts.append("sac")
         if self.loss_parallel:
@@ -180,6 +183,12 @@ def parse_layout(name: str, schedule: Schedule = "1f1b", virtual_stages: int = 2
             fields["schedule"] = part
         elif part == "ac":
             fields["activation_checkpointing"] = True
+        elif re.fullmatch(r"ac\d+", part):
+            fields["activation_checkpointing"] = True
+            fields["ac_every"] = int(part[2:])
+            if fields["ac_every"] < 1:
+                raise ValueError(f"hyperpar plan: layout {name!r}: {part} must be >= ac1 "
+                                 "(acN: every N-th layer checkpointed)")
         elif part == "sac":
             fields["selective_ac"] = True
         elif part == "lp":
@@ -193,9 +202,9 @@ def parse_layout(name: str, schedule: Schedule = "1f1b", virtual_stages: int = 2
                 f"hyperpar plan: layout {name!r}: {part!r} not understood; write the names "
                 "the planner prints, parts joined by '.': dpN (dp_replicate), fsdpN "
                 "(dp_shard), tpN, ppN, cpN, mbN (microbatches), a schedule "
-                "(1f1b|gpipe|interleaved1f1b|zbh1), vN (virtual stages), ac, sac "
-                "(selective), lp (loss parallel), nrf (no reshard after forward), nosp "
-                "(tp without sequence parallel), e.g. "
+                "(1f1b|gpipe|interleaved1f1b|zbh1), vN (virtual stages), ac (every layer) "
+                "or acN (every N-th layer), sac (selective), lp (loss parallel), nrf (no "
+                "reshard after forward), nosp (tp without sequence parallel), e.g. "
                 "dp8.fsdp128.tp8.pp16.mb16")
     if (fields["schedule"] == "interleaved1f1b" and "virtual_stages" not in seen
             and int(fields.get("pp", 1)) > 1):  # type: ignore[call-overload]

@@ -152,6 +152,14 @@ def in_flight(layout: Layout, stage: int) -> float:
     return k
 
 
+def checkpointed_layers(layers: int, layout: Layout) -> int:
+    """How many of ``layers`` consecutive layers full checkpointing recomputes: all, or with
+    ``ac_every = k`` layers ``0, k, 2k, ...``: ``ceil(layers / k)``."""
+    if not layout.activation_checkpointing:
+        return 0
+    return _cdiv(layers, layout.ac_every)
+
+
 def microbatch_tokens(run: Run, layout: Layout) -> int:
     """Tokens in one microbatch on one rank (a data-parallel rank's microbatch, split ``cp``
     ways along the sequence under context parallelism)."""
@@ -265,7 +273,12 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
     # the causal mask is built once per context and shared by every layer and microbatch
     scores = eager_scores_bytes(spec, run, layout)
     if layout.activation_checkpointing:
-        act = k * layers * saved * tokens * cb + full * tokens * cb + cp_token * tokens + cp_layer
+        # checkpointed layers keep their input; the others (acN) all they save; one
+        # checkpointed layer's recomputed activations are live in its backward
+        ckpt = checkpointed_layers(layers, layout)
+        act = (k * ckpt * saved * tokens * cb
+               + k * (layers - ckpt) * (full * tokens * cb + cp_token * tokens + scores)
+               + full * tokens * cb + cp_token * tokens + cp_layer)
         act += scores  # one layer's, recomputed in its backward
     elif layout.selective_ac:
         # the saved part of every layer held, and one layer's recomputed rest in its backward

@@ -84,6 +84,7 @@ def _dims_json(lay: Layout) -> dict[str, Any]:
     return {"name": lay.name, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
             "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "microbatches": lay.microbatches,
             "activation_checkpointing": lay.activation_checkpointing,
+            "ac_every": lay.ac_every,
             "selective_ac": lay.selective_ac, "loss_parallel": lay.loss_parallel}
 
 

@@ -89,6 +89,9 @@ def shape_problems(spec: ModelSpec, run: Run, layout: Layout) -> list[str]:
         out.append(f"microbatches={m} < pp={pp} leaves stages idle")
     if layout.activation_checkpointing and layout.selective_ac:
         out.append("activation_checkpointing and selective_ac: choose one (ac or sac)")
+    if layout.ac_every < 1 or (layout.ac_every > 1 and not layout.activation_checkpointing):
+        out.append(f"ac_every={layout.ac_every}: every N-th layer checkpointed needs "
+                   "activation_checkpointing and N >= 1 (write acN)")
     if not layout.sp and tp == 1:
         out.append("sp=False (tp without sequence parallel) needs tp > 1")
     if not layout.reshard_after_forward and layout.fsdp_shard == 1:

@@ -22,6 +22,9 @@ from .layout import Layout, Run
 from .memory import (
     MASTER_BYTES,
     Memory,
+    checkpointed_layers,
+    eager_scores_bytes,
+    layer_activation_elems,
     max_stage_layers,
     microbatch_tokens,
     stage_layers,
@@ -53,11 +56,31 @@ def wire_bytes(n: int, nbytes: float, kind: str) -> float:
     return (2 if kind == "ar" else 1) * (n - 1) / n * nbytes
 
 
+def ranks_per_node(dim: str, layout: Layout, run: Run) -> int:
+    """Members of one ``dim`` group inside one node: consecutive members are ``stride`` ranks
+    apart, so a node of ``gpus_per_node`` holds ``gpus_per_node // stride`` of them (at least
+    one, at most the group). fully_shard's flattened ``dp_shard x cp`` group (booked on
+    ``dp_shard``) has ``dp_shard * cp`` members, cp's stride apart."""
+    stride, size = layout.stride(dim), layout.size(dim)
+    if dim == "dp_shard" and layout.cp > 1:
+        stride, size = layout.stride("cp"), layout.fsdp_shard
+    return max(1, min(size, run.gpus_per_node // stride))
+
+
 def link_for(dim: str, layout: Layout, run: Run, profile: DeviceProfile) -> Link:
+    """The link a ring over ``dim`` runs at. Inside a node: the per-device intra-node
+    bandwidth. Across nodes, a ring with ``g`` members per node (:func:`ranks_per_node`)
+    enters and leaves each node once per ring, and NCCL runs one ring per NIC: the ``g``
+    members together use ``g`` devices' share of the node's NICs (``g x inter_bytes_per_s``)
+    while their intra-node hops ride NVLink, so the ring's bandwidth is
+    ``min(intra, g x inter)``. With one member per node (``tp`` inside, the group across
+    nodes) that is one device's NIC share, as before."""
     span = layout.stride(dim) * layout.size(dim)
     if span <= run.gpus_per_node:
         return Link(profile.intra_bytes_per_s * profile.link_efficiency, profile.intra_alpha_s)
-    return Link(profile.inter_bytes_per_s * profile.link_efficiency, profile.inter_alpha_s)
+    g = ranks_per_node(dim, layout, run)
+    bw = min(profile.intra_bytes_per_s, g * profile.inter_bytes_per_s)
+    return Link(bw * profile.link_efficiency, profile.inter_alpha_s)
 
 
 def sac_recomputed_parameters(spec: ModelSpec) -> int:
@@ -67,17 +90,35 @@ def sac_recomputed_parameters(spec: ModelSpec) -> int:
     return spec.kv_dim * h + h * spec.q_dim + spec.intermediate_size * h
 
 
-def step_flops(spec: ModelSpec, run: Run, activation_checkpointing: bool,
+def recompute_share(spec: ModelSpec, layout: Layout) -> float:
+    """The share of the model's layers whose forward full checkpointing repeats (1 with
+    ``.ac``, ``ceil(L / k) / L`` with ``.acK``; 0 without)."""
+    return checkpointed_layers(spec.num_layers, layout) / spec.num_layers
+
+
+def attention_passes(run: Run, activation_checkpointing: bool | float) -> float:
+    """Attention's FLOPs per step in units of its forward's. Forward: two matmuls (``Q K^T``
+    and ``P V``). Materialised attention's backward: four (``dP = dO V^T``, ``dV = P^T dO``,
+    ``dQ = dS K``, ``dK = dS^T Q``), 2 forwards. A fused (flash) kernel keeps no ``P`` and
+    computes ``Q K^T`` again in backward: five, 2.5 forwards (Dao et al. 2022, Algorithm 4).
+    Full checkpointing repeats the forward (a number: the share of layers it repeats)."""
+    backward = 2.5 if run.attention == "flash" else 2.0
+    return 1 + backward + float(activation_checkpointing)
+
+
+def step_flops(spec: ModelSpec, run: Run, activation_checkpointing: bool | float,
                selective_ac: bool = False) -> float:
     """FLOPs of one optimizer step over all ranks: ``6 * P * tokens`` for the matmuls
     (forward 2, backward 4; 8 with activation checkpointing, which repeats the forward) plus
-    causal attention, ``2 * seq * q_dim`` per token per layer forward. Selective checkpointing
-    repeats only the forward of wk, wo and w3 (:func:`sac_recomputed_parameters`), not
-    attention's."""
+    causal attention, ``2 * seq * q_dim`` per token per layer forward, times
+    :func:`attention_passes`. Selective checkpointing repeats only the forward of wk, wo and
+    w3 (:func:`sac_recomputed_parameters`), not attention's. ``activation_checkpointing`` as
+    a number: the share of layers recomputed (:func:`recompute_share`)."""
     tokens = run.global_batch * run.seq_len
-    factor = 8 if activation_checkpointing else 6
+    factor = 6 + 2 * float(activation_checkpointing)
     attn_fwd = 2 * run.seq_len * spec.q_dim * spec.num_layers
-    out = factor * spec.matmul_parameters * tokens + factor / 2 * attn_fwd * tokens
+    out = (factor * spec.matmul_parameters * tokens
+           + attention_passes(run, activation_checkpointing) * attn_fwd * tokens)
     if selective_ac and not activation_checkpointing:
         out += 2 * sac_recomputed_parameters(spec) * spec.num_layers * tokens
     return out
@@ -118,12 +159,13 @@ def collectives(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> list[C
         act = tokens * spec.hidden_size * cb
         # sequence parallel: per layer 2 all-gathers + 2 reduce-scatters forward, the same
         # backward, and again in a recomputed forward
-        passes = 3 if layout.activation_checkpointing else 2
+        # (every recomputed layer once more)
+        passes = 2 * layers + checkpointed_layers(layers, layout)
         # selective: wk and w3 are recomputed from their norms' gathered inputs (gathered
         # again); the reduce-scattered outputs are saved
-        gathers = 3 if layout.selective_ac else passes
-        out += [Collective("tp", "ag", act, 2 * gathers * layers, "microbatch", "layer inputs"),
-                Collective("tp", "rs", act, 2 * passes * layers, "microbatch", "layer outputs")]
+        gathers = 3 * layers if layout.selective_ac else passes
+        out += [Collective("tp", "ag", act, 2 * gathers, "microbatch", "layer inputs"),
+                Collective("tp", "rs", act, 2 * passes, "microbatch", "layer outputs")]
         if first:  # vocab-parallel embedding: reduce-scatter out, all-gather its gradient back
             out += [Collective("tp", "rs", act, 1, "microbatch", "embedding output"),
                     Collective("tp", "ag", act, 1, "microbatch", "embedding grad")]
@@ -200,8 +242,8 @@ def _tp_without_sp(spec: ModelSpec, layout: Layout, act: float, layers: int, fir
     input gradient backward (again in a recomputed forward); the vocabulary-parallel
     embedding's output all-reduced; the head's input gradient all-reduced; norms replicated
     on the whole sequence, so their gradients agree without a collective."""
-    passes = 3 if layout.activation_checkpointing else 2
-    out = [Collective("tp", "ar", act, 2 * passes * layers, "microbatch", "layer all-reduces")]
+    passes = 2 * layers + checkpointed_layers(layers, layout)  # recomputed layers once more
+    out = [Collective("tp", "ar", act, 2 * passes, "microbatch", "layer all-reduces")]
     if first:
         out.append(Collective("tp", "ar", act, 1, "microbatch", "embedding output"))
     if last:
@@ -228,8 +270,8 @@ def cp_collectives(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> lis
         return []
     layers = stage_layers(spec.num_layers, layout.pp, stage)
     kv = microbatch_tokens(run, layout) * layout.cp * spec.kv_dim // layout.tp * run.compute_bytes
-    passes = 2 if layout.activation_checkpointing else 1
-    out = [Collective("cp", "ag", kv, 2 * passes * layers, "microbatch", "attention K, V"),
+    passes = layers + checkpointed_layers(layers, layout)  # recomputed layers gather again
+    out = [Collective("cp", "ag", kv, 2 * passes, "microbatch", "attention K, V"),
            Collective("cp", "rs", kv, 2 * layers, "microbatch", "attention dK, dV")]
     if layout.dp_shard == 1:
         local = stage_params(spec, layout.tp, 1, layout.pp, stage).local
@@ -266,8 +308,8 @@ def cp_attention_flops(spec: ModelSpec, run: Run, layout: Layout) -> float:
     if layout.cp == 1:
         return 0.0
     tokens = run.global_batch * run.seq_len
-    factor = 8 if layout.activation_checkpointing else 6
-    return factor / 2 * 2 * run.seq_len * spec.q_dim * spec.num_layers * tokens
+    passes = attention_passes(run, recompute_share(spec, layout))
+    return passes * 2 * run.seq_len * spec.q_dim * spec.num_layers * tokens
 
 
 def local_tensors(spec: ModelSpec, layout: Layout, stage: int) -> int:
@@ -338,11 +380,40 @@ def bubble_factor(layout: Layout) -> float:
     return 1.0
 
 
+#: HBM passes over a layer's activations outside the matmuls: forward writes each one and
+#: the next op reads it (2), backward reads it, reads its gradient and writes the gradient of
+#: its input (3); a recomputed forward (full or selective checkpointing) repeats the 2.
+ELEMENTWISE_PASSES = 5
+RECOMPUTE_PASSES = 2
+
+
+def elementwise_seconds(spec: ModelSpec, run: Run, layout: Layout,
+                        profile: DeviceProfile) -> float:
+    """Seconds per step (one rank, the stage with the most layers) of the non-matmul ops:
+    memory-bound, so priced as HBM traffic, :data:`ELEMENTWISE_PASSES` (+
+    :data:`RECOMPUTE_PASSES` under checkpointing) over every byte a layer's forward produces
+    for backward (:func:`hyperpar.plan.memory.layer_activation_elems`, plus materialised
+    attention's probabilities with ``--attention eager``: its softmax, mask and dropout run
+    over ``seq x seq`` per head). Their share grows as the matmuls shrink (``1 / h``) and as
+    FLOP/s outgrow memory bandwidth. 0 where the profile measures them
+    (``elementwise_hbm`` off)."""
+    if not profile.elementwise_hbm:
+        return 0.0
+    tokens = microbatch_tokens(run, layout)
+    full, _ = layer_activation_elems(spec, layout, run.compute_bytes)
+    per_layer = full * tokens * run.compute_bytes + eager_scores_bytes(spec, run, layout)
+    passes = ELEMENTWISE_PASSES + RECOMPUTE_PASSES * recompute_share(spec, layout)
+    if layout.selective_ac:
+        passes += RECOMPUTE_PASSES
+    layers = max_stage_layers(spec.num_layers, layout.pp)
+    return passes * per_layer * layers * layout.microbatches / profile.hbm_bytes_per_s
+
+
 def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
               memory: Memory) -> StepTime:
     m, pp = layout.microbatches, layout.pp
     rate = profile.flops_at(run.param_dtype, matmul_size(spec, run, layout))
-    compute_step = step_flops(spec, run, layout.activation_checkpointing,
+    compute_step = step_flops(spec, run, recompute_share(spec, layout),
                               layout.selective_ac) / run.world / rate
     compute_mb = compute_step / m
     layers = max_stage_layers(spec.num_layers, pp)  # the stage the pipeline waits for
@@ -351,6 +422,9 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
     compute_step += cp_attention_flops(spec, run, layout) / run.world / rate
     # uneven stages: the pipeline runs at the pace of the stage with the most layers
     compute_mb = compute_step / m * (layers * pp / spec.num_layers)
+    elementwise = elementwise_seconds(spec, run, layout, profile)  # that stage's already
+    compute_step += elementwise
+    compute_mb += elementwise / m
     comm: dict[str, float] = {"tp": 0.0, "dp_shard": 0.0, "dp_replicate": 0.0, "pp": 0.0,
                               "cp": 0.0}
     for c in colls:
@@ -393,7 +467,7 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
     def fixed(key: str) -> float:
         return profile.fixed_cost(key, layout.size(GROUP_COSTS[key]))
 
-    ac_factor = 4 / 3 if layout.activation_checkpointing else 1.0  # one more forward
+    ac_factor = 1 + recompute_share(spec, layout) / 3  # one more forward of those layers
     if layout.selective_ac:  # the share of the forward's matmuls repeated
         block = sum(t.numel for t in spec.block_tensors() if is_matmul(t))
         ac_factor = 1 + sac_recomputed_parameters(spec) / block / 3

@@ -225,3 +225,28 @@ def test_eager_attention_keeps_the_softmax_probabilities() -> None:
             - stage_memory(SPEC, run, ac, 0).activations) == probs
     with pytest.raises(ValueError, match="attention 'sdpa'; accepted: flash, eager"):
         Run(world=8, seq_len=4096, global_batch=16, attention="sdpa")  # type: ignore[arg-type]
+
+
+def test_every_nth_layer_checkpointed_holds_and_recomputes_its_share() -> None:
+    """Hand-computed: examples/llama (2 layers, h 64, f 128, q = kv = 64), one rank, 2 x 16
+    tokens in bf16. A layer saves (3q + 3kv + 4f) + 4h = 1152 elements per token (73,728
+    bytes for 32 tokens), a checkpointed one its input, h = 64 (4,096 bytes). ``ac2``
+    checkpoints layer 0 of 2: 4,096 + 73,728 held, plus the recomputed layer in its backward
+    (73,728) = 151,552; full checkpointing 2 x 4,096 + 73,728 = 81,920. FLOPs: half the
+    layers repeat their forward: 7 x P x tokens, attention 3.5 + 0.5 forwards."""
+    from hyperpar.plan.layout import Layout, Run, parse_layout
+    from hyperpar.plan.memory import checkpointed_layers, stage_memory
+    from hyperpar.plan.model import example_spec
+    from hyperpar.plan.timing import recompute_share, step_flops
+
+    spec = example_spec("llama")
+    run = Run(world=1, seq_len=16, global_batch=2)
+    ac2 = parse_layout("single.mb1.ac2")
+    assert ac2 == Layout(activation_checkpointing=True, ac_every=2)
+    assert ac2.name == "single.mb1.ac2"
+    assert checkpointed_layers(2, ac2) == 1 and checkpointed_layers(5, ac2) == 3
+    full = Layout(activation_checkpointing=True)
+    act2 = stage_memory(spec, run, ac2, 0).activations
+    assert act2 - stage_memory(spec, run, full, 0).activations == 151_552 - 81_920
+    assert recompute_share(spec, ac2) == 0.5 and recompute_share(spec, full) == 1.0
+    assert step_flops(spec, run, recompute_share(spec, ac2)) == 7 * 98_304 * 32 + 4 * 131_072

@@ -176,6 +176,78 @@ def test_node_topology_sets_the_inter_node_share() -> None:
     assert fast.inter_bytes_per_s == 100e9 and fast.intra_bytes_per_s == 900e9
     run = Run(world=64, seq_len=2048, global_batch=64)
     lay = Layout(dp_shard=64)
-    assert link_for("dp_shard", lay, run, four).bytes_per_s == 25e9 * h100.link_efficiency
+    # 8 members of the group per node share the node's 4 NICs of 50 GB/s: 200 GB/s per ring
+    assert link_for("dp_shard", lay, run, four).bytes_per_s == 8 * 25e9 * h100.link_efficiency
     with pytest.raises(ValueError, match="must be positive"):
         with_topology(h100, gpus_per_node=8, nics_per_node=0)
+
+
+def test_a_ring_across_nodes_uses_its_members_share_of_the_nics() -> None:
+    """Hand-computed: A100 (25 GB/s per device, NVLink 300 GB/s), 8 devices per node. A ring
+    with g members per node gets min(300, g x 25) GB/s; one member per node (tp8 inside) 25."""
+    from hyperpar.plan.devices import get_profile
+    from hyperpar.plan.layout import Layout, Run
+    from hyperpar.plan.timing import link_for, ranks_per_node
+
+    a100 = get_profile("a100")
+    eff = a100.link_efficiency
+    run = Run(world=64, seq_len=2048, global_batch=64)
+    assert ranks_per_node("dp_shard", Layout(dp_shard=64), run) == 8
+    assert link_for("dp_shard", Layout(dp_shard=64), run, a100).bytes_per_s == 200e9 * eff
+    lay = Layout(dp_shard=32, tp=2)  # stride 2: 4 members per node
+    assert ranks_per_node("dp_shard", lay, run) == 4
+    assert link_for("dp_shard", lay, run, a100).bytes_per_s == 100e9 * eff
+    lay = Layout(dp_shard=8, tp=8)  # one member per node: one device's NIC
+    assert link_for("dp_shard", lay, run, a100).bytes_per_s == 25e9 * eff
+    assert link_for("tp", lay, run, a100).bytes_per_s == 300e9 * eff  # inside the node
+    # fully_shard over the flattened dp_shard x cp group: 16 x 4 members, cp's stride (tp 1)
+    # apart: 8 per node
+    flat = Layout(dp_shard=16, cp=4)
+    assert ranks_per_node("dp_shard", flat, run) == 8
+    assert link_for("dp_shard", flat, run, a100).bytes_per_s == 200e9 * eff
+    fat = Run(world=64, seq_len=2048, global_batch=64, gpus_per_node=16)
+    # 16 members per node: 400 GB/s of NICs, capped by the 300 GB/s NVLink hops
+    assert link_for("dp_shard", Layout(dp_shard=64), fat, a100).bytes_per_s == 300e9 * eff
+
+
+def test_elementwise_ops_are_priced_as_hbm_traffic() -> None:
+    """Hand-computed: a Llama block (h 64, f 128, 4 heads, no GQA), one rank, 2 layers, a
+    microbatch of 2 x 16 tokens in bf16. Per token a layer keeps (3q + 3kv + 4f) + 4h =
+    192 + 192 + 512 + 256 = 1152 elements, 2304 bytes; 32 tokens: 73,728 bytes per layer; 5
+    passes x 2 layers x 1 microbatch = 737,280 bytes at 1e12 B/s. Full checkpointing adds 2
+    passes (7); a calibrated profile (elementwise_hbm off) prices nothing."""
+    from dataclasses import replace
+
+    from hyperpar.plan.devices import get_profile
+    from hyperpar.plan.layout import Layout, Run
+    from hyperpar.plan.model import example_spec
+    from hyperpar.plan.timing import elementwise_seconds
+
+    spec = example_spec("llama")
+    run = Run(world=1, seq_len=16, global_batch=2)
+    prof = replace(get_profile("a100"), hbm_bytes_per_s=1e12)
+    assert elementwise_seconds(spec, run, Layout(), prof) == pytest.approx(737_280 / 1e12)
+    ac = Layout(activation_checkpointing=True)
+    assert elementwise_seconds(spec, run, ac, prof) == pytest.approx(7 * 147_456 / 1e12)
+    off = replace(prof, elementwise_hbm=False)
+    assert elementwise_seconds(spec, run, Layout(), off) == 0.0
+
+
+def test_attention_flops_count_flash_attentions_recomputed_scores() -> None:
+    """Hand-computed: examples/llama (h 64, 2 layers, q_dim 64, 256 vocabulary; matmul
+    parameters 2 x 40,960 + 16,384 = 98,304), 2 sequences of 16 tokens (32 tokens). Matmuls:
+    6 x 98,304 x 32 = 18,874,368. Attention forward: 2 x 16 x 64 x 2 layers = 4,096 per token,
+    131,072 in all; flash: 3.5 of them (forward 1, backward 2.5: Q K^T again), eager 3, full
+    checkpointing one forward more."""
+    from dataclasses import replace
+
+    from hyperpar.plan.layout import Run
+    from hyperpar.plan.model import example_spec
+    from hyperpar.plan.timing import step_flops
+
+    spec = example_spec("llama")
+    run = Run(world=1, seq_len=16, global_batch=2)
+    assert spec.matmul_parameters == 98_304
+    assert step_flops(spec, run, False) == 18_874_368 + 3.5 * 131_072
+    assert step_flops(spec, replace(run, attention="eager"), False) == 18_874_368 + 3 * 131_072
+    assert step_flops(spec, run, True) == 8 * 98_304 * 32 + 4.5 * 131_072
