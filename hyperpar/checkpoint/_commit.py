@@ -7,6 +7,7 @@ MindSpore backend uses) both run these, so the two write the same folders. No fr
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import time
@@ -22,6 +23,7 @@ from ._format import (
     CheckpointError,
     CorruptCheckpointError,
     is_checkpoint_file,
+    write_index,
 )
 from ._lock import ConcurrentSaveError, acquire
 
@@ -139,3 +141,84 @@ def agree_or_raise(error: Exception | None) -> None:
     cls = _SHARED_ERRORS.get(name)
     raise (cls or CheckpointError)(f"rank {r}: {message}" if cls else
                                    f"rank {r}: {name}: {message}")
+
+
+def commit(path: str, written: dict[str, Any], metas: list[list[dict[str, Any]]],
+           file_format: str, save_id: str, extend_index: Any = None) -> None:
+    """Steps 3-4 of a save, after each rank wrote its file (``written``: its
+    ``{"file", "bytes", "digests"}`` or ``{"error"}``): every rank learns whether all wrote;
+    rank 0 writes the index (``extend_index(index)`` may add to it) and removes stale files;
+    every rank learns whether that worked. Raises on every rank otherwise. Collective."""
+    platform = get_platform()
+    files = platform.all_gather_object(written)  # doubles as the barrier before the commit
+    failed = [(r, w["error"]) for r, w in enumerate(files) if "error" in w]
+    if failed:
+        raise CheckpointError(f"save: rank {failed[0][0]} could not write its shard: "
+                              f"{failed[0][1]}; {path} still holds the previous checkpoint")
+    outcome = None
+    if platform.rank() == 0:
+        try:
+            index = build_index(metas, files, file_format, platform.world_size(), save_id)
+            if extend_index is not None:
+                extend_index(index)
+            write_index(path, index, save_id)
+            remove_stale(path, {f["file"] for f in files})
+        except Exception as exc:  # shared below so no rank waits for a commit that failed
+            outcome = f"{type(exc).__name__}: {exc}"
+    outcome = platform.broadcast_object(outcome, 0)
+    if outcome is not None:
+        raise CheckpointError(f"save: committing {path} failed on rank 0: {outcome}")
+
+
+STRICT_HINT = " (pass strict=False to load the matching tensors only)"
+
+
+def check_keys(shapes: dict[str, Any], index: dict[str, Any], path: str, strict: bool,
+               model_only: set[str], hint: str = STRICT_HINT) -> tuple[list[str], list[str]]:
+    """``(missing, unexpected)`` keys over all ranks for a model whose keys on this rank have
+    the global ``shapes``; ``model_only`` are the saved keys that belong to the model (the
+    optimizer's are not). Shape mismatches, and under ``strict`` any missing or unexpected key,
+    raise :class:`CheckpointError` on every rank. Collective."""
+    saved = index["tensors"]
+    problems = [f"{key!r} has global shape {list(shape)} in the model but "
+                f"{saved[key]['shape']} in {path}"
+                for key, shape in shapes.items()
+                if key in saved and list(shape) != saved[key]["shape"]]
+    gathered = get_platform().all_gather_object((sorted(shapes), problems))
+    model_keys = {k for keys, _ in gathered for k in keys}
+    problems = sorted({p for _, ps in gathered for p in ps})
+    missing = sorted(model_keys - set(saved))
+    unexpected = sorted(model_only - model_keys)
+    if strict and missing:
+        problems.append(f"{len(missing)} tensor(s) of the model are not in {path}: "
+                        f"{show_keys(missing)}")
+    if strict and unexpected:
+        problems.append(f"{len(unexpected)} tensor(s) in {path} are not in the model: "
+                        f"{show_keys(unexpected)}")
+    if problems:
+        raise CheckpointError("load: " + "; ".join(problems)
+                              + (hint if strict and (missing or unexpected) else ""))
+    return missing, unexpected
+
+
+def regions(entry: dict[str, Any], key: str, offset: list[int], shape: list[int]
+            ) -> list[tuple[dict[str, Any], tuple[slice, ...], tuple[slice, ...]]]:
+    """How to assemble the box (``offset``, ``shape``) of saved tensor ``key``: for every saved
+    chunk that overlaps it, ``(chunk, slice of the chunk, slice of the box)``. Raises
+    :class:`CorruptCheckpointError` when the chunks do not cover the box."""
+    out, covered = [], 0
+    for chunk in entry["chunks"]:
+        ov = overlap(offset, shape, chunk["offset"], chunk["shape"])
+        if ov is None:
+            continue
+        lo, hi = ov
+        src = tuple(slice(a - c, b - c) for a, b, c in zip(lo, hi, chunk["offset"],
+                                                           strict=True))
+        dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset, strict=True))
+        out.append((chunk, src, dst))
+        covered += math.prod(b - a for a, b in zip(lo, hi, strict=True))
+    if covered != math.prod(shape):
+        raise CorruptCheckpointError(
+            f"load: the saved chunks of {key!r} cover {covered} of the {math.prod(shape)} "
+            f"elements of box offset={offset} shape={shape}; the checkpoint is incomplete")
+    return out

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any
 
 import torch
 
-from ._boxes import overlap
+from ._commit import regions
 from ._format import CorruptCheckpointError, digest, dtype_of
 from ._validate import confined_file
 
@@ -97,20 +96,6 @@ def assemble(entry: dict[str, Any], key: str, offset: list[int], shape: list[int
     """The box (``offset``, ``shape``) of saved tensor ``key``, from every chunk that overlaps."""
     dtype = dtype_of(entry["dtype"])
     out = torch.empty(shape, dtype=dtype)
-    covered = 0
-    for chunk in entry["chunks"]:
-        ov = overlap(offset, shape, chunk["offset"], chunk["shape"])
-        if ov is None:
-            continue
-        lo, hi = ov
-        src = tuple(slice(low - c, h - c) for low, h, c in zip(lo, hi, chunk["offset"],
-                                                                strict=True))
-        dst = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, offset, strict=True))
+    for chunk, src, dst in regions(entry, key, offset, shape):
         out[dst] = reader.read(chunk, src, key=key, dtype=dtype)
-        covered += math.prod(h - low for low, h in zip(lo, hi, strict=True))
-    want = math.prod(shape)
-    if covered != want:
-        raise CorruptCheckpointError(
-            f"load: the saved chunks of {key!r} cover {covered} of the {want} elements of box "
-            f"offset={offset} shape={shape}; the checkpoint is incomplete")
     return out

@@ -9,7 +9,6 @@ Needs ``numpy`` and ``safetensors`` (its numpy API); imports neither torch nor M
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,11 +19,10 @@ from hyperpar.platform import get_platform
 
 from ._commit import (
     agree_or_raise,
-    build_index,
-    overlap,
+    check_keys,
+    commit,
     owners,
-    remove_stale,
-    show_keys,
+    regions,
     take_lock,
 )
 from ._format import (
@@ -37,7 +35,6 @@ from ._format import (
     dtype_name,
     read_index,
     shard_name,
-    write_index,
 )
 from ._lock import release
 from ._validate import check_files, confined_file
@@ -91,21 +88,7 @@ def _save_locked(state: dict[str, ArrayBox], path: str, save_id: str) -> str:
     mine = {key: box for key, box in state.items()
             if owner[(key, tuple(box.offset), tuple(box.array.shape))] == rank}
     written = _write_shard(path, shard_name(rank, world, save_id, "safetensors"), mine)
-    files = platform.all_gather_object(written)  # doubles as the barrier before the commit
-    failed = [(r, w["error"]) for r, w in enumerate(files) if "error" in w]
-    if failed:
-        raise CheckpointError(f"save: rank {failed[0][0]} could not write its shard: "
-                              f"{failed[0][1]}; {path} still holds the previous checkpoint")
-    outcome = None
-    if rank == 0:
-        try:
-            write_index(path, build_index(metas, files, "safetensors", world, save_id), save_id)
-            remove_stale(path, {f["file"] for f in files})
-        except Exception as exc:  # shared below so no rank waits for a commit that failed
-            outcome = f"{type(exc).__name__}: {exc}"
-    outcome = platform.broadcast_object(outcome, 0)
-    if outcome is not None:
-        raise CheckpointError(f"save: committing {path} failed on rank 0: {outcome}")
+    commit(path, written, metas, "safetensors", save_id)
     return os.path.join(path, INDEX_FILE)
 
 
@@ -170,32 +153,16 @@ def load_arrays(wanted: dict[str, Want], path: str | os.PathLike, *, strict: boo
     return out, result
 
 
+NAME_MAP_HINT = (" (pass strict=False to load the matching tensors only, or name_map= to map "
+                 "the model's names to the checkpoint's)")
+
+
 def _check_keys(wanted: dict[str, Want], index: dict[str, Any], path: str,
                 strict: bool) -> LoadResult:
     saved = index["tensors"]
-    problems = [f"{key!r} has global shape {list(w.shape)} in the model but "
-                f"{saved[key]['shape']} in {path}"
-                for key, w in wanted.items()
-                if key in saved and list(w.shape) != saved[key]["shape"]]
-    gathered = get_platform().all_gather_object((sorted(wanted), problems))
-    model_keys = {k for keys, _ in gathered for k in keys}
-    problems = sorted({p for _, ps in gathered for p in ps})
-    saved_model_keys = {k for k in saved if not ("optimizer" in index
-                                                 and k.startswith(OPTIM_PREFIX))}
-    missing = sorted(model_keys - set(saved))
-    unexpected = sorted(saved_model_keys - model_keys)
-    if strict and missing:
-        problems.append(f"{len(missing)} tensor(s) of the model are not in {path}: "
-                        f"{show_keys(missing)}")
-    if strict and unexpected:
-        problems.append(f"{len(unexpected)} tensor(s) in {path} are not in the model: "
-                        f"{show_keys(unexpected)}")
-    if problems:
-        hint = ""
-        if strict and (missing or unexpected):
-            hint = (" (pass strict=False to load the matching tensors only, or name_map= to "
-                    "map the model's names to the checkpoint's)")
-        raise CheckpointError("load: " + "; ".join(problems) + hint)
+    model_only = {k for k in saved if not ("optimizer" in index and k.startswith(OPTIM_PREFIX))}
+    missing, unexpected = check_keys({k: w.shape for k, w in wanted.items()}, index, path,
+                                     strict, model_only, hint=NAME_MAP_HINT)
     return LoadResult(missing, unexpected)
 
 
@@ -244,19 +211,6 @@ class _Reader:
             raise CheckpointError(f"load: {key!r} is stored as {entry['dtype']}, which numpy "
                                   "(the checkpoint path without torch) cannot hold") from None
         out = np.empty(shape, dtype=dtype)
-        covered = 0
-        for chunk in entry["chunks"]:
-            ov = overlap(offset, shape, chunk["offset"], chunk["shape"])
-            if ov is None:
-                continue
-            lo, hi = ov
-            src = tuple(slice(a - c, b - c) for a, b, c in zip(lo, hi, chunk["offset"],
-                                                               strict=True))
-            dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset, strict=True))
+        for chunk, src, dst in regions(entry, key, offset, shape):
             out[dst] = self.read(chunk, key)[src]
-            covered += math.prod(b - a for a, b in zip(lo, hi, strict=True))
-        if covered != math.prod(shape):
-            raise CorruptCheckpointError(
-                f"load: the saved chunks of {key!r} cover {covered} of the {math.prod(shape)} "
-                f"elements of box offset={offset} shape={shape}; the checkpoint is incomplete")
         return out

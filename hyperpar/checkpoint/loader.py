@@ -18,8 +18,8 @@ from torch import nn
 from hyperpar.platform import get_platform
 
 from ._boxes import copy_box, local_box
-from ._commit import agree_or_raise, show_keys
-from ._format import CheckpointError, LoadResult, read_index
+from ._commit import agree_or_raise, check_keys, show_keys
+from ._format import LoadResult, read_index
 from ._read import Reader, assemble
 from ._validate import check_files
 from .optim import check_optimizer, load_optimizer, optimizer_keys
@@ -81,28 +81,9 @@ def load(model: nn.Module, path: str | os.PathLike, *,
 def _check_keys(state: dict[str, torch.Tensor], index: dict[str, Any], path: str,
                 strict: bool) -> LoadResult:
     """Missing/unexpected keys and shape mismatches over all ranks; raises on every rank."""
-    saved = index["tensors"]
-    problems = [f"{key!r} has global shape {list(v.shape)} in the model but "
-                f"{saved[key]['shape']} in {path}"
-                for key, v in state.items()
-                if key in saved and list(v.shape) != saved[key]["shape"]]
-    gathered = get_platform().all_gather_object((sorted(state), problems))
-    model_keys = {k for keys, _ in gathered for k in keys}
-    problems = sorted({p for _, ps in gathered for p in ps})
-    saved_model_keys = set(saved) - optimizer_keys(index)
-    missing = sorted(model_keys - set(saved))
-    unexpected = sorted(saved_model_keys - model_keys)
-    if strict:
-        if missing:
-            problems.append(f"{len(missing)} tensor(s) of the model are not in {path}: "
-                            f"{show_keys(missing)}")
-        if unexpected:
-            problems.append(f"{len(unexpected)} tensor(s) in {path} are not in the model: "
-                            f"{show_keys(unexpected)}")
-    if problems:
-        hint = " (pass strict=False to load the matching tensors only)" if strict and (
-            missing or unexpected) else ""
-        raise CheckpointError("load: " + "; ".join(problems) + hint)
+    model_only = set(index["tensors"]) - optimizer_keys(index)
+    missing, unexpected = check_keys({k: v.shape for k, v in state.items()}, index, path,
+                                     strict, model_only)
     return LoadResult(missing, unexpected)
 
 

@@ -15,8 +15,8 @@ from torch import nn
 from hyperpar.platform import get_platform
 
 from ._boxes import Piece, host, owned, pieces
-from ._commit import build_index, remove_stale, take_lock
-from ._format import FORMAT, INDEX_FILE, CheckpointError, digest, shard_name, write_index
+from ._commit import commit, take_lock
+from ._format import FORMAT, INDEX_FILE, digest, shard_name
 from ._lock import release
 from .optim import merge_extras, optimizer_state
 
@@ -70,26 +70,12 @@ def _save_locked(state: dict[str, Any], extras: dict[str, Any], with_optimizer: 
     # 2. Write this rank's file under a new name (errors are shared, not raised alone).
     written = _write_shard(path, shard_name(rank, world, save_id, file_format), mine,
                            file_format)
-    # 3. The gather doubles as the barrier: nobody commits before every rank has written.
-    files = platform.all_gather_object(written)
-    failed = [(r, w["error"]) for r, w in enumerate(files) if "error" in w]
-    if failed:
-        raise CheckpointError(f"save: rank {failed[0][0]} could not write its shard: "
-                              f"{failed[0][1]}; {path} still holds the previous checkpoint")
-    # 4. Rank 0 commits, then cleans up; everyone learns the outcome.
-    outcome = None
-    if rank == 0:
-        try:
-            index = build_index(metas, files, file_format, world, save_id)
-            if with_optimizer:
-                index["optimizer"] = merge_extras(proposals)
-            write_index(path, index, save_id)
-            remove_stale(path, {f["file"] for f in files})
-        except Exception as exc:  # shared below so no rank waits for a commit that failed
-            outcome = f"{type(exc).__name__}: {exc}"
-    outcome = platform.broadcast_object(outcome, 0)
-    if outcome is not None:
-        raise CheckpointError(f"save: committing {path} failed on rank 0: {outcome}")
+    # 3-4. Nobody commits before every rank has written; rank 0 commits, then cleans up.
+    def add_optimizer(index: dict[str, Any]) -> None:
+        index["optimizer"] = merge_extras(proposals)
+
+    commit(path, written, metas, file_format, save_id,
+           add_optimizer if with_optimizer else None)
     return os.path.join(path, INDEX_FILE)
 
 
