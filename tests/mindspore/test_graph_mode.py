@@ -105,6 +105,26 @@ def test_compiled_tp_step_matches_pynative_and_one_process(pool2, plan, mode):
         assert vs_eager < TOL, f"{mode} vs PyNative tensor parallelism: {vs_eager:.2e} x scale"
 
 
+def _jitted_step_on_tp_slice_of_2x2_mesh() -> float:
+    # the tp groups of a (dp, tp) mesh are sub-groups MindSpore made through mint.distributed;
+    # the graph's ops.AllReduce runs on them by name
+    x, y = _data()
+    mesh = init_device_mesh((2, 2), mesh_dim_names=("dp", "tp"))
+    ref, model = Net(), Net()
+    set_weights(ref)
+    set_weights(model)
+    parallelize_module(model, mesh["tp"], PLANS["colwise-rowwise"]())
+    (ref_l, ref_o), (got_l, got_o) = _train(ref, "pynative", x, y), _train(model, "jit", x, y)
+    scale = max(1.0, float(np.abs(ref_o).max()), max(ref_l))
+    return max(float(np.abs(got_o - ref_o).max()),
+               float(np.abs(np.subtract(got_l, ref_l)).max())) / scale
+
+
+def test_jitted_step_on_tp_slice_of_2x2_mesh_matches_one_process(pool4):
+    for diff in pool4.run(_jitted_step_on_tp_slice_of_2x2_mesh):
+        assert diff < TOL, f"{diff:.2e} x scale"
+
+
 def _train_one_step_cell_in_graph_mode() -> float:
     x, y = _data()
     mesh = init_device_mesh((2,), mesh_dim_names=("tp",))
