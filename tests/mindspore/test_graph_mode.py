@@ -30,7 +30,7 @@ from mindspore import nn
 
 from hyperpar.dtensor.placement import Replicate, Shard
 from tests.mindspore._cells import set_weights
-from tests.mindspore.test_idioms import D_IN, Net
+from tests.mindspore.test_idioms import D_IN, VOCAB, Net
 
 STEPS = 3
 TOL = 2e-5
@@ -40,13 +40,19 @@ PLANS = {
     # forward all-gather of the hidden dim, then each rank's piece of it (graph AllGather/slice)
     "gathered-hidden": lambda: {"fc1": ColwiseParallel(output_layouts=Replicate()),
                                 "fc2": RowwiseParallel(input_layouts=Replicate())},
+    # an embedding sharded on its embedding dim (no input boundary), gathered for the MLP
+    "embedding": lambda: {"emb": ColwiseParallel(output_layouts=Replicate()),
+                          "fc1": ColwiseParallel(), "fc2": RowwiseParallel()},
 }
 
 
-def _data() -> tuple[ms.Tensor, ms.Tensor]:
+def _data(ids: bool = False) -> tuple[ms.Tensor, ms.Tensor]:
+    """Inputs (features, or token ids for the embedding plan) and targets."""
     rng = np.random.default_rng(1)
     x = rng.standard_normal((4, 3, D_IN)).astype(np.float32)
     y = rng.standard_normal((4, 3, D_IN)).astype(np.float32)
+    if ids:
+        return ms.Tensor(rng.integers(0, VOCAB, (4, 3)).astype(np.int32)), ms.Tensor(y)
     return ms.Tensor(x), ms.Tensor(y)
 
 
@@ -78,11 +84,12 @@ def _train(model: nn.Cell, mode: str, x: ms.Tensor, y: ms.Tensor) -> tuple[list[
 
 
 def _compiled_step_vs_pynative_and_one_process(plan: str, mode: str) -> tuple[float, float]:
-    x, y = _data()
+    embed = plan == "embedding"
+    x, y = _data(ids=embed)
     mesh = init_device_mesh((2,), mesh_dim_names=("tp",))
     models = {}
     for kind in ("one process", "pynative", mode):
-        models[kind] = Net()
+        models[kind] = Net(embed=embed)
         set_weights(models[kind])
         if kind != "one process":
             parallelize_module(models[kind], mesh, PLANS[plan]())

@@ -213,28 +213,23 @@ def install_graph_hooks(cell: nn.Cell, handles: list[Any], pre: GraphBoundary | 
                         post: GraphBoundary | None, bias: GraphBoundary | None = None,
                         bias_share: float = 1.0) -> None:
     """Give ``cell`` graph-mode boundaries: ``pre`` on its first input, ``post`` on its output
-    (with ``bias``: a row-wise linear's bias added after ``post``). ``handles``: hyperpar's
-    PyNative hooks on ``cell``, which the graph path replaces. A Cell another style refused
-    graph mode for stays refused."""
+    (``None``: nothing), with ``bias``: a row-wise linear's bias added after ``post``.
+    ``handles``: hyperpar's PyNative hooks on ``cell``, which the graph path replaces (both
+    ``_jit_*`` methods are overridden, so none of them is ever compiled). A Cell another style
+    refused graph mode for stays refused."""
     if getattr(cell, "_hp_graph_refusal", None) is not None:
         return
     # Plain attributes (object.__setattr__), not child Cells: the Cell tree and its names stay
     # as they were; the graph compiler resolves them as attributes.
     object.__setattr__(cell, "_hp_hook_ids", _hook_ids(handles))
-    mixins: list[type] = []
-    if pre is not None:
-        object.__setattr__(cell, "_hp_graph_in", pre)
-        mixins.append(_GraphPre)
+    object.__setattr__(cell, "_hp_graph_in", pre if pre is not None else _Identity())
+    object.__setattr__(cell, "_hp_graph_out", post if post is not None else _Identity())
     if bias is not None:
-        object.__setattr__(cell, "_hp_graph_out", post)
         object.__setattr__(cell, "_hp_graph_bias", bias)
         object.__setattr__(cell, "_hp_bias_share", float(bias_share))
-        mixins.append(_GraphPostBias)
-    elif post is not None:
-        object.__setattr__(cell, "_hp_graph_out", post)
-        mixins.append(_GraphPost)
-    if mixins:
-        _swap_class(cell, tuple(mixins))
+        _swap_class(cell, (_GraphPre, _GraphPostBias))
+    else:
+        _swap_class(cell, (_GraphPre, _GraphPost))
 
 
 def refuse_graph_mode(cell: nn.Cell, what: str, reason: str) -> None:
