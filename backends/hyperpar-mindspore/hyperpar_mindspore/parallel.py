@@ -329,14 +329,23 @@ class RowwiseParallel(_ShardingStyle):
 
     spec = ROWWISE
 
+    def _check_applicable(self, cell: nn.Cell, fqn: str,
+                          pending: dict[str, str] | None = None) -> None:
+        super()._check_applicable(cell, fqn, pending)
+        if getattr(cell, "activation_flag", False):
+            # nn.Dense applies its activation inside construct, to this rank's partial sum:
+            # the reduction after it would add up activations of partial sums (silently wrong)
+            raise ValueError(
+                f"RowwiseParallel cannot shard {fqn or 'the root Cell'!r} "
+                f"({type(cell).__name__} with activation {type(cell.activation).__name__}): "
+                f"the activation would act on each rank's partial sum before the reduction; "
+                f"build the Dense without activation= and apply the activation after it")
+
     def _graph_bias(self, platform: MindSporePlatform, cell: nn.Cell, kind: str,
                     group: MSGroup) -> tuple[Any, float]:
         if kind == "embedding":
             raise ValueError("a row-wise embedding masks the ids held elsewhere between its two "
                              "hooks, which runs in PyNative mode only")
-        if getattr(cell, "activation_flag", False):
-            raise ValueError("a row-wise nn.Dense with an activation would apply it before the "
-                             "reduction")
         if cell._params.get("bias") is None:
             return None, 1.0
         n, rank = platform.world_size(group), platform.rank(group)
