@@ -221,6 +221,33 @@ def test_bad_plans_raise_on_every_rank_and_change_nothing(pool2):
         assert untouched1 and untouched2 and untouched3
 
 
+class _DenseRelu(nn.Cell):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Dense(D_HID, D_IN, activation="relu")
+
+    def construct(self, x):
+        return self.fc(x)
+
+
+def _rowwise_dense_with_activation() -> tuple[str, bool]:
+    mesh = init_device_mesh((get_platform().world_size(),), mesh_dim_names=("tp",))
+    model = _DenseRelu()
+    before = {n: p.shape for n, p in model.parameters_and_names()}
+    try:
+        parallelize_module(model, mesh, {"fc": RowwiseParallel()})
+    except ValueError as exc:
+        return str(exc), before == {n: p.shape for n, p in model.parameters_and_names()}
+    return "", False
+
+
+def test_rowwise_dense_with_activation_is_refused_on_every_rank(pool2):
+    # relu of each rank's partial sum, then the all-reduce, would be silently wrong
+    for message, untouched in pool2.run(_rowwise_dense_with_activation):
+        assert "'fc' (Dense with activation ReLU)" in message, message
+        assert "partial sum" in message and untouched
+
+
 def _plan_key_error_class() -> bool:
     import hyperpar_mindspore
 

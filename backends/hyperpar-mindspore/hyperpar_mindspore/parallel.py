@@ -38,6 +38,8 @@ from hyperpar.parallel.spec import COLWISE, ROWWISE, Comm, StyleSpec
 from hyperpar.platform import get_platform
 
 from .comm import Boundary, check_no_empty_piece, lengths_along, zeros
+from .dtensor import DTensor
+from .graph import graph_boundary, install_graph_hooks, refuse_graph_mode
 from .platform import SHARD_PLACEMENTS, MindSporePlatform, MSGroup
 
 __all__ = ["AlreadyParallelizedError", "ColwiseParallel", "ParallelStyle", "PlanKeyError",
@@ -81,16 +83,10 @@ def check_layout(what: str, layout: Any) -> Placement | None:
     return layout
 
 
-def _dtensor_cls() -> type:
-    from .dtensor import DTensor
-
-    return DTensor
-
-
 def as_local(x: Any, layout: Placement, what: str = "") -> Any:
     """A DTensor input redistributed (differentiably) to ``layout`` and unwrapped; a plain
     tensor is taken to be laid out as ``layout`` already (torch's rule for local inputs)."""
-    if not isinstance(x, _dtensor_cls()):
+    if not isinstance(x, DTensor):
         return x
     if len(x.placements) != 1:
         raise ValueError(f"{what}: expected a DTensor on a 1-D mesh, got placements "
@@ -107,7 +103,7 @@ def wrap_output(y: Any, mesh: DeviceMesh, placement: Placement, length: int | No
         d = placement.dim % y.ndim
         shape[d] = length if length is not None else sum(
             lengths_along(get_platform(), y, d, mesh.get_group(0), what))
-    return _dtensor_cls().from_local(y, mesh, (placement,), shape=tuple(shape))
+    return DTensor.from_local(y, mesh, (placement,), shape=tuple(shape))
 
 
 #: attribute of a shard Parameter: the group it is split over (``SHARD_PLACEMENTS`` says how)
@@ -231,7 +227,7 @@ class _ShardingStyle(ParallelStyle):
             x = as_local(args[0], src, f"{name} input")  # a DTensor: to the layout wanted
             return (x if boundary_in is None else boundary_in(x), *args[1:])
 
-        platform.register_forward_pre_hook(cell, relayout_input)
+        handles = [platform.register_forward_pre_hook(cell, relayout_input)]
         # a column-parallel output is gathered knowing the weight's global size
         full = out_full if out_comm.forward == "all_gather" else None
         boundary_out = Boundary(platform, out_comm, group, f"{name} output", full)
@@ -252,8 +248,40 @@ class _ShardingStyle(ParallelStyle):
                     length = out_full  # column-parallel: the weight says it
             return wrap_output(post, device_mesh, dst, length, f"{name} output")
 
-        self._install_local_compute(platform, cell, kind, group, boundary_out, shape, finish)
+        handles += self._install_local_compute(platform, cell, kind, group, boundary_out, shape,
+                                               finish)
+        self._install_graph(platform, cell, kind, group, in_comm, out_comm, shape, handles)
         return cell
+
+    def _install_graph(self, platform: MindSporePlatform, cell: nn.Cell, kind: str,
+                       group: MSGroup, in_comm: Comm, out_comm: Comm, shape: tuple[int, ...],
+                       handles: list[Any]) -> None:
+        """The graph-mode (``ms.jit`` / ``GRAPH_MODE``) boundaries of ``cell`` (:mod:`.graph`),
+        or a refusal that names the reason when the graph path does not cover this use."""
+        what = f"{type(self).__name__} on {type(cell).__name__}"
+        n, rank = platform.world_size(group), platform.rank(group)
+        try:
+            if not self.use_local_output:
+                raise ValueError("use_local_output=False (DTensor outputs) runs in PyNative "
+                                 "mode only")
+            pre = post = None
+            if in_comm.forward != "none" or in_comm.backward != "none":
+                in_size = shape[1] if kind == "linear" else None
+                pre = graph_boundary(in_comm, group.name, n, rank, in_size)
+            if out_comm.forward != "none" or out_comm.backward != "none":
+                out_size = shape[0] if kind == "linear" else shape[1]
+                post = graph_boundary(out_comm, group.name, n, rank, out_size)
+            bias, share = self._graph_bias(platform, cell, kind, group)
+        except ValueError as exc:
+            refuse_graph_mode(cell, what, str(exc))
+            return
+        install_graph_hooks(cell, handles, pre, post, bias, share)
+
+    def _graph_bias(self, platform: MindSporePlatform, cell: nn.Cell, kind: str,
+                    group: MSGroup) -> tuple[Any, float]:
+        """A row-wise linear's bias path in graph mode (``None``: the bias stays in the Cell's
+        own compute)."""
+        return None, 1.0
 
     def _shard_params(self, platform: MindSporePlatform, cell: nn.Cell, kind: str,
                       group: MSGroup) -> tuple[int, ...]:
@@ -273,14 +301,16 @@ class _ShardingStyle(ParallelStyle):
 
     def _install_local_compute(self, platform: MindSporePlatform, cell: nn.Cell, kind: str,
                                group: MSGroup, boundary_out: Boundary,
-                               shape: tuple[int, ...], finish: Any) -> None:
+                               shape: tuple[int, ...], finish: Any) -> list[Any]:
+        """Install the output side's PyNative hooks; return their handles."""
         if boundary_out.comm.forward != "none" or boundary_out.comm.backward != "none" or (
                 not self.use_local_output):
 
             def relayout_output(_cell: nn.Cell, args: tuple, out: Any) -> Any:
                 return finish(out, boundary_out(out))
 
-            platform.register_forward_hook(cell, relayout_output)
+            return [platform.register_forward_hook(cell, relayout_output)]
+        return []
 
 
 class ColwiseParallel(_ShardingStyle):
@@ -299,9 +329,35 @@ class RowwiseParallel(_ShardingStyle):
 
     spec = ROWWISE
 
+    def _check_applicable(self, cell: nn.Cell, fqn: str,
+                          pending: dict[str, str] | None = None) -> None:
+        super()._check_applicable(cell, fqn, pending)
+        if getattr(cell, "activation_flag", False):
+            # nn.Dense applies its activation inside construct, to this rank's partial sum:
+            # the reduction after it would add up activations of partial sums (silently wrong)
+            raise ValueError(
+                f"RowwiseParallel cannot shard {fqn or 'the root Cell'!r} "
+                f"({type(cell).__name__} with activation {type(cell.activation).__name__}): "
+                f"the activation would act on each rank's partial sum before the reduction; "
+                f"build the Dense without activation= and apply the activation after it")
+
+    def _graph_bias(self, platform: MindSporePlatform, cell: nn.Cell, kind: str,
+                    group: MSGroup) -> tuple[Any, float]:
+        if kind == "embedding":
+            raise ValueError("a row-wise embedding masks the ids held elsewhere between its two "
+                             "hooks, which runs in PyNative mode only")
+        if cell._params.get("bias") is None:
+            return None, 1.0
+        n, rank = platform.world_size(group), platform.rank(group)
+        # as in PyNative: a sharded output's bias gets its gradient all-reduced, a Partial
+        # output's bias is added by rank 0 alone
+        grad = "all_reduce" if isinstance(self.output_layouts, (Shard, Partial)) else "none"
+        share = 1.0 if rank == 0 or not isinstance(self.output_layouts, Partial) else 0.0
+        return graph_boundary(Comm("none", grad), group.name, n, rank), share
+
     def _install_local_compute(self, platform: MindSporePlatform, cell: nn.Cell, kind: str,
                                group: MSGroup, boundary_out: Boundary,
-                               shape: tuple[int, ...], finish: Any) -> None:
+                               shape: tuple[int, ...], finish: Any) -> list[Any]:
         if kind == "linear":
             bias = cell._params.get("bias")
             if bias is None:
@@ -330,9 +386,8 @@ class RowwiseParallel(_ShardingStyle):
                     return finish(out, boundary_out(out) + bias_path(bias) * bias_share)
                 return finish(out, boundary_out(out) + (bias_path(bias) if sharded_out else bias))
 
-            platform.register_forward_pre_hook(cell, swap_out_bias)
-            platform.register_forward_hook(cell, reduce_then_add_bias)
-            return None
+            return [platform.register_forward_pre_hook(cell, swap_out_bias),
+                    platform.register_forward_hook(cell, reduce_then_add_bias)]
         # Embedding: this rank holds rows [lo, hi) of the table; other ids look up zeros.
         lo, rows = chunk_bounds(shape[0], platform.world_size(group), platform.rank(group))
         state: dict[str, Any] = {}
@@ -348,6 +403,5 @@ class RowwiseParallel(_ShardingStyle):
             masked = out * mask
             return finish(masked, boundary_out(masked))
 
-        platform.register_forward_pre_hook(cell, local_ids)
-        platform.register_forward_hook(cell, mask_then_reduce)
-        return None
+        return [platform.register_forward_pre_hook(cell, local_ids),
+                platform.register_forward_hook(cell, mask_then_reduce)]

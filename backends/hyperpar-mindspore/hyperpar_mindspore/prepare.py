@@ -29,6 +29,7 @@ from hyperpar.parallel.spec import REPLICATED_PARAM_GRAD, prepare_comm, sequence
 from hyperpar.platform import get_platform
 
 from .comm import Boundary
+from .graph import refuse_graph_mode
 from .parallel import ParallelStyle, as_local, check_layout, check_src_data_rank, wrap_output
 from .platform import SHARD_PLACEMENTS
 
@@ -104,6 +105,8 @@ class SequenceParallel(ParallelStyle):
 
         platform.register_forward_pre_hook(cell, use_summed_grads)
         platform.register_forward_hook(cell, restore)
+        refuse_graph_mode(cell, "SequenceParallel", "its hooks swap parameters, which a "
+                          "compiled graph does not replay")
         return cell
 
 
@@ -241,6 +244,7 @@ class PrepareModuleInput(ParallelStyle):
             return args, kwargs
 
         get_platform().register_forward_pre_hook(cell, before, with_kwargs=True)
+        refuse_graph_mode(cell, "PrepareModuleInput", "its re-layouts run in PyNative mode only")
         return cell
 
 
@@ -276,6 +280,7 @@ class PrepareModuleOutput(ParallelStyle):
             return convert((out,))[0]
 
         get_platform().register_forward_hook(cell, after)
+        refuse_graph_mode(cell, "PrepareModuleOutput", "its re-layouts run in PyNative mode only")
         return cell
 
 
