@@ -214,3 +214,41 @@ def _compile_error(case: str) -> str:
 def test_graph_mode_refuses_what_only_pynative_runs(pool2, case):
     for message in pool2.run(_compile_error, case):
         assert REFUSED[case][1] in message, message
+
+
+_FAILING_COMPILE = """
+import os, mindspore as ms
+from hyperpar.platform import get_platform
+get_platform().init_process_group()   # a world of one
+
+@ms.jit
+def f(x):
+    from math import sqrt  # graphs refuse a function-level import: the compile fails
+    return x * 2
+
+try:
+    f(ms.Tensor([1.0]))
+except RuntimeError as exc:
+    print("failed as expected:", type(exc).__name__)
+"""
+
+
+def test_a_failed_compile_writes_nothing_into_the_working_directory(tmp_path):
+    """MindSpore writes rank_N/om/analyze_fail.ir after a failed compile: hyperpar routes it
+    to MS_OM_PATH (a folder under the temporary directory unless the user set one)."""
+    import subprocess
+    import sys
+
+    work, tmp = tmp_path / "work", tmp_path / "tmp"
+    work.mkdir()
+    tmp.mkdir()
+    script = tmp_path / "fails_to_compile.py"  # ms.jit reads the function's source file
+    script.write_text(_FAILING_COMPILE)
+    env = {k: v for k, v in os.environ.items() if k != "MS_OM_PATH"}
+    env.update(HYPERPAR_BACKEND="mindspore", TMPDIR=str(tmp), GLOG_v="3")
+    done = subprocess.run([sys.executable, str(script)], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert "failed as expected" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert list(work.iterdir()) == [], f"left in the working directory: {list(work.iterdir())}"
+    assert list((tmp / "hyperpar-mindspore").glob("rank_0/om/analyze_fail.ir")), \
+        f"not under TMPDIR: {sorted(str(p) for p in tmp.rglob('*'))}"

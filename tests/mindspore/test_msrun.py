@@ -209,8 +209,10 @@ def test_info_shows_the_tuning_of_each_target(monkeypatch):
         registry.reset()
     assert "runtime settings: op threads 1, dispatch threads 1, kernel launches blocking" in text
     monkeypatch.setenv("HYPERPAR_MS_DEVICE", "Ascend")  # only read: no device is touched
+    monkeypatch.setenv("MS_OM_PATH", "/chosen/by/the/user")
     assert MindSporePlatform().runtime_settings() == {
-        "kernel launches": "asynchronous (MindSpore's default)"}
+        "kernel launches": "asynchronous (MindSpore's default)",
+        "compiler output (MS_OM_PATH)": "/chosen/by/the/user"}
 
 
 def test_a_world_of_one_after_ops_ran(monkeypatch):

@@ -26,6 +26,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -188,9 +189,11 @@ class MindSporePlatform(Platform, DimCollectives):
 
     def runtime_settings(self) -> dict[str, str]:
         """The thread and launch settings :func:`tune_threads` applies on this target."""
+        compiler = {"compiler output (MS_OM_PATH)": compiler_output_dir()}
         if os.environ.get("HYPERPAR_MS_KEEP_THREADS"):
-            return {"tuning": "off (HYPERPAR_MS_KEEP_THREADS is set): MindSpore's defaults"}
-        return dict(TUNING[self.target])
+            return {"tuning": "off (HYPERPAR_MS_KEEP_THREADS is set): MindSpore's defaults",
+                    **compiler}
+        return {**TUNING[self.target], **compiler}
 
     def synchronize(self) -> None:
         _ms().runtime.synchronize()
@@ -288,6 +291,7 @@ class MindSporePlatform(Platform, DimCollectives):
         if self._initialized:
             return
         env = os.environ
+        route_compiler_output()
         launch = read_launch_env(env)
         if world_size is not None:
             launch = dataclasses.replace(launch, world_size=int(world_size))
@@ -565,6 +569,21 @@ TUNING = {
     "Ascend": {"kernel launches": "asynchronous (MindSpore's default)"},
     "GPU": {"kernel launches": "asynchronous (MindSpore's default)"},
 }
+
+
+def compiler_output_dir() -> str:
+    """Where MindSpore's graph compiler writes ``rank_N/om/`` (``analyze_fail.ir`` after a
+    failed ``ms.jit`` compile): ``MS_OM_PATH`` when the user set it, else a folder under the
+    system's temporary directory -- never the user's working directory."""
+    return os.environ.get("MS_OM_PATH") or os.path.join(tempfile.gettempdir(),
+                                                        "hyperpar-mindspore")
+
+
+def route_compiler_output() -> None:
+    """Point ``MS_OM_PATH`` at :func:`compiler_output_dir` unless the user chose one (measured
+    on MindSpore 2.10: read at the failure, so setting it after import works; the error
+    message names the file's full path)."""
+    os.environ.setdefault("MS_OM_PATH", compiler_output_dir())
 
 
 def tune_threads(ms: Any, target: str = "CPU") -> None:
