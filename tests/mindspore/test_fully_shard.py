@@ -167,7 +167,7 @@ def _check(results: list[dict], ref: dict, n_shard: int, state_per_param: int) -
 @pytest.mark.parametrize("opt_name", ["sgd", "adam"])
 def test_fully_shard_2_ranks_matches_one_process(pool2, opt_name: str) -> None:
     results = pool2.run(_fsdp_rank, opt_name, None)
-    _check(results, _reference(opt_name, 2), 2, {"sgd": 1, "adam": 2}  # nn.SGD keeps `accum`[opt_name])
+    _check(results, _reference(opt_name, 2), 2, {"sgd": 1, "adam": 2}[opt_name])  # SGD: `accum`
 
 
 @pytest.mark.parametrize("opt_name", ["momentum", "adam"])
