@@ -174,3 +174,57 @@ def test_fully_shard_2_ranks_matches_one_process(pool2, opt_name: str) -> None:
 def test_fully_shard_4_ranks_matches_one_process(pool4, opt_name: str) -> None:
     results = pool4.run(_fsdp_rank, opt_name, (4,))
     _check(results, _reference(opt_name, 4), 4, {"momentum": 1, "adam": 2}[opt_name])
+
+
+def test_hsdp_replicate_2_shard_2_matches_one_process(pool4) -> None:
+    """HSDP on a (replicate, shard) = (2, 2) mesh: shards over 2 ranks, gradients
+    reduce-scattered over the shard pair and summed over the replicas, mean over all 4."""
+    results = pool4.run(_fsdp_rank, "adam", (2, 2))
+    _check(results, _reference("adam", 4), 2, 2)
+
+
+def _errors_rank() -> dict:
+    import mindspore as ms
+    from mindspore import Parameter, nn
+
+    from hyperpar import fully_shard
+
+    out = {}
+    net = fully_shard(nn.Dense(3, 2))
+    for name, call in (
+        ("twice", lambda: fully_shard(net)),
+        ("not_cell", lambda: fully_shard(object())),
+        ("reshard", lambda: fully_shard(nn.Dense(3, 2), reshard_after_forward="yes")),
+    ):
+        try:
+            call()
+            out[name] = "accepted"
+        except (TypeError, ValueError) as exc:
+            out[name] = str(exc)
+
+    class Scalar(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = Parameter(ms.Tensor(2.0, ms.float32), name="scale")
+
+        def construct(self, x):
+            return x * self.scale
+
+    try:
+        fully_shard(Scalar())
+        out["scalar"] = "accepted"
+    except ValueError as exc:
+        out["scalar"] = str(exc)
+    cell = Scalar()
+    fully_shard(cell, ignored_params={cell.scale})  # left whole: no parameter to shard
+    out["ignored"] = float(cell(ms.Tensor(np.ones(2, np.float32))).asnumpy().sum())
+    return out
+
+
+def test_bad_input_is_refused_on_every_rank_before_any_collective(pool2) -> None:
+    for rank, res in enumerate(pool2.run(_errors_rank)):
+        assert "already fully sharded" in res["twice"], (rank, res["twice"])
+        assert "expected a mindspore.nn.Cell" in res["not_cell"], (rank, res["not_cell"])
+        assert "reshard_after_forward must be" in res["reshard"], (rank, res["reshard"])
+        assert "is a scalar (0-d)" in res["scalar"] and "ignored_params" in res["scalar"], rank
+        assert res["ignored"] == 4.0, rank
