@@ -96,23 +96,26 @@ class _Unit:
         return out
 
     def install(self, values: list[Any]) -> None:
-        """Make ``self.<attr>`` read the whole values while ``construct`` runs: an instance
-        attribute is found before ``Cell.__getattr__`` looks in ``_params``, which keeps the
-        shard Parameters (MindSpore's call checks walk ``_params``)."""
+        """Put the whole values in the parameters' slots while the unit runs (its forward
+        hooks too: a tensor-parallel Cell's hooks swap and read ``_params`` themselves)."""
         for where, value in zip(self.slots, values, strict=True):
             for owner, attr in where:
-                owner.__dict__[attr] = value
+                owner._params[attr] = value
 
     def restore(self) -> None:
-        for where in self.slots:
-            for owner, attr in where:
-                owner.__dict__.pop(attr, None)
-
-    def place_shards(self) -> None:
-        """The shard Parameters take the original parameters' places in their Cells."""
+        """The shard Parameters back in their places (also the first placement)."""
         for where, shard in zip(self.slots, self.shards, strict=True):
             for owner, attr in where:
                 owner._params[attr] = shard
+
+    def settle_owners(self) -> None:
+        """Run MindSpore's once-per-Cell first-call checks now, on the shard Parameters: they
+        walk ``_params`` (of the Cell and below) expecting Parameters, and would otherwise run
+        while whole values (plain tensors) stand in the slots."""
+        for _name, sub in self.cell.cells_and_names():
+            if not (sub._init_flag or sub._is_check_and_refresh):
+                sub._init_check()
+                sub._self_check()
 
 
 class FullyShardedCell(nn.Cell):
@@ -222,18 +225,22 @@ def fully_shard(cell: nn.Cell, *, mesh: Any = None,
         piece[:length] = whole[start:start + length]
         shards.append(Parameter(Tensor(piece), name=p.name, requires_grad=p.requires_grad))
     unit = _Unit(cell, plan, slots, shards, shard_group, replicate_group, reshard)
-    unit.place_shards()
-    original = cell.construct
+    unit.restore()  # the shards take the parameters' places
+    unit.settle_owners()
+    cls = type(cell)
+    sharded = type(f"FullyShard{cls.__name__}", (cls, FullyShardedCell), {})
 
-    def construct(*args: Any, **kwargs: Any) -> Any:
+    def __call__(self: nn.Cell, *args: Any, **kwargs: Any) -> Any:
+        # Wrapping __call__ rather than construct puts the whole values in place before the
+        # Cell's own forward hooks run.
+        unit = self.__dict__["_hp_fsdp_unit"]
         unit.install(unit.unshard())
         try:
-            return original(*args, **kwargs)
+            return super(sharded, self).__call__(*args, **kwargs)
         finally:
             unit.restore()
 
-    cls = type(cell)
-    cell.__class__ = type(f"FullyShard{cls.__name__}", (cls, FullyShardedCell), {})
+    sharded.__call__ = __call__
+    cell.__class__ = sharded
     object.__setattr__(cell, "_hp_fsdp_unit", unit)
-    object.__setattr__(cell, "construct", construct)
     return cell
