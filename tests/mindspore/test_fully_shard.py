@@ -9,12 +9,12 @@ the first step's gradient shard against the reference gradient's rows (zero in t
 and that each rank stores 1/N of the parameter bytes (+ padding to ceil(d0 / N) rows) and
 optimizer state of exactly its shards' size.
 
-Tolerance: weights normal(0, 0.5), inputs normal(0, 1), dims <= 8: values O(1-10). The ranks
+Tolerance: weights normal(0, 0.5), inputs normal(0, 1), dims <= 8: values OUT(1-10). The ranks
 and the one process differ only in the order of float32 sums (a batch mean split into N partial
 means, summed; the reduce-scatter's sum of N terms): <= 16 terms, <= 16 * 2^-24 ~ 1e-6
 relative, carried by 3 steps with a gain below 2 each; Adam divides by sqrt(v) + 1e-8, which
 keeps relative gradient errors relative. We allow 2e-5 * max(1, max|want|); a missing or
-doubled average, or a shard read from the wrong rows, is O(1) off.
+doubled average, or a shard read from the wrong rows, is OUT(1) off.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(900)
 
-D, H, O, PER_RANK, STEPS = 5, 7, 3, 2, 3
+D, H, OUT, PER_RANK, STEPS = 5, 7, 3, 2, 3
 LR = {"sgd": 0.1, "momentum": 0.05, "adam": 0.01}
 RTOL = 2e-5
 
@@ -38,7 +38,7 @@ def _net():
             super().__init__()
             self.fc1 = nn.Dense(D, H)
             self.fc2 = nn.Dense(H, H)
-            self.out = nn.Dense(H, O)
+            self.out = nn.Dense(H, OUT)
 
         def construct(self, x):
             return self.out(ops.relu(self.fc2(ops.relu(self.fc1(x)))))
@@ -53,7 +53,7 @@ def _net():
 def _data(n: int):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((n * PER_RANK, D)).astype(np.float32)
-    y = rng.standard_normal((n * PER_RANK, O)).astype(np.float32)
+    y = rng.standard_normal((n * PER_RANK, OUT)).astype(np.float32)
     return x, y
 
 
@@ -231,8 +231,13 @@ def test_bad_input_is_refused_on_every_rank_before_any_collective(pool2) -> None
 
 
 def _dp_tp_rank() -> dict:
-    from hyperpar import ColwiseParallel, RowwiseParallel, fully_shard, init_device_mesh
-    from hyperpar import parallelize_module
+    from hyperpar import (
+        ColwiseParallel,
+        RowwiseParallel,
+        fully_shard,
+        init_device_mesh,
+        parallelize_module,
+    )
 
     mesh = init_device_mesh((2, 2), mesh_dim_names=("dp", "tp"))
     net = _net()
