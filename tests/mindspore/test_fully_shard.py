@@ -9,12 +9,12 @@ the first step's gradient shard against the reference gradient's rows (zero in t
 and that each rank stores 1/N of the parameter bytes (+ padding to ceil(d0 / N) rows) and
 optimizer state of exactly its shards' size.
 
-Tolerance: weights normal(0, 0.5), inputs normal(0, 1), dims <= 8: values OUT(1-10). The ranks
+Tolerance: weights normal(0, 0.5), inputs normal(0, 1), dims <= 8: values O(1-10). The ranks
 and the one process differ only in the order of float32 sums (a batch mean split into N partial
 means, summed; the reduce-scatter's sum of N terms): <= 16 terms, <= 16 * 2^-24 ~ 1e-6
 relative, carried by 3 steps with a gain below 2 each; Adam divides by sqrt(v) + 1e-8, which
 keeps relative gradient errors relative. We allow 2e-5 * max(1, max|want|); a missing or
-doubled average, or a shard read from the wrong rows, is OUT(1) off.
+doubled average, or a shard read from the wrong rows, is O(1) off.
 """
 
 from __future__ import annotations
