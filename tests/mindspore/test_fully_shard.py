@@ -273,3 +273,23 @@ def test_dp2_x_tp2_fully_shard_over_dp_matches_one_process(pool4) -> None:
                 want = np.take(want, range(res["tp"] * step,
                                            min(want.shape[dim], (res["tp"] + 1) * step)), dim)
             _close(res["full"][name], want, f"dp {res['dp']} tp {res['tp']} {name}")
+
+
+def _checkpoint_refused_rank(path: str) -> str:
+    from mindspore import nn
+
+    from hyperpar import checkpoint, fully_shard
+
+    net = fully_shard(nn.Dense(3, 2))
+    try:
+        checkpoint.save(net, path)
+    except NotImplementedError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_checkpoint_of_a_fully_sharded_cell_is_refused_not_saved_wrong(pool2, tmp_path) -> None:
+    """Its Parameters are padded shards: saving them as whole tensors would be silently wrong."""
+    for msg in pool2.run(_checkpoint_refused_rank, str(tmp_path / "ckpt")):
+        assert "fully_shard Cells are not supported" in msg and "full_parameters" in msg, msg
+    assert not (tmp_path / "ckpt").exists()
