@@ -215,6 +215,23 @@ def _errors_rank() -> dict:
         out["scalar"] = "accepted"
     except ValueError as exc:
         out["scalar"] = str(exc)
+    class Tied(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Dense(3, 3)
+            self.outer = nn.Dense(3, 3)
+            self.outer.weight = self.inner.weight
+
+        def construct(self, x):
+            return self.outer(self.inner(x))
+
+    tied = Tied()
+    fully_shard(tied.inner)
+    try:
+        fully_shard(tied)
+        out["tied"] = "accepted"
+    except ValueError as exc:
+        out["tied"] = str(exc)
     cell = Scalar()
     fully_shard(cell, ignored_params={cell.scale})  # left whole: no parameter to shard
     out["ignored"] = float(cell(ms.Tensor(np.ones(2, np.float32))).asnumpy().sum())
@@ -228,6 +245,7 @@ def test_bad_input_is_refused_on_every_rank_before_any_collective(pool2) -> None
         assert "reshard_after_forward must be" in res["reshard"], (rank, res["reshard"])
         assert "is a scalar (0-d)" in res["scalar"] and "ignored_params" in res["scalar"], rank
         assert res["ignored"] == 4.0, rank
+        assert "is tied between the fully-sharded" in res["tied"], (rank, res["tied"])
 
 
 def _dp_tp_rank() -> dict:

@@ -78,6 +78,7 @@ class _Unit:
         self.shard_group = shard_group
         self.gather = _GatherFlat(plan, shard_group, replicate_group)
         self.reshard = reshard
+        self.originals: set[int] = set()  # ids of the Parameters the shards replaced
 
     def unshard(self) -> list[Any]:
         """The whole value of every parameter (differentiable w.r.t. the shards)."""
@@ -162,10 +163,12 @@ def _own_params(cell: nn.Cell, ignored: set[int]) -> tuple[list[Parameter],
     """The parameters ``cell`` shards: those not already in a nested unit nor ignored, each
     once (a tied parameter lists every slot it sits in)."""
     claimed: set[int] = set()
+    replaced: dict[int, str] = {}  # parameters a nested unit sharded: id -> that unit's class
     for _name, sub in cell.cells_and_names():
         unit = sub.__dict__.get("_hp_fsdp_unit")
         if unit is not None and sub is not cell:
             claimed.update(id(p) for p in unit.shards)
+            replaced.update((i, type(sub).__name__) for i in unit.originals)
     params: list[Parameter] = []
     slots: list[list[tuple[nn.Cell, str]]] = []
     index: dict[int, int] = {}
@@ -173,6 +176,11 @@ def _own_params(cell: nn.Cell, ignored: set[int]) -> tuple[list[Parameter],
         for attr, p in sub._params.items():
             if p is None or id(p) in claimed or id(p) in ignored:
                 continue
+            if id(p) in replaced:  # a tie reaching outside the nested unit: it would split
+                raise ValueError(
+                    f"fully_shard: parameter {p.name!r} is tied between the fully-sharded "
+                    f"{replaced[id(p)]} and a Cell outside it; apply fully_shard to a Cell "
+                    f"holding every use of the parameter (or not to the inner one)")
             if id(p) not in index:
                 index[id(p)] = len(params)
                 params.append(p)
@@ -225,6 +233,7 @@ def fully_shard(cell: nn.Cell, *, mesh: Any = None,
         piece[:length] = whole[start:start + length]
         shards.append(Parameter(Tensor(piece), name=p.name, requires_grad=p.requires_grad))
     unit = _Unit(cell, plan, slots, shards, shard_group, replicate_group, reshard)
+    unit.originals = {id(p) for p in params}
     unit.restore()  # the shards take the parameters' places
     unit.settle_owners()
     cls = type(cell)
