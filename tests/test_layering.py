@@ -155,6 +155,7 @@ NEUTRAL_MODULES = ("hyperpar.dtensor.mesh", "hyperpar.dtensor.placement",
                    "hyperpar.dtensor.layout", "hyperpar.dtensor.rules",
                    "hyperpar.platform.dim_collectives", "hyperpar.parallel.spec",
                    "hyperpar.parallel.driver", "hyperpar.parallel.bucket_plan",
+                   "hyperpar.parallel.shard_plan",
                    "hyperpar.checkpoint", "hyperpar.checkpoint.arrays",
                    "hyperpar.checkpoint._commit")
 

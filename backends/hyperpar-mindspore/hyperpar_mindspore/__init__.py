@@ -44,6 +44,8 @@ _EXPORTS = {
     "data_parallel": ".data_parallel",
     "DataParallelCell": ".data_parallel",
     "reduce_gradients": ".data_parallel",
+    "fully_shard": ".fully_shard",
+    "FullyShardedCell": ".fully_shard",
 }
 
 __all__ = sorted(_EXPORTS)

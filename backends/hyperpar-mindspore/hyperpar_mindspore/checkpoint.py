@@ -70,6 +70,12 @@ def _layout(model: nn.Cell, name_map: NameMap) -> dict[str, tuple[Any, ArrayBox 
     global tensor. One collective (every rank's shard lengths)."""
     if not isinstance(model, nn.Cell):
         raise TypeError(f"checkpoint: expected a mindspore.nn.Cell, got {type(model).__name__}")
+    for name, cell in model.cells_and_names():
+        if "_hp_fsdp_unit" in cell.__dict__:  # its padded shards would be saved as whole tensors
+            raise NotImplementedError(
+                f"checkpoint: {name or type(model).__name__!r} is fully sharded (fully_shard); "
+                f"checkpoints of fully_shard Cells are not supported on MindSpore yet -- save "
+                f"the values of cell.full_parameters() instead")
     platform = get_platform()
     params = list(model.parameters_and_names())
     keys: dict[str, str] = {}

@@ -1,0 +1,255 @@
+"""fully_shard (FSDP2 semantics) on MindSpore Cells, PyNative mode.
+
+>>> mesh = init_device_mesh((world,), mesh_dim_names=("dp",))          # doctest: +SKIP
+>>> for block in net.blocks:
+...     fully_shard(block, mesh=mesh)
+>>> fully_shard(net, mesh=mesh)
+>>> opt = nn.Adam(net.trainable_params(), learning_rate=1e-3)   # state for the shards only
+>>> step = ms.value_and_grad(loss_fn, None, opt.parameters)
+>>> loss, grads = step(x_local, y_local)  # grads: this rank's shard of the dp-mean gradient
+>>> opt(grads)
+>>> full = net.full_parameters()          # name -> whole value (a collective)
+
+Each parameter of a unit is replaced by a ``Parameter`` of the same name holding this rank's
+dim-0 ``torch.chunk`` piece, zero-padded to ``ceil(d0 / n)`` rows (the layout, the flat buffer
+and the reduction groups come from the framework-neutral :mod:`hyperpar.parallel.shard_plan`).
+Before the unit's ``construct`` runs, its shards are concatenated and all-gathered in one
+collective; the whole values stand in for the parameters while ``construct`` runs and the shard
+``Parameter`` objects are put back afterwards. The all-gather is a Cell with a ``bprop``: in
+backward MindSpore hands it the gradient of the gathered buffer, which it reduce-scatters
+(summed over the shard group, then over the replicate group for HSDP, times ``1/world``), so
+``value_and_grad`` returns each rank's shard of the averaged gradient. The padding rows get a
+zero gradient and stay zero under SGD, Momentum and Adam.
+
+MindSpore's PyNative autodiff keeps the gathered values its backward needs until backward runs,
+so ``reshard_after_forward`` does not change what is held or sent here: one all-gather per
+unit per forward, one reduce-scatter per unit per backward (no re-gather in backward, no
+prefetch). The argument is accepted and checked for torch compatibility.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+from mindspore import Parameter, Tensor, mint, nn
+
+from hyperpar.parallel.shard_plan import UnitPlan, plan_unit, reshard_after
+from hyperpar.platform import get_platform
+
+__all__ = ["FullyShardedCell", "fully_shard"]
+
+
+class _GatherFlat(nn.Cell):
+    """All-gather of a unit's flat shard buffer; its ``bprop`` is the averaging
+    reduce-scatter of the gathered buffer's gradient."""
+
+    def __init__(self, plan: UnitPlan, shard_group: Any, replicate_group: Any) -> None:
+        super().__init__()
+        self.platform = get_platform()
+        self.plan = plan
+        self.shard_group, self.replicate_group = shard_group, replicate_group
+
+    def construct(self, flat: Any) -> Any:
+        if self.plan.shard_size == 1:
+            return flat * 1  # a new tensor: bprop still runs (HSDP with no shard dim)
+        return mint.cat(self.platform.gather_list(flat, self.shard_group, "fully_shard"))
+
+    def bprop(self, flat: Any, out: Any, dout: Any) -> tuple[Any]:
+        total = dout.copy()
+        if self.plan.shard_size > 1:
+            self.platform.all_reduce(total, "sum", self.shard_group)
+        me = self.platform.rank(self.shard_group)
+        numel = self.plan.flat_numel
+        grad = mint.narrow(total, 0, me * numel, numel).copy()
+        if self.plan.replicate > 1:
+            self.platform.all_reduce(grad, "sum", self.replicate_group)
+        return (grad * self.plan.grad_scale(),)
+
+
+class _Unit:
+    """One fully-sharded Cell: its shard parameters, where they sit, and the gather."""
+
+    def __init__(self, cell: nn.Cell, plan: UnitPlan, slots: list[list[tuple[nn.Cell, str]]],
+                 shards: list[Parameter], shard_group: Any, replicate_group: Any,
+                 reshard: bool) -> None:
+        self.cell, self.plan, self.slots, self.shards = cell, plan, slots, shards
+        self.shard_group = shard_group
+        self.gather = _GatherFlat(plan, shard_group, replicate_group)
+        self.reshard = reshard
+        self.originals: set[int] = set()  # ids of the Parameters the shards replaced
+
+    def unshard(self) -> list[Any]:
+        """The whole value of every parameter (differentiable w.r.t. the shards)."""
+        if not self.shards:
+            return []
+        flat = mint.cat([p.reshape(-1) for p in self.shards])
+        n = self.plan.shard_size
+        rows = self.gather(flat).reshape(n, self.plan.flat_numel)
+        out = []
+        for slot in self.plan.slots:
+            piece = mint.narrow(rows, 1, slot.offset, slot.shard_numel)
+            full = piece.reshape(slot.padded_shape(n))
+            if full.shape[0] != slot.shape[0]:
+                full = mint.narrow(full, 0, 0, slot.shape[0])
+            out.append(full)
+        return out
+
+    def install(self, values: list[Any]) -> None:
+        """Put the whole values in the parameters' slots while the unit runs (its forward
+        hooks too: a tensor-parallel Cell's hooks swap and read ``_params`` themselves)."""
+        for where, value in zip(self.slots, values, strict=True):
+            for owner, attr in where:
+                owner._params[attr] = value
+
+    def restore(self) -> None:
+        """The shard Parameters back in their places (also the first placement)."""
+        for where, shard in zip(self.slots, self.shards, strict=True):
+            for owner, attr in where:
+                owner._params[attr] = shard
+
+    def settle_owners(self) -> None:
+        """Run MindSpore's once-per-Cell first-call checks now, on the shard Parameters: they
+        walk ``_params`` (of the Cell and below) expecting Parameters, and would otherwise run
+        while whole values (plain tensors) stand in the slots."""
+        for _name, sub in self.cell.cells_and_names():
+            if not (sub._init_flag or sub._is_check_and_refresh):
+                sub._init_check()
+                sub._self_check()
+
+
+class FullyShardedCell(nn.Cell):
+    """Mixin class of a Cell prepared by :func:`fully_shard` (never built directly)."""
+
+    _hp_fsdp_unit: _Unit
+
+    def full_parameters(self) -> dict[str, Tensor]:
+        """Every parameter of this Cell, sharded ones gathered whole (a collective: call it on
+        every rank), by the names of ``parameters_and_names()``."""
+        whole: dict[int, Tensor] = {}
+        for _name, cell in self.cells_and_names():
+            unit = cell.__dict__.get("_hp_fsdp_unit")
+            if unit is not None:
+                for shard, value in zip(unit.shards, unit.unshard(), strict=True):
+                    whole[id(shard)] = value.copy()
+        return {name: whole.get(id(p), p) for name, p in self.parameters_and_names()}
+
+    def shard_layout(self) -> dict[str, tuple[int, int, int]]:
+        """``name -> (first global row, rows held, padded rows stored)`` for this unit's own
+        sharded parameters, on this rank."""
+        unit = self._hp_fsdp_unit
+        me = get_platform().rank(unit.shard_group)
+        return {s.name: (s.starts[me], s.lengths[me], s.rows_per_rank) for s in unit.plan.slots}
+
+
+def _groups(mesh: Any) -> tuple[Any, Any, int, int]:
+    """``(shard group, replicate group, shard size, replicate size)`` of a 1-D or 2-D
+    ``(replicate, shard)`` mesh (``None``: the world)."""
+    platform = get_platform()
+    if mesh is None:
+        return None, None, platform.world_size(None), 1
+    ndim = getattr(mesh, "ndim", None)
+    if ndim == 1:
+        return mesh.get_group(0), None, mesh.size(0), 1
+    if ndim == 2:
+        return mesh.get_group(1), mesh.get_group(0), mesh.size(1), mesh.size(0)
+    raise ValueError(f"fully_shard: mesh must be a 1-D (shard) or 2-D (replicate, shard) "
+                     f"DeviceMesh, got {mesh!r}; for dp x tp pass mesh['dp']")
+
+
+def _own_params(cell: nn.Cell, ignored: set[int]) -> tuple[list[Parameter],
+                                                             list[list[tuple[nn.Cell, str]]]]:
+    """The parameters ``cell`` shards: those not already in a nested unit nor ignored, each
+    once (a tied parameter lists every slot it sits in)."""
+    claimed: set[int] = set()
+    replaced: dict[int, str] = {}  # parameters a nested unit sharded: id -> that unit's class
+    for _name, sub in cell.cells_and_names():
+        unit = sub.__dict__.get("_hp_fsdp_unit")
+        if unit is not None and sub is not cell:
+            claimed.update(id(p) for p in unit.shards)
+            replaced.update((i, type(sub).__name__) for i in unit.originals)
+    params: list[Parameter] = []
+    slots: list[list[tuple[nn.Cell, str]]] = []
+    index: dict[int, int] = {}
+    for _name, sub in cell.cells_and_names():
+        for attr, p in sub._params.items():
+            if p is None or id(p) in claimed or id(p) in ignored:
+                continue
+            if id(p) in replaced:  # a tie reaching outside the nested unit: it would split
+                raise ValueError(
+                    f"fully_shard: parameter {p.name!r} is tied between the fully-sharded "
+                    f"{replaced[id(p)]} and a Cell outside it; apply fully_shard to a Cell "
+                    f"holding every use of the parameter (or not to the inner one)")
+            if id(p) not in index:
+                index[id(p)] = len(params)
+                params.append(p)
+                slots.append([])
+            slots[index[id(p)]].append((sub, attr))
+    return params, slots
+
+
+def fully_shard(cell: nn.Cell, *, mesh: Any = None,
+                reshard_after_forward: bool | int | None = None,
+                ignored_params: Iterable[Parameter] | None = None) -> nn.Cell:
+    """Shard ``cell``'s parameters along dim 0 over the data-parallel ``mesh`` (FSDP2
+    semantics): apply to the blocks first, then to the root.
+
+    Args:
+        cell: a ``mindspore.nn.Cell`` (a block or the root). Parameters already sharded by a
+            nested ``fully_shard`` are left to that unit.
+        mesh: a 1-D :class:`~hyperpar.dtensor.DeviceMesh` (shard) or 2-D ``(replicate,
+            shard)`` for HSDP; default: every rank. With tensor parallelism pass ``mesh["dp"]``.
+        reshard_after_forward: accepted as on torch; see the module docstring for why it does
+            not change the schedule on MindSpore PyNative.
+        ignored_params: parameters left whole: not sharded, not gathered, their gradients not
+            reduced.
+
+    Returns ``cell`` itself, whose class now also derives from :class:`FullyShardedCell`.
+    """
+    if not isinstance(cell, nn.Cell):
+        raise TypeError(f"fully_shard: expected a mindspore.nn.Cell, got {type(cell).__name__}")
+    if isinstance(cell, FullyShardedCell):
+        raise ValueError(f"fully_shard: {type(cell).__name__} is already fully sharded; apply "
+                         f"fully_shard once per Cell (blocks first, then the root)")
+    # checked as on torch; the root is not known yet, and the schedule does not depend on it
+    reshard = reshard_after(reshard_after_forward, is_root=False)
+    shard_group, replicate_group, n, rep = _groups(mesh)
+    ignored = {id(p) for p in (ignored_params or ())}
+    params, slots = _own_params(cell, ignored)
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1:
+        raise ValueError(f"fully_shard: the parameters of {type(cell).__name__} have several "
+                         f"dtypes ({sorted(str(d) for d in dtypes)}); one unit gathers one flat "
+                         f"buffer -- apply fully_shard to sub-Cells of one dtype each, or pass "
+                         f"the others in ignored_params")
+    plan = plan_unit([(p.name, p.shape) for p in params], n, rep)
+    me = get_platform().rank(shard_group) if n > 1 else 0
+    shards = []
+    for p, slot in zip(params, plan.slots, strict=True):
+        whole = p.asnumpy()
+        piece = np.zeros(slot.shard_shape, dtype=whole.dtype)
+        start, length = slot.starts[me], slot.lengths[me]
+        piece[:length] = whole[start:start + length]
+        shards.append(Parameter(Tensor(piece), name=p.name, requires_grad=p.requires_grad))
+    unit = _Unit(cell, plan, slots, shards, shard_group, replicate_group, reshard)
+    unit.originals = {id(p) for p in params}
+    unit.restore()  # the shards take the parameters' places
+    unit.settle_owners()
+    cls = type(cell)
+    sharded = type(f"FullyShard{cls.__name__}", (cls, FullyShardedCell), {})
+
+    def __call__(self: nn.Cell, *args: Any, **kwargs: Any) -> Any:
+        # Wrapping __call__ rather than construct puts the whole values in place before the
+        # Cell's own forward hooks run.
+        unit = self.__dict__["_hp_fsdp_unit"]
+        unit.install(unit.unshard())
+        try:
+            return super(sharded, self).__call__(*args, **kwargs)
+        finally:
+            unit.restore()
+
+    sharded.__call__ = __call__
+    cell.__class__ = sharded
+    object.__setattr__(cell, "_hp_fsdp_unit", unit)
+    return cell
