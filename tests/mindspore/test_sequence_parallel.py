@@ -233,7 +233,8 @@ for name in ("init_device_mesh", "parallelize_module", "ColwiseParallel", "Rowwi
 namespace = {}
 exec("from hyperpar import *", namespace)  # the torch stack's names are left out, not broken
 assert namespace["parallelize_module"] is hyperpar_mindspore.parallelize_module
-assert "fully_shard" not in namespace and "get_platform" in namespace
+assert namespace["fully_shard"] is hyperpar_mindspore.fully_shard  # Cells have fully_shard now
+assert "PipelineModule" not in namespace and "get_platform" in namespace
 assert "torch" not in sys.modules, "the MindSpore path imported torch"
 print("ok")
 """
