@@ -389,3 +389,38 @@ class ScheduleInterleavedZeroBubble(_NotImplementedSchedule):
 
 class ScheduleZBVZeroBubble(_NotImplementedSchedule):
     """Not implemented (raises :class:`NotImplementedError` naming the alternatives)."""
+
+
+class ScheduleDualPipeV(_NotImplementedSchedule):
+    """Not implemented (raises :class:`NotImplementedError` naming the alternatives)."""
+
+
+class _PipelineScheduleRuntime(_NotImplementedSchedule):
+    """torch's runtime for a schedule read from a CSV file (``pipeline_parallel_schedule_csv``);
+    not implemented: constructing it raises."""
+
+    why = "schedules read from a CSV action list are not run"
+
+
+_SCHEDULE_NAMES: dict[str, type] = {
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "GPipe": ScheduleGPipe,
+    "LoopedBFS": ScheduleLoopedBFS,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    "PipelineScheduleSingle": PipelineScheduleSingle,
+    "PipelineScheduleMulti": PipelineScheduleMulti,
+    "ZBVZeroBubble": ScheduleZBVZeroBubble,
+    "DualPipeV": ScheduleDualPipeV,
+}
+
+
+def get_schedule_class(schedule_name: str) -> type:
+    """The schedule class for ``schedule_name`` (case-insensitive), as torch's function of the
+    same name; an unknown name raises ``ValueError`` listing the valid ones."""
+    by_lower = {k.lower(): v for k, v in _SCHEDULE_NAMES.items()}
+    cls = by_lower.get(str(schedule_name).lower())
+    if cls is None:
+        raise ValueError(f"Unknown schedule name {schedule_name!r}. The valid options are "
+                         f"{list(_SCHEDULE_NAMES)}")
+    return cls
