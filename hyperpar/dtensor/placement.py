@@ -83,6 +83,23 @@ class Partial(Placement):
 REPLICATE = Replicate()
 
 
+@dataclass(frozen=True, slots=True)
+class _StridedShard(Placement):
+    """torch's strided shard (its FSDP2 x TP layout of colwise weights), named so that code
+    testing ``isinstance(p, _StridedShard)`` imports; hyperpar never produces one and
+    :func:`normalize_placements` rejects it (hyperpar keeps such weights on a re-ordered mesh,
+    see ``hyperpar.dtensor._remesh``)."""
+
+    dim: int = 0
+    split_factor: int = 1
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return dim is None or dim == self.dim
+
+    def __repr__(self) -> str:
+        return f"_StridedShard(dim={self.dim}, split_factor={self.split_factor})"
+
+
 def chunk_bounds(size: int, n: int, index: int) -> tuple[int, int]:
     """``(offset, length)`` of piece ``index`` when ``size`` elements are split into ``n``
     pieces with ``torch.chunk`` semantics (pieces of ``ceil(size / n)``; the tail may be
@@ -109,6 +126,10 @@ def normalize_placements(placements: object, ndim_mesh: int, ndim_tensor: int,
         )
     out = []
     for p in placements:
+        if type(p) is _StridedShard:
+            raise NotImplementedError(
+                f"{what}: {p!r} is not supported by hyperpar (it has no strided shard); lay "
+                f"the tensor out with Shard/Replicate/Partial")
         if type(p) is Shard:
             d = p.dim
             if not -ndim_tensor <= d < ndim_tensor:
