@@ -9,4 +9,5 @@ from .clip import clip_grad_norm_
 from .policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "FSDPModule", "MixedPrecisionPolicy",
-           "OffloadPolicy", "UnshardHandle", "clip_grad_norm_", "fully_shard", "register_fsdp_forward_method"]
+           "OffloadPolicy", "UnshardHandle", "clip_grad_norm_", "fully_shard",
+           "register_fsdp_forward_method"]

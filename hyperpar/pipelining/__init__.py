@@ -20,8 +20,8 @@ from .schedules import (
     ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
-    _PipelineSchedule,
-    _PipelineScheduleRuntime,
+    _PipelineSchedule,  # noqa: F401  (torchtitan imports these private names)
+    _PipelineScheduleRuntime,  # noqa: F401
     get_schedule_class,
     looped_bfs_plan,
 )

@@ -71,7 +71,8 @@ def rewrite_tree(root: Path) -> tuple[int, dict[str, int]]:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1 or not Path(argv[0], "__init__.py").is_file():
-        print("usage: rewrite_imports.py PATH/TO/torchtitan (a copy of the package)", file=sys.stderr)
+        print("usage: rewrite_imports.py PATH/TO/torchtitan (a copy of the package)",
+              file=sys.stderr)
         return 2
     changed, kept = rewrite_tree(Path(argv[0]))
     print(f"rewrite_imports: {changed} import lines now point at hyperpar")
