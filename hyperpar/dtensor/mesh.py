@@ -491,18 +491,20 @@ class DeviceMesh:
 
 
 def _check_backend_override(override: Any, sizes: dict[str, int], what: str) -> None:
-    """Accept torch's ``backend_override`` only where it changes nothing: entries for dims of
-    size 1, which never communicate (torchtitan's ParallelDims names every unused dim there,
-    as ``"fake"``). A backend for a real dim raises: hyperpar picks it per platform."""
+    """Accept torch's ``backend_override`` where it cannot change a result: any entry for a
+    size-1 dim (it never communicates) and ``"fake"`` for any dim -- torchtitan's ParallelDims
+    marks every dim it will not communicate over so (torch then makes no real group; hyperpar
+    makes its groups as usual, so a stray collective there is still right). Any other backend
+    for a real dim raises: hyperpar picks the backend per platform."""
     if override is None:
         return
     if not isinstance(override, Mapping):
         raise NotImplementedError(f"{what}: backend_override must be a mapping of dim name to "
                                   f"backend, got {override!r}")
-    real = {k: v for k, v in override.items() if sizes.get(k, 0) != 1}
+    real = {k: v for k, v in override.items() if sizes.get(k, 0) != 1 and v != "fake"}
     if real:
         raise NotImplementedError(
-            f"{what}: backend_override {real} names dims that are not of size 1 (sizes "
+            f"{what}: backend_override {real} picks a backend for dims of size > 1 (sizes "
             f"{sizes}); hyperpar chooses the backend per platform: leave these out")
 
 

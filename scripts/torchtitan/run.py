@@ -68,6 +68,8 @@ def main() -> None:
     trainer = config.build()
     hyperpar = "hyperpar" in os.path.basename(os.path.normpath(TREE))
     n = same_initial_weights(trainer.model_parts, hyperpar)
+    first = next(trainer.model_parts[0].parameters())
+    first_type = f"{type(first).__module__}.{type(first).__qualname__}"  # whose DTensor ran
     records: list[dict] = []
     log = trainer.metrics_processor.log
 
@@ -83,7 +85,7 @@ def main() -> None:
         trainer.close()
     if int(os.environ.get("RANK", "0")) == 0:
         with open(OUT, "w") as f:
-            json.dump({"params_set": n, "steps": records}, f)
+            json.dump({"params_set": n, "param_type": first_type, "steps": records}, f)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
