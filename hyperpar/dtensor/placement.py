@@ -109,6 +109,25 @@ def chunk_bounds(size: int, n: int, index: int) -> tuple[int, int]:
     return start, max(0, min(step, size - start))
 
 
+def _from_torch(p: object) -> object:
+    """torch's own ``Shard``/``Replicate``/``Partial`` (made by libraries written against
+    ``torch.distributed.tensor``, e.g. torchtitan's ``spmd_types``) as hyperpar's; anything
+    else unchanged. By name, so this module stays framework-free."""
+    cls = type(p)
+    if isinstance(p, Placement) or not cls.__module__.startswith("torch.distributed"):
+        return p
+    name = cls.__name__
+    if name == "Shard":
+        return Shard(p.dim)  # type: ignore[attr-defined]
+    if name == "Replicate":
+        return REPLICATE
+    if name == "Partial":
+        return Partial(str(getattr(p, "reduce_op", "sum")))
+    if name == "_StridedShard":
+        return _StridedShard(p.dim, p.split_factor)  # type: ignore[attr-defined]
+    return p
+
+
 def normalize_placements(placements: object, ndim_mesh: int, ndim_tensor: int,
                          what: str = "placements") -> tuple[Placement, ...]:
     """Validate ``placements`` for a mesh of ``ndim_mesh`` dims and a tensor of ``ndim_tensor``
@@ -126,6 +145,7 @@ def normalize_placements(placements: object, ndim_mesh: int, ndim_tensor: int,
         )
     out = []
     for p in placements:
+        p = _from_torch(p)
         if type(p) is _StridedShard:
             raise NotImplementedError(
                 f"{what}: {p!r} is not supported by hyperpar (it has no strided shard); lay "
