@@ -45,6 +45,13 @@ class Shard(Placement):
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
 
+    def __eq__(self, other: object) -> bool:
+        other = _from_torch(other)  # torch's Shard(d) is the same placement
+        return type(other) is Shard and other.dim == self.dim
+
+    def __hash__(self) -> int:
+        return hash(("Shard", self.dim))
+
     def __repr__(self) -> str:
         return f"Shard(dim={self.dim})"
 
@@ -55,6 +62,12 @@ class Replicate(Placement):
 
     def is_replicate(self) -> bool:
         return True
+
+    def __eq__(self, other: object) -> bool:
+        return type(_from_torch(other)) is Replicate
+
+    def __hash__(self) -> int:
+        return hash("Replicate")
 
     def __repr__(self) -> str:
         return "Replicate()"
@@ -75,6 +88,13 @@ class Partial(Placement):
 
     def is_partial(self, reduce_op: str | None = None) -> bool:
         return reduce_op is None or reduce_op == self.reduce_op
+
+    def __eq__(self, other: object) -> bool:
+        other = _from_torch(other)
+        return type(other) is Partial and other.reduce_op == self.reduce_op
+
+    def __hash__(self) -> int:
+        return hash(("Partial", self.reduce_op))
 
     def __repr__(self) -> str:
         return f"Partial({self.reduce_op!r})"

@@ -19,6 +19,14 @@ def test_torch_placements_become_hyperpar_ones() -> None:
     assert all(type(p) in (Shard, Replicate, Partial) for p in got)
 
 
+def test_equal_to_torch_placements_of_the_same_layout() -> None:
+    ours = (Shard(0), Replicate(), Partial("sum"))
+    assert ours == (TShard(0), TReplicate(), TPartial("sum"))
+    assert ours != (TShard(1), TReplicate(), TPartial("sum"))
+    assert Partial("sum") != TPartial("avg") and Replicate() != TShard(0)
+    assert len({Shard(0), Shard(0), Replicate()}) == 2
+
+
 def test_torch_strided_shard_is_rejected_naming_the_fix() -> None:
     from torch.distributed.tensor.placement_types import _StridedShard
 
