@@ -1,6 +1,6 @@
 """One torchtitan training run on CPU ranks, native or on hyperpar; per-step losses to JSON.
 
-    torchrun --nproc-per-node N run.py TREE OUT.json [torchtitan args...]
+    torchrun --nproc-per-node N run.py TREE OUT.json [torchtitan args...]   # OUT.json.rankR
 
 TREE is a patched copy (``trees/native`` or ``trees/hyperpar``, made by setup.sh). This file is
 torchtitan's ``train.main`` without its logging set-up, plus two things both runs share: every
@@ -83,9 +83,11 @@ def main() -> None:
         trainer.train()
     finally:
         trainer.close()
-    if int(os.environ.get("RANK", "0")) == 0:
-        with open(OUT, "w") as f:
-            json.dump({"params_set": n, "param_type": first_type, "steps": records}, f)
+    # Every rank writes its own record; under PP only the last stage's ranks know the loss
+    # (the others log -1), so readers take the first rank whose losses are real.
+    rank = int(os.environ.get("RANK", "0"))
+    with open(f"{OUT}.rank{rank}", "w") as f:
+        json.dump({"params_set": n, "param_type": first_type, "steps": records}, f)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
