@@ -9,7 +9,13 @@ Names mirror torch's own DTensor API: :class:`DeviceMesh`, :func:`init_device_me
 # The torch stack loads only where torch is installed: a MindSpore-only venv still gets the
 # framework-neutral part of this package (the mesh and the placements).
 from .mesh import DeviceMesh, MeshDimError, current_mesh, init_device_mesh
-from .placement import Partial, Placement, Replicate, Shard
+from .placement import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    _StridedShard,  # noqa: F401  (isinstance checks in ported code)
+)
 
 try:
     import torch as _torch  # noqa: F401

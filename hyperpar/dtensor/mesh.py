@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, overload
 
 from hyperpar.platform import Platform, backends, get_platform
@@ -451,9 +451,6 @@ class DeviceMesh:
         share process groups, so DTensors on them combine. Only a mesh over the whole world can
         be unflattened (unflatten the world mesh, then slice)."""
         what = "DeviceMesh._unflatten"
-        if backend_override is not None:
-            raise NotImplementedError(f"{what}: backend_override is not supported by hyperpar "
-                                      f"(the backend is chosen per platform); leave it out")
         if isinstance(dim, str) and (not self.mesh_dim_names or dim not in self.mesh_dim_names):
             raise ValueError(f"{what}: dim {dim!r} is not in {self.mesh_dim_names}; pass one "
                              f"of these names or an index")
@@ -470,6 +467,7 @@ class DeviceMesh:
             raise ValueError(
                 f"{what}: mesh_sizes {sizes} (product {math.prod(sizes)}) must be positive and "
                 f"multiply to the size {self._shape[d]} of dimension {dim!r} of {self!r}")
+        _check_backend_override(backend_override, dict(zip(names, sizes, strict=True)), what)
         world = get_platform().world_size()
         if sorted(self._ranks) != list(range(world)):
             raise NotImplementedError(
@@ -490,6 +488,24 @@ class DeviceMesh:
 
     def __exit__(self, *exc: object) -> None:
         _MESH_STACK.pop()
+
+
+def _check_backend_override(override: Any, sizes: dict[str, int], what: str) -> None:
+    """Accept torch's ``backend_override`` where it cannot change a result: any entry for a
+    size-1 dim (it never communicates) and ``"fake"`` for any dim -- torchtitan's ParallelDims
+    marks every dim it will not communicate over so (torch then makes no real group; hyperpar
+    makes its groups as usual, so a stray collective there is still right). Any other backend
+    for a real dim raises: hyperpar picks the backend per platform."""
+    if override is None:
+        return
+    if not isinstance(override, Mapping):
+        raise NotImplementedError(f"{what}: backend_override must be a mapping of dim name to "
+                                  f"backend, got {override!r}")
+    real = {k: v for k, v in override.items() if sizes.get(k, 0) != 1 and v != "fake"}
+    if real:
+        raise NotImplementedError(
+            f"{what}: backend_override {real} picks a backend for dims of size > 1 (sizes "
+            f"{sizes}); hyperpar chooses the backend per platform: leave these out")
 
 
 def current_mesh() -> DeviceMesh | None:

@@ -45,6 +45,13 @@ class Shard(Placement):
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
 
+    def __eq__(self, other: object) -> bool:
+        other = _from_torch(other)  # torch's Shard(d) is the same placement
+        return type(other) is Shard and other.dim == self.dim
+
+    def __hash__(self) -> int:
+        return hash(("Shard", self.dim))
+
     def __repr__(self) -> str:
         return f"Shard(dim={self.dim})"
 
@@ -55,6 +62,12 @@ class Replicate(Placement):
 
     def is_replicate(self) -> bool:
         return True
+
+    def __eq__(self, other: object) -> bool:
+        return type(_from_torch(other)) is Replicate
+
+    def __hash__(self) -> int:
+        return hash("Replicate")
 
     def __repr__(self) -> str:
         return "Replicate()"
@@ -76,11 +89,35 @@ class Partial(Placement):
     def is_partial(self, reduce_op: str | None = None) -> bool:
         return reduce_op is None or reduce_op == self.reduce_op
 
+    def __eq__(self, other: object) -> bool:
+        other = _from_torch(other)
+        return type(other) is Partial and other.reduce_op == self.reduce_op
+
+    def __hash__(self) -> int:
+        return hash(("Partial", self.reduce_op))
+
     def __repr__(self) -> str:
         return f"Partial({self.reduce_op!r})"
 
 
 REPLICATE = Replicate()
+
+
+@dataclass(frozen=True, slots=True)
+class _StridedShard(Placement):
+    """torch's strided shard (its FSDP2 x TP layout of colwise weights), named so that code
+    testing ``isinstance(p, _StridedShard)`` imports; hyperpar never produces one and
+    :func:`normalize_placements` rejects it (hyperpar keeps such weights on a re-ordered mesh,
+    see ``hyperpar.dtensor._remesh``)."""
+
+    dim: int = 0
+    split_factor: int = 1
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return dim is None or dim == self.dim
+
+    def __repr__(self) -> str:
+        return f"_StridedShard(dim={self.dim}, split_factor={self.split_factor})"
 
 
 def chunk_bounds(size: int, n: int, index: int) -> tuple[int, int]:
@@ -90,6 +127,25 @@ def chunk_bounds(size: int, n: int, index: int) -> tuple[int, int]:
     step = -(-size // n)
     start = min(index * step, size)
     return start, max(0, min(step, size - start))
+
+
+def _from_torch(p: object) -> object:
+    """torch's own ``Shard``/``Replicate``/``Partial`` (made by libraries written against
+    ``torch.distributed.tensor``, e.g. torchtitan's ``spmd_types``) as hyperpar's; anything
+    else unchanged. By name, so this module stays framework-free."""
+    cls = type(p)
+    if isinstance(p, Placement) or not cls.__module__.startswith("torch.distributed"):
+        return p
+    name = cls.__name__
+    if name == "Shard":
+        return Shard(p.dim)  # type: ignore[attr-defined]
+    if name == "Replicate":
+        return REPLICATE
+    if name == "Partial":
+        return Partial(str(getattr(p, "reduce_op", "sum")))
+    if name == "_StridedShard":
+        return _StridedShard(p.dim, p.split_factor)  # type: ignore[attr-defined]
+    return p
 
 
 def normalize_placements(placements: object, ndim_mesh: int, ndim_tensor: int,
@@ -109,6 +165,11 @@ def normalize_placements(placements: object, ndim_mesh: int, ndim_tensor: int,
         )
     out = []
     for p in placements:
+        p = _from_torch(p)
+        if type(p) is _StridedShard:
+            raise NotImplementedError(
+                f"{what}: {p!r} is not supported by hyperpar (it has no strided shard); lay "
+                f"the tensor out with Shard/Replicate/Partial")
         if type(p) is Shard:
             d = p.dim
             if not -ndim_tensor <= d < ndim_tensor:

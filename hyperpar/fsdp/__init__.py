@@ -6,7 +6,8 @@
 
 from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from .clip import clip_grad_norm_
-from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 
-__all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
-           "UnshardHandle", "clip_grad_norm_", "fully_shard", "register_fsdp_forward_method"]
+__all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "FSDPModule", "MixedPrecisionPolicy",
+           "OffloadPolicy", "UnshardHandle", "clip_grad_norm_", "fully_shard",
+           "register_fsdp_forward_method"]

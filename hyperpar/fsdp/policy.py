@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy"]
+__all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "MixedPrecisionPolicy", "OffloadPolicy"]
 
 
 @dataclass(frozen=True)
@@ -65,3 +65,35 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool = True
+
+
+@dataclass
+class DataParallelMeshDims:
+    """Which named dims of a full SPMD mesh are data-parallel (torch FSDP2's type of the same
+    name, for ``fully_shard(..., dp_mesh_dims=...)``). ``shard``: the dim name(s) FSDP shards
+    over (several are flattened); ``replicate``: HSDP/DDP replication dim name(s). hyperpar's
+    ``fully_shard`` does not take it yet: pass ``mesh=`` the data-parallel sub-mesh."""
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError("At least one of shard or replicate must be set in "
+                             "DataParallelMeshDims")
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        """The shard dim names as a tuple (empty without ``shard``)."""
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        """The replicate dim names as a tuple (empty without ``replicate``)."""
+        return _names(self.replicate)
+
+
+def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)

@@ -14,11 +14,15 @@ from .schedules import (
     PipelineScheduleMulti,
     PipelineScheduleSingle,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
+    _PipelineSchedule,  # noqa: F401  (torchtitan imports these private names)
+    _PipelineScheduleRuntime,  # noqa: F401
+    get_schedule_class,
     looped_bfs_plan,
 )
 from .stage import PipelineStage
@@ -26,5 +30,6 @@ from .stage import PipelineStage
 __all__ = [
     "PipelineScheduleMulti", "PipelineScheduleSingle", "PipelineStage", "Schedule1F1B",
     "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble",
-    "ScheduleLoopedBFS", "ScheduleZBVZeroBubble", "looped_bfs_plan",
+    "ScheduleLoopedBFS", "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "get_schedule_class",
+    "looped_bfs_plan",
 ]

@@ -129,33 +129,67 @@ class _PipelineSchedule(StageMailbox):
         return list(self._plan)
 
     def step(self, *args: Any, target: Any = None, losses: list | None = None,
-             return_outputs: bool = True, **kwargs: Any) -> Any:
+             return_outputs: bool = True, loss_kwargs: dict[str, Any] | None = None,
+             arg_mbs: Any = None, kwarg_mbs: Any = None, target_mbs: Any = None,
+             **kwargs: Any) -> Any:
         """One step over the whole batch: split ``args``/``kwargs`` (and ``target`` on the last
         stage's rank) into microbatches along dim 0, run the schedule, and return the merged
         last-stage outputs there (``None`` on other ranks). With a ``loss_fn`` this is a
-        training step; ``losses`` is cleared and filled with the per-microbatch losses."""
+        training step; ``losses`` is cleared and filled with the per-microbatch losses.
+
+        As torch 2.14: ``arg_mbs``/``kwarg_mbs``/``target_mbs`` pass inputs already split (one
+        tuple / dict / target per microbatch) instead of the whole batch, and ``loss_kwargs``
+        goes to every ``loss_fn(output, target, **loss_kwargs)`` call."""
         if self._has_backward and not torch.is_grad_enabled():
             raise RuntimeError(f"{type(self).__name__}.step() needs gradients enabled for its "
                                f"backward; it was called under torch.no_grad(). Call eval() "
                                f"for a forward-only pass")
+        pre = self._presplit("step", args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
+        self._loss_kwargs = dict(loss_kwargs or {})
         if self._has_backward:
             return self._execute(self._program, self._train_p2p, True, args, kwargs, target,
-                                 losses, return_outputs)
+                                 losses, return_outputs, pre)
         with torch.no_grad():
             return self._execute(self._eval_program, self._eval_p2p, False, args, kwargs,
-                                 target, losses, return_outputs)
+                                 target, losses, return_outputs, pre)
 
     def eval(self, *args: Any, target: Any = None, losses: list | None = None,
+             arg_mbs: Any = None, kwarg_mbs: Any = None, target_mbs: Any = None,
              **kwargs: Any) -> Any:
         """Forward only (no gradients): merged outputs on the last stage's rank; with a
-        ``target`` and ``loss_fn`` the per-microbatch losses go to ``losses``."""
+        ``target`` and ``loss_fn`` the per-microbatch losses go to ``losses``. Pre-split
+        inputs as in :meth:`step`."""
+        pre = self._presplit("eval", args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
+        self._loss_kwargs = {}
         with torch.no_grad():
             return self._execute(self._eval_program, self._eval_p2p, False, args, kwargs,
-                                 target, losses, True)
+                                 target, losses, True, pre)
+
+    def _presplit(self, what: str, args: tuple, kwargs: dict, target: Any, arg_mbs: Any,
+                  kwarg_mbs: Any, target_mbs: Any) -> tuple[Any, Any, Any] | None:
+        """Check pre-split microbatch inputs (torch 2.14's ``arg_mbs`` & co.); ``None`` when
+        the whole batch is passed instead."""
+        if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+            return None
+        if args or kwargs or target is not None:
+            raise ValueError(f"{what}(): pass either the whole batch (positional args, "
+                             f"keyword args, target=) or pre-split arg_mbs/kwarg_mbs/"
+                             f"target_mbs, not both")
+        m = self._n_microbatches
+        for name, value in (("arg_mbs", arg_mbs), ("kwarg_mbs", kwarg_mbs),
+                            ("target_mbs", target_mbs)):
+            if value is not None and (not isinstance(value, list | tuple) or len(value) != m):
+                raise ValueError(f"{what}(): {name} must be a list of one entry per "
+                                 f"microbatch ({m}), got {type(value).__name__} of length "
+                                 f"{len(value) if hasattr(value, '__len__') else '?'}")
+        return (None if arg_mbs is None else [tuple(a) for a in arg_mbs],
+                None if kwarg_mbs is None else [dict(k or {}) for k in kwarg_mbs],
+                None if target_mbs is None else list(target_mbs))
 
     # ------------------------------------------------------------------ execution
     def _execute(self, program: list[Step], p2p: P2P, train: bool, args: tuple, kwargs: dict,
-                 target: Any, losses: list | None, return_outputs: bool) -> Any:
+                 target: Any, losses: list | None, return_outputs: bool,
+                 pre: tuple[Any, Any, Any] | None = None) -> Any:
         m, last = self._n_microbatches, self.n_stages - 1
         self._p2p, self._train = p2p, train
         self._act_in: dict[tuple[int, int], Any] = {}
@@ -170,14 +204,22 @@ class _PipelineSchedule(StageMailbox):
         self._fault_peers: list[int] = []
         with pipeline_step(self, lambda: self._fault_stage, lambda: self._fault_peers):
             self._mb_args = self._mb_kwargs = self._mb_targets = None
-            if 0 in self._stages:
-                if not args:
+            if pre is not None:
+                self._mb_args, self._mb_kwargs, targets = pre
+                if 0 in self._stages and self._mb_args is None:
                     raise ValueError("step(): the rank holding stage 0 needs the model inputs; "
-                                     "pass them to step()/eval() there")
-                self._mb_args = split_microbatches(tuple(args), m)
-            self._mb_kwargs = split_microbatches(dict(kwargs), m)
-            if last in self._stages and target is not None:
-                self._mb_targets = split_microbatches(target, m)
+                                     "pass arg_mbs there")
+                if last in self._stages:
+                    self._mb_targets = targets
+            else:
+                if 0 in self._stages:
+                    if not args:
+                        raise ValueError("step(): the rank holding stage 0 needs the model "
+                                         "inputs; pass them to step()/eval() there")
+                    self._mb_args = split_microbatches(tuple(args), m)
+                self._mb_kwargs = split_microbatches(dict(kwargs), m)
+                if last in self._stages and target is not None:
+                    self._mb_targets = split_microbatches(target, m)
             if last in self._stages and train and self._mb_targets is None:
                 raise ValueError(f"step(): no target on the rank holding the last stage "
                                  f"({last}), but the schedule has a loss_fn; pass target= to "
@@ -235,7 +277,7 @@ class _PipelineSchedule(StageMailbox):
             target = self._mb_targets[mb] if self._mb_targets is not None else None
             if self._loss_fn is None or (target is None and not self._train):
                 return
-            loss = self._loss_fn(out, target)
+            loss = self._loss_fn(out, target, **getattr(self, "_loss_kwargs", {}))
             self._losses[mb] = loss.detach()
             if self._train:
                 self._outputs[(s, mb)] = [loss]
@@ -351,3 +393,38 @@ class ScheduleInterleavedZeroBubble(_NotImplementedSchedule):
 
 class ScheduleZBVZeroBubble(_NotImplementedSchedule):
     """Not implemented (raises :class:`NotImplementedError` naming the alternatives)."""
+
+
+class ScheduleDualPipeV(_NotImplementedSchedule):
+    """Not implemented (raises :class:`NotImplementedError` naming the alternatives)."""
+
+
+class _PipelineScheduleRuntime(_NotImplementedSchedule):
+    """torch's runtime for a schedule read from a CSV file (``pipeline_parallel_schedule_csv``);
+    not implemented: constructing it raises."""
+
+    why = "schedules read from a CSV action list are not run"
+
+
+_SCHEDULE_NAMES: dict[str, type] = {
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "GPipe": ScheduleGPipe,
+    "LoopedBFS": ScheduleLoopedBFS,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    "PipelineScheduleSingle": PipelineScheduleSingle,
+    "PipelineScheduleMulti": PipelineScheduleMulti,
+    "ZBVZeroBubble": ScheduleZBVZeroBubble,
+    "DualPipeV": ScheduleDualPipeV,
+}
+
+
+def get_schedule_class(schedule_name: str) -> type:
+    """The schedule class for ``schedule_name`` (case-insensitive), as torch's function of the
+    same name; an unknown name raises ``ValueError`` listing the valid ones."""
+    by_lower = {k.lower(): v for k, v in _SCHEDULE_NAMES.items()}
+    cls = by_lower.get(str(schedule_name).lower())
+    if cls is None:
+        raise ValueError(f"Unknown schedule name {schedule_name!r}. The valid options are "
+                         f"{list(_SCHEDULE_NAMES)}")
+    return cls

@@ -43,7 +43,8 @@ class PipelineStage:
 
     def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int,
                  device: Any = None, input_args: Any = None, output_args: Any = None,
-                 group: Group = None, dw_builder: Any = None) -> None:
+                 group: Group = None, dw_builder: Any = None,
+                 get_mesh: Any = None) -> None:
         if not isinstance(submodule, nn.Module):
             raise TypeError(f"PipelineStage: submodule must be an nn.Module, got "
                             f"{type(submodule).__name__}")
@@ -60,6 +61,10 @@ class PipelineStage:
         if group is None:
             ensure_world(platform)
         self.submod = submodule
+        # torch's callback for rebuilding DTensor activations' meshes between stages; stages
+        # here pass plain tensors (a DTensor activation raises where it is sent), so it is kept
+        # only for code that reads it back.
+        self.get_mesh = get_mesh
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.device = device
