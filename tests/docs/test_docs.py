@@ -154,6 +154,9 @@ NOT_RUNNABLE: dict[tuple[str, str], str] = {
     ("docs/mindspore.md", "import mindspore as ms"):
         "MindSpore code (this venv has torch, not MindSpore): the same steps run as "
         "examples/mindspore_tp_mlp.py under scripts/test-mindspore.sh",
+    ("docs/mindspore.md", "@ms.jit"):
+        "a MindSpore fragment (this venv has torch, not MindSpore): tests/mindspore/"
+        "test_graph_mode.py runs the same jitted step on real ranks",
     ("docs/mindspore.md", "from hyperpar_mindspore.dtensor import value_and_grad"):
         "MindSpore code (this venv has torch, not MindSpore): tests/mindspore/test_dtensor.py "
         "runs the same calls on real ranks",
