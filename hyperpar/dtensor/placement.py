@@ -46,8 +46,13 @@ class Shard(Placement):
         return dim is None or dim == self.dim
 
     def __eq__(self, other: object) -> bool:
-        other = _from_torch(other)  # torch's Shard(d) is the same placement
-        return type(other) is Shard and other.dim == self.dim
+        # Fast paths first: dispatch compares placements on every op.
+        if type(other) is Shard:
+            return other.dim == self.dim  # type: ignore[attr-defined]
+        if isinstance(other, Placement):
+            return False
+        other = _from_torch(other)  # torch's own placement of the same kind is equal
+        return type(other) is Shard and other.dim == self.dim  # type: ignore[attr-defined]
 
     def __hash__(self) -> int:
         return hash(("Shard", self.dim))
@@ -64,6 +69,8 @@ class Replicate(Placement):
         return True
 
     def __eq__(self, other: object) -> bool:
+        if isinstance(other, Placement):
+            return type(other) is Replicate
         return type(_from_torch(other)) is Replicate
 
     def __hash__(self) -> int:
@@ -90,8 +97,13 @@ class Partial(Placement):
         return reduce_op is None or reduce_op == self.reduce_op
 
     def __eq__(self, other: object) -> bool:
-        other = _from_torch(other)
-        return type(other) is Partial and other.reduce_op == self.reduce_op
+        # Fast paths first: dispatch compares placements on every op.
+        if type(other) is Partial:
+            return other.reduce_op == self.reduce_op  # type: ignore[attr-defined]
+        if isinstance(other, Placement):
+            return False
+        other = _from_torch(other)  # torch's own placement of the same kind is equal
+        return type(other) is Partial and other.reduce_op == self.reduce_op  # type: ignore[attr-defined]
 
     def __hash__(self) -> int:
         return hash(("Partial", self.reduce_op))
