@@ -289,17 +289,20 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
     else:
         act = k * layers * (full * tokens * cb + cp_token * tokens + scores) + cp_layer
     if stage == layout.pp - 1:
-        # the loss: each microbatch held to its backward keeps its fp32 log-softmax (GPipe
-        # holds them all); around the loss of one exist the logits in the compute dtype and
-        # the log-softmax's gradient too, and under tp the head's local vocabulary shard
-        # before the logits are all-gathered to replicate (the plan without loss_parallel)
+        # the loss, ``F.cross_entropy(logits.float(), labels)``: each microbatch held to its
+        # backward keeps its fp32 log-softmax (GPipe holds them all); the loss's backward
+        # makes two more fp32 tensors of the logits' size at once, nll_loss's gradient (zeros
+        # but the label entries) and log_softmax's, before the head's backward (forward holds
+        # at most the compute-dtype logits, their fp32 copy and the log-softmax: less);
+        # under tp the head's local vocabulary shard before the logits are all-gathered to
+        # replicate (the plan without loss_parallel). Measured: tests/plan/test_memory.py
         held = layout.microbatches if layout.pp > 1 and layout.schedule == "gpipe" else 1
         vocab = spec.vocab_size
         if tp > 1 and layout.loss_parallel:
             # loss_parallel: logits, log-softmax and its gradient stay vocabulary shards
             vocab = _cdiv(vocab, tp)
         act += held * tokens * vocab * MASTER_BYTES
-        around_loss = tokens * vocab * (cb + MASTER_BYTES)
+        around_loss = tokens * vocab * 2 * MASTER_BYTES
         if tp > 1 and not layout.loss_parallel:
             around_loss += tokens * _cdiv(vocab, tp) * cb
         if ds > 1 and not layout.activation_checkpointing:

@@ -113,10 +113,10 @@ def test_llama2_7b_fully_sharded_cp_fits_80_gib_at_1024_ranks() -> None:
     replicas_cp = memory_per_rank(SPEC, run, Layout(dp_replicate=256, cp=4))
     assert fsdp_cp.peak < 80 * 2**30 < replicas_cp.peak
     # activations are those of cp: the same tokens per rank and gathered K/V either way, but
-    # for the loss's transient logits (bf16) and log-softmax gradient (fp32): with fully_shard
-    # they live while no block is gathered, within the gathered blocks' bytes
+    # for the loss's transient gradients (nll_loss's and log-softmax's, fp32): with
+    # fully_shard they live while no block is gathered, within the gathered blocks' bytes
     tokens = 256 // 256 * 4096 // 4
-    loss_transient = tokens * SPEC.vocab_size * (2 + 4)
+    loss_transient = tokens * SPEC.vocab_size * (4 + 4)
     assert loss_transient < fsdp_cp.fsdp_buffers
     assert replicas_cp.activations - fsdp_cp.activations == loss_transient
 
@@ -132,8 +132,8 @@ def test_loss_parallel_keeps_vocabulary_shards() -> None:
     tp8 = Layout(tp=8, microbatches=1)
     lp8 = Layout(tp=8, microbatches=1, loss_parallel=True)
     tokens, v, cb = 8 * 4096, SPEC.vocab_size, 2  # one microbatch of 8 sequences
-    full = tokens * v * 4 + tokens * v * (cb + 4) + tokens * (v // 8) * cb
-    shard = tokens * (v // 8) * 4 + tokens * (v // 8) * (cb + 4)
+    full = tokens * v * 4 + tokens * v * (4 + 4) + tokens * (v // 8) * cb
+    shard = tokens * (v // 8) * 4 + tokens * (v // 8) * (4 + 4)
     a, b = stage_memory(SPEC, run, tp8, 0), stage_memory(SPEC, run, lp8, 0)
     assert a.activations - b.activations == full - shard
     assert a.states == b.states
@@ -250,3 +250,41 @@ def test_every_nth_layer_checkpointed_holds_and_recomputes_its_share() -> None:
     assert act2 - stage_memory(spec, run, full, 0).activations == 151_552 - 81_920
     assert recompute_share(spec, ac2) == 0.5 and recompute_share(spec, full) == 1.0
     assert step_flops(spec, run, recompute_share(spec, ac2)) == 7 * 98_304 * 32 + 4 * 131_072
+
+
+def test_loss_term_is_cross_entropys_measured_peak() -> None:
+    """The planner's loss bytes (the held fp32 log-softmax plus the backward's two fp32
+    gradients of the logits' size, 12 bytes per token and vocabulary entry) are the peak live
+    bytes of ``F.cross_entropy(logits.float())`` forward and backward as hyperpar's measured
+    runs write it (``hyperpar/plan/_runs.py``), measured by :class:`LiveBytes` on this
+    machine; forward alone peaks lower (8 bytes)."""
+    import torch
+    import torch.nn.functional as F
+
+    from hyperpar.plan.live_bytes import LiveBytes
+
+    tokens, vocab, hidden = 512, 4000, 8
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(vocab, hidden, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randint(0, vocab, (tokens,))
+    with LiveBytes() as lb:
+        lb.track([x, w, y])
+        base = lb.current
+        loss = F.cross_entropy((x @ w.t()).float(), y)
+        forward = lb.peak - base
+        loss.backward()
+    measured = lb.peak - base
+    # the planner's loss term: activations with this vocabulary less those with a tiny one
+    cfg = {"hidden_size": hidden, "intermediate_size": 16, "num_hidden_layers": 1,
+           "num_attention_heads": 1}
+    run = Run(world=1, seq_len=tokens, global_batch=1)
+    acts = [stage_memory(from_hf_config({**cfg, "vocab_size": v}), run, Layout(), 0).activations
+            for v in (vocab, 1)]
+    predicted = acts[0] - acts[1]
+    assert predicted == tokens * (vocab - 1) * 12
+    # measured: 12 bytes per entry plus what is tokens x hidden or vocab x hidden (the head's
+    # gradients, the scalar loss)
+    small = 4 * (tokens + vocab) * hidden * 4
+    assert tokens * vocab * 12 <= measured <= tokens * vocab * 12 + small
+    assert forward <= tokens * vocab * 8 + small
+    assert abs(measured - predicted) <= small + tokens * 12
