@@ -105,6 +105,17 @@ class Layout:
     #: dropout-free elementwise work on the whole sequence, all-reduces instead of
     #: all-gather / reduce-scatter pairs
     sp: bool = True
+    #: when fully_shard reduce-scatters gradients under gradient accumulation or a pipeline:
+    #: ``microbatch`` (hyperpar.pipeline's engine, plain accumulation: after every backward) or
+    #: ``step`` (torch.distributed.pipelining and hyperpar.pipelining's schedules: gradient
+    #: sync and resharding off for all but a stage's last backward, so the stage's parameters
+    #: stay gathered all step and its unsharded gradients accumulate in the reduce dtype)
+    grad_sync: Literal["microbatch", "step"] = "microbatch"
+
+    def __post_init__(self) -> None:
+        if self.grad_sync not in ("microbatch", "step"):
+            raise ValueError(f"hyperpar plan: grad_sync {self.grad_sync!r}; accepted: "
+                             "microbatch, step")
 
     @property
     def world(self) -> int:
@@ -155,6 +166,8 @@ class Layout:
             parts.append("nrf")
         if not self.sp:
             parts.append("nosp")
+        if self.grad_sync == "step":
+            parts.append("gstep")
         return ".".join(parts)
 
 
@@ -197,6 +210,8 @@ def parse_layout(name: str, schedule: Schedule = "1f1b", virtual_stages: int = 2
             fields["reshard_after_forward"] = False
         elif part == "nosp":
             fields["sp"] = False
+        elif part == "gstep":
+            fields["grad_sync"] = "step"
         elif part != "single":
             raise ValueError(
                 f"hyperpar plan: layout {name!r}: {part!r} not understood; write the names "
@@ -204,7 +219,8 @@ def parse_layout(name: str, schedule: Schedule = "1f1b", virtual_stages: int = 2
                 "(dp_shard), tpN, ppN, cpN, mbN (microbatches), a schedule "
                 "(1f1b|gpipe|interleaved1f1b|zbh1), vN (virtual stages), ac (every layer) "
                 "or acN (every N-th layer), sac (selective), lp (loss parallel), nrf (no "
-                "reshard after forward), nosp (tp without sequence parallel), e.g. "
+                "reshard after forward), nosp (tp without sequence parallel), gstep (gradients "
+                "reduce-scattered once per step, unsharded ones accumulated), e.g. "
                 "dp8.fsdp128.tp8.pp16.mb16")
     if (fields["schedule"] == "interleaved1f1b" and "virtual_stages" not in seen
             and int(fields.get("pp", 1)) > 1):  # type: ignore[call-overload]

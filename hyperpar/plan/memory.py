@@ -265,6 +265,15 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
             # the one prefetched and one layer's unsharded gradients
             block_buffers = (stage_layers(spec.num_layers, layout.pp, stage) + 2) * block * cb
         buffers = block_buffers + sum(root) * cb
+        if layout.grad_sync == "step" and layout.microbatches > 1:
+            # torch pipelining's schedules turn gradient sync and resharding after backward
+            # off but for a stage's last backward: every unit stays gathered (with one
+            # layer's compute-dtype gradient before it is added) and every unit's unsharded
+            # gradient accumulates in the reduce dtype (FSDP2's ``unsharded_accumulated_grad``)
+            layers = stage_layers(spec.num_layers, layout.pp, stage)
+            block_buffers = max(block_buffers, (layers + 1) * block * cb)
+            gathered = layers * block + sum(root)
+            buffers = block_buffers + sum(root) * cb + gathered * run.reduce_bytes
     tokens = microbatch_tokens(run, layout)
     full, saved = layer_activation_elems(spec, layout, cb)
     layers = stage_layers(spec.num_layers, layout.pp, stage)
@@ -316,9 +325,11 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
     # data_parallel (over dp_replicate x cp) keeps the gradients in its flat buckets from the
     # first backward on; with dp_shard > 1 fully_shard (over dp_shard x cp) reduces them instead
     ddp = (layout.dp_replicate > 1 or layout.cp > 1) and ds == 1
+    # sync once per step: the sharded gradients appear only after the last backward
+    step_sync = layout.grad_sync == "step" and ds > 1
     return Memory(params=params, grads=grads, optimizer=optimizer, fsdp_buffers=int(buffers),
                   activations=int(act), stage=stage,
-                  grads_at_peak=ddp or layout.microbatches > 1)
+                  grads_at_peak=ddp or (layout.microbatches > 1 and not step_sync))
 
 
 def memory_per_rank(spec: ModelSpec, run: Run, layout: Layout) -> Memory:

@@ -204,13 +204,16 @@ def collectives(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> list[C
         # (fully_shard leaves grad None where no rank's backward reached a parameter)
         block_flags = ds * len(spec.block_tensors())
         root_flags = ds * len(_root_tensors(spec, pp, first, last))
-        out += [Collective("dp_shard", "ag", block * cb, gathers * layers, "microbatch",
-                           "layers"),
-                Collective("dp_shard", "rs", (block + block_flags) * rb, layers, "microbatch",
+        # sync once per step (torch pipelining): gathered once, kept, reduce-scattered once
+        per = "step" if layout.grad_sync == "step" else "microbatch"
+        if per == "step":
+            gathers = 1
+        out += [Collective("dp_shard", "ag", block * cb, gathers * layers, per, "layers"),
+                Collective("dp_shard", "rs", (block + block_flags) * rb, layers, per,
                            "layer grads")]
         for r in root:
-            out += [Collective("dp_shard", "ag", r * cb, 1, "microbatch", "root"),
-                    Collective("dp_shard", "rs", (r + root_flags) * rb, 1, "microbatch",
+            out += [Collective("dp_shard", "ag", r * cb, 1, per, "root"),
+                    Collective("dp_shard", "rs", (r + root_flags) * rb, 1, per,
                                "root grads")]
     if dr > 1 and ds > 1:
         # HSDP: every unit's reduce-scattered gradient shard is all-reduced over the replicas
@@ -459,8 +462,11 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
             or (c.dim == "dp_replicate" and c.per == "microbatch")]
     fsdp_mb_exposed = 0.0
     if fsdp:
-        per_mb = sum(seconds(c) * c.count for c in fsdp)
-        first = seconds(fsdp[0])
+        # once-per-step ones (``grad_sync="step"``) spread over the step's microbatches
+        def share(c: Collective) -> float:
+            return seconds(c) / (m if c.per == "step" else 1)
+        per_mb = sum(share(c) * c.count for c in fsdp)
+        first = share(fsdp[0])
         fsdp_mb_exposed = first + max(0.0, per_mb - first - overlap * compute_mb)
 
     # group fixed costs, looked up by the size of the group they are paid over

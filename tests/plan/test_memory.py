@@ -288,3 +288,33 @@ def test_loss_term_is_cross_entropys_measured_peak() -> None:
     assert tokens * vocab * 12 <= measured <= tokens * vocab * 12 + small
     assert forward <= tokens * vocab * 8 + small
     assert abs(measured - predicted) <= small + tokens * 12
+
+
+def test_grad_sync_per_step_holds_the_stages_unsharded_gradients() -> None:
+    """``.gstep`` (torch pipelining: gradient sync off but for a stage's last backward): the
+    stage's unsharded gradients accumulate in the reduce dtype (exactly the gathered units'
+    elements times 4 bytes under fp32 reduction), the sharded gradients appear only after the
+    last backward, and fully_shard's collectives run once per step instead of per microbatch."""
+    from hyperpar.plan.layout import parse_layout
+    from hyperpar.plan.memory import stage_params
+    from hyperpar.plan.timing import collectives
+
+    run = Run(world=64, seq_len=4096, global_batch=64, reduce_dtype="float32")
+    per_mb = parse_layout("fsdp8.pp8.mb8.ac.nrf")
+    per_step = parse_layout("fsdp8.pp8.mb8.ac.nrf.gstep")
+    assert per_step.grad_sync == "step" and per_step.name == "fsdp8.pp8.mb8.1f1b.ac.nrf.gstep"
+    assert parse_layout(per_step.name) == per_step
+    for stage in (0, 3, 7):
+        a, b = stage_memory(SPEC, run, per_mb, stage), stage_memory(SPEC, run, per_step, stage)
+        sp = stage_params(SPEC, 1, 8, 8, stage)
+        block, *root = sp.unit_gathered
+        layers = SPEC.num_layers // 8
+        assert b.fsdp_buffers - a.fsdp_buffers == (layers * block + sum(root)) * 4
+        assert a.grads_at_peak and not b.grads_at_peak
+        assert b.activations == a.activations and b.states == a.states
+    pers = {c.per for c in collectives(SPEC, run, per_step, 0) if c.dim == "dp_shard"}
+    assert pers == {"step"}
+    assert {c.per for c in collectives(SPEC, run, per_mb, 0) if c.dim == "dp_shard"} == {
+        "microbatch"}
+    with pytest.raises(ValueError, match="grad_sync"):
+        Layout(grad_sync="sometimes")  # type: ignore[arg-type]
