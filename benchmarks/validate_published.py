@@ -185,7 +185,8 @@ def mpt_rows() -> list[tuple]:
                 layout = f"fsdp{n}.mb{accum}" + (".ac" if ac else "")
                 args = ["plan", "--config", str(config), "--world", str(n), "--seq-len",
                         str(seq), "--global-batch", str(batch), "--device", device,
-                        "--reduce-dtype", "float32" if fp32 else "compute", "--layout", layout]
+                        "--reduce-dtype", "float32" if fp32 else "compute", "--loss",
+                        "fused", "--layout", layout]
                 out_json = Path(tmp) / "one.json"
                 with redirect_stdout(io.StringIO()):
                     main([*args, "--json", str(out_json)])

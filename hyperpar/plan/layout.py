@@ -32,6 +32,11 @@ class Run:
     #: dtype data parallelism reduces gradients in: the compute dtype (hyperpar's default) or
     #: fp32 (torchtitan's ``mixed_precision_reduce`` default)
     reduce_dtype: Literal["compute", "float32"] = "compute"
+    #: the loss kernel: ``eager`` ``F.cross_entropy(logits.float())`` (fp32 log-softmax held,
+    #: two fp32 gradients of the logits' size in backward); ``fused``: one kernel that keeps
+    #: the compute-dtype logits and a per-token log-sum-exp, its gradient in the logits' dtype
+    #: (flash-attn's ``CrossEntropyLoss``, llm-foundry's ``fused_crossentropy`` default)
+    loss: Literal["eager", "fused"] = "eager"
 
     def __post_init__(self) -> None:
         for key in ("world", "seq_len", "global_batch", "gpus_per_node", "device_memory"):
@@ -43,6 +48,8 @@ class Run:
         if self.reduce_dtype not in ("compute", "float32"):
             raise ValueError(f"hyperpar plan: reduce dtype {self.reduce_dtype!r}; accepted: "
                              "compute, float32")
+        if self.loss not in ("eager", "fused"):
+            raise ValueError(f"hyperpar plan: loss {self.loss!r}; accepted: eager, fused")
         if self.attention not in ("flash", "eager"):
             raise ValueError(f"hyperpar plan: attention {self.attention!r}; accepted: flash, "
                              "eager")

@@ -310,8 +310,14 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
         if tp > 1 and layout.loss_parallel:
             # loss_parallel: logits, log-softmax and its gradient stay vocabulary shards
             vocab = _cdiv(vocab, tp)
-        act += held * tokens * vocab * MASTER_BYTES
-        around_loss = tokens * vocab * 2 * MASTER_BYTES
+        if run.loss == "fused":
+            # a fused kernel keeps the logits and a per-token fp32 log-sum-exp; its backward
+            # writes one gradient of the logits' size and dtype
+            act += held * tokens * (vocab * cb + MASTER_BYTES)
+            around_loss = tokens * vocab * cb
+        else:
+            act += held * tokens * vocab * MASTER_BYTES
+            around_loss = tokens * vocab * 2 * MASTER_BYTES
         if tp > 1 and not layout.loss_parallel:
             around_loss += tokens * _cdiv(vocab, tp) * cb
         if ds > 1 and not layout.activation_checkpointing:

@@ -318,3 +318,24 @@ def test_grad_sync_per_step_holds_the_stages_unsharded_gradients() -> None:
         "microbatch"}
     with pytest.raises(ValueError, match="grad_sync"):
         Layout(grad_sync="sometimes")  # type: ignore[arg-type]
+
+
+def test_fused_loss_keeps_the_logits_and_one_gradient() -> None:
+    """``Run(loss="fused")`` (flash-attn's CrossEntropyLoss, llm-foundry's default): the loss
+    costs the compute-dtype logits, their gradient and a per-token fp32 log-sum-exp, where
+    the eager loss costs 12 bytes per logit; a bad value is refused by name."""
+    cfg = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4}
+    tokens = 2 * 1024
+
+    def loss_bytes(loss: str) -> int:
+        run = Run(world=1, seq_len=1024, global_batch=2, loss=loss)  # type: ignore[arg-type]
+        return (stage_memory(from_hf_config({**cfg, "vocab_size": 5001}), run, Layout(), 0)
+                .activations
+                - stage_memory(from_hf_config({**cfg, "vocab_size": 1}), run, Layout(), 0)
+                .activations)
+
+    assert loss_bytes("eager") == tokens * 5000 * 12
+    assert loss_bytes("fused") == tokens * 5000 * (2 + 2)
+    with pytest.raises(ValueError, match="loss 'liger'"):
+        Run(world=1, seq_len=8, global_batch=1, loss="liger")  # type: ignore[arg-type]
