@@ -119,8 +119,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="consider tp up to T only (default: any)")
     p.add_argument("--layout", default=None, metavar="NAME",
                    help="evaluate this one layout, named as the table names them (e.g. "
-                        "dp8.fsdp128.tp8.pp16.mb16, optionally .gpipe, .ac): its memory and "
-                        "time breakdown, also when it does not fit")
+                        "dp8.fsdp128.tp8.pp16.mb16, optionally .gpipe, .ac, .gstep for "
+                        "gradients synced once per step as torch pipelining does): its memory "
+                        "and time breakdown, also when it does not fit")
     p.add_argument("--top", type=int, default=10, metavar="K", help="rows of the table")
     p.add_argument("--json", default=None, metavar="OUT", help="write the plan as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png|svg",
