@@ -118,11 +118,24 @@ class Layout:
     #: sync and resharding off for all but a stage's last backward, so the stage's parameters
     #: stay gathered all step and its unsharded gradients accumulate in the reduce dtype)
     grad_sync: Literal["microbatch", "step"] = "microbatch"
+    #: ZeRO stage of the data-parallel replicas (``dp_shard == 1``; fully_shard is ZeRO-3):
+    #: 0 none; 1 the fp32 master weights and optimizer states partitioned over the replicas
+    #: (compute-dtype parameters and gradients replicated); 2 the gradients too (Rajbhandari
+    #: et al. 2020, sec. 5). Evaluated with ``--layout`` only: hyperpar has no ZeRO-1/2
+    #: engine, so the search never proposes one
+    zero: int = 0
 
     def __post_init__(self) -> None:
         if self.grad_sync not in ("microbatch", "step"):
             raise ValueError(f"hyperpar plan: grad_sync {self.grad_sync!r}; accepted: "
                              "microbatch, step")
+        if self.zero not in (0, 1, 2):
+            raise ValueError(f"hyperpar plan: zero={self.zero!r}; accepted: 0, 1, 2 (ZeRO-3 "
+                             "is fully_shard: write fsdpN)")
+        if self.zero and self.dp_shard > 1:
+            raise ValueError(f"hyperpar plan: zero{self.zero} with fsdp{self.dp_shard}: "
+                             "fully_shard already partitions parameters, gradients and "
+                             "optimizer states (ZeRO-3); use dpN.zero1/zero2 or fsdpN")
 
     @property
     def world(self) -> int:
@@ -175,6 +188,8 @@ class Layout:
             parts.append("nosp")
         if self.grad_sync == "step":
             parts.append("gstep")
+        if self.zero:
+            parts.append(f"zero{self.zero}")
         return ".".join(parts)
 
 
@@ -219,6 +234,8 @@ def parse_layout(name: str, schedule: Schedule = "1f1b", virtual_stages: int = 2
             fields["sp"] = False
         elif part == "gstep":
             fields["grad_sync"] = "step"
+        elif part in ("zero1", "zero2"):
+            fields["zero"] = int(part[4:])
         elif part != "single":
             raise ValueError(
                 f"hyperpar plan: layout {name!r}: {part!r} not understood; write the names "
@@ -227,7 +244,8 @@ def parse_layout(name: str, schedule: Schedule = "1f1b", virtual_stages: int = 2
                 "(1f1b|gpipe|interleaved1f1b|zbh1), vN (virtual stages), ac (every layer) "
                 "or acN (every N-th layer), sac (selective), lp (loss parallel), nrf (no "
                 "reshard after forward), nosp (tp without sequence parallel), gstep (gradients "
-                "reduce-scattered once per step, unsharded ones accumulated), e.g. "
+                "reduce-scattered once per step, unsharded ones accumulated), zero1|zero2 "
+                "(ZeRO over the dp replicas, evaluated only), e.g. "
                 "dp8.fsdp128.tp8.pp16.mb16")
     if (fields["schedule"] == "interleaved1f1b" and "virtual_stages" not in seen
             and int(fields.get("pp", 1)) > 1):  # type: ignore[call-overload]

@@ -225,6 +225,12 @@ def collectives(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> list[C
         for r in root:
             out.append(Collective("dp_replicate", "ar", (r // ds + n_root) * rb, 1,
                                   "microbatch", "root grad shards"))
+    elif dr > 1 and layout.cp == 1 and layout.zero:
+        # ZeRO-1: the gradients all-reduced (ZeRO-2: reduce-scattered) once per step, then
+        # the updated compute-dtype parameters all-gathered from their owners
+        kind = "rs" if layout.zero == 2 else "ar"
+        out += [Collective("dp_replicate", kind, sp.local * rb, 1, "step", "grads"),
+                Collective("dp_replicate", "ag", sp.local * cb, 1, "step", "params")]
     elif dr > 1 and layout.cp == 1:
         # data_parallel: the gradients accumulate locally (no_sync), one all-reduce per step
         out.append(Collective("dp_replicate", "ar", sp.local * rb, 1, "step", "grads"))
@@ -497,9 +503,12 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
     # during the last microbatch's backward (2/3 of its compute, as far as overlap allows)
     dp_exposed = 0.0
     t_ar = sum(seconds(c) * c.count for c in colls if c.dim in ("dp_replicate", "cp")
-               and c.per == "step")
+               and c.per == "step" and c.what != "params")
     if t_ar:
         dp_exposed = max(0.0, t_ar - overlap * 2 / 3 * compute_mb)
+    # ZeRO's parameter all-gather follows the optimizer step: nothing to hide it behind
+    dp_exposed += sum(seconds(c) * c.count for c in colls
+                      if c.dim == "dp_replicate" and c.what == "params")
 
     # optimizer: memory-bound (reads and writes params, grads and states once) plus a fixed
     # cost per local parameter tensor
