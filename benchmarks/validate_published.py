@@ -314,7 +314,7 @@ def predict(row: tuple, config: Path) -> tuple[list[str], dict]:
         out = Path(tmp) / "one.json"
         args = ["plan", "--config", str(config), "--world", str(world), "--seq-len", str(seq),
                 "--global-batch", str(batch), "--device", device, "--reduce-dtype", "float32",
-                "--layout", layout]
+                *(["--loss", "torch-lp"] if ".lp" in layout else []), "--layout", layout]
         with redirect_stdout(io.StringIO()):
             main([*args, "--json", str(out)])
         doc = json.loads(out.read_text())

@@ -96,12 +96,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", choices=("flash", "eager"), default="flash",
                    help="flash: a fused kernel (default); eager: materialised attention, its "
                         "seq x seq softmax probabilities saved per layer")
-    p.add_argument("--loss", choices=("eager", "fused"), default="eager",
+    p.add_argument("--loss", choices=("eager", "fused", "torch-lp"), default="eager",
                    help="eager: F.cross_entropy(logits.float()) (default; hyperpar's and "
                         "torchtitan's): fp32 log-softmax and two fp32 gradients of the logits' "
                         "size in its backward; fused: a fused kernel keeping the logits and "
                         "making one gradient in their dtype (flash-attn's CrossEntropyLoss, "
-                        "llm-foundry's default)")
+                        "llm-foundry's default); torch-lp: eager, with .lp layouts' loss "
+                        "parallel by torch's loss_parallel (torchtitan), 16 bytes per logit "
+                        "shard in backward")
     p.add_argument("--reduce-dtype", choices=("compute", "float32"), default="compute",
                    help="dtype gradients are reduced in over data-parallel ranks (default: "
                         "the compute dtype)")

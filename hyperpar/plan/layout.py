@@ -36,7 +36,9 @@ class Run:
     #: two fp32 gradients of the logits' size in backward); ``fused``: one kernel that keeps
     #: the compute-dtype logits and a per-token log-sum-exp, its gradient in the logits' dtype
     #: (flash-attn's ``CrossEntropyLoss``, llm-foundry's ``fused_crossentropy`` default)
-    loss: Literal["eager", "fused"] = "eager"
+    #: ``torch-lp``: eager, with tp's loss parallel done by torch.distributed.tensor.parallel's
+    #: ``loss_parallel`` (torchtitan), whose backward holds 16 bytes per logit shard
+    loss: Literal["eager", "fused", "torch-lp"] = "eager"
 
     def __post_init__(self) -> None:
         for key in ("world", "seq_len", "global_batch", "gpus_per_node", "device_memory"):
@@ -48,8 +50,9 @@ class Run:
         if self.reduce_dtype not in ("compute", "float32"):
             raise ValueError(f"hyperpar plan: reduce dtype {self.reduce_dtype!r}; accepted: "
                              "compute, float32")
-        if self.loss not in ("eager", "fused"):
-            raise ValueError(f"hyperpar plan: loss {self.loss!r}; accepted: eager, fused")
+        if self.loss not in ("eager", "fused", "torch-lp"):
+            raise ValueError(f"hyperpar plan: loss {self.loss!r}; accepted: eager, fused, "
+                             "torch-lp")
         if self.attention not in ("flash", "eager"):
             raise ValueError(f"hyperpar plan: attention {self.attention!r}; accepted: flash, "
                              "eager")

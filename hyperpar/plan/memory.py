@@ -328,6 +328,11 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
         else:
             act += held * tokens * vocab * MASTER_BYTES
             around_loss = tokens * vocab * 2 * MASTER_BYTES
+            if run.loss == "torch-lp" and tp > 1 and layout.loss_parallel:
+                # torch's loss_parallel backward (_nll_loss_and_log_softmax_backward) holds
+                # zeros_like(x), exp(x) and their sum at once beside the saved log-softmax:
+                # 16 bytes per logit shard (measured with the profiler's allocator events)
+                around_loss += tokens * vocab * MASTER_BYTES
         if tp > 1 and not layout.loss_parallel:
             around_loss += tokens * _cdiv(vocab, tp) * cb
         if ds > 1 and not layout.activation_checkpointing:

@@ -377,3 +377,63 @@ def test_zero1_zero2_states_are_the_zero_papers_formulas(n: int) -> None:
     assert parse_layout(f"dp{n}.mb1.zero1").name == f"dp{n}.mb1.zero1"
     with pytest.raises(ValueError, match="fully_shard already partitions"):
         parse_layout(f"fsdp{n}.mb1.zero2")
+
+
+_TORCH_LP_PEAK = r"""
+import os, socket, sys
+import torch, torch.distributed as dist, torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.profiler import ProfilerActivity, profile
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+dist.init_process_group("gloo", rank=0, world_size=1)
+n, v = 512, 4000
+dx = distribute_tensor(torch.randn(n, v, dtype=torch.bfloat16),
+                       init_device_mesh("cpu", (1,)), [Shard(1)]).requires_grad_()
+y = torch.randint(0, v, (n,))
+with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with loss_parallel():
+        F.cross_entropy(dx.float(), y).backward()
+events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                key=lambda e: e.start_ns())
+current = peak = 0
+for e in events:
+    current += e.nbytes()
+    peak = max(peak, current)
+dist.destroy_process_group()
+print(peak / (n * v))
+"""
+
+
+def test_torch_loss_parallel_term_is_its_measured_peak() -> None:
+    """``--loss torch-lp``: torch.distributed.tensor.parallel's ``loss_parallel`` (what
+    torchtitan runs under tp) peaks at 16 bytes per logit shard in backward, measured from the
+    cpu allocator's events (the profiler's ``[memory]`` records, which see the temporaries
+    inside DTensor's custom loss kernels) in a 1-rank gloo process; the planner's loss term
+    for an ``.lp`` layout under ``torch-lp`` is 16 bytes, under ``eager`` 12."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _TORCH_LP_PEAK], capture_output=True,
+                         text=True, timeout=120, check=True)
+    measured = float(out.stdout.strip().splitlines()[-1])
+    assert 16.0 <= measured < 16.05  # + the per-row statistics (n x 1 tensors)
+    cfg = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4}
+    lay = Layout(tp=2, microbatches=1, loss_parallel=True)
+    tokens = 1024
+
+    def loss_bytes(loss: str) -> int:
+        run = Run(world=2, seq_len=1024, global_batch=1, loss=loss)  # type: ignore[arg-type]
+        return (stage_memory(from_hf_config({**cfg, "vocab_size": 8002}), run, lay, 0)
+                .activations
+                - stage_memory(from_hf_config({**cfg, "vocab_size": 2}), run, lay, 0)
+                .activations)
+
+    shard = tokens * (8002 // 2 - 2 // 2)
+    assert loss_bytes("torch-lp") == shard * 16
+    assert loss_bytes("eager") == shard * 12
