@@ -56,7 +56,12 @@ MODELS = {
 #: NVLink, 400 Gb/s RDMA per GPU (``--device h100-gt``: its own profile). Sequence 8192 where
 #: the table does not say (torchtitan's llama3 tomls); gradients reduced in fp32
 #: (``mixed_precision_reduce`` default); loss parallel on with tp (torchtitan's default);
-#: with pp, ``reshard_after_forward=False`` (``.nrf``: torchtitan's default policy under pp).
+#: with pp, ``reshard_after_forward=False`` (``.nrf``: torchtitan's default policy under pp)
+#: and torch pipelining's gradient sync once per step (``.gstep``: its schedules turn sync
+#: and resharding off for all but a stage's last backward); under tp torch's
+#: ``loss_parallel`` (``--loss torch-lp``). Memory is ``DeviceMemoryMonitor``'s
+#: ``reserved_bytes.all.peak`` with ``expandable_segments:True`` (run_llama_train.sh at the
+#: benchmark commit 9dec370); the planner predicts live bytes.
 #: Tables 2 and 4-6 ran torch.compile + Float8, which the planner does not model: their
 #: throughput is shown but not counted, their memory is counted (Float8 linears save the
 #: same bf16 inputs; compile fuses elementwise ops, which the planner does not count either).
@@ -116,6 +121,7 @@ NOT_EXPRESSIBLE = [
 
 #: MPT (mosaicml/llm-foundry scripts/train/benchmarking/README.md at commit 061f2c7): Composer
 #: FSDP FULL_SHARD over every GPU, flash attention, no dropout, tied head, vocabulary 50,368,
+#: llm-foundry's default ``fused_crossentropy`` loss (flash-attn's: ``--loss fused``),
 #: gradient accumulation (``GradAccum`` microbatches, re-gathered and reduce-scattered per
 #: microbatch), "MP Mode" DEFAULT: bf16 compute, fp32 reduction (PURE: bf16 reduction).
 #: Rows kept by one rule: every row at sequence 2048 and the 7B/13B rows at 32k-65k, of the
