@@ -56,7 +56,12 @@ MODELS = {
 #: NVLink, 400 Gb/s RDMA per GPU (``--device h100-gt``: its own profile). Sequence 8192 where
 #: the table does not say (torchtitan's llama3 tomls); gradients reduced in fp32
 #: (``mixed_precision_reduce`` default); loss parallel on with tp (torchtitan's default);
-#: with pp, ``reshard_after_forward=False`` (``.nrf``: torchtitan's default policy under pp).
+#: with pp, ``reshard_after_forward=False`` (``.nrf``: torchtitan's default policy under pp)
+#: and torch pipelining's gradient sync once per step (``.gstep``: its schedules turn sync
+#: and resharding off for all but a stage's last backward); under tp torch's
+#: ``loss_parallel`` (``--loss torch-lp``). Memory is ``DeviceMemoryMonitor``'s
+#: ``reserved_bytes.all.peak`` with ``expandable_segments:True`` (run_llama_train.sh at the
+#: benchmark commit 9dec370); the planner predicts live bytes.
 #: Tables 2 and 4-6 ran torch.compile + Float8, which the planner does not model: their
 #: throughput is shown but not counted, their memory is counted (Float8 linears save the
 #: same bf16 inputs; compile fuses elementwise ops, which the planner does not count either).
@@ -82,13 +87,13 @@ ROWS = [
     ("torchtitan H100 T4, FSDP32 TP8 (F8)", "llama-3.1-70b", 256, 8192, 512,
      "fsdp32.tp8.mb1.ac.lp", "h100-gt", 829, 71.9, False),
     ("torchtitan H100 T5, FSDP8 TP8 PP8 1F1B (F8)", "llama-3.1-405b", 512, 8192, 256,
-     "fsdp8.tp8.pp8.mb32.ac.lp.nrf", "h100-gt", 100, 82.5, False),
+     "fsdp8.tp8.pp8.mb32.ac.lp.nrf.gstep", "h100-gt", 100, 82.5, False),
     ("torchtitan H100 T5, FSDP8 TP8 PP8 interleaved (F8)", "llama-3.1-405b", 512, 8192, 256,
-     "fsdp8.tp8.pp8.mb32.ac.lp.nrf.interleaved1f1b", "h100-gt", 128, 72.7, False),
+     "fsdp8.tp8.pp8.mb32.ac.lp.nrf.gstep.interleaved1f1b", "h100-gt", 128, 72.7, False),
     # Table 6: 405B, TP8 x PP8 (1F1B), FSDP x CP; local batch 8 (8 microbatches of 1)
     *[(f"torchtitan H100 T6, FSDP{8 // cp} CP{cp} TP8 PP8 (F8)", "llama-3.1-405b", 512,
-       32768 * cp, 64 // cp, f"fsdp{8 // cp}.tp8.pp8.cp{cp}.mb8.ac.lp.nrf" if cp > 1
-       else "fsdp8.tp8.pp8.mb8.ac.lp.nrf", "h100-gt", tps, mem, False)
+       32768 * cp, 64 // cp, f"fsdp{8 // cp}.tp8.pp8.cp{cp}.mb8.ac.lp.nrf.gstep" if cp > 1
+       else "fsdp8.tp8.pp8.mb8.ac.lp.nrf.gstep", "h100-gt", tps, mem, False)
       for cp, tps, mem in ((1, 76, 75.3), (2, 47, 75.9), (4, 31, 77.1))],
     ("torchtitan A100, Llama 3 8B sel. op", "llama-3.1-8b", 64, 8192, 64, "fsdp64.mb1.sac",
      "a100", 2973, None, True),
@@ -116,6 +121,7 @@ NOT_EXPRESSIBLE = [
 
 #: MPT (mosaicml/llm-foundry scripts/train/benchmarking/README.md at commit 061f2c7): Composer
 #: FSDP FULL_SHARD over every GPU, flash attention, no dropout, tied head, vocabulary 50,368,
+#: llm-foundry's default ``fused_crossentropy`` loss (flash-attn's: ``--loss fused``),
 #: gradient accumulation (``GradAccum`` microbatches, re-gathered and reduce-scattered per
 #: microbatch), "MP Mode" DEFAULT: bf16 compute, fp32 reduction (PURE: bf16 reduction).
 #: Rows kept by one rule: every row at sequence 2048 and the 7B/13B rows at 32k-65k, of the
@@ -185,7 +191,8 @@ def mpt_rows() -> list[tuple]:
                 layout = f"fsdp{n}.mb{accum}" + (".ac" if ac else "")
                 args = ["plan", "--config", str(config), "--world", str(n), "--seq-len",
                         str(seq), "--global-batch", str(batch), "--device", device,
-                        "--reduce-dtype", "float32" if fp32 else "compute", "--layout", layout]
+                        "--reduce-dtype", "float32" if fp32 else "compute", "--loss",
+                        "fused", "--layout", layout]
                 out_json = Path(tmp) / "one.json"
                 with redirect_stdout(io.StringIO()):
                     main([*args, "--json", str(out_json)])
@@ -313,7 +320,7 @@ def predict(row: tuple, config: Path) -> tuple[list[str], dict]:
         out = Path(tmp) / "one.json"
         args = ["plan", "--config", str(config), "--world", str(world), "--seq-len", str(seq),
                 "--global-batch", str(batch), "--device", device, "--reduce-dtype", "float32",
-                "--layout", layout]
+                *(["--loss", "torch-lp"] if ".lp" in layout else []), "--layout", layout]
         with redirect_stdout(io.StringIO()):
             main([*args, "--json", str(out)])
         doc = json.loads(out.read_text())

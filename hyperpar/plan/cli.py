@@ -96,6 +96,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", choices=("flash", "eager"), default="flash",
                    help="flash: a fused kernel (default); eager: materialised attention, its "
                         "seq x seq softmax probabilities saved per layer")
+    p.add_argument("--loss", choices=("eager", "fused", "torch-lp"), default="eager",
+                   help="eager: F.cross_entropy(logits.float()) (default; hyperpar's and "
+                        "torchtitan's): fp32 log-softmax and two fp32 gradients of the logits' "
+                        "size in its backward; fused: a fused kernel keeping the logits and "
+                        "making one gradient in their dtype (flash-attn's CrossEntropyLoss, "
+                        "llm-foundry's default); torch-lp: eager, with .lp layouts' loss "
+                        "parallel by torch's loss_parallel (torchtitan), 16 bytes per logit "
+                        "shard in backward")
     p.add_argument("--reduce-dtype", choices=("compute", "float32"), default="compute",
                    help="dtype gradients are reduced in over data-parallel ranks (default: "
                         "the compute dtype)")
@@ -113,8 +121,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="consider tp up to T only (default: any)")
     p.add_argument("--layout", default=None, metavar="NAME",
                    help="evaluate this one layout, named as the table names them (e.g. "
-                        "dp8.fsdp128.tp8.pp16.mb16, optionally .gpipe, .ac): its memory and "
-                        "time breakdown, also when it does not fit")
+                        "dp8.fsdp128.tp8.pp16.mb16, optionally .gpipe, .ac, .gstep for "
+                        "gradients synced once per step as torch pipelining does): its memory "
+                        "and time breakdown, also when it does not fit")
     p.add_argument("--top", type=int, default=10, metavar="K", help="rows of the table")
     p.add_argument("--json", default=None, metavar="OUT", help="write the plan as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png|svg",
@@ -140,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
         job = Run(world=args.world, seq_len=args.seq_len, global_batch=args.global_batch,
                   param_dtype=args.param_dtype, optimizer=args.optimizer,
                   gpus_per_node=args.gpus_per_node, device_memory=memory,
-                  attention=args.attention, reduce_dtype=args.reduce_dtype)
+                  attention=args.attention, reduce_dtype=args.reduce_dtype,
+                  loss=args.loss)
         given = (parse_layout(args.layout, args.schedule, args.virtual_stages) if args.layout
                  else None)
         if args.measure and spec.block != "llama":

@@ -32,6 +32,13 @@ class Run:
     #: dtype data parallelism reduces gradients in: the compute dtype (hyperpar's default) or
     #: fp32 (torchtitan's ``mixed_precision_reduce`` default)
     reduce_dtype: Literal["compute", "float32"] = "compute"
+    #: the loss kernel: ``eager`` ``F.cross_entropy(logits.float())`` (fp32 log-softmax held,
+    #: two fp32 gradients of the logits' size in backward); ``fused``: one kernel that keeps
+    #: the compute-dtype logits and a per-token log-sum-exp, its gradient in the logits' dtype
+    #: (flash-attn's ``CrossEntropyLoss``, llm-foundry's ``fused_crossentropy`` default)
+    #: ``torch-lp``: eager, with tp's loss parallel done by torch.distributed.tensor.parallel's
+    #: ``loss_parallel`` (torchtitan), whose backward holds 16 bytes per logit shard
+    loss: Literal["eager", "fused", "torch-lp"] = "eager"
 
     def __post_init__(self) -> None:
         for key in ("world", "seq_len", "global_batch", "gpus_per_node", "device_memory"):
@@ -43,6 +50,9 @@ class Run:
         if self.reduce_dtype not in ("compute", "float32"):
             raise ValueError(f"hyperpar plan: reduce dtype {self.reduce_dtype!r}; accepted: "
                              "compute, float32")
+        if self.loss not in ("eager", "fused", "torch-lp"):
+            raise ValueError(f"hyperpar plan: loss {self.loss!r}; accepted: eager, fused, "
+                             "torch-lp")
         if self.attention not in ("flash", "eager"):
             raise ValueError(f"hyperpar plan: attention {self.attention!r}; accepted: flash, "
                              "eager")
@@ -105,6 +115,30 @@ class Layout:
     #: dropout-free elementwise work on the whole sequence, all-reduces instead of
     #: all-gather / reduce-scatter pairs
     sp: bool = True
+    #: when fully_shard reduce-scatters gradients under gradient accumulation or a pipeline:
+    #: ``microbatch`` (hyperpar.pipeline's engine, plain accumulation: after every backward) or
+    #: ``step`` (torch.distributed.pipelining and hyperpar.pipelining's schedules: gradient
+    #: sync and resharding off for all but a stage's last backward, so the stage's parameters
+    #: stay gathered all step and its unsharded gradients accumulate in the reduce dtype)
+    grad_sync: Literal["microbatch", "step"] = "microbatch"
+    #: ZeRO stage of the data-parallel replicas (``dp_shard == 1``; fully_shard is ZeRO-3):
+    #: 0 none; 1 the fp32 master weights and optimizer states partitioned over the replicas
+    #: (compute-dtype parameters and gradients replicated); 2 the gradients too (Rajbhandari
+    #: et al. 2020, sec. 5). Evaluated with ``--layout`` only: hyperpar has no ZeRO-1/2
+    #: engine, so the search never proposes one
+    zero: int = 0
+
+    def __post_init__(self) -> None:
+        if self.grad_sync not in ("microbatch", "step"):
+            raise ValueError(f"hyperpar plan: grad_sync {self.grad_sync!r}; accepted: "
+                             "microbatch, step")
+        if self.zero not in (0, 1, 2):
+            raise ValueError(f"hyperpar plan: zero={self.zero!r}; accepted: 0, 1, 2 (ZeRO-3 "
+                             "is fully_shard: write fsdpN)")
+        if self.zero and self.dp_shard > 1:
+            raise ValueError(f"hyperpar plan: zero{self.zero} with fsdp{self.dp_shard}: "
+                             "fully_shard already partitions parameters, gradients and "
+                             "optimizer states (ZeRO-3); use dpN.zero1/zero2 or fsdpN")
 
     @property
     def world(self) -> int:
@@ -155,6 +189,10 @@ class Layout:
             parts.append("nrf")
         if not self.sp:
             parts.append("nosp")
+        if self.grad_sync == "step":
+            parts.append("gstep")
+        if self.zero:
+            parts.append(f"zero{self.zero}")
         return ".".join(parts)
 
 
@@ -197,6 +235,10 @@ def parse_layout(name: str, schedule: Schedule = "1f1b", virtual_stages: int = 2
             fields["reshard_after_forward"] = False
         elif part == "nosp":
             fields["sp"] = False
+        elif part == "gstep":
+            fields["grad_sync"] = "step"
+        elif part in ("zero1", "zero2"):
+            fields["zero"] = int(part[4:])
         elif part != "single":
             raise ValueError(
                 f"hyperpar plan: layout {name!r}: {part!r} not understood; write the names "
@@ -204,7 +246,9 @@ def parse_layout(name: str, schedule: Schedule = "1f1b", virtual_stages: int = 2
                 "(dp_shard), tpN, ppN, cpN, mbN (microbatches), a schedule "
                 "(1f1b|gpipe|interleaved1f1b|zbh1), vN (virtual stages), ac (every layer) "
                 "or acN (every N-th layer), sac (selective), lp (loss parallel), nrf (no "
-                "reshard after forward), nosp (tp without sequence parallel), e.g. "
+                "reshard after forward), nosp (tp without sequence parallel), gstep (gradients "
+                "reduce-scattered once per step, unsharded ones accumulated), zero1|zero2 "
+                "(ZeRO over the dp replicas, evaluated only), e.g. "
                 "dp8.fsdp128.tp8.pp16.mb16")
     if (fields["schedule"] == "interleaved1f1b" and "virtual_stages" not in seen
             and int(fields.get("pp", 1)) > 1):  # type: ignore[call-overload]

@@ -254,6 +254,16 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
         params += local * cb  # the compute-dtype copy; fully_shard gathers it per unit instead
     grads = local * MASTER_BYTES
     optimizer = local * MASTER_BYTES * run.optimizer_states
+    if layout.zero:
+        # ZeRO (Rajbhandari et al. 2020, sec. 5.1): compute-dtype parameters and gradients
+        # replicated, the fp32 masters and optimizer states partitioned evenly over the data-
+        # parallel group (one flat buffer: ceil(local / n) elements each), and with ZeRO-2 the
+        # gradients too: (2 + 2 + K / n) and (2 + (2 + K) / n) bytes per parameter, K = 12
+        n = layout.dp_replicate  # with cp > 1 refused by search.shape_problems
+        part = _cdiv(local, n)
+        params = local * cb
+        grads = (part if layout.zero == 2 else local) * cb
+        optimizer = part * MASTER_BYTES * (1 + run.optimizer_states)
     block_buffers = buffers = 0
     if ds > 1:
         # a layer in use, the one prefetched ahead and one layer's unsharded gradients; the
@@ -265,6 +275,15 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
             # the one prefetched and one layer's unsharded gradients
             block_buffers = (stage_layers(spec.num_layers, layout.pp, stage) + 2) * block * cb
         buffers = block_buffers + sum(root) * cb
+        if layout.grad_sync == "step" and layout.microbatches > 1:
+            # torch pipelining's schedules turn gradient sync and resharding after backward
+            # off but for a stage's last backward: every unit stays gathered (with one
+            # layer's compute-dtype gradient before it is added) and every unit's unsharded
+            # gradient accumulates in the reduce dtype (FSDP2's ``unsharded_accumulated_grad``)
+            layers = stage_layers(spec.num_layers, layout.pp, stage)
+            block_buffers = max(block_buffers, (layers + 1) * block * cb)
+            gathered = layers * block + sum(root)
+            buffers = block_buffers + sum(root) * cb + gathered * run.reduce_bytes
     tokens = microbatch_tokens(run, layout)
     full, saved = layer_activation_elems(spec, layout, cb)
     layers = stage_layers(spec.num_layers, layout.pp, stage)
@@ -289,17 +308,31 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
     else:
         act = k * layers * (full * tokens * cb + cp_token * tokens + scores) + cp_layer
     if stage == layout.pp - 1:
-        # the loss: each microbatch held to its backward keeps its fp32 log-softmax (GPipe
-        # holds them all); around the loss of one exist the logits in the compute dtype and
-        # the log-softmax's gradient too, and under tp the head's local vocabulary shard
-        # before the logits are all-gathered to replicate (the plan without loss_parallel)
+        # the loss, ``F.cross_entropy(logits.float(), labels)``: each microbatch held to its
+        # backward keeps its fp32 log-softmax (GPipe holds them all); the loss's backward
+        # makes two more fp32 tensors of the logits' size at once, nll_loss's gradient (zeros
+        # but the label entries) and log_softmax's, before the head's backward (forward holds
+        # at most the compute-dtype logits, their fp32 copy and the log-softmax: less);
+        # under tp the head's local vocabulary shard before the logits are all-gathered to
+        # replicate (the plan without loss_parallel). Measured: tests/plan/test_memory.py
         held = layout.microbatches if layout.pp > 1 and layout.schedule == "gpipe" else 1
         vocab = spec.vocab_size
         if tp > 1 and layout.loss_parallel:
             # loss_parallel: logits, log-softmax and its gradient stay vocabulary shards
             vocab = _cdiv(vocab, tp)
-        act += held * tokens * vocab * MASTER_BYTES
-        around_loss = tokens * vocab * (cb + MASTER_BYTES)
+        if run.loss == "fused":
+            # a fused kernel keeps the logits and a per-token fp32 log-sum-exp; its backward
+            # writes one gradient of the logits' size and dtype
+            act += held * tokens * (vocab * cb + MASTER_BYTES)
+            around_loss = tokens * vocab * cb
+        else:
+            act += held * tokens * vocab * MASTER_BYTES
+            around_loss = tokens * vocab * 2 * MASTER_BYTES
+            if run.loss == "torch-lp" and tp > 1 and layout.loss_parallel:
+                # torch's loss_parallel backward (_nll_loss_and_log_softmax_backward) holds
+                # zeros_like(x), exp(x) and their sum at once beside the saved log-softmax:
+                # 16 bytes per logit shard (measured with the profiler's allocator events)
+                around_loss += tokens * vocab * MASTER_BYTES
         if tp > 1 and not layout.loss_parallel:
             around_loss += tokens * _cdiv(vocab, tp) * cb
         if ds > 1 and not layout.activation_checkpointing:
@@ -313,9 +346,11 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
     # data_parallel (over dp_replicate x cp) keeps the gradients in its flat buckets from the
     # first backward on; with dp_shard > 1 fully_shard (over dp_shard x cp) reduces them instead
     ddp = (layout.dp_replicate > 1 or layout.cp > 1) and ds == 1
+    # sync once per step: the sharded gradients appear only after the last backward
+    step_sync = layout.grad_sync == "step" and ds > 1
     return Memory(params=params, grads=grads, optimizer=optimizer, fsdp_buffers=int(buffers),
                   activations=int(act), stage=stage,
-                  grads_at_peak=ddp or layout.microbatches > 1)
+                  grads_at_peak=ddp or (layout.microbatches > 1 and not step_sync))
 
 
 def memory_per_rank(spec: ModelSpec, run: Run, layout: Layout) -> Memory:

@@ -138,6 +138,7 @@ def _memory_lines(m: Memory) -> list[str]:
     held = "" if m.grads_at_peak else " (not live at the peak)"
     return [f"  memory per rank (stage {m.stage}, GiB): params {m.params / g:.2f}, grads "
             f"{m.grads / g:.2f}{held}, optimizer {m.optimizer / g:.2f}, fsdp buffers "
+            f"(gathered units, unsharded gradients) "
             f"{m.fsdp_buffers / g:.2f}, activations {m.activations / g:.2f}; peak "
             f"{m.peak / g:.2f}"]
 

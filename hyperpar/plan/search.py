@@ -92,6 +92,9 @@ def shape_problems(spec: ModelSpec, run: Run, layout: Layout) -> list[str]:
     if layout.ac_every < 1 or (layout.ac_every > 1 and not layout.activation_checkpointing):
         out.append(f"ac_every={layout.ac_every}: every N-th layer checkpointed needs "
                    "activation_checkpointing and N >= 1 (write acN)")
+    if layout.zero and layout.cp > 1:
+        out.append(f"zero{layout.zero} with cp={layout.cp}: not modelled (ZeRO over the "
+                   "dp_replicate ranks only; write cp1)")
     if not layout.sp and tp == 1:
         out.append("sp=False (tp without sequence parallel) needs tp > 1")
     if not layout.reshard_after_forward and layout.fsdp_shard == 1:

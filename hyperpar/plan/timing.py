@@ -204,13 +204,16 @@ def collectives(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> list[C
         # (fully_shard leaves grad None where no rank's backward reached a parameter)
         block_flags = ds * len(spec.block_tensors())
         root_flags = ds * len(_root_tensors(spec, pp, first, last))
-        out += [Collective("dp_shard", "ag", block * cb, gathers * layers, "microbatch",
-                           "layers"),
-                Collective("dp_shard", "rs", (block + block_flags) * rb, layers, "microbatch",
+        # sync once per step (torch pipelining): gathered once, kept, reduce-scattered once
+        per = "step" if layout.grad_sync == "step" else "microbatch"
+        if per == "step":
+            gathers = 1
+        out += [Collective("dp_shard", "ag", block * cb, gathers * layers, per, "layers"),
+                Collective("dp_shard", "rs", (block + block_flags) * rb, layers, per,
                            "layer grads")]
         for r in root:
-            out += [Collective("dp_shard", "ag", r * cb, 1, "microbatch", "root"),
-                    Collective("dp_shard", "rs", (r + root_flags) * rb, 1, "microbatch",
+            out += [Collective("dp_shard", "ag", r * cb, 1, per, "root"),
+                    Collective("dp_shard", "rs", (r + root_flags) * rb, 1, per,
                                "root grads")]
     if dr > 1 and ds > 1:
         # HSDP: every unit's reduce-scattered gradient shard is all-reduced over the replicas
@@ -222,6 +225,12 @@ def collectives(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> list[C
         for r in root:
             out.append(Collective("dp_replicate", "ar", (r // ds + n_root) * rb, 1,
                                   "microbatch", "root grad shards"))
+    elif dr > 1 and layout.cp == 1 and layout.zero:
+        # ZeRO-1: the gradients all-reduced (ZeRO-2: reduce-scattered) once per step, then
+        # the updated compute-dtype parameters all-gathered from their owners
+        kind = "rs" if layout.zero == 2 else "ar"
+        out += [Collective("dp_replicate", kind, sp.local * rb, 1, "step", "grads"),
+                Collective("dp_replicate", "ag", sp.local * cb, 1, "step", "params")]
     elif dr > 1 and layout.cp == 1:
         # data_parallel: the gradients accumulate locally (no_sync), one all-reduce per step
         out.append(Collective("dp_replicate", "ar", sp.local * rb, 1, "step", "grads"))
@@ -459,8 +468,11 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
             or (c.dim == "dp_replicate" and c.per == "microbatch")]
     fsdp_mb_exposed = 0.0
     if fsdp:
-        per_mb = sum(seconds(c) * c.count for c in fsdp)
-        first = seconds(fsdp[0])
+        # once-per-step ones (``grad_sync="step"``) spread over the step's microbatches
+        def share(c: Collective) -> float:
+            return seconds(c) / (m if c.per == "step" else 1)
+        per_mb = sum(share(c) * c.count for c in fsdp)
+        first = share(fsdp[0])
         fsdp_mb_exposed = first + max(0.0, per_mb - first - overlap * compute_mb)
 
     # group fixed costs, looked up by the size of the group they are paid over
@@ -491,9 +503,12 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
     # during the last microbatch's backward (2/3 of its compute, as far as overlap allows)
     dp_exposed = 0.0
     t_ar = sum(seconds(c) * c.count for c in colls if c.dim in ("dp_replicate", "cp")
-               and c.per == "step")
+               and c.per == "step" and c.what != "params")
     if t_ar:
         dp_exposed = max(0.0, t_ar - overlap * 2 / 3 * compute_mb)
+    # ZeRO's parameter all-gather follows the optimizer step: nothing to hide it behind
+    dp_exposed += sum(seconds(c) * c.count for c in colls
+                      if c.dim == "dp_replicate" and c.what == "params")
 
     # optimizer: memory-bound (reads and writes params, grads and states once) plus a fixed
     # cost per local parameter tensor

@@ -113,10 +113,10 @@ def test_llama2_7b_fully_sharded_cp_fits_80_gib_at_1024_ranks() -> None:
     replicas_cp = memory_per_rank(SPEC, run, Layout(dp_replicate=256, cp=4))
     assert fsdp_cp.peak < 80 * 2**30 < replicas_cp.peak
     # activations are those of cp: the same tokens per rank and gathered K/V either way, but
-    # for the loss's transient logits (bf16) and log-softmax gradient (fp32): with fully_shard
-    # they live while no block is gathered, within the gathered blocks' bytes
+    # for the loss's transient gradients (nll_loss's and log-softmax's, fp32): with
+    # fully_shard they live while no block is gathered, within the gathered blocks' bytes
     tokens = 256 // 256 * 4096 // 4
-    loss_transient = tokens * SPEC.vocab_size * (2 + 4)
+    loss_transient = tokens * SPEC.vocab_size * (4 + 4)
     assert loss_transient < fsdp_cp.fsdp_buffers
     assert replicas_cp.activations - fsdp_cp.activations == loss_transient
 
@@ -132,8 +132,8 @@ def test_loss_parallel_keeps_vocabulary_shards() -> None:
     tp8 = Layout(tp=8, microbatches=1)
     lp8 = Layout(tp=8, microbatches=1, loss_parallel=True)
     tokens, v, cb = 8 * 4096, SPEC.vocab_size, 2  # one microbatch of 8 sequences
-    full = tokens * v * 4 + tokens * v * (cb + 4) + tokens * (v // 8) * cb
-    shard = tokens * (v // 8) * 4 + tokens * (v // 8) * (cb + 4)
+    full = tokens * v * 4 + tokens * v * (4 + 4) + tokens * (v // 8) * cb
+    shard = tokens * (v // 8) * 4 + tokens * (v // 8) * (4 + 4)
     a, b = stage_memory(SPEC, run, tp8, 0), stage_memory(SPEC, run, lp8, 0)
     assert a.activations - b.activations == full - shard
     assert a.states == b.states
@@ -250,3 +250,190 @@ def test_every_nth_layer_checkpointed_holds_and_recomputes_its_share() -> None:
     assert act2 - stage_memory(spec, run, full, 0).activations == 151_552 - 81_920
     assert recompute_share(spec, ac2) == 0.5 and recompute_share(spec, full) == 1.0
     assert step_flops(spec, run, recompute_share(spec, ac2)) == 7 * 98_304 * 32 + 4 * 131_072
+
+
+def test_loss_term_is_cross_entropys_measured_peak() -> None:
+    """The planner's loss bytes (the held fp32 log-softmax plus the backward's two fp32
+    gradients of the logits' size, 12 bytes per token and vocabulary entry) are the peak live
+    bytes of ``F.cross_entropy(logits.float())`` forward and backward as hyperpar's measured
+    runs write it (``hyperpar/plan/_runs.py``), measured by :class:`LiveBytes` on this
+    machine; forward alone peaks lower (8 bytes)."""
+    import torch
+    import torch.nn.functional as F
+
+    from hyperpar.plan.live_bytes import LiveBytes
+
+    tokens, vocab, hidden = 512, 4000, 8
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(vocab, hidden, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randint(0, vocab, (tokens,))
+    with LiveBytes() as lb:
+        lb.track([x, w, y])
+        base = lb.current
+        loss = F.cross_entropy((x @ w.t()).float(), y)
+        forward = lb.peak - base
+        loss.backward()
+    measured = lb.peak - base
+    # the planner's loss term: activations with this vocabulary less those with a tiny one
+    cfg = {"hidden_size": hidden, "intermediate_size": 16, "num_hidden_layers": 1,
+           "num_attention_heads": 1}
+    run = Run(world=1, seq_len=tokens, global_batch=1)
+    acts = [stage_memory(from_hf_config({**cfg, "vocab_size": v}), run, Layout(), 0).activations
+            for v in (vocab, 1)]
+    predicted = acts[0] - acts[1]
+    assert predicted == tokens * (vocab - 1) * 12
+    # measured: 12 bytes per entry plus what is tokens x hidden or vocab x hidden (the head's
+    # gradients, the scalar loss)
+    small = 4 * (tokens + vocab) * hidden * 4
+    assert tokens * vocab * 12 <= measured <= tokens * vocab * 12 + small
+    assert forward <= tokens * vocab * 8 + small
+    assert abs(measured - predicted) <= small + tokens * 12
+
+
+def test_grad_sync_per_step_holds_the_stages_unsharded_gradients() -> None:
+    """``.gstep`` (torch pipelining: gradient sync off but for a stage's last backward): the
+    stage's unsharded gradients accumulate in the reduce dtype (exactly the gathered units'
+    elements times 4 bytes under fp32 reduction), the sharded gradients appear only after the
+    last backward, and fully_shard's collectives run once per step instead of per microbatch."""
+    from hyperpar.plan.layout import parse_layout
+    from hyperpar.plan.memory import stage_params
+    from hyperpar.plan.timing import collectives
+
+    run = Run(world=64, seq_len=4096, global_batch=64, reduce_dtype="float32")
+    per_mb = parse_layout("fsdp8.pp8.mb8.ac.nrf")
+    per_step = parse_layout("fsdp8.pp8.mb8.ac.nrf.gstep")
+    assert per_step.grad_sync == "step" and per_step.name == "fsdp8.pp8.mb8.1f1b.ac.nrf.gstep"
+    assert parse_layout(per_step.name) == per_step
+    for stage in (0, 3, 7):
+        a, b = stage_memory(SPEC, run, per_mb, stage), stage_memory(SPEC, run, per_step, stage)
+        sp = stage_params(SPEC, 1, 8, 8, stage)
+        block, *root = sp.unit_gathered
+        layers = SPEC.num_layers // 8
+        assert b.fsdp_buffers - a.fsdp_buffers == (layers * block + sum(root)) * 4
+        assert a.grads_at_peak and not b.grads_at_peak
+        assert b.activations == a.activations and b.states == a.states
+    pers = {c.per for c in collectives(SPEC, run, per_step, 0) if c.dim == "dp_shard"}
+    assert pers == {"step"}
+    assert {c.per for c in collectives(SPEC, run, per_mb, 0) if c.dim == "dp_shard"} == {
+        "microbatch"}
+    with pytest.raises(ValueError, match="grad_sync"):
+        Layout(grad_sync="sometimes")  # type: ignore[arg-type]
+
+
+def test_fused_loss_keeps_the_logits_and_one_gradient() -> None:
+    """``Run(loss="fused")`` (flash-attn's CrossEntropyLoss, llm-foundry's default): the loss
+    costs the compute-dtype logits, their gradient and a per-token fp32 log-sum-exp, where
+    the eager loss costs 12 bytes per logit; a bad value is refused by name."""
+    cfg = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4}
+    tokens = 2 * 1024
+
+    def loss_bytes(loss: str) -> int:
+        run = Run(world=1, seq_len=1024, global_batch=2, loss=loss)  # type: ignore[arg-type]
+        return (stage_memory(from_hf_config({**cfg, "vocab_size": 5001}), run, Layout(), 0)
+                .activations
+                - stage_memory(from_hf_config({**cfg, "vocab_size": 1}), run, Layout(), 0)
+                .activations)
+
+    assert loss_bytes("eager") == tokens * 5000 * 12
+    assert loss_bytes("fused") == tokens * 5000 * (2 + 2)
+    with pytest.raises(ValueError, match="loss 'liger'"):
+        Run(world=1, seq_len=8, global_batch=1, loss="liger")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("n", [4, 16, 64])
+def test_zero1_zero2_states_are_the_zero_papers_formulas(n: int) -> None:
+    """ZeRO-1/2 over ``n`` replicas (``dpN.zero1``, ``.zero2``): per parameter ``2 + 2 +
+    12 / n`` and ``2 + 14 / n`` bytes (Rajbhandari et al. 2020, sec. 5.1 and Table 1, mixed
+    precision Adam, K = 12), ZeRO-3 (fully_shard) ``16 / n``; exact where the parameter count
+    divides by ``n``. Their collectives: one gradient all-reduce (ZeRO-2: reduce-scatter) and
+    one parameter all-gather per step; fully_shard with zero is refused by name."""
+    from hyperpar.plan.layout import parse_layout
+    from hyperpar.plan.timing import collectives
+
+    psi = SPEC.parameters
+    assert psi % 64 == 0
+    run = Run(world=n, seq_len=4096, global_batch=n)
+    z1 = memory_per_rank(SPEC, run, parse_layout(f"dp{n}.mb1.zero1"))
+    z2 = memory_per_rank(SPEC, run, parse_layout(f"dp{n}.mb1.zero2"))
+    z3 = memory_per_rank(SPEC, run, parse_layout(f"fsdp{n}.mb1"))
+    assert z1.states == 2 * psi + 2 * psi + 12 * psi // n
+    assert z2.states == 2 * psi + 14 * psi // n
+    assert z3.states == 16 * psi // n
+    # the paper's Figure 1 (Psi = 7.5B, N_d = 64, K = 12): 31.4, 16.6 and 1.9 GB per device;
+    # a 7.55B Llama-style model, so within 1% + the figures' rounding
+    big = from_hf_config({"hidden_size": 4096, "intermediate_size": 11008,
+                          "num_hidden_layers": 36, "num_attention_heads": 32,
+                          "vocab_size": 32000})
+    assert abs(big.parameters / 7.5e9 - 1) < 0.01
+    run64 = Run(world=64, seq_len=2048, global_batch=64)
+    got = [memory_per_rank(big, run64, parse_layout(name)).states / 1e9
+           for name in ("dp64.mb1.zero1", "dp64.mb1.zero2", "fsdp64.mb1")]
+    for g, published in zip(got, (31.4, 16.6, 1.9), strict=True):
+        assert abs(g / published - 1) < 0.01 + 0.05 / published
+    kinds = {(c.kind, c.what, c.per) for c in collectives(SPEC, run, parse_layout(
+        f"dp{n}.mb1.zero2"), 0) if c.dim == "dp_replicate"}
+    assert kinds == {("rs", "grads", "step"), ("ag", "params", "step")}
+    assert parse_layout(f"dp{n}.mb1.zero1").name == f"dp{n}.mb1.zero1"
+    with pytest.raises(ValueError, match="fully_shard already partitions"):
+        parse_layout(f"fsdp{n}.mb1.zero2")
+
+
+_TORCH_LP_PEAK = r"""
+import os, socket, sys
+import torch, torch.distributed as dist, torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.profiler import ProfilerActivity, profile
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+dist.init_process_group("gloo", rank=0, world_size=1)
+n, v = 512, 4000
+dx = distribute_tensor(torch.randn(n, v, dtype=torch.bfloat16),
+                       init_device_mesh("cpu", (1,)), [Shard(1)]).requires_grad_()
+y = torch.randint(0, v, (n,))
+with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with loss_parallel():
+        F.cross_entropy(dx.float(), y).backward()
+events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                key=lambda e: e.start_ns())
+current = peak = 0
+for e in events:
+    current += e.nbytes()
+    peak = max(peak, current)
+dist.destroy_process_group()
+print(peak / (n * v))
+"""
+
+
+def test_torch_loss_parallel_term_is_its_measured_peak() -> None:
+    """``--loss torch-lp``: torch.distributed.tensor.parallel's ``loss_parallel`` (what
+    torchtitan runs under tp) peaks at 16 bytes per logit shard in backward, measured from the
+    cpu allocator's events (the profiler's ``[memory]`` records, which see the temporaries
+    inside DTensor's custom loss kernels) in a 1-rank gloo process; the planner's loss term
+    for an ``.lp`` layout under ``torch-lp`` is 16 bytes, under ``eager`` 12."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _TORCH_LP_PEAK], capture_output=True,
+                         text=True, timeout=120, check=True)
+    measured = float(out.stdout.strip().splitlines()[-1])
+    assert 16.0 <= measured < 16.05  # + the per-row statistics (n x 1 tensors)
+    cfg = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4}
+    lay = Layout(tp=2, microbatches=1, loss_parallel=True)
+    tokens = 1024
+
+    def loss_bytes(loss: str) -> int:
+        run = Run(world=2, seq_len=1024, global_batch=1, loss=loss)  # type: ignore[arg-type]
+        return (stage_memory(from_hf_config({**cfg, "vocab_size": 8002}), run, lay, 0)
+                .activations
+                - stage_memory(from_hf_config({**cfg, "vocab_size": 2}), run, lay, 0)
+                .activations)
+
+    shard = tokens * (8002 // 2 - 2 // 2)
+    assert loss_bytes("torch-lp") == shard * 16
+    assert loss_bytes("eager") == shard * 12
