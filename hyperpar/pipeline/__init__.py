@@ -44,7 +44,15 @@ from .schedules import (
 from .spec import LayerSpec, LayerSpecTypeError, TiedLayerSpec
 from .topology import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
 
-if _util.find_spec("torch") is not None:
+
+def _torch_installed() -> bool:
+    try:
+        return _util.find_spec("torch") is not None
+    except ImportError:   # an import hook that refuses torch: not usable here either
+        return False
+
+
+if _torch_installed():
     from .engine import PipelineEngine, RepeatingLoader, initialize
     from .executor import (
         PipelineSchedule,
