@@ -239,3 +239,42 @@ def test_a_failing_stage_is_named_on_every_rank() -> None:
                 if f"(rank {rank})" not in culprit:   # the peer names the culprit
                     assert text.startswith("PipelineStageError: ") and culprit in text, \
                         (case, rank, text)
+
+
+# ---------------------------------------------------------------------------------- refusals
+def _refusals() -> dict:
+    from hyperpar.pipeline import PipelineEngine, PipelineModule, get_schedule_class
+
+    _ms, nn, _ops, _a, _e = _cells()
+    out = {}
+
+    def attempt(key: str, fn) -> None:
+        try:
+            fn()
+            out[key] = "accepted"
+        except (TypeError, ValueError, NotImplementedError) as exc:
+            out[key] = str(exc)
+
+    layers = _layer_list(2, tied=False)
+    attempt("stages", lambda: PipelineModule(layers, 4, loss_fn=_mse))
+    attempt("layer", lambda: PipelineModule([*layers, 3], loss_fn=_mse))
+    model = PipelineModule(layers, loss_fn=_mse, partition_method="uniform")
+    other = nn.SGD(nn.Dense(2, 2).trainable_params(), learning_rate=LR)
+    mine = nn.SGD(model.trainable_params(), learning_rate=LR)
+    attempt("optimizer", lambda: PipelineEngine(model, other, {}))
+    attempt("config", lambda: PipelineEngine(model, mine, {"fp16": {"enabled": True}}))
+    attempt("sizes", lambda: PipelineEngine(model, mine, {
+        "train_batch_size": 5, "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2}))
+    attempt("interleaved", lambda: get_schedule_class("interleaved_1f1b"))
+    return out
+
+
+def test_bad_input_is_refused_on_every_rank(pool2) -> None:
+    for rank, res in enumerate(pool2.run(_refusals)):
+        assert "num_stages=4 but the world has 2 ranks" in res["stages"], (rank, res)
+        assert "layer 2 is a int" in res["layer"], (rank, res)
+        assert "not this stage's trainable parameters" in res["optimizer"], (rank, res)
+        assert "['fp16'] are not supported yet" in res["config"], (rank, res)
+        assert "train_batch_size=5 must equal" in res["sizes"], (rank, res)
+        assert "not supported on MindSpore yet" in res["interleaved"], (rank, res)

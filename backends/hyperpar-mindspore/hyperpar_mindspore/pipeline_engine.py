@@ -61,8 +61,7 @@ def _flatten(value: Any, where: str) -> tuple[list[Any], bool]:
 
 
 def _is_float(t: Any) -> bool:
-    return ms.dtype.is_floating_point(t.dtype) if hasattr(ms.dtype, "is_floating_point") \
-        else t.dtype in (ms.float16, ms.float32, ms.float64, ms.bfloat16)
+    return t.dtype in (ms.float16, ms.float32, ms.float64, ms.bfloat16)
 
 
 class PipelineSchedule:
