@@ -157,7 +157,10 @@ NEUTRAL_MODULES = ("hyperpar.dtensor.mesh", "hyperpar.dtensor.placement",
                    "hyperpar.parallel.driver", "hyperpar.parallel.bucket_plan",
                    "hyperpar.parallel.shard_plan",
                    "hyperpar.checkpoint", "hyperpar.checkpoint.arrays",
-                   "hyperpar.checkpoint._commit")
+                   "hyperpar.checkpoint._commit",
+                   "hyperpar.pipeline.schedules", "hyperpar.pipeline.runner",
+                   "hyperpar.pipeline.spec", "hyperpar.pipeline.partition",
+                   "hyperpar.pipeline._faults", "hyperpar.pipeline.topology")
 
 _BLOCK_MINDSPORE = """
 class _NoMindSpore(importlib.abc.MetaPathFinder):

@@ -5,22 +5,20 @@ a DeepSpeed-style engine (``initialize`` / ``PipelineEngine.train_batch``).
 >>> module = PipelineModule([LayerSpec(nn.Linear, 16, 16) for _ in range(8)],
 ...                         loss_fn=nn.functional.mse_loss)
 >>> loss = Schedule1F1B(module, n_microbatches=4).step(x, target=y)
+
+Where torch is not installed (a MindSpore venv), ``PipelineModule``, ``PipelineEngine``,
+``initialize``, ``ScheduleGPipe``, ``Schedule1F1B`` and ``get_schedule_class`` are MindSpore's
+(:mod:`hyperpar_mindspore.pipeline`, :mod:`hyperpar_mindspore.pipeline_engine`); the specs,
+partitioners, plans and the instruction loop are the same framework-neutral code. In a venv
+with both frameworks import the MindSpore ones from ``hyperpar_mindspore`` directly.
 """
 
-from .engine import PipelineEngine, RepeatingLoader, initialize
-from .executor import (
-    PipelineSchedule,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleZeroBubble,
-    StepTimings,
-    get_schedule_class,
-    merge_microbatches,
-    split_microbatches,
-)
-from .module import PipelineModule
+import importlib as _importlib
+import importlib.util as _util
+from typing import Any as _Any
+
 from .partition import partition_balanced, partition_layers, partition_uniform
+from .runner import StepTimings
 from .schedules import (
     Action,
     B,
@@ -45,6 +43,48 @@ from .schedules import (
 )
 from .spec import LayerSpec, LayerSpecTypeError, TiedLayerSpec
 from .topology import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
+
+
+def _torch_installed() -> bool:
+    try:
+        return _util.find_spec("torch") is not None
+    except ImportError:   # an import hook that refuses torch: not usable here either
+        return False
+
+
+if _torch_installed():
+    from .engine import PipelineEngine, RepeatingLoader, initialize
+    from .executor import (
+        PipelineSchedule,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleZeroBubble,
+        get_schedule_class,
+        merge_microbatches,
+        split_microbatches,
+    )
+    from .module import PipelineModule
+else:   # no torch: the MindSpore implementations, imported on first use
+    _MINDSPORE = {
+        "PipelineModule": "hyperpar_mindspore.pipeline",
+        "PipelineEngine": "hyperpar_mindspore.pipeline_engine",
+        "PipelineSchedule": "hyperpar_mindspore.pipeline_engine",
+        "ScheduleGPipe": "hyperpar_mindspore.pipeline_engine",
+        "Schedule1F1B": "hyperpar_mindspore.pipeline_engine",
+        "get_schedule_class": "hyperpar_mindspore.pipeline_engine",
+        "initialize": "hyperpar_mindspore.pipeline_engine",
+    }
+
+    def __getattr__(name: str) -> _Any:
+        module = _MINDSPORE.get(name)
+        if module is None:
+            raise AttributeError(f"module 'hyperpar.pipeline' has no attribute {name!r} without "
+                                 f"torch (on MindSpore it offers {sorted(_MINDSPORE)} and the "
+                                 f"framework-neutral specs, partitioners and plans)")
+        value = getattr(_importlib.import_module(module), name)
+        globals()[name] = value
+        return value
 
 __all__ = [
     "Action", "B", "Backward", "BackwardInput", "BackwardWeight", "F", "Forward", "I", "LayerSpec",

@@ -20,12 +20,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from hyperpar.platform import get_platform
-from hyperpar.platform.health import (
-    P2P_COUNTER,
-    await_failure,
-    is_peer_failure,
-    publish_failure,
-)
 
 _HANDLED = "__hyperpar_pipeline_handled__"
 
@@ -86,6 +80,14 @@ def pipeline_step(module: Any, current_stage: Callable[[], int | None] = lambda:
 
 def _handle(module: Any, exc: BaseException, stage: int | None,
             peers: list[int]) -> BaseException | None:
+    # torch's rendezvous store, imported here so PipelineStageError imports no framework
+    from hyperpar.platform.health import (
+        P2P_COUNTER,
+        await_failure,
+        is_peer_failure,
+        publish_failure,
+    )
+
     platform = get_platform()
     me = platform.rank()
     stage = module.stage_id if stage is None else stage

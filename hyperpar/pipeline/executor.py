@@ -22,6 +22,7 @@ from .mailbox import StageMailbox
 from .mailbox import as_leaf as _leaf
 from .module import PipelineModule
 from .p2p import P2P, Meta, flatten, meta_of
+from .runner import StepTimings, run_program
 from .schedules import (
     Action,
     Backward,
@@ -82,21 +83,6 @@ class _Unit:
     grads: list[torch.Tensor] | None = None
     # finer split: (output of a parameter-owning submodule, its own parameters, grad)
     leaves: list[list[Any]] = field(default_factory=list)
-
-
-@dataclass
-class StepTimings:
-    """Where one step's time went on this rank (seconds)."""
-
-    step_s: float = 0.0
-    compute_s: float = 0.0
-    comm_s: float = 0.0
-    per_action: list[tuple[Action, float]] = field(default_factory=list)
-
-    @property
-    def idle_fraction(self) -> float:
-        """Share of the step not spent computing (bubble plus communication)."""
-        return 1.0 - self.compute_s / self.step_s if self.step_s else 0.0
 
 
 class PipelineSchedule(StageMailbox):
@@ -259,20 +245,8 @@ class PipelineSchedule(StageMailbox):
         self._fault_peers: list[int] = []
         with pipeline_step(mod, lambda: self._fault_stage, lambda: self._fault_peers):
             stash = mod._stash_tied_gradients() if train else []
-            for step in program:
-                if step.comms:
-                    t0 = time.perf_counter()
-                    self._communicate(step.comms)
-                    timings.comm_s += time.perf_counter() - t0
-                if step.action is not None:
-                    t0 = time.perf_counter()
-                    self._fault_stage = step.action.stage
-                    self._run(step.action)
-                    dt = time.perf_counter() - t0
-                    timings.compute_s += dt
-                    timings.per_action.append((step.action, dt))
+            run_program(program, self._communicate, self._run, timings, self._blame)
             t0 = time.perf_counter()
-            self._fault_stage = None
             self._fault_peers = list(mod.stage_ranks)   # any of them may be the one missing
             self._p2p.wait_sends()
             if train:
@@ -292,6 +266,9 @@ class PipelineSchedule(StageMailbox):
         if return_outputs:
             return loss, merge_microbatches(self._mb_outputs, self.batch_dim)
         return loss
+
+    def _blame(self, stage: int | None) -> None:
+        self._fault_stage = stage   # the stage computing now: a failure is blamed on it
 
     # ------------------------------------------------------------------ communication
     def _stage_ranks(self) -> Sequence[int]:

@@ -11,9 +11,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from torch import nn
-
-from .spec import LayerSpec
+from .spec import LayerSpec, trainable_count
 
 
 def partition_uniform(n_items: int, n_parts: int) -> list[int]:
@@ -80,7 +78,7 @@ def layer_name(layer: Any) -> str:
     """The class name a ``type:`` regex is matched against."""
     if isinstance(layer, LayerSpec):
         return layer.typename.__name__
-    if isinstance(layer, nn.Module):
+    if hasattr(layer, "forward") or hasattr(layer, "construct"):   # a Module or Cell instance
         return type(layer).__name__
     return getattr(layer, "__name__", type(layer).__name__)
 
@@ -89,9 +87,7 @@ def layer_parameter_count(layer: Any) -> int:
     """Trainable parameters of a layer; a spec is counted without being built where possible."""
     if isinstance(layer, LayerSpec):
         return layer.count_parameters()
-    if isinstance(layer, nn.Module):
-        return sum(p.numel() for p in layer.parameters() if p.requires_grad)
-    return 0
+    return trainable_count(layer)
 
 
 def partition_layers(layers: Sequence[Any], n_parts: int,

@@ -3,21 +3,23 @@
 A spec records a module class and its arguments without building it, so a
 :class:`~hyperpar.pipeline.PipelineModule` can construct only the layers of the local stage and
 count parameters of the others without allocating them.
+
+Framework-neutral: a spec names a ``torch.nn.Module`` or a ``mindspore.nn.Cell`` class; the
+torch-only ``meta``-device build is reached through ``sys.modules`` (torch is imported by the
+caller that uses it, never here).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
-
-import torch
-from torch import nn
 
 from hyperpar.platform import get_platform
 
 
 def _short(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
+    if not isinstance(value, type) and hasattr(value, "shape") and hasattr(value, "dtype"):
         return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype})"
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -38,10 +40,11 @@ class LayerSpec:
     """
 
     def __init__(self, typename: type, *module_args: Any, **module_kwargs: Any) -> None:
-        if not get_platform().is_module_class(typename):
+        if not _is_module_class(typename):
             raise LayerSpecTypeError(
                 f"{type(self).__name__}: typename must be a module class (a subclass of "
-                f"torch.nn.Module), got {_short(typename)} of type {type(typename).__name__}. "
+                f"torch.nn.Module or mindspore.nn.Cell), got {_short(typename)} of type "
+                f"{type(typename).__name__}. "
                 f"Pass the class itself, e.g. LayerSpec(nn.Linear, 16, 16), not an instance; "
                 f"plain modules and callables can be put in the layer list directly."
             )
@@ -49,19 +52,23 @@ class LayerSpec:
         self.module_args = tuple(module_args)
         self.module_kwargs = dict(module_kwargs)
 
-    def build(self, log: bool = False) -> nn.Module:
+    def build(self, log: bool = False) -> Any:
         """Construct the module (``log`` is accepted for DeepSpeed compatibility and ignored)."""
         return self.typename(*self.module_args, **self.module_kwargs)
 
     def count_parameters(self) -> int:
         """Number of trainable parameters of the built module, without allocating storage
-        (built on the ``meta`` device; falls back to a real build if that fails)."""
-        try:
-            with torch.device("meta"):
-                module = self.build()
-        except Exception:
-            module = self.build()
-        return sum(p.numel() for p in module.parameters() if p.requires_grad)
+        (torch: built on the ``meta`` device, falling back to a real build if that fails;
+        MindSpore: a real build)."""
+        torch = sys.modules.get("torch")
+        module = None
+        if torch is not None and issubclass(self.typename, torch.nn.Module):
+            try:
+                with torch.device("meta"):
+                    module = self.build()
+            except Exception:
+                module = None
+        return trainable_count(module if module is not None else self.build())
 
     def _arg_text(self) -> str:
         parts = [_short(a) for a in self.module_args]
@@ -86,7 +93,7 @@ class TiedLayerSpec(LayerSpec):
     """
 
     def __init__(self, key: str, typename: type, *module_args: Any,
-                 forward_fn: Callable[[nn.Module, Any], Any] | None = None,
+                 forward_fn: Callable[[Any, Any], Any] | None = None,
                  tied_weight_attr: str | Sequence[str] = ("weight",),
                  **module_kwargs: Any) -> None:
         super().__init__(typename, *module_args, **module_kwargs)
@@ -108,14 +115,35 @@ class TiedLayerSpec(LayerSpec):
                 f"{', ' + args if args else ''}{extra}, tied_weight_attr={self.tied_weight_attr})")
 
 
-def get_dotted(module: nn.Module, name: str) -> Any:
+def _is_module_class(obj: object) -> bool:
+    """A module class of the selected platform's framework (a plain type check where the
+    platform has no ``is_module_class``, e.g. MindSpore's)."""
+    check = getattr(get_platform(), "is_module_class", None)
+    if check is not None:
+        return bool(check(obj))
+    return isinstance(obj, type) and hasattr(obj, "construct") and hasattr(obj, "trainable_params")
+
+
+def trainable_count(module: Any) -> int:
+    """Trainable parameter elements of a built module (torch ``parameters()`` with
+    ``requires_grad``, MindSpore ``trainable_params()``); 0 for a plain callable."""
+    if hasattr(module, "trainable_params") and not hasattr(module, "named_modules"):
+        return sum(int(p.size) for p in module.trainable_params())
+    params = getattr(module, "parameters", None)
+    if params is None or not callable(params):
+        return 0
+    return sum(p.numel() for p in params() if p.requires_grad)
+
+
+def get_dotted(module: Any, name: str) -> Any:
     """``module.a.b`` for ``name="a.b"``; an unknown part names what the module has."""
     obj: Any = module
     for i, part in enumerate(name.split(".")):
         if not hasattr(obj, part):
             where = ".".join(name.split(".")[:i]) or type(module).__name__
             have = [n for n, _ in obj.named_parameters(recurse=False)] + \
-                [n for n, _ in obj.named_children()] if isinstance(obj, nn.Module) else []
+                [n for n, _ in obj.named_children()] if hasattr(obj, "named_children") else \
+                [n for n, _ in obj.name_cells().items()] if hasattr(obj, "name_cells") else []
             raise AttributeError(f"tied_weight_attr {name!r}: {where} has no attribute {part!r}"
                                  f" (it has {have})")
         obj = getattr(obj, part)

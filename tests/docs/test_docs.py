@@ -157,6 +157,9 @@ NOT_RUNNABLE: dict[tuple[str, str], str] = {
     ("docs/mindspore.md", "@ms.jit"):
         "a MindSpore fragment (this venv has torch, not MindSpore): tests/mindspore/"
         "test_graph_mode.py runs the same jitted step on real ranks",
+    ("docs/mindspore.md", "from hyperpar.pipeline import LayerSpec, PipelineModule, TiedLayerSpec"):
+        "MindSpore code (this venv has torch, not MindSpore): tests/mindspore/test_pipeline.py "
+        "and tests/both/test_pipeline.py train the same API on real ranks",
     ("docs/mindspore.md", "from hyperpar_mindspore.dtensor import value_and_grad"):
         "MindSpore code (this venv has torch, not MindSpore): tests/mindspore/test_dtensor.py "
         "runs the same calls on real ranks",
