@@ -46,6 +46,11 @@ CASES = {
     "fsdp": (2, ["--training.seq_len", "128", "--parallelism.data_parallel_shard_degree", "2"]),
     "pp_1f1b": (2, ["--training.seq_len", "128", "--parallelism.pipeline_parallel_degree", "2",
                     "--parallelism.pipeline_parallel_schedule", "1F1B"]),
+    # one layer per stage: 8 stages (embedding/output stages included), 4 per rank
+    "pp_interleaved": (2, ["--training.seq_len", "128",
+                           "--parallelism.pipeline_parallel_degree", "2",
+                           "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                           "--parallelism.pipeline_parallel_layers_per_stage", "1"]),
     "cp": (2, ["--training.seq_len", "256", "--parallelism.context_parallel_degree", "2"]),
 }
 
