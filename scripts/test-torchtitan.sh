@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # torchtitan 0.3.0 on hyperpar: build (once) the cached venv and the patched trees, then run
-# tests/torchtitan (llama3 debugmodel, 6 steps, FSDP / PP 1F1B / CP on 2 CPU ranks, native vs
-# hyperpar; about 4-5 min on 2 cores). Without a network the venv cannot be built: the job
+# tests/torchtitan (llama3 debugmodel, 6 steps, FSDP / PP 1F1B / PP interleaved / CP on 2 CPU ranks,
+# native vs hyperpar; about 8 min on 2 shared cores). Without a network the venv cannot be built: the job
 # says SKIPPED and exits 0 (under CI=true that is an error).
 #
 #   bash scripts/test-torchtitan.sh

@@ -32,8 +32,25 @@ class Placement:
         return False
 
 
+class _TorchAware(type):
+    """``isinstance(torch's Shard(d), Shard)`` is True, as ``==`` already is: code written
+    against torch (torchtitan's ``check_dtensor_placements_match``, ``resolve_placements``)
+    tests placements from ``spmd_types`` -- torch's classes -- with the names its imports now
+    give hyperpar's. Only the concrete classes (not :class:`Placement`, so ``as_placement``
+    still converts torch's); hyperpar's hot paths test ``type(p) is Shard``, which this does
+    not touch."""
+
+    def __instancecheck__(cls, obj: object) -> bool:
+        if type.__instancecheck__(cls, obj):
+            return True
+        if not type(obj).__module__.startswith("torch.distributed"):
+            return False
+        mine = _from_torch(obj)
+        return mine is not obj and type.__instancecheck__(cls, mine)
+
+
 @dataclass(frozen=True, slots=True)
-class Shard(Placement):
+class Shard(Placement, metaclass=_TorchAware):
     """Split along tensor dimension ``dim`` (negative values count from the end)."""
 
     dim: int = 0
@@ -62,7 +79,7 @@ class Shard(Placement):
 
 
 @dataclass(frozen=True, slots=True)
-class Replicate(Placement):
+class Replicate(Placement, metaclass=_TorchAware):
     """Every rank of the mesh dimension holds the whole tensor."""
 
     def is_replicate(self) -> bool:
@@ -81,7 +98,7 @@ class Replicate(Placement):
 
 
 @dataclass(frozen=True, slots=True)
-class Partial(Placement):
+class Partial(Placement, metaclass=_TorchAware):
     """Each rank holds one term of a pending reduction ``reduce_op`` over the mesh dimension."""
 
     reduce_op: str = "sum"

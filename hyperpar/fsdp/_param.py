@@ -90,6 +90,10 @@ class ShardedParam:
         else:
             shard_local = shard.detach().to(home).clone()
         spec, self.mesh = _sharded_spec(param, dp_mesh, self.shard_dim)
+        # a TP parameter is handed to the module as a DTensor with its TP layout (as torch's
+        # FSDP2 does), so per-op DTensor code in forward meets no plain tensor
+        self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
+        self._bound: nn.Parameter | None = None
         dt = DTensor(shard_local, spec, requires_grad=False)
         self.sharded = nn.Parameter(dt, requires_grad=param.requires_grad)
         # The tensor forward/backward use: a view of a padded buffer so that the all-gather
@@ -145,6 +149,7 @@ class ShardedParam:
                 view = torch.empty(view.movedim(0, self.shard_dim).shape,
                                    dtype=self.unsharded_dtype, device=self.device)
             self.unsharded = nn.Parameter(view, requires_grad=self.requires_grad)
+            self._bound = None
         else:
             _alloc(self._padded, numel * self._padded.element_size())
             if self.shard_dim:
@@ -172,8 +177,21 @@ class ShardedParam:
             self.sharded.requires_grad_(self.unsharded.requires_grad)
 
     def bind_unsharded(self) -> None:
+        bound = self.unsharded if self.tp_spec is None else self._tp_view()
         for module, name in self.aliases:
-            module._parameters[name] = self.unsharded
+            module._parameters[name] = bound
+
+    def _tp_view(self) -> nn.Parameter:
+        """The unsharded TP parameter as the module sees it: a DTensor parameter whose local
+        tensor *is* the plain unsharded leaf, so autograd accumulates the local gradient on the
+        leaf that the reduce-scatter hook watches (hyperpar's autograd runs on local tensors).
+        Made once per unsharded leaf: the leaf object survives reshard/unshard."""
+        if self._bound is None:
+            param = nn.Parameter(DTensor(self.unsharded.detach(), self.tp_spec),
+                                 requires_grad=False)
+            param._local = self.unsharded  # the leaf itself, not a detached alias
+            self._bound = param
+        return self._bound
 
     def free_unsharded(self) -> None:
         if self.unsharded is not None:

@@ -336,8 +336,19 @@ class PipelineScheduleMulti(_PipelineSchedule):
     def __init__(self, stages: list[PipelineStage], n_microbatches: int,
                  loss_fn: Callable[..., torch.Tensor] | None = None,
                  args_chunk_spec: Any = None, kwargs_chunk_spec: Any = None,
-                 output_merge_spec: Any = None, scale_grads: bool = True, *,
+                 output_merge_spec: Any = None, scale_grads: bool = True,
+                 backward_requires_autograd: bool = True, defer_pp_recv: bool = False, *,
                  dynamic_shapes: bool = False) -> None:
+        # torch's keywords (torchtitan passes them): only their default behaviour exists here
+        if backward_requires_autograd is not True:
+            raise NotImplementedError(
+                f"{type(self).__name__}(backward_requires_autograd={backward_requires_autograd!r})"
+                ": hyperpar.pipelining runs each stage's backward through autograd; leave it "
+                "True (torch's default)")
+        if defer_pp_recv:
+            raise NotImplementedError(
+                f"{type(self).__name__}(defer_pp_recv=True) is not supported by "
+                "hyperpar.pipelining; leave it False (torch's default)")
         if isinstance(stages, PipelineStage):
             stages = [stages]
         self._stages_list = list(stages)

@@ -27,6 +27,16 @@ def test_equal_to_torch_placements_of_the_same_layout() -> None:
     assert len({Shard(0), Shard(0), Replicate()}) == 2
 
 
+def test_isinstance_of_torch_placements_under_hyperpar_names() -> None:
+    # torchtitan (imports rewritten) tests spmd_types' torch placements with hyperpar's names
+    assert isinstance(TShard(-1), Shard) and isinstance(TReplicate(), Replicate)
+    assert isinstance(TPartial("avg"), Partial)
+    assert not isinstance(TShard(0), Replicate) and not isinstance(TReplicate(), Shard)
+    assert not isinstance(Replicate(), Shard) and isinstance(Shard(1), Shard)
+    from hyperpar.dtensor.placement import Placement
+    assert not isinstance(TShard(0), Placement)  # still converted where hyperpar takes one
+
+
 def test_torch_strided_shard_is_rejected_naming_the_fix() -> None:
     from torch.distributed.tensor.placement_types import _StridedShard
 

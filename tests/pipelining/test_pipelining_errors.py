@@ -89,3 +89,15 @@ def test_a_failing_stage_is_named_on_every_rank(case, cause):
     assert messages[1].startswith(cause), messages[1]
     assert messages[0].startswith(f"PipelineStageError: stage 1 (rank 1) failed: {cause}"), \
         messages[0]
+
+
+@pytest.mark.parametrize("kwargs", [{"backward_requires_autograd": False},
+                                    {"defer_pp_recv": True}])
+def test_torch_keywords_beyond_their_defaults_are_refused_by_name(kwargs):
+    # torchtitan passes backward_requires_autograd=True (torch's default): accepted; other
+    # values name the keyword and the fix before any stage is looked at
+    from hyperpar.pipelining import ScheduleInterleaved1F1B
+
+    (name,) = kwargs
+    with pytest.raises(NotImplementedError, match=name):
+        ScheduleInterleaved1F1B([], n_microbatches=2, **kwargs)

@@ -28,7 +28,7 @@ TOL = 1e-5  # fp32 on both sides; the runs agree far closer (see docs/migration.
 RUN_TIMEOUT_S = 300
 
 if os.environ.get("HYPERPAR_TORCHTITAN") != "1":
-    pytest.skip("torchtitan cases run only with HYPERPAR_TORCHTITAN=1 (about 4-5 min on 2 "
+    pytest.skip("torchtitan cases run only with HYPERPAR_TORCHTITAN=1 (about 8 min on 2 "
                 "cores): use scripts/test-torchtitan.sh", allow_module_level=True)
 if not (VENV / ".complete").is_file():
     pytest.skip(f"torchtitan venv {VENV} not built: run scripts/torchtitan/setup.sh (needs the "
@@ -46,6 +46,11 @@ CASES = {
     "fsdp": (2, ["--training.seq_len", "128", "--parallelism.data_parallel_shard_degree", "2"]),
     "pp_1f1b": (2, ["--training.seq_len", "128", "--parallelism.pipeline_parallel_degree", "2",
                     "--parallelism.pipeline_parallel_schedule", "1F1B"]),
+    # one layer per stage: 8 stages (embedding/output stages included), 4 per rank
+    "pp_interleaved": (2, ["--training.seq_len", "128",
+                           "--parallelism.pipeline_parallel_degree", "2",
+                           "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                           "--parallelism.pipeline_parallel_layers_per_stage", "1"]),
     "cp": (2, ["--training.seq_len", "256", "--parallelism.context_parallel_degree", "2"]),
 }
 
