@@ -161,7 +161,9 @@ def test_ops_before_init_device_mesh(tmp_path):
                           capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     # (1 + 6) + (2 + 6): each rank's own value plus the warm-up sum, all-reduced.
-    assert sorted(re.findall(r"OPS-FIRST rank (\d) sum (\S+)", done.stdout)) == [
+    # the ranks share the launcher's stdout: print's text and its newline are two writes, so
+    # one rank's line can run into the other's (seen: "sum 15.0OPS-FIRST rank 0 ...")
+    assert sorted(re.findall(r"OPS-FIRST rank (\d) sum (\d+\.\d)", done.stdout)) == [
         ("0", "15.0"), ("1", "15.0")]
 
 
