@@ -34,14 +34,15 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _msrun(script: Path, cwd: Path, n: int = 2, **extra: str) -> list[str]:
-    """Run ``script`` under msrun on ``n`` local CPU workers; return each worker's log."""
+def _msrun(script: Path, cwd: Path, n: int = 2, args: tuple[str, ...] = (),
+           **extra: str) -> list[str]:
+    """Run ``script args`` under msrun on ``n`` local CPU workers; return each worker's log."""
     log_dir = cwd / "msrun-logs"
     cmd = ["timeout", "-s", "INT", str(JOB_TIMEOUT_S),
            os.path.join(os.path.dirname(sys.executable), "msrun"),
            f"--worker_num={n}", f"--local_worker_num={n}", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", "--join=True", "--cluster_time_out=300",
-           f"--log_dir={log_dir}", str(script)]
+           f"--log_dir={log_dir}", str(script), *args]
     done = subprocess.run(cmd, cwd=cwd, env=_env(**extra), capture_output=True, text=True,
                           timeout=JOB_TIMEOUT_S + 60)
     logs = [(log_dir / f"worker_{r}.log").read_text() for r in range(n)
@@ -91,18 +92,28 @@ def test_malformed_launcher_variables_are_named(bad, named):
 
 
 # ---------------------------------------------------------------- real jobs
-def test_tp_example_under_msrun(tmp_path):
-    logs = _msrun(EXAMPLE, tmp_path)
+# The example unchanged, its step in PyNative mode or compiled (``--jit``: ms.jit around the
+# whole step, so the graph's ops.AllReduce / ops.AllGather run on the launcher's groups).
+MODES = {"pynative": ((), "mode: PyNative"), "jit": (("--jit",), "mode: ms.jit")}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_tp_example_under_msrun(tmp_path, mode):
+    args, says = MODES[mode]
+    logs = _msrun(EXAMPLE, tmp_path, args=args)
+    assert says in logs[0], logs[0][-3000:]
     assert _loss_difference(logs[0]) < 1e-5
     assert "fc1.weight on rank 0: (64, 32) of (128, 32)" in logs[0]
 
 
-def test_tp_example_on_two_nodes_of_one_rank(tmp_path):
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_tp_example_on_two_nodes_of_one_rank(tmp_path, mode):
     """Two `hyperpar run` launchers on localhost, as two nodes would run them."""
+    args, says = MODES[mode]
     endpoint = f"127.0.0.1:{free_port()}"
     cmd = [sys.executable, "-c", "import sys; from hyperpar.cli import main; sys.exit(main())",
            "run", "-n", "1", "--nnodes", "2", "--rdzv-endpoint", endpoint]
-    nodes = [subprocess.Popen([*cmd, "--node-rank", str(r), str(EXAMPLE)], cwd=tmp_path,
+    nodes = [subprocess.Popen([*cmd, "--node-rank", str(r), str(EXAMPLE), *args], cwd=tmp_path,
                               env=_env(HYPERPAR_MS_DEVICE="CPU"), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     try:
@@ -113,6 +124,7 @@ def test_tp_example_on_two_nodes_of_one_rank(tmp_path):
                 p.kill()
     assert [p.returncode for p in nodes] == [0, 0], [o[1][-2000:] for o in outs]
     assert "node 0 of 2" in "".join(outs[0]) and "node 1 of 2" in "".join(outs[1])
+    assert says in outs[0][0], outs[0][0][-3000:]
     assert _loss_difference(outs[0][0]) < 1e-5  # global rank 0 runs on node 0
 
 
@@ -149,7 +161,9 @@ def test_ops_before_init_device_mesh(tmp_path):
                           capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     # (1 + 6) + (2 + 6): each rank's own value plus the warm-up sum, all-reduced.
-    assert sorted(re.findall(r"OPS-FIRST rank (\d) sum (\S+)", done.stdout)) == [
+    # the ranks share the launcher's stdout: print's text and its newline are two writes, so
+    # one rank's line can run into the other's (seen: "sum 15.0OPS-FIRST rank 0 ...")
+    assert sorted(re.findall(r"OPS-FIRST rank (\d) sum (\d+\.\d)", done.stdout)) == [
         ("0", "15.0"), ("1", "15.0")]
 
 

@@ -25,6 +25,14 @@ MindSpore's PyNative autodiff keeps the gathered values its backward needs until
 so ``reshard_after_forward`` does not change what is held or sent here: one all-gather per
 unit per forward, one reduce-scatter per unit per backward (no re-gather in backward, no
 prefetch). The argument is accepted and checked for torch compatibility.
+
+Graph mode (``ms.jit``, ``GRAPH_MODE``) is refused: MindSpore compiles a Cell's ``construct``
+with the ``Parameter`` objects it finds in ``_params`` at parse time -- here the padded shards --
+and never runs the Python ``__call__`` that puts the whole values in their place (measured: a
+``MatMul`` shape error, or, where the shard's shape happens to broadcast, a wrong loss). Each unit
+therefore carries a no-op forward pre-hook, so that the graph compiler compiles its
+``_jit_forward_pre_hook`` -- which raises ``NotImplementedError`` naming the Cell and the fix,
+on every rank, before any collective -- and ``__call__`` refuses ``GRAPH_MODE``.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, mint, nn
 
@@ -117,6 +126,31 @@ class _Unit:
             if not (sub._init_flag or sub._is_check_and_refresh):
                 sub._init_check()
                 sub._self_check()
+
+
+def _graph_refusal(name: str) -> str:
+    return (f"fully_shard({name}): a fully-sharded Cell runs in PyNative mode only: under "
+            f"ms.jit / GRAPH_MODE MindSpore compiles its construct with this rank's padded "
+            f"dim-0 shards as the parameters and never runs the Python that gathers the whole "
+            f"values (docs/mindspore.md, fully_shard). Train it without ms.jit, in "
+            f"ms.PYNATIVE_MODE; tensor parallelism (ColwiseParallel / RowwiseParallel) does "
+            f"compile")
+
+
+def _graph_marker(cell: nn.Cell, inputs: tuple) -> None:
+    """A no-op forward pre-hook: a Cell with one makes the graph compiler compile its
+    ``_jit_forward_pre_hook`` (the refusal) instead of reading its shards silently."""
+    return None
+
+
+class _RefuseGraph:
+    """The unit's ``_jit_*`` methods, read only by the graph compiler."""
+
+    def _jit_forward_pre_hook(self, inputs: tuple) -> tuple:
+        raise NotImplementedError(self._hp_fsdp_graph_refusal)
+
+    def _jit_forward_hook(self, inputs: tuple, output: Any) -> Any:
+        raise NotImplementedError(self._hp_fsdp_graph_refusal)
 
 
 class FullyShardedCell(nn.Cell):
@@ -237,11 +271,14 @@ def fully_shard(cell: nn.Cell, *, mesh: Any = None,
     unit.restore()  # the shards take the parameters' places
     unit.settle_owners()
     cls = type(cell)
-    sharded = type(f"FullyShard{cls.__name__}", (cls, FullyShardedCell), {})
+    # _RefuseGraph first: its _jit_* methods win over a tensor-parallel Cell's graph ones
+    sharded = type(f"FullyShard{cls.__name__}", (_RefuseGraph, cls, FullyShardedCell), {})
 
     def __call__(self: nn.Cell, *args: Any, **kwargs: Any) -> Any:
         # Wrapping __call__ rather than construct puts the whole values in place before the
         # Cell's own forward hooks run.
+        if ms.get_context("mode") == ms.GRAPH_MODE:
+            raise NotImplementedError(self._hp_fsdp_graph_refusal)
         unit = self.__dict__["_hp_fsdp_unit"]
         unit.install(unit.unshard())
         try:
@@ -252,4 +289,6 @@ def fully_shard(cell: nn.Cell, *, mesh: Any = None,
     sharded.__call__ = __call__
     cell.__class__ = sharded
     object.__setattr__(cell, "_hp_fsdp_unit", unit)
+    object.__setattr__(cell, "_hp_fsdp_graph_refusal", _graph_refusal(cls.__name__))
+    cell.register_forward_pre_hook(_graph_marker)
     return cell

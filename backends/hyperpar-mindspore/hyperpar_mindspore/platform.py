@@ -34,6 +34,7 @@ from typing import Any
 from hyperpar.platform import Availability
 from hyperpar.platform.base import REDUCE_OPS, Group, P2POp, Platform, Work
 from hyperpar.platform.dim_collectives import DimCollectives
+from hyperpar.platform.timeout import default_timeout_s
 
 from .launch_env import ranks_needed_here, read_launch_env
 
@@ -300,6 +301,12 @@ class MindSporePlatform(Platform, DimCollectives):
         if launch.world_size > 1:  # refuse before the device or any peer is touched
             self.check_world_fits(ranks_needed_here(launch))
         tune_threads(_ms(), self.target)
+        if self.target == "CPU":
+            # MindSpore's CPU collectives (compiled and PyNative) wait 30 s for a late peer,
+            # whatever timeout_s says (measured): a rank still compiling its graph, or starved
+            # on a loaded host, failed its peer's collective. Give them the timeout asked for.
+            seconds = timeout_s if timeout_s is not None else default_timeout_s()
+            env.setdefault("MS_CPU_COMM_OP_TIMEOUT", str(max(1, int(seconds + 0.999))))
         self.pin_device(launch.device_id)
         world = launch.world_size
         if "MS_ROLE" not in env and world == 1:
