@@ -13,7 +13,6 @@ partitioners, plans and the instruction loop are the same framework-neutral code
 with both frameworks import the MindSpore ones from ``hyperpar_mindspore`` directly.
 """
 
-import importlib as _importlib
 import importlib.util as _util
 from typing import Any as _Any
 
@@ -65,24 +64,19 @@ if _torch_installed():
         split_microbatches,
     )
     from .module import PipelineModule
-else:   # no torch: the MindSpore implementations, imported on first use
-    _MINDSPORE = {
-        "PipelineModule": "hyperpar_mindspore.pipeline",
-        "PipelineEngine": "hyperpar_mindspore.pipeline_engine",
-        "PipelineSchedule": "hyperpar_mindspore.pipeline_engine",
-        "ScheduleGPipe": "hyperpar_mindspore.pipeline_engine",
-        "Schedule1F1B": "hyperpar_mindspore.pipeline_engine",
-        "get_schedule_class": "hyperpar_mindspore.pipeline_engine",
-        "initialize": "hyperpar_mindspore.pipeline_engine",
-    }
+else:   # no torch: the platform's implementations (MindSpore's), imported on first use
+    _FRAMEWORK_BOUND = frozenset({"PipelineModule", "PipelineEngine", "PipelineSchedule",
+                                  "ScheduleGPipe", "Schedule1F1B", "get_schedule_class",
+                                  "initialize"})
 
     def __getattr__(name: str) -> _Any:
-        module = _MINDSPORE.get(name)
-        if module is None:
+        if name not in _FRAMEWORK_BOUND:
             raise AttributeError(f"module 'hyperpar.pipeline' has no attribute {name!r} without "
-                                 f"torch (on MindSpore it offers {sorted(_MINDSPORE)} and the "
+                                 f"torch (there it offers {sorted(_FRAMEWORK_BOUND)} and the "
                                  f"framework-neutral specs, partitioners and plans)")
-        value = getattr(_importlib.import_module(module), name)
+        from hyperpar.platform import get_platform  # the backend is never named here
+
+        value = getattr(get_platform().parallel_api(), name)
         globals()[name] = value
         return value
 

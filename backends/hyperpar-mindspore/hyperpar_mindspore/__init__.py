@@ -46,6 +46,14 @@ _EXPORTS = {
     "reduce_gradients": ".data_parallel",
     "fully_shard": ".fully_shard",
     "FullyShardedCell": ".fully_shard",
+    # hyperpar.pipeline's framework-bound names, asked for through Platform.parallel_api()
+    "PipelineModule": ".pipeline",
+    "PipelineEngine": ".pipeline_engine",
+    "PipelineSchedule": ".pipeline_engine",
+    "ScheduleGPipe": ".pipeline_engine",
+    "Schedule1F1B": ".pipeline_engine",
+    "get_schedule_class": ".pipeline_engine",
+    "initialize": ".pipeline_engine",
 }
 
 __all__ = sorted(_EXPORTS)
