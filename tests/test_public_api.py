@@ -66,6 +66,6 @@ def test_plan_errors_and_the_driver_are_one_object_on_every_framework():
                  "TiedParameterError", "parallelize_module"):
         assert name not in hyperpar._FRAMEWORK_BOUND, name
         assert getattr(hyperpar, name) is getattr(driver, name), name
-    from hyperpar.dtensor.module import AlreadyParallelizedError
+    from hyperpar.torch.dtensor.module import AlreadyParallelizedError
 
     assert AlreadyParallelizedError is driver.AlreadyParallelizedError

@@ -23,8 +23,10 @@ except ImportError:  # pragma: no cover - exercised by tests/test_layering.py
     _torch = None
 
 if _torch is not None:
-    from . import _ops  # noqa: F401  (installs DTensor.__torch_function__ and fills the op table)
-    from ._ops import (
+    from hyperpar.torch import alias_submodules as _alias
+
+    # Importing _ops installs DTensor.__torch_function__ and fills the op table.
+    from hyperpar.torch.dtensor._ops import (
         MixedTensorError,
         OpCall,
         Sharding,
@@ -32,11 +34,19 @@ if _torch is not None:
         register_op,
         registered_ops,
     )
-    from .api import DTensor, DTensorSpec, distribute_tensor
-    from .factories import empty, full, ones, rand, randn, zeros
-    from .local_map import local_map
-    from .module import distribute_module
-    from .random import manual_seed
+    from hyperpar.torch.dtensor.api import DTensor, DTensorSpec, distribute_tensor
+    from hyperpar.torch.dtensor.factories import empty, full, ones, rand, randn, zeros
+    from hyperpar.torch.dtensor.local_map import local_map
+    from hyperpar.torch.dtensor.module import distribute_module
+    from hyperpar.torch.dtensor.random import manual_seed
+
+    # The torch files live under hyperpar/torch/; their old paths stay importable.
+    _alias(
+        "hyperpar.torch.dtensor",
+        __name__,
+        ("api", "_ops", "experimental", "factories", "functional_collectives", "local_map",
+         "module", "random", "redistribute", "_remesh", "_shape_check"),
+    )
 
 __all__ = [
     "DTensor",

@@ -137,7 +137,7 @@ class _StridedShard(Placement):
     """torch's strided shard (its FSDP2 x TP layout of colwise weights), named so that code
     testing ``isinstance(p, _StridedShard)`` imports; hyperpar never produces one and
     :func:`normalize_placements` rejects it (hyperpar keeps such weights on a re-ordered mesh,
-    see ``hyperpar.dtensor._remesh``)."""
+    see ``hyperpar.torch.dtensor._remesh``)."""
 
     dim: int = 0
     split_factor: int = 1

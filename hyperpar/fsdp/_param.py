@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hyperpar.dtensor.api import DTensor, DTensorSpec
 from hyperpar.dtensor.mesh import DeviceMesh, _nested, _slices
 from hyperpar.dtensor.placement import Placement, Replicate, Shard, chunk_bounds
+from hyperpar.torch.dtensor.api import DTensor, DTensorSpec
 
 
 def host_device() -> torch.device:

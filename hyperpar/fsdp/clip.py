@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from hyperpar.dtensor.api import DTensor
 from hyperpar.platform import get_platform
+from hyperpar.torch.dtensor.api import DTensor
 
 __all__ = ["clip_grad_norm_"]
 

@@ -2,7 +2,7 @@
 hyperpar backend, plus explicit Megatron-style layers.
 
 Styles shard parameters as DTensors but run Linear/Embedding forwards on local shards,
-communicating only at module boundaries (see :mod:`hyperpar.parallel.style`).
+communicating only at module boundaries (see :mod:`hyperpar.torch.parallel.style`).
 """
 
 # The torch stack loads only where torch is installed: a MindSpore-only venv still gets the
@@ -22,25 +22,43 @@ except ImportError:  # pragma: no cover - exercised by tests/test_layering.py
     _torch = None
 
 if _torch is not None:
-    from .api import distribute_module, from_torch_style
-    from .context import ContextParallelError, context_parallel, context_parallel_unshard
-    from .data_parallel import DataParallelModule, data_parallel
-    from .easydel import (
+    from hyperpar.torch import alias_submodules as _alias
+    from hyperpar.torch.parallel.api import distribute_module, from_torch_style
+    from hyperpar.torch.parallel.easydel import (
         TensorParallelConfig,
         get_matmul_output_sharding,
         get_output_partition_spec,
         get_sharding,
         matmul_output_placements,
     )
-    from .layers import (
+    from hyperpar.torch.parallel.layers import (
         ColumnParallelLinear,
         ParallelLinear,
         RowParallelLinear,
         VocabParallelEmbedding,
     )
-    from .loss import loss_parallel, vocab_parallel_cross_entropy
-    from .prepare import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
-    from .style import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+    from hyperpar.torch.parallel.loss import loss_parallel, vocab_parallel_cross_entropy
+    from hyperpar.torch.parallel.prepare import (
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        PrepareModuleOutput,
+    )
+    from hyperpar.torch.parallel.style import (
+        ColwiseParallel,
+        ParallelStyle,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    from .context import ContextParallelError, context_parallel, context_parallel_unshard
+    from .data_parallel import DataParallelModule, data_parallel
+
+    # The torch files live under hyperpar/torch/; their old paths stay importable.
+    _alias(
+        "hyperpar.torch.parallel",
+        __name__,
+        ("style", "prepare", "api", "_comm", "loss", "layers", "easydel", "_debug_checks"),
+    )
 
 __all__ = [
     "AlreadyParallelizedError",

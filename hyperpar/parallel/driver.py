@@ -7,7 +7,7 @@ parameters. It reads modules and parameters only through the platform
 (:meth:`~hyperpar.platform.base.Platform.named_children`, ``named_modules``,
 ``named_parameters``, ``set_parameter``, ``parameter_placements``); what a style does to a
 module is the style's, through the protocol below, implemented by PyTorch's styles
-(:mod:`hyperpar.parallel.style`) and MindSpore's (``hyperpar_mindspore.parallel``) alike.
+(:mod:`hyperpar.torch.parallel.style`) and MindSpore's (``hyperpar_mindspore.parallel``) alike.
 
 The style protocol (:class:`StyleBase` gives the bookkeeping; a style supplies ``_apply``):
 

@@ -133,8 +133,8 @@ class _ShardedScale(nn.Module):
 
     def __init__(self, mesh) -> None:
         super().__init__()
-        from hyperpar.dtensor.api import distribute_tensor
         from hyperpar.dtensor.placement import Shard
+        from hyperpar.torch.dtensor.api import distribute_tensor
 
         full = torch.arange(8, dtype=torch.float32)
         self.w = nn.Parameter(distribute_tensor(full, mesh["tp"], [Shard(0)]))

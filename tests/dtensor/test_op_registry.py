@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import hyperpar.dtensor._ops as ops_pkg
-from hyperpar.dtensor._ops import OP_TABLE, OpEntry, OpOverlay, PlanCache, register_op
+import hyperpar.torch.dtensor._ops as ops_pkg
+from hyperpar.torch.dtensor._ops import OP_TABLE, OpEntry, OpOverlay, PlanCache, register_op
 
 FAMILIES = {"pointwise", "matmul", "reduction", "view", "factory", "nn", "tensor", "complex",
             "foreach"}
@@ -75,7 +75,7 @@ def test_the_plan_cache_evicts_the_oldest_entries_when_full():
 
 def _ops_over_many_shapes(n_shapes: int) -> tuple[int, int]:
     from hyperpar.dtensor import Replicate, Shard, distribute_tensor, init_device_mesh
-    from hyperpar.dtensor._ops import PLAN_CACHE
+    from hyperpar.torch.dtensor._ops import PLAN_CACHE
 
     mesh = init_device_mesh((2,))
     PLAN_CACHE.maxsize = 32
@@ -109,7 +109,7 @@ class Recording(dict):
 
 class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, name, path=None, target=None):
-        if name == "hyperpar.dtensor._ops.registry":
+        if name == "hyperpar.torch.dtensor._ops.registry":
             return importlib.util.spec_from_loader(name, self)
     def create_module(self, spec):
         return None
@@ -119,7 +119,7 @@ class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.OP_TABLE = Recording(module.OP_TABLE)
 
 sys.meta_path.insert(0, Finder())
-import hyperpar.dtensor._ops
+import hyperpar.torch.dtensor._ops
 print(Recording.overwritten)
 """
 

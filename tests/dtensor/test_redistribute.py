@@ -121,7 +121,7 @@ def test_nested_shards_chunk_outer_mesh_dim_first(run_on_ranks):
 
 def _plans():
     from hyperpar.dtensor import Partial, Replicate, Shard, init_device_mesh
-    from hyperpar.dtensor.redistribute import plan_redistribute
+    from hyperpar.torch.dtensor.redistribute import plan_redistribute
 
     mesh = init_device_mesh((2,))
     kinds = {}

@@ -78,6 +78,7 @@ def test_unflatten_slices_and_several_unflattenings_share_devices(run_on_ranks):
 # ----------------------------------------------------------------------------- collectives
 def _funcol_facts():
     import hyperpar.dtensor.functional_collectives as funcol
+
     from hyperpar.dtensor import init_device_mesh
 
     mesh = init_device_mesh((2, 2), mesh_dim_names=("dp", "tp"))
@@ -223,9 +224,10 @@ def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _local_map_facts():
+    from hyperpar.dtensor.experimental import local_map as experimental_local_map
+
     from hyperpar import local_map
     from hyperpar.dtensor import Replicate, Shard, distribute_tensor, init_device_mesh
-    from hyperpar.dtensor.experimental import local_map as experimental_local_map
 
     mesh = init_device_mesh((2,), mesh_dim_names=("dp",))
     torch.manual_seed(0)
@@ -384,8 +386,9 @@ def test_custom_autograd_function_through_local_map_keeps_its_gradient(run_on_ra
 
 
 def _cut_facts():
-    from hyperpar.dtensor import Shard, distribute_tensor, init_device_mesh
     from hyperpar.dtensor._ops.dispatch import CustomFunctionError
+
+    from hyperpar.dtensor import Shard, distribute_tensor, init_device_mesh
 
     mesh = init_device_mesh((2,), mesh_dim_names=("dp",))
     x = distribute_tensor(torch.randn(4, 6), mesh, [Shard(0)]).requires_grad_()

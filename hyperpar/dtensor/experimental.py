@@ -1,5 +1,0 @@
-"""``torch.distributed.tensor.experimental``'s names on hyperpar: ``local_map``."""
-
-from .local_map import local_map
-
-__all__ = ["local_map"]

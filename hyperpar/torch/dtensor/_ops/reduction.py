@@ -1,0 +1,176 @@
+"""Reductions: ``sum``/``mean`` (sharded dims become ``Partial("sum")``), ``amax``/``amin``
+(``Partial("max"/"min")``), ``vector_norm`` (partial sums of ``|x|^p``), and the reductions that
+gather the reduced dims first."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hyperpar.dtensor.placement import REPLICATE, Partial, Shard, chunk_bounds
+from hyperpar.torch.dtensor._ops.dispatch import infer_shapes, localize
+from hyperpar.torch.dtensor._ops.pointwise import pointwise_sharding
+from hyperpar.torch.dtensor._ops.registry import (
+    OpCall,
+    Placements,
+    Sharding,
+    dims_arg,
+    register_op,
+    unshard,
+)
+from hyperpar.torch.dtensor.api import DTensor, DTensorSpec, _wrap
+from hyperpar.torch.dtensor.redistribute import redistribute_autograd
+
+R = REPLICATE
+
+
+# ---------------------------------------------------------------------------- reductions
+def _reduction_args(call: OpCall) -> tuple[DTensor, tuple[int, ...], bool]:
+    x = call.args[0]
+    dim = call.arg(1, "dim")
+    keepdim = call.arg(2, "keepdim", False)
+    return x, dims_arg(dim, x.ndim), bool(keepdim)
+
+
+def _reduced_placements(pl: Placements, dims: tuple[int, ...], keepdim: bool, op: str
+                        ) -> Placements:
+    out = []
+    for p in pl:
+        if type(p) is Shard:
+            if p.dim in dims:
+                out.append(Partial(op))
+            else:
+                out.append(p if keepdim else Shard(p.dim - sum(d < p.dim for d in dims)))
+        else:
+            out.append(p)
+    return tuple(out)
+
+
+def _reduced_shape(shape: tuple, dims: tuple[int, ...], keepdim: bool) -> tuple:
+    return tuple((1 if keepdim else None) if d in dims else s
+                 for d, s in enumerate(shape) if keepdim or d not in dims)
+
+
+@register_op(torch.sum, torch.Tensor.sum, torch.mean, torch.Tensor.mean)
+def sum_mean_rule(call: OpCall) -> Sharding:
+    """``sum``/``mean``: sharded reduced dims give Partial(sum); ``mean`` divides by the global
+    count."""
+    x, dims, keepdim = _reduction_args(call)
+    pl = x._spec.placements
+    is_mean = call.func in (torch.mean, torch.Tensor.mean)
+    if any(type(p) is Partial and p.reduce_op not in ("sum", "avg") for p in pl):
+        pl = unshard(pl)
+    out = _reduced_placements(pl, dims, keepdim, "sum")
+    shape = _reduced_shape(tuple(x._spec.shape), dims, keepdim)
+    local = None
+    sharded = any(type(p) is Shard and p.dim in dims for p in pl)
+    if is_mean and sharded:
+        count = math.prod(x._spec.shape[d] for d in dims)
+        dtype = call.kwargs.get("dtype")
+
+        def local(t, *a, **k):  # mean over sharded dims: local sum / global count
+            return torch.sum(t, dims, keepdim, dtype=dtype) / count
+    elif call.arg(1, "dim") is None and len(call.args) < 2 and not call.kwargs:
+        def local(t, *a, **k):
+            return call.func(t)
+    return Sharding([pl], out, shape, local=local)
+
+
+@register_op(torch.amax, torch.Tensor.amax, torch.amin, torch.Tensor.amin)
+def amax_rule(call: OpCall) -> Sharding:
+    """``amax``/``amin``: Partial(max/min) without grad; with grad the reduced dims are gathered."""
+    x, dims, keepdim = _reduction_args(call)
+    op = "max" if call.func in (torch.amax, torch.Tensor.amax) else "min"
+    spec = x._spec
+    if x.requires_grad and torch.is_grad_enabled():
+        # the gradient of a Partial(max) term is not the replicated gradient: only the rank
+        # holding the maximum may receive it, so differentiable maxima gather first
+        pl = unshard(spec.placements, dims)
+        return Sharding([pl], _reduced_placements(pl, dims, keepdim, op),
+                        _reduced_shape(tuple(spec.shape), dims, keepdim))
+    pl = tuple(p if p == Partial(op) else (R if type(p) is Partial else p)
+               for p in spec.placements)
+    # an empty local shard has no max: gather dims whose shards can be empty
+    mesh = spec.mesh
+    pl = tuple(R if type(p) is Shard and p.dim in dims and
+               chunk_bounds(spec.shape[p.dim], mesh.shape[m], mesh.shape[m] - 1)[1] == 0
+               else p for m, p in enumerate(pl))
+    out = _reduced_placements(pl, dims, keepdim, op)
+    return Sharding([pl], out, _reduced_shape(tuple(spec.shape), dims, keepdim))
+
+
+@register_op(torch.max, torch.Tensor.max, torch.min, torch.Tensor.min)
+def max_rule(call: OpCall) -> Sharding:
+    """``max``/``min``: elementwise with a tensor, else the reduced dim gathered first."""
+    other = call.arg(1, "other") if not isinstance(call.arg(1, "dim"), int) else None
+    if isinstance(other, torch.Tensor):
+        return pointwise_sharding(call)
+    x = call.args[0]
+    dim = call.arg(1, "dim")
+    if dim is None:  # full reduction -> one value
+        pl = unshard(x._spec.placements, range(x.ndim))
+        return Sharding([pl], pl, ())
+    return _gather_reduction(call, dims_arg(dim, x.ndim), bool(call.arg(2, "keepdim", False)))
+
+
+def _gather_reduction(call: OpCall, dims: tuple[int, ...], keepdim: bool) -> Sharding:
+    x = call.args[0]
+    pl = unshard(x._spec.placements, dims)
+    out = _reduced_placements(pl, dims, keepdim, "sum")
+    shapes = infer_shapes(call.func, call.args, call.kwargs)
+    if isinstance(shapes, list):
+        return Sharding([pl], [out] * len(shapes), shapes)
+    return Sharding([pl], out, shapes)
+
+
+@register_op(torch.prod, torch.Tensor.prod, torch.var, torch.Tensor.var, torch.std,
+             torch.Tensor.std, torch.norm, torch.Tensor.norm, torch.argmax, torch.Tensor.argmax,
+             torch.argmin, torch.Tensor.argmin, torch.all, torch.Tensor.all, torch.any,
+             torch.Tensor.any, torch.logsumexp, torch.Tensor.logsumexp, torch.cumsum,
+             torch.Tensor.cumsum, torch.var_mean, torch.std_mean)
+def gathered_reduction_rule(call: OpCall) -> Sharding:
+    """``prod``/``var``/``std``/``norm``/``argmax``/``any``/``cumsum``...: reduced dims gathered
+    first."""
+    x = call.args[0]
+    dim = call.arg(1, "dim")
+    if call.func in (torch.norm, torch.Tensor.norm):
+        dim = call.arg(2, "dim")
+    if call.func in (torch.cumsum, torch.Tensor.cumsum):
+        pl = unshard(x._spec.placements, dims_arg(dim, x.ndim))
+        return Sharding([pl], pl, tuple(x._spec.shape))
+    keepdim = bool(call.kwargs.get("keepdim", False))
+    if isinstance(dim, bool):
+        dim = None
+    return _gather_reduction(call, dims_arg(dim, x.ndim), keepdim)
+
+
+# ---------------------------------------------------------------------------- vector norm
+@register_op(torch.linalg.vector_norm, raw=True)
+def _vector_norm(func, args, kwargs):
+    """``linalg.vector_norm``: local sums of ``|x|^p`` reduced as Partial(sum), then the root."""
+    x = args[0]
+    ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
+    dtype = kwargs.get("dtype")
+    spec = x._spec
+    dims = dims_arg(dim, x.ndim)
+    pl = unshard(spec.placements)  # a norm of a pending sum needs the sum first
+    if ord_ in (float("inf"), float("-inf"), 0) or isinstance(ord_, torch.Tensor):
+        pl = unshard(pl, dims)
+    local = localize(x, pl, None, False)
+    if dtype is not None:
+        local = local.to(dtype)
+    mesh = spec.mesh
+    partial = [m for m, p in enumerate(pl) if type(p) is Shard and p.dim in dims]
+    out_shape = _reduced_shape(tuple(spec.shape), dims, bool(keepdim))
+    if not partial:
+        out = torch.linalg.vector_norm(local, ord_, dims, bool(keepdim))
+        return _wrap(out, DTensorSpec(mesh, _reduced_placements(pl, dims, bool(keepdim), "sum"),
+                                      out_shape))
+    powered = local.abs().pow(ord_).sum(dims, keepdim=bool(keepdim))
+    src = _reduced_placements(pl, dims, bool(keepdim), "sum")
+    dst = tuple(R if type(p) is Partial else p for p in src)
+    total = redistribute_autograd(powered, mesh, src, dst, out_shape)
+    return _wrap(total.pow(1.0 / ord_), DTensorSpec(mesh, dst, out_shape))

@@ -1,0 +1,366 @@
+"""Ops that move or regroup elements without computing: ``view``/``reshape``/``flatten``/
+``squeeze``, ``transpose``/``permute``, ``expand``, ``cat``/``stack``/``split``, and indexing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hyperpar.dtensor.placement import REPLICATE, Partial, Shard
+from hyperpar.torch.dtensor._ops.dispatch import (
+    PLAN_CACHE,
+    Unhashable,
+    args_key,
+    copy_note,
+    infer_shapes,
+    key_of,
+    localize,
+    mark_copy,
+    replicated_local,
+)
+from hyperpar.torch.dtensor._ops.registry import (
+    OpCall,
+    Placements,
+    Sharding,
+    ShardingError,
+    mixing_error,
+    register_op,
+    unshard,
+)
+from hyperpar.torch.dtensor.api import DTensor, DTensorSpec, _wrap
+
+R = REPLICATE
+
+
+# ---------------------------------------------------------------------------- views
+def _view_groups(src: tuple, dst: tuple) -> list[tuple[list[int], list[int]]]:
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(src) or j < len(dst):
+        gs, gd = [], []
+        ps = pd = 1
+        if i < len(src):
+            gs.append(i)
+            ps = src[i]
+            i += 1
+        if j < len(dst):
+            gd.append(j)
+            pd = dst[j]
+            j += 1
+        while ps != pd:
+            if ps < pd and i < len(src):
+                gs.append(i)
+                ps *= src[i]
+                i += 1
+            elif j < len(dst):
+                gd.append(j)
+                pd *= dst[j]
+                j += 1
+            else:
+                break
+        groups.append((gs, gd))
+    return groups
+
+
+def view_placements(mesh, src_shape: tuple, dst_shape: tuple, pl: Placements
+                    ) -> tuple[Placements, Placements]:
+    """(input targets, output placements) for a reshape from ``src_shape`` to ``dst_shape``."""
+    if 0 in src_shape:
+        pl = unshard(pl, range(len(src_shape)), partial_ok=True)
+        return pl, pl
+    groups = _view_groups(src_shape, dst_shape)
+    where = {}
+    for gs, gd in groups:
+        for d in gs:
+            where[d] = (gs, gd)
+    factor: dict[int, int] = {}
+    for m, p in enumerate(pl):
+        if type(p) is Shard:
+            factor[p.dim] = factor.get(p.dim, 1) * mesh.shape[m]
+    tg, out = [], []
+    for p in pl:
+        if type(p) is not Shard:
+            tg.append(p)
+            out.append(p)
+            continue
+        gs, gd = where[p.dim]
+        first_s = next((d for d in gs if src_shape[d] != 1), None)
+        first_d = next((d for d in gd if dst_shape[d] != 1), None)
+        n = factor[p.dim]
+        ok = first_s == p.dim and first_d is not None and (
+            (len([d for d in gs if src_shape[d] != 1]) == 1 and
+             len([d for d in gd if dst_shape[d] != 1]) == 1)
+            or (src_shape[p.dim] % n == 0 and dst_shape[first_d] % n == 0))
+        if ok:
+            tg.append(p)
+            out.append(Shard(first_d))
+        else:
+            tg.append(R)
+            out.append(R)
+    # a tensor dim un-sharded on one mesh dim must be un-sharded on all (nesting)
+    gathered = {p.dim for p, t in zip(pl, tg, strict=False) if type(p) is Shard and t is R}
+    if gathered:
+        tg2, out2 = [], []
+        for p, t, o in zip(pl, tg, out, strict=False):
+            if type(p) is Shard and p.dim in gathered:
+                tg2.append(R)
+                out2.append(R)
+            else:
+                tg2.append(t)
+                out2.append(o)
+        tg, out = tg2, out2
+    return tuple(tg), tuple(out)
+
+
+_is_compiling = torch.compiler.is_compiling
+_VIEW, _PERM = "view", "permute"  # key prefixes in the shared plan cache
+
+
+def _view_plan(func, args, kwargs) -> tuple:
+    x = args[0]
+    spec = x._spec
+    try:
+        key = (_VIEW, func, spec, args_key(args[1:]), key_of(tuple(kwargs.items())))
+        # traced: plan afresh (a constant of the graph), no cache
+        plan = None if _is_compiling() else PLAN_CACHE.get(key)
+    except Unhashable:
+        key, plan = None, None
+    if plan is None:
+        dst = infer_shapes(func, args, kwargs)
+        tg, out = view_placements(spec.mesh, tuple(spec.shape), tuple(dst), spec.placements)
+        out_spec = DTensorSpec(spec.mesh, out, torch.Size(dst))
+        local_shape, _ = out_spec.local_shape_and_offset()
+        plan = (None if tg == spec.placements else tg, out, out_spec, local_shape)
+        if key is not None and not _is_compiling():
+            PLAN_CACHE.put(key, plan)
+    return plan
+
+
+@register_op(torch.Tensor.view, torch.reshape, torch.Tensor.reshape, torch.flatten,
+             torch.Tensor.flatten, torch.unflatten, torch.Tensor.unflatten, torch.squeeze,
+             torch.Tensor.squeeze, torch.unsqueeze, torch.Tensor.unsqueeze,
+             torch.Tensor.view_as, torch.Tensor.reshape_as, raw=True)
+def view_rule(func, args, kwargs):
+    """``view``/``reshape``/``flatten``/``squeeze``...: shards kept where the dim maps, else
+    gathered."""
+    x = args[0]
+    if not isinstance(x, DTensor):
+        raise mixing_error(func, x)
+    tg, out, out_spec, local_shape = _view_plan(func, args, kwargs)
+    local = x._local if tg is None and not x._local.requires_grad else \
+        localize(x, tg, out, True)
+    if func is torch.Tensor.view and tg is None:
+        result = _wrap(local.view(local_shape), out_spec)
+    else:
+        result = _wrap(local.reshape(local_shape), out_spec)
+    return _note_copy(result, x, tg, func)
+
+
+@register_op(torch.Tensor.permute, torch.permute, torch.t, torch.Tensor.t, torch.transpose,
+             torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes, torch.movedim,
+             torch.Tensor.movedim, torch.Tensor.T.__get__, torch.Tensor.mT.__get__, raw=True)
+def permute_rule(func, args, kwargs):
+    """``transpose``/``permute``/``t``/``movedim``/``.T``/``.mT``: placements permuted, no
+    communication."""
+    x = args[0]
+    spec = x._spec
+    try:
+        key = (_PERM, func, spec, args_key(args[1:]), key_of(tuple(kwargs.items())))
+        # traced: plan afresh (a constant of the graph), no cache
+        plan = None if _is_compiling() else PLAN_CACHE.get(key)
+    except Unhashable:
+        key, plan = None, None
+    if plan is None:
+        plan = _permute_plan(func, args, kwargs)
+        if key is not None and not _is_compiling():
+            PLAN_CACHE.put(key, plan)
+    perm, out_spec = plan
+    return _note_copy(_wrap(x._local.permute(perm) if perm else x._local, out_spec), x, None,
+                      func)
+
+
+def _permute_plan(func, args, kwargs):
+    x = args[0]
+    spec = x._spec
+    nd = len(spec.shape)
+    if func in (torch.Tensor.permute, torch.permute):
+        dims = args[1:] if len(args) > 2 or (len(args) == 2 and isinstance(args[1], int)) \
+            else tuple(args[1] if len(args) > 1 else kwargs["dims"])
+        perm = [d % nd for d in dims]
+    elif func in (torch.t, torch.Tensor.t) or getattr(func, "__name__", "") == "__get__":
+        perm = list(range(nd))[::-1] if nd >= 2 else [0] * nd
+        if getattr(getattr(func, "__self__", None), "__name__", "") == "mT" or nd > 2 and \
+                func not in (torch.t, torch.Tensor.t):
+            perm = list(range(nd - 2)) + [nd - 1, nd - 2]
+        if nd < 2:
+            perm = list(range(nd))
+    elif func in (torch.movedim, torch.Tensor.movedim):
+        src = args[1] if len(args) > 1 else kwargs["source"]
+        dst = args[2] if len(args) > 2 else kwargs["destination"]
+        src = [src] if isinstance(src, int) else list(src)
+        dst = [dst] if isinstance(dst, int) else list(dst)
+        src = [s % nd for s in src]
+        dst = [d % nd for d in dst]
+        perm = [-1] * nd
+        for s, d in zip(src, dst, strict=False):
+            perm[d] = s
+        rest = iter(d for d in range(nd) if d not in src)
+        perm = [p if p >= 0 else next(rest) for p in perm]
+    else:  # transpose / swapaxes
+        d0 = args[1] if len(args) > 1 else kwargs.get("dim0")
+        d1 = args[2] if len(args) > 2 else kwargs.get("dim1")
+        perm = list(range(nd))
+        if nd:
+            d0, d1 = d0 % nd, d1 % nd
+            perm[d0], perm[d1] = perm[d1], perm[d0]
+    inv = {src: dst for dst, src in enumerate(perm)}
+    out = tuple(Shard(inv[p.dim]) if type(p) is Shard else p for p in spec.placements)
+    shape = torch.Size(spec.shape[p] for p in perm)
+    return perm, DTensorSpec(spec.mesh, out, shape)
+
+
+@register_op(torch.Tensor.expand, torch.Tensor.expand_as, torch.broadcast_to)
+def expand_rule(call: OpCall) -> Sharding:
+    """``expand``/``broadcast_to``: expanded dims must be replicated."""
+    x = call.args[0]
+    spec = x._spec
+    shape = tuple(infer_shapes(call.func, call.args, call.kwargs))
+    lead = len(shape) - len(spec.shape)
+    pl = tuple(R if type(p) is Shard and spec.shape[p.dim] != shape[p.dim + lead] else p
+               for p in spec.placements)
+    out = tuple(Shard(p.dim + lead) if type(p) is Shard else p for p in pl)
+    out_spec = DTensorSpec(spec.mesh, out, torch.Size(shape))
+    local_shape, _ = out_spec.local_shape_and_offset()
+
+    def local(t, *a, **k):
+        return t.expand(local_shape)
+
+    return Sharding([pl] + [None] * (len(call.dtensors) - 1), out, shape, local=local)
+
+
+# ---------------------------------------------------------------------------- cat / split
+@register_op(torch.cat, torch.concat, torch.concatenate, torch.stack)
+def cat_rule(call: OpCall) -> Sharding:
+    """``cat``/``stack``: the cat dim gathered, other shards kept."""
+    tensors = call.arg(0, "tensors")
+    for t in tensors:
+        if not isinstance(t, DTensor):
+            raise mixing_error(call.func, t)
+    dim = call.arg(1, "dim", 0)
+    nd = tensors[0].ndim
+    is_stack = call.func is torch.stack
+    dim = dim % (nd + 1 if is_stack else nd)
+    first = tensors[0]._spec.placements
+    pl = []
+    for m, p in enumerate(first):
+        if type(p) is Shard and not is_stack and p.dim == dim:
+            p = R
+        if type(p) is Partial and not all(t._spec.placements[m] == p for t in tensors):
+            p = R
+        if type(p) is Shard and not is_stack and any(
+                t._spec.shape[p.dim] != first_shape for t in tensors
+                for first_shape in (tensors[0]._spec.shape[p.dim],)):
+            p = R
+        pl.append(p)
+    pl_t = tuple(pl)
+    out = tuple(Shard(p.dim + (p.dim >= dim)) if is_stack and type(p) is Shard else p
+                for p in pl_t)
+    return Sharding([pl_t] * len(tensors), out, None)
+
+
+@register_op(torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk,
+             torch.unbind, torch.Tensor.unbind, torch.split_with_sizes,
+             torch.Tensor.split_with_sizes, torch.tensor_split, torch.Tensor.tensor_split)
+def split_rule(call: OpCall) -> Sharding:
+    """``split``/``chunk``/``unbind``/``tensor_split``: the split dim gathered, others kept."""
+    x = call.args[0]
+    if call.func in (torch.unbind, torch.Tensor.unbind):
+        dim = call.arg(1, "dim", 0)
+    else:
+        dim = call.arg(2, "dim", 0)
+    dim = dim % x.ndim
+    pl = unshard(x._spec.placements, [dim], partial_ok=True)
+    shapes = infer_shapes(call.func, call.args, call.kwargs)
+    drop = call.func in (torch.unbind, torch.Tensor.unbind)
+    out = tuple(Shard(p.dim - (drop and p.dim > dim)) if type(p) is Shard else p for p in pl)
+    return Sharding([pl], [out] * len(shapes), shapes)
+
+
+# ---------------------------------------------------------------------------- indexing
+@register_op(torch.Tensor.__getitem__, raw=True)
+def getitem_rule(func, args, kwargs):
+    """``x[...]``: basic indexing gathers the indexed dims only; advanced indexing gathers all."""
+    x, index = args[0], args[1]
+    spec = x._spec
+    items = index if isinstance(index, tuple) else (index,)
+    simple = all(i is None or i is Ellipsis or isinstance(i, int | slice) for i in items)
+    if not simple:
+        if any(isinstance(i, DTensor) for i in items):
+            raise ShardingError("indexing a DTensor with a DTensor index is not supported")
+        local = replicated_local(x)
+        out = local[index]
+        # advanced indexing copies in torch too: an in-place op on it is torch's semantics
+        return _wrap(out, DTensorSpec(spec.mesh, (R,) * spec.mesh.ndim, out.shape))
+    # map input dims to output dims and find the dims the index touches
+    n_real = sum(1 for i in items if i is not None and i is not Ellipsis)
+    expanded: list[Any] = []
+    for i in items:
+        if i is Ellipsis:
+            expanded.extend([slice(None)] * (x.ndim - n_real))
+        else:
+            expanded.append(i)
+    touched, dim_map = set(), {}
+    d_in = d_out = 0
+    for i in expanded:
+        if i is None:
+            d_out += 1
+            continue
+        if isinstance(i, int):
+            touched.add(d_in)
+            d_in += 1
+            continue
+        if i != slice(None):
+            touched.add(d_in)
+        dim_map[d_in] = d_out
+        d_in += 1
+        d_out += 1
+    for d in range(d_in, x.ndim):
+        dim_map[d] = d_out
+        d_out += 1
+    pl = unshard(spec.placements, touched, partial_ok=True)
+    local = localize(x, pl, None, False)
+    out_local = local[index]
+    out_pl = tuple(Shard(dim_map[p.dim]) if type(p) is Shard else p for p in pl)
+    shape = infer_shapes(func, args, kwargs)
+    result = _wrap(out_local, DTensorSpec(spec.mesh, out_pl, torch.Size(shape)))
+    return _note_copy(result, x, None if pl == spec.placements else pl, func, index)
+
+
+def _note_copy(out: DTensor, x: DTensor, gathered_to: Placements | None, func: Any,
+               index: Any = None) -> DTensor:
+    """Mark ``out`` as a copy (not a view) of ``x`` when making it gathered a sharded dim, or
+    when ``x`` itself is such a copy, so an in-place op on it raises (see dispatch.py)."""
+    parent = copy_note(x)
+    if gathered_to is None and parent is None:
+        return out
+    if parent is not None:
+        return mark_copy(out, parent)
+    dims = sorted({p.dim for p, t in zip(x._spec.placements, gathered_to, strict=True)
+                   if type(p) is Shard and t != p})
+    what = (f"x[{_index_text(index)}]" if index is not None
+            else f"x.{getattr(func, '__name__', 'view')}(...)")
+    return mark_copy(out, f"{what} of a DTensor sharded on dim {', '.join(map(str, dims))} "
+                          f"(placements {x._spec.placements})")
+
+
+def _index_text(index: Any) -> str:
+    items = index if isinstance(index, tuple) else (index,)
+
+    def one(i: Any) -> str:
+        if isinstance(i, slice):
+            return ":".join("" if v is None else str(v) for v in (i.start, i.stop)) + \
+                (f":{i.step}" if i.step is not None else "")
+        return "..." if i is Ellipsis else str(i)
+
+    return ", ".join(one(i) for i in items)
