@@ -20,6 +20,7 @@ import os
 import pickle
 import queue
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -61,9 +62,25 @@ def _failure_report(exc: BaseException) -> tuple[str, list[int], str]:
     return text, [], ""
 
 
+def _exit_with_parent(poll_s: float = 1.0) -> None:
+    """End this worker when the process that started it dies (a killed pytest run, a CI job
+    cancelled): daemon workers are reparented, not killed, and would otherwise wait on their
+    inbox forever."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="hyperpar-exit-with-parent", daemon=True).start()
+
+
 def _worker_main(rank: int, world_size: int, port: int, backend: str | None,
                  setup: Callable[[], None] | None, collective_timeout_s: float,
                  env: dict[str, str], inbox: Any, outbox: Any) -> None:
+    _exit_with_parent()
     os.environ.update(env)
     os.environ.update({
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),

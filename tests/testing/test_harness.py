@@ -97,3 +97,47 @@ def test_an_unpicklable_result_fails_at_once_with_the_rank():
 def test_an_unpicklable_function_is_refused_before_any_rank_starts():
     with pytest.raises(DistributedError, match="module level"):
         run_distributed(lambda: 1, 2, timeout_s=60)
+
+
+_ORPHAN_SCRIPT = """
+import os, signal
+from hyperpar.testing import WorkerPool
+
+pool = WorkerPool(2, collective_timeout_s=30.0)
+print(" ".join(str(pid) for pid in pool.run(os.getpid)), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # the parent dies without closing the pool
+"""
+
+
+def test_workers_exit_when_the_process_that_started_them_is_killed(tmp_path):
+    import subprocess
+    import sys
+
+    # A file, not a pipe: orphaned workers would hold a pipe open and make run() wait.
+    log = tmp_path / "out.txt"
+    with open(log, "w") as out:
+        subprocess.run([sys.executable, "-c", _ORPHAN_SCRIPT], stdout=out,
+                       stderr=subprocess.STDOUT, timeout=180)
+    text = log.read_text()
+    pids = [int(p) for p in text.split()[-2:] if p.isdigit()]
+    assert len(pids) == 2, text
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        # A zombie (exited, not yet reaped by init) counts as gone.
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split(")")[-1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in pids if alive(p)]
+    for p in left:  # do not leave them behind if the check fails
+        os.kill(p, 9)
+    assert not left, f"worker processes {left} outlived their parent"
