@@ -278,3 +278,25 @@ def test_bad_input_is_refused_on_every_rank(pool2) -> None:
         assert "['fp16'] are not supported yet" in res["config"], (rank, res)
         assert "train_batch_size=5 must equal" in res["sizes"], (rank, res)
         assert "not supported on MindSpore yet" in res["interleaved"], (rank, res)
+
+
+def _one_rank_refused() -> str:
+    from hyperpar.pipeline import PipelineEngine, PipelineModule
+    from hyperpar.platform import get_platform
+
+    _ms, nn, _ops, _a, _e = _cells()
+    model = PipelineModule(_layer_list(2, tied=False), loss_fn=_mse, partition_method="uniform")
+    wrong = get_platform().rank() == 1
+    params = nn.Dense(2, 2).trainable_params() if wrong else model.trainable_params()
+    try:
+        PipelineEngine(model, nn.SGD(params, learning_rate=LR), {})
+    except ValueError as exc:
+        return str(exc)
+    return "constructed"
+
+
+def test_a_refusal_on_one_rank_is_raised_on_every_rank_before_any_p2p(pool2) -> None:
+    mine, peer = pool2.run(_one_rank_refused)[::-1]  # rank 1 refused its own optimizer
+    assert "not this stage's trainable parameters" in mine
+    assert peer.startswith("PipelineEngine: rank 1 refused its arguments"), peer
+    assert "not this stage's trainable parameters" in peer

@@ -294,6 +294,20 @@ _CONFIG_KEYS = {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                 "train_batch_size"}
 
 
+def _agree_or_raise(error: Exception | None) -> None:
+    """Raise on every rank if any rank's arguments were refused: that rank its own error, the
+    others a ValueError naming it. Collective (one small all-gather over the world)."""
+    errors = get_platform().all_gather_object(
+        None if error is None else f"{type(error).__name__}: {error}")
+    bad = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if error is not None:
+        raise error
+    if bad:
+        rank, message = bad[0]
+        raise ValueError(f"PipelineEngine: rank {rank} refused its arguments, so no rank "
+                         f"starts: {message}")
+
+
 class PipelineEngine:
     """``PipelineEngine(model, optimizer, config, *, schedule="1f1b")`` on MindSpore: DeepSpeed's
     ``train_batch`` over a :class:`PipelineModule`. ``optimizer`` is a ``mindspore.nn.Optimizer``
@@ -301,14 +315,13 @@ class PipelineEngine:
     ``gradient_accumulation_steps`` and ``train_batch_size`` (other sections -- fp16, bf16,
     optimizer, gradient_clipping -- are torch-only for now and refused)."""
 
-    def __init__(self, model: PipelineModule, optimizer: nn.Optimizer,
-                 config: Mapping[str, Any] | None = None, *,
-                 schedule: type[PipelineSchedule] | str = "1f1b") -> None:
+    @staticmethod
+    def _check(model: Any, optimizer: Any, cfg: dict[str, Any]) -> tuple[int, int]:
+        """This rank's arguments, checked before any peer is waited for: (micro, gas)."""
         if not isinstance(model, PipelineModule):
             raise TypeError(f"PipelineEngine trains a hyperpar PipelineModule, got "
                             f"{type(model).__name__}; build the model with "
                             f"PipelineModule(layers=..., loss_fn=...)")
-        cfg = dict(config or {})
         extra = sorted(set(cfg) - _CONFIG_KEYS)
         if extra:
             raise ValueError(f"PipelineEngine on MindSpore: config keys {extra} are not "
@@ -335,8 +348,22 @@ class PipelineEngine:
             raise ValueError(f"PipelineEngine: the optimizer's parameters {sorted(theirs)} are "
                              f"not this stage's trainable parameters {sorted(mine)}; build it "
                              f"as nn.SGD(model.trainable_params(), ...)")
+        return micro, int(gas)
+
+    def __init__(self, model: PipelineModule, optimizer: nn.Optimizer,
+                 config: Mapping[str, Any] | None = None, *,
+                 schedule: type[PipelineSchedule] | str = "1f1b") -> None:
+        cfg = dict(config or {})
+        # Checked here, then agreed with every peer: a rank whose optimizer (say) is wrong must
+        # not leave the others waiting at their first receive until the transport times out.
+        error: Exception | None = None
+        try:
+            micro, gas = self._check(model, optimizer, cfg)
+        except (TypeError, ValueError) as exc:
+            error = exc
+        _agree_or_raise(error)
         self.module, self.optimizer = model, optimizer
-        self.micro_batch_size, self.gradient_accumulation_steps = micro, int(gas)
+        self.micro_batch_size, self.gradient_accumulation_steps = micro, gas
         cls = get_schedule_class(schedule) if isinstance(schedule, str) else schedule
         self.schedule = cls(model, self.gradient_accumulation_steps)
         self.global_steps = 0
