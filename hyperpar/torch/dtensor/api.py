@@ -316,6 +316,41 @@ class DTensor(torch.Tensor):
                           "DTensor.from_local(run_check=False) without shape=")
         return _wrap(local_tensor, spec)
 
+    @property
+    def _local_tensor(self) -> torch.Tensor:
+        """torch's private name for the local shard, which code written against torch's
+        DTensor reads (torchtitan's checkpointer does): the same tensor as ``to_local()``
+        without its autograd boundary."""
+        return self._local
+
+    # ------------------------------------------------ torch.distributed.checkpoint (DCP)
+    def _dcp_piece(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        for p in self._spec.placements:
+            if type(p) is not Shard and type(p) is not Replicate:
+                raise ValueError(
+                    f"torch.distributed.checkpoint: a DTensor with placements "
+                    f"{self._spec.placements} holds no piece of its value ({p} is not Shard or "
+                    f"Replicate); redistribute it to Shard/Replicate before saving or loading")
+        return self._spec.local_shape_and_offset()
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
+        """DCP save: one write item for this rank's piece (see :mod:`hyperpar.platform.dcp`)."""
+        from hyperpar.platform.dcp import write_items
+
+        _shape, offset = self._dcp_piece()
+        return write_items(fqn, tuple(self._spec.shape), self._local, offset)
+
+    def __create_chunk_list__(self) -> list[Any]:
+        """DCP load: the chunk of the global tensor this rank's piece covers."""
+        from hyperpar.platform.dcp import chunk_list
+
+        return chunk_list(*self._dcp_piece())
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        """DCP: this rank's piece; DCP copies into it in place when loading."""
+        self._dcp_piece()
+        return self._local
+
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's shard. With ``grad_placements``, the gradient flowing back into the
         returned tensor is taken to be laid out that way (e.g. ``[Partial()]``) and is
