@@ -87,9 +87,9 @@ ROWS = [
     ("torchtitan H100 T4, FSDP32 TP8 (F8)", "llama-3.1-70b", 256, 8192, 512,
      "fsdp32.tp8.mb1.ac.lp", "h100-gt", 829, 71.9, False),
     ("torchtitan H100 T5, FSDP8 TP8 PP8 1F1B (F8)", "llama-3.1-405b", 512, 8192, 256,
-     "fsdp8.tp8.pp8.mb32.ac.lp.nrf.gstep", "h100-gt", 100, 82.5, False),
+     "fsdp8.tp8.pp8.mb8.ac.lp.nrf.gstep", "h100-gt", 100, 82.5, False),
     ("torchtitan H100 T5, FSDP8 TP8 PP8 interleaved (F8)", "llama-3.1-405b", 512, 8192, 256,
-     "fsdp8.tp8.pp8.mb32.ac.lp.nrf.gstep.interleaved1f1b", "h100-gt", 128, 72.7, False),
+     "fsdp8.tp8.pp8.mb8.ac.lp.nrf.gstep.interleaved1f1b", "h100-gt", 128, 72.7, False),
     # Table 6: 405B, TP8 x PP8 (1F1B), FSDP x CP; local batch 8 (8 microbatches of 1)
     *[(f"torchtitan H100 T6, FSDP{8 // cp} CP{cp} TP8 PP8 (F8)", "llama-3.1-405b", 512,
        32768 * cp, 64 // cp, f"fsdp{8 // cp}.tp8.pp8.cp{cp}.mb8.ac.lp.nrf.gstep" if cp > 1

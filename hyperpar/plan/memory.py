@@ -244,6 +244,23 @@ def eager_scores_bytes(spec: ModelSpec, run: Run, layout: Layout) -> float:
             * per_elem)
 
 
+def pipeline_outputs_bytes(spec: ModelSpec, run: Run, layout: Layout) -> int:
+    """What torch.distributed.pipelining's last stage keeps of its outputs (``.gstep``, the
+    engine that syncs gradients once per step): ``PipelineStage.forward_one_chunk`` appends
+    every microbatch's output, the logits in the compute dtype (vocabulary shards under loss
+    parallel), to ``output_chunks``, held to the end of ``step`` for ``merge_output_chunks``
+    (``step(return_outputs=True)``, the default) — all ``microbatches`` of them at the last
+    microbatch's loss backward, where the planner's loss term counts only fp32 tensors. 0
+    without a pipeline or under hyperpar.pipeline's engine (``grad_sync="microbatch"``),
+    which returns only the loss."""
+    if layout.pp == 1 or layout.grad_sync != "step":
+        return 0
+    vocab = spec.vocab_size
+    if layout.tp > 1 and layout.loss_parallel:
+        vocab = _cdiv(vocab, layout.tp)
+    return layout.microbatches * microbatch_tokens(run, layout) * vocab * run.compute_bytes
+
+
 def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memory:
     tp, ds = layout.tp, layout.fsdp_shard  # fully_shard's group: dp_shard (x cp)
     sp = stage_params(spec, tp, ds, layout.pp, stage)
@@ -343,6 +360,7 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
             # gradients of its recomputed activations, not counted apart, take their place.)
             around_loss = max(around_loss - block_buffers, 0)
         act += around_loss
+        act += pipeline_outputs_bytes(spec, run, layout)
     # data_parallel (over dp_replicate x cp) keeps the gradients in its flat buckets from the
     # first backward on; with dp_shard > 1 fully_shard (over dp_shard x cp) reduces them instead
     ddp = (layout.dp_replicate > 1 or layout.cp > 1) and ds == 1
