@@ -138,18 +138,27 @@ class Memory:
 def in_flight(layout: Layout, stage: int) -> float:
     """Microbatches whose activations (of all the stage's layers) a stage holds at once: GPipe
     all of them, 1F1B and ZB-H1 ``pp - stage`` (at most ``microbatches``; ZB-H1 keeps 1F1B's
-    peak, Qi et al. 2023), interleaved 1F1B with ``v`` chunks per rank ``pp - stage`` times
-    ``1 + (pp - 1) / (pp v)`` on the first (Narayanan et al. 2021, sec. 2.2.2: the first
-    stage's factor), no pipeline one (gradient accumulation)."""
+    peak, Qi et al. 2023), no pipeline one (gradient accumulation).
+
+    Interleaved 1F1B with ``v`` chunks per rank: the chunks its warm-up runs before the first
+    backward, plus the one forward of the first steady step, as torch pipelining's
+    ``ScheduleInterleaved1F1B`` schedules them (``_get_warmup_ops``: ``(v - 1) R + 2 (pp - 1
+    - rank)``, at most ``microbatches x v``, ``R`` the microbatches per round, ``pp`` when
+    ``pp`` divides them), in whole-rank units (a chunk holds ``1 / v`` of the rank's layers).
+    On the first rank with many microbatches that is Narayanan et al. 2021's
+    ``pp (1 + (pp - 1) / (pp v))``; on the last it is ``((v - 1) R + 1) / v``, not 1: the
+    last rank runs its first chunk for a whole round before its first backward."""
     if layout.pp == 1:
         return 1
+    m = layout.microbatches
     if layout.schedule == "gpipe":
-        return layout.microbatches
-    k = min(layout.pp - stage, layout.microbatches)
+        return m
     if layout.schedule == "interleaved1f1b":
-        v = layout.virtual_stages
-        return min(k * (1 + (layout.pp - 1) / (layout.pp * v)), layout.microbatches)
-    return k
+        v, pp = layout.virtual_stages, layout.pp
+        per_round = m // max(1, m // pp)
+        warmup = min((v - 1) * per_round + 2 * (pp - 1 - stage), m * v)
+        return min(warmup + 1, m * v) / v
+    return min(layout.pp - stage, m)
 
 
 def checkpointed_layers(layers: int, layout: Layout) -> int:
