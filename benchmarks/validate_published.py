@@ -59,7 +59,10 @@ MODELS = {
 #: with pp, ``reshard_after_forward=False`` (``.nrf``: torchtitan's default policy under pp)
 #: and torch pipelining's gradient sync once per step (``.gstep``: its schedules turn sync
 #: and resharding off for all but a stage's last backward); under tp torch's
-#: ``loss_parallel`` (``--loss torch-lp``). Memory is ``DeviceMemoryMonitor``'s
+#: ``loss_parallel`` (``--loss torch-lp``). Under pp, torchtitan's default microbatch count,
+#: the pp degree (``pipelining_utils.py`` line 81 and ``pipeline_llama.py`` line 68 at
+#: 9dec370; the page sets none): Table 5's local batch of 32 is 8 microbatches of 4 sequences,
+#: Table 6's of 8 is 8 of one. Memory is ``DeviceMemoryMonitor``'s
 #: ``reserved_bytes.all.peak`` with ``expandable_segments:True`` (run_llama_train.sh at the
 #: benchmark commit 9dec370); the planner predicts live bytes.
 #: Tables 2 and 4-6 ran torch.compile + Float8, which the planner does not model: their
