@@ -59,7 +59,10 @@ MODELS = {
 #: with pp, ``reshard_after_forward=False`` (``.nrf``: torchtitan's default policy under pp)
 #: and torch pipelining's gradient sync once per step (``.gstep``: its schedules turn sync
 #: and resharding off for all but a stage's last backward); under tp torch's
-#: ``loss_parallel`` (``--loss torch-lp``). Memory is ``DeviceMemoryMonitor``'s
+#: ``loss_parallel`` (``--loss torch-lp``). Under pp, torchtitan's default microbatch count,
+#: the pp degree (``pipelining_utils.py`` line 81 and ``pipeline_llama.py`` line 68 at
+#: 9dec370; the page sets none): Table 5's local batch of 32 is 8 microbatches of 4 sequences,
+#: Table 6's of 8 is 8 of one. Memory is ``DeviceMemoryMonitor``'s
 #: ``reserved_bytes.all.peak`` with ``expandable_segments:True`` (run_llama_train.sh at the
 #: benchmark commit 9dec370); the planner predicts live bytes.
 #: Tables 2 and 4-6 ran torch.compile + Float8, which the planner does not model: their
@@ -87,9 +90,9 @@ ROWS = [
     ("torchtitan H100 T4, FSDP32 TP8 (F8)", "llama-3.1-70b", 256, 8192, 512,
      "fsdp32.tp8.mb1.ac.lp", "h100-gt", 829, 71.9, False),
     ("torchtitan H100 T5, FSDP8 TP8 PP8 1F1B (F8)", "llama-3.1-405b", 512, 8192, 256,
-     "fsdp8.tp8.pp8.mb32.ac.lp.nrf.gstep", "h100-gt", 100, 82.5, False),
+     "fsdp8.tp8.pp8.mb8.ac.lp.nrf.gstep", "h100-gt", 100, 82.5, False),
     ("torchtitan H100 T5, FSDP8 TP8 PP8 interleaved (F8)", "llama-3.1-405b", 512, 8192, 256,
-     "fsdp8.tp8.pp8.mb32.ac.lp.nrf.gstep.interleaved1f1b", "h100-gt", 128, 72.7, False),
+     "fsdp8.tp8.pp8.mb8.ac.lp.nrf.gstep.interleaved1f1b", "h100-gt", 128, 72.7, False),
     # Table 6: 405B, TP8 x PP8 (1F1B), FSDP x CP; local batch 8 (8 microbatches of 1)
     *[(f"torchtitan H100 T6, FSDP{8 // cp} CP{cp} TP8 PP8 (F8)", "llama-3.1-405b", 512,
        32768 * cp, 64 // cp, f"fsdp{8 // cp}.tp8.pp8.cp{cp}.mb8.ac.lp.nrf.gstep" if cp > 1

@@ -138,18 +138,27 @@ class Memory:
 def in_flight(layout: Layout, stage: int) -> float:
     """Microbatches whose activations (of all the stage's layers) a stage holds at once: GPipe
     all of them, 1F1B and ZB-H1 ``pp - stage`` (at most ``microbatches``; ZB-H1 keeps 1F1B's
-    peak, Qi et al. 2023), interleaved 1F1B with ``v`` chunks per rank ``pp - stage`` times
-    ``1 + (pp - 1) / (pp v)`` on the first (Narayanan et al. 2021, sec. 2.2.2: the first
-    stage's factor), no pipeline one (gradient accumulation)."""
+    peak, Qi et al. 2023), no pipeline one (gradient accumulation).
+
+    Interleaved 1F1B with ``v`` chunks per rank: the chunks its warm-up runs before the first
+    backward, plus the one forward of the first steady step, as torch pipelining's
+    ``ScheduleInterleaved1F1B`` schedules them (``_get_warmup_ops``: ``(v - 1) R + 2 (pp - 1
+    - rank)``, at most ``microbatches x v``, ``R`` the microbatches per round, ``pp`` when
+    ``pp`` divides them), in whole-rank units (a chunk holds ``1 / v`` of the rank's layers).
+    On the first rank with many microbatches that is Narayanan et al. 2021's
+    ``pp (1 + (pp - 1) / (pp v))``; on the last it is ``((v - 1) R + 1) / v``, not 1: the
+    last rank runs its first chunk for a whole round before its first backward."""
     if layout.pp == 1:
         return 1
+    m = layout.microbatches
     if layout.schedule == "gpipe":
-        return layout.microbatches
-    k = min(layout.pp - stage, layout.microbatches)
+        return m
     if layout.schedule == "interleaved1f1b":
-        v = layout.virtual_stages
-        return min(k * (1 + (layout.pp - 1) / (layout.pp * v)), layout.microbatches)
-    return k
+        v, pp = layout.virtual_stages, layout.pp
+        per_round = m // max(1, m // pp)
+        warmup = min((v - 1) * per_round + 2 * (pp - 1 - stage), m * v)
+        return min(warmup + 1, m * v) / v
+    return min(layout.pp - stage, m)
 
 
 def checkpointed_layers(layers: int, layout: Layout) -> int:
@@ -242,6 +251,23 @@ def eager_scores_bytes(spec: ModelSpec, run: Run, layout: Layout) -> float:
     per_elem = run.compute_bytes + (1 + run.compute_bytes if spec.dropout else 0)
     return (sequences * spec.num_heads / layout.tp * (run.seq_len // layout.cp) * run.seq_len
             * per_elem)
+
+
+def pipeline_outputs_bytes(spec: ModelSpec, run: Run, layout: Layout) -> int:
+    """What torch.distributed.pipelining's last stage keeps of its outputs (``.gstep``, the
+    engine that syncs gradients once per step): ``PipelineStage.forward_one_chunk`` appends
+    every microbatch's output, the logits in the compute dtype (vocabulary shards under loss
+    parallel), to ``output_chunks``, held to the end of ``step`` for ``merge_output_chunks``
+    (``step(return_outputs=True)``, the default) — all ``microbatches`` of them at the last
+    microbatch's loss backward, where the planner's loss term counts only fp32 tensors. 0
+    without a pipeline or under hyperpar.pipeline's engine (``grad_sync="microbatch"``),
+    which returns only the loss."""
+    if layout.pp == 1 or layout.grad_sync != "step":
+        return 0
+    vocab = spec.vocab_size
+    if layout.tp > 1 and layout.loss_parallel:
+        vocab = _cdiv(vocab, layout.tp)
+    return layout.microbatches * microbatch_tokens(run, layout) * vocab * run.compute_bytes
 
 
 def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memory:
@@ -343,6 +369,7 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
             # gradients of its recomputed activations, not counted apart, take their place.)
             around_loss = max(around_loss - block_buffers, 0)
         act += around_loss
+        act += pipeline_outputs_bytes(spec, run, layout)
     # data_parallel (over dp_replicate x cp) keeps the gradients in its flat buckets from the
     # first backward on; with dp_shard > 1 fully_shard (over dp_shard x cp) reduces them instead
     ddp = (layout.dp_replicate > 1 or layout.cp > 1) and ds == 1

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from hyperpar.plan.layout import Layout, Run
-from hyperpar.plan.memory import in_flight, memory_per_rank, stage_memory
+from hyperpar.plan.layout import Layout, Run, parse_layout
+from hyperpar.plan.memory import (
+    in_flight,
+    memory_per_rank,
+    pipeline_outputs_bytes,
+    stage_memory,
+)
 from hyperpar.plan.model import from_hf_config
 
 from ._common import LLAMA2_7B
@@ -311,7 +316,9 @@ def test_grad_sync_per_step_holds_the_stages_unsharded_gradients() -> None:
         layers = SPEC.num_layers // 8
         assert b.fsdp_buffers - a.fsdp_buffers == (layers * block + sum(root)) * 4
         assert a.grads_at_peak and not b.grads_at_peak
-        assert b.activations == a.activations and b.states == a.states
+        # the last stage also keeps every microbatch's logits (torch pipelining's output_chunks)
+        kept = pipeline_outputs_bytes(SPEC, run, per_step) if stage == 7 else 0
+        assert b.activations - a.activations == kept and b.states == a.states
     pers = {c.per for c in collectives(SPEC, run, per_step, 0) if c.dim == "dp_shard"}
     assert pers == {"step"}
     assert {c.per for c in collectives(SPEC, run, per_mb, 0) if c.dim == "dp_shard"} == {
@@ -437,3 +444,55 @@ def test_torch_loss_parallel_term_is_its_measured_peak() -> None:
     shard = tokens * (8002 // 2 - 2 // 2)
     assert loss_bytes("torch-lp") == shard * 16
     assert loss_bytes("eager") == shard * 12
+
+
+_PIPELINE_OUTPUTS = r"""
+import os, socket
+import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+dist.init_process_group("gloo", rank=0, world_size=1)
+m, b, s, h, v = 4, 2, 64, 16, 1000
+model = nn.Sequential(nn.Embedding(v, h), nn.Linear(h, v)).to(torch.bfloat16)
+stage = PipelineStage(model, 0, 1, torch.device("cpu"))
+sched = Schedule1F1B(stage, n_microbatches=m, loss_fn=lambda out, y: F.cross_entropy(
+    out.flatten(0, 1).float(), y.flatten()))
+x = torch.randint(0, v, (m * b, s))
+sched.step(x, target=x, losses=[])
+kept = sum(t.numel() * t.element_size() for t in stage.output_chunks)
+dist.destroy_process_group()
+print(len(stage.output_chunks), kept / (m * b * s * v))
+"""
+
+
+def test_torch_pipelining_last_stage_keeps_every_microbatchs_logits() -> None:
+    """``.gstep`` (torch.distributed.pipelining's engine): after ``schedule.step`` the last
+    stage still holds every microbatch's output, the compute-dtype logits (measured: a real
+    1-rank gloo ``Schedule1F1B`` of 4 microbatches keeps 4 outputs, 2 bytes per bf16 logit);
+    the planner adds ``microbatches x tokens x vocab x 2`` bytes (vocabulary shards under loss
+    parallel) to the last stage only, and nothing under hyperpar.pipeline's engine."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _PIPELINE_OUTPUTS], capture_output=True,
+                         text=True, timeout=120, check=True)
+    chunks, per_logit = out.stdout.split()
+    assert (int(chunks), float(per_logit)) == (4, 2.0)
+    spec = from_hf_config({"hidden_size": 64, "intermediate_size": 128,
+                           "num_hidden_layers": 4, "num_attention_heads": 4,
+                           "vocab_size": 1001})
+    run = Run(world=4, seq_len=64, global_batch=8)
+    for name, vocab in (("pp2.mb4", 1001), ("tp2.pp2.mb4.lp", 501), ("tp2.pp2.mb4", 1001)):
+        plain, step = parse_layout(name), parse_layout(name + ".gstep")
+        tokens = 8 // 4 * 64  # two sequences of 64 per microbatch
+        assert pipeline_outputs_bytes(spec, run, step) == 4 * tokens * vocab * 2
+        assert pipeline_outputs_bytes(spec, run, plain) == 0
+        last = (stage_memory(spec, run, step, 1).activations
+                - stage_memory(spec, run, plain, 1).activations)
+        assert last == 4 * tokens * vocab * 2
+        assert stage_memory(spec, run, step, 0) == stage_memory(spec, run, plain, 0)
+    assert pipeline_outputs_bytes(spec, Run(world=1, seq_len=64, global_batch=8),
+                                  parse_layout("mb4.gstep")) == 0

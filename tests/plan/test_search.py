@@ -322,3 +322,27 @@ def test_fp32_gradient_reduction_doubles_the_reduced_bytes() -> None:
             grads = "grad" in what
             assert b[what] == (2 * a[what] if grads else a[what]), what
         assert any("grad" in w for w in a)
+
+
+@pytest.mark.parametrize(("pp", "m", "v"), [(8, 8, 2), (4, 8, 2), (4, 12, 3), (8, 32, 2)])
+def test_interleaved_in_flight_is_torchs_warmup_per_rank(pp: int, m: int, v: int) -> None:
+    """Interleaved 1F1B holds, on rank r, the chunks torch's ScheduleInterleaved1F1B runs in
+    warm-up plus one (its ``_get_warmup_ops``, checked where this torch has it), in whole-rank
+    units. By hand for torchtitan's Table 5 (pp 8, 8 microbatches, 2 chunks): rank 0 holds
+    all 16 chunks (8 microbatches' worth), rank 7 holds 8 + 1 chunks (4.5), where the old
+    first-stage factor gave the last rank 1 x (1 + 7/16)."""
+    from hyperpar.plan.memory import in_flight
+
+    lay = Layout(pp=pp, microbatches=m, schedule="interleaved1f1b", virtual_stages=v)
+    if (pp, m, v) == (8, 8, 2):
+        assert [in_flight(lay, r) for r in range(8)] == [8, 8, 8, 8, 7.5, 6.5, 5.5, 4.5]
+    if m >= 4 * pp:  # many microbatches: Narayanan et al.'s first-stage factor
+        assert in_flight(lay, 0) == pytest.approx(pp * (1 + (pp - 1) / (pp * v)))
+    try:
+        from torch.distributed.pipelining.schedules import _get_warmup_ops
+    except ImportError:  # older torch: the same formula inline in the schedule
+        return
+    per_round = m // max(1, m // pp)
+    for r in range(pp):
+        warm = _get_warmup_ops(r, v, per_round, pp, m)
+        assert in_flight(lay, r) == min(warm + 1, m * v) / v
