@@ -35,7 +35,7 @@ if not (VENV / ".complete").is_file():
                 f"network once) -- skipped every torchtitan case", allow_module_level=True)
 
 COMMON = ["--module", "llama3", "--config", "llama3_debugmodel",
-          "--training.steps", str(STEPS), "--training.local_batch_size", "2",
+          "--training.local_batch_size", "2",
           "--training.mixed_precision_param", "float32",
           "--parallelism.spmd_backend", "partial_dtensor", "--training.disable_cuda_graphs"]
 
@@ -66,12 +66,16 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return assets
 
 
-def _train(flavour: str, ranks: int, args: list[str], assets: Path, out: Path) -> dict:
+def _train(flavour: str, ranks: int, args: list[str], assets: Path, out: Path, *,
+           steps: int = STEPS, tag: str = "") -> dict:
+    """One run of ``steps`` steps; its per-rank records are ``out/<flavour><tag>.json.rankR``
+    and its dump folder (checkpoints) ``out/<flavour>``."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HYPERPAR_BACKEND="cpu",
                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "backends" / "hyperpar-cpu")]))
     cmd = [str(VENV / "bin" / "python"), "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node", str(ranks), str(SCRIPTS / "run.py"),
-           str(VENV / "trees" / flavour), str(out / f"{flavour}.json"), *COMMON,
+           str(VENV / "trees" / flavour), str(out / f"{flavour}{tag}.json"), *COMMON,
+           "--training.steps", str(steps),
            "--hf_assets_path", str(assets / "tokenizer"),
            "--dataloader.dataset_path", str(assets / "c4_synthetic"),
            "--dump_folder", str(out / flavour), *args, "activation-checkpoint:none"]
@@ -81,7 +85,8 @@ def _train(flavour: str, ranks: int, args: list[str], assets: Path, out: Path) -
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
         pytest.fail(f"torchtitan {flavour} run failed (exit {proc.returncode}):\n{tail}")
     # one record per rank; under PP only the last stage's ranks know the loss (others: -1)
-    records = [json.loads((out / f"{flavour}.json.rank{r}").read_text()) for r in range(ranks)]
+    records = [json.loads((out / f"{flavour}{tag}.json.rank{r}").read_text())
+               for r in range(ranks)]
     for rec in records:
         if all(s["loss"] != -1.0 for s in rec["steps"]):
             return rec
@@ -103,4 +108,29 @@ def test_losses_equal_native(case: str, prepared: Path, tmp_path: Path) -> None:
     assert len(n_loss) == len(h_loss) == STEPS
     assert n_loss[-1] < n_loss[0]  # it trains
     for step, (a, b) in enumerate(zip(n_loss, h_loss, strict=True), start=1):
+        assert abs(a - b) <= TOL * max(1.0, abs(a)), (step, a, b)
+
+
+RESUME = ["--training.seq_len", "128", "--parallelism.data_parallel_shard_degree", "2",
+          "--checkpoint.enable", "--checkpoint.interval", "3",
+          "--checkpoint.no_last_save_model_only"]
+
+
+@pytest.mark.timeout(4 * RUN_TIMEOUT_S + 60)
+def test_checkpoint_saved_at_step_3_resumes_to_step_6_as_native(prepared: Path,
+                                                                tmp_path: Path) -> None:
+    """torchtitan's own checkpointer (torch.distributed.checkpoint over the model, AdamW state,
+    LR scheduler and data loader) saves at step 3 and a second run resumes from it; losses of
+    both halves equal native torch's same two runs. (Resumed step 5+ differs from an
+    uninterrupted run on native torch too, so the comparison is resume against resume.)"""
+    def two_runs(flavour: str) -> list[float]:
+        a = _train(flavour, 2, RESUME, prepared, tmp_path, steps=3, tag="_a")
+        # the same dump folder: the second run loads step 3 and trains steps 4..6
+        b = _train(flavour, 2, RESUME, prepared, tmp_path, steps=STEPS, tag="_b")
+        assert [s["step"] for s in b["steps"]] == [4, 5, 6], b["steps"]
+        return [s["loss"] for s in a["steps"] + b["steps"]]
+
+    native, ours = two_runs("native"), two_runs("hyperpar")
+    assert len(native) == len(ours) == STEPS, (native, ours)
+    for step, (a, b) in enumerate(zip(native, ours, strict=True), start=1):
         assert abs(a - b) <= TOL * max(1.0, abs(a)), (step, a, b)
