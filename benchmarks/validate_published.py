@@ -374,6 +374,11 @@ def main_() -> tuple[int, int, int, int]:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    # No options: --help says what the script does instead of running the whole table.
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     wm, nm, wt, nt = main_()
     w2, n2 = print_megatron()
     w3, n3 = print_mpt()
