@@ -323,9 +323,6 @@ def _fully_shard_step_compiled(mode: str) -> Any:
     return got, eager
 
 
-@pytest.mark.xfail(strict=True, raises=NotImplementedError, reason=(
-    "MindSpore compiles a Cell's construct with the Parameters in its _params (the shards) and "
-    "never runs the Python __call__ that gathers the whole values; see docs/mindspore.md"))
 @pytest.mark.parametrize("mode", ["jit", "graph"])
 def test_compiled_fully_shard_step_matches_pynative_and_one_process(pool2, mode):
     """The goal: forward, backward and update of a fully_shard-ed Cell compiled, matching the
