@@ -1,7 +1,7 @@
-"""fully_shard under graph mode (``ms.jit``, ``GRAPH_MODE``): each parameter gathered where it is read.
+"""fully_shard under ``ms.jit`` / ``GRAPH_MODE``: each parameter gathered where it is read.
 
-In PyNative mode a fully-sharded unit's Python ``__call__`` gathers the whole values and puts them
-in the parameters' slots while ``construct`` runs. A compiled graph never runs that ``__call__``:
+In PyNative mode a fully-sharded unit's ``_run_construct`` gathers the whole values and puts
+them in the parameters' slots while ``construct`` runs. A compiled graph never runs that Python:
 the parser reads ``self.weight`` in each Cell's ``construct`` and finds the Parameter in
 ``_params`` -- this rank's padded dim-0 shard. So every Cell owning a sharded parameter gets a
 subclass (same class name) with a ``property`` per sharded attribute: read by the graph compiler
@@ -9,8 +9,13 @@ it returns :class:`FullParameter` of the shard -- ``ops.AllGather`` on the shard
 padding cut off -- whose ``bprop`` is the FSDP2 reduce-scatter (``ops.AllReduce`` + this rank's
 rows, as ``ops.ReduceScatter`` has no CPU kernel), then the replicate group's all-reduce for HSDP,
 times ``1 / (shard x replicate)``. Read in PyNative (by ``construct`` or by the user) the
-property returns ``_params[attr]`` as before: the whole value inside the unit's ``__call__``,
+property returns ``_params[attr]`` as before: the whole value while the unit runs,
 the shard outside it.
+
+The property must sit in the Cell's own class, which is built without the base's
+``__qualname__``: otherwise MindSpore 2.10's compiler evaluated the attribute in Python at compile
+time (measured: the forward was right, the gradients of the shards zero) or read ``_params``
+(a shape error).
 
 Whether the compiler is reading is decided by :func:`compiling`, a ``constexpr`` (run in Python
 at compile time, and in PyNative when called): it looks for MindSpore's ``compile`` on the stack.

@@ -26,13 +26,12 @@ so ``reshard_after_forward`` does not change what is held or sent here: one all-
 unit per forward, one reduce-scatter per unit per backward (no re-gather in backward, no
 prefetch). The argument is accepted and checked for torch compatibility.
 
-Graph mode (``ms.jit``, ``GRAPH_MODE``) is refused: MindSpore compiles a Cell's ``construct``
-with the ``Parameter`` objects it finds in ``_params`` at parse time -- here the padded shards --
-and never runs the Python ``__call__`` that puts the whole values in their place (measured: a
-``MatMul`` shape error, or, where the shard's shape happens to broadcast, a wrong loss). Each unit
-therefore carries a no-op forward pre-hook, so that the graph compiler compiles its
-``_jit_forward_pre_hook`` -- which raises ``NotImplementedError`` naming the Cell and the fix,
-on every rank, before any collective -- and ``__call__`` refuses ``GRAPH_MODE``.
+Graph mode (``ms.jit``, ``GRAPH_MODE``) compiles the whole step: a graph never runs the Python
+that puts the whole values in place, so each Cell owning a sharded parameter reads it through a
+property that, when the compiler reads it, all-gathers that parameter's shard with MindSpore's
+communication primitives (:mod:`.fsdp_graph`; one gather per parameter, not per unit). The
+gathered values are graph intermediates: as in PyNative, ``reshard_after_forward`` does not
+change what is held or sent.
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, mint, nn
 
@@ -267,9 +265,8 @@ def fully_shard(cell: nn.Cell, *, mesh: Any = None,
     sharded = type(f"FullyShard{cls.__name__}", (cls, FullyShardedCell), {})
 
     def _run_construct(self: nn.Cell, *args: Any, **kwargs: Any) -> Any:
-        # PyNative only (a compile reads construct and the _jit_* hook methods): the whole
-        # values go in place before the Cell's own forward hooks run. Not __call__: the graph
-        # compiler runs an overridden __call__ as Python, so no gradient reached the shards.
+        # PyNative only (a compile reads construct and the _jit_* hook methods, never this):
+        # the whole values go in place before the Cell's own forward hooks run.
         unit = self.__dict__["_hp_fsdp_unit"]
         unit.install(unit.unshard())
         try:
