@@ -26,6 +26,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import mindspore as ms
 from mindspore import nn, ops
 from mindspore.ops import constexpr
 
@@ -55,9 +56,11 @@ class _GatherRows(nn.Cell):
     group, scaled to the mean over every data-parallel rank)."""
 
     def __init__(self, shard_group: str | None, n: int, rank: int, rows: int,
-                 replicate_group: str | None, replicate: int, scale: float) -> None:
+                 replicate_group: str | None, replicate: int, scale: float,
+                 by_sum: bool) -> None:
         super().__init__()
         self.n, self.rank, self.rows, self.replicate, self.scale = n, rank, rows, replicate, scale
+        self.by_sum = by_sum
         if n > 1:
             self.gather = ops.AllGather(shard_group)
             self.shard_sum = ops.AllReduce(ops.ReduceOp.SUM, shard_group)
@@ -66,8 +69,24 @@ class _GatherRows(nn.Cell):
 
     def construct(self, shard: Any) -> Any:
         if self.n > 1:
+            if self.by_sum:
+                return self.shard_sum(self._placed(shard))
             return self.gather(shard)
         return shard * 1  # a new value, so that bprop runs (HSDP with shard size 1)
+
+    def _placed(self, shard: Any) -> Any:
+        """The shard at its rows of a zero buffer of the gathered shape: summed over the
+        group, that is the all-gather, exactly (each element is one value plus zeros)."""
+        rest = shard.shape[1:]
+        if self.rank == 0:
+            return ops.concat((shard, ops.zeros(((self.n - 1) * self.rows,) + rest,
+                                                shard.dtype)), 0)
+        if self.rank == self.n - 1:
+            return ops.concat((ops.zeros((self.rank * self.rows,) + rest, shard.dtype),
+                               shard), 0)
+        return ops.concat((ops.zeros((self.rank * self.rows,) + rest, shard.dtype), shard,
+                           ops.zeros(((self.n - 1 - self.rank) * self.rows,) + rest,
+                                     shard.dtype)), 0)
 
     def bprop(self, shard: Any, out: Any, dout: Any) -> tuple[Any]:
         grad = dout
@@ -85,7 +104,8 @@ class FullParameter(nn.Cell):
                  replicate_group: str | None) -> None:
         super().__init__()
         self.gather = _GatherRows(shard_group, plan.shard_size, rank, slot.rows_per_rank,
-                                  replicate_group, plan.replicate, plan.grad_scale())
+                                  replicate_group, plan.replicate, plan.grad_scale(),
+                                  _gather_by_sum(shard_group))
         self.d0 = slot.shape[0]
         self.cut = plan.shard_size * slot.rows_per_rank != self.d0
 
@@ -94,6 +114,15 @@ class FullParameter(nn.Cell):
         if self.cut:
             full = ops.narrow(full, 0, 0, self.d0)
         return full
+
+
+def _gather_by_sum(group: str | None) -> bool:
+    """MindSpore 2.10's CPU ``AllGather`` runs on the world group only (measured: "AllGather
+    only support mccl_world_group on CPU, but got hccl_2_..." on a 2x2 mesh's sub-group), so
+    there a sub-group's gather is an all-reduce of zero-padded shards (n times the bytes)."""
+    from mindspore.communication import GlobalComm
+
+    return ms.get_context("device_target") == "CPU" and group != GlobalComm.WORLD_COMM_GROUP
 
 
 def _reader(attr: str) -> Any:
