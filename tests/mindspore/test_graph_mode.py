@@ -1,10 +1,12 @@
-"""Graph mode (``ms.jit`` and ``GRAPH_MODE``) on a tensor-parallel Cell step, 2 CPU ranks.
+"""Graph mode (``ms.jit`` and ``GRAPH_MODE``) on tensor-parallel and fully_shard Cell steps.
 
 Each rank builds the same MLP three times from the same numpy weights: a plain MindSpore reference
 in one process (no hyperpar, PyNative), one parallelized and trained in PyNative mode, one
 parallelized and trained with the whole step (forward, backward, SGD update) compiled. The
 compiled step runs hyperpar's graph boundaries (``hyperpar_mindspore.graph``: ``ops.AllReduce`` /
-``ops.AllGather`` Cells with a custom ``bprop``), the PyNative one its Python hooks.
+``ops.AllGather`` Cells with a custom ``bprop``), the PyNative one its Python hooks. The fully_shard step (2 ranks; HSDP on a 2x2 mesh, 4 ranks)
+trains each rank on its rows of the batch and is compared, parameters included, with one process
+on the whole batch (``hyperpar_mindspore.fsdp_graph``: the shards gathered where they are read).
 
 Tolerance as in test_tensor_parallel: float32 sums split over 2 ranks differ in rounding only
 (< ~6e-6 * scale after 3 steps); 2e-5 * scale allowed. A missing all-reduce, a bias added twice or
