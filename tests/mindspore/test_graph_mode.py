@@ -3,10 +3,11 @@
 Each rank builds the same MLP three times from the same numpy weights: a plain MindSpore reference
 in one process (no hyperpar, PyNative), one parallelized and trained in PyNative mode, one
 parallelized and trained with the whole step (forward, backward, SGD update) compiled. The
-compiled step runs hyperpar's graph boundaries (``hyperpar_mindspore.graph``: ``ops.AllReduce`` /
-``ops.AllGather`` Cells with a custom ``bprop``), the PyNative one its Python hooks. The fully_shard step (2 ranks; HSDP on a 2x2 mesh, 4 ranks)
-trains each rank on its rows of the batch and is compared, parameters included, with one process
-on the whole batch (``hyperpar_mindspore.fsdp_graph``: the shards gathered where they are read).
+compiled step runs hyperpar's graph boundaries (``hyperpar_mindspore.graph``: ``ops.AllReduce``
+/ ``ops.AllGather`` Cells with a custom ``bprop``), the PyNative one its Python hooks. The
+fully_shard steps (2 ranks; HSDP and dp x tp on a 2x2 mesh, 4 ranks) train each rank on its rows
+of the batch and are compared (parameters too where they are whole) with one process on the
+whole batch (``hyperpar_mindspore.fsdp_graph``: the shards gathered where they are read).
 
 Tolerance as in test_tensor_parallel: float32 sums split over 2 ranks differ in rounding only
 (< ~6e-6 * scale after 3 steps); 2e-5 * scale allowed. A missing all-reduce, a bias added twice or
@@ -329,6 +330,42 @@ def test_jitted_hsdp_step_on_2x2_mesh_matches_one_process(pool4):
     """HSDP, (replicate, shard) = (2, 2): the graph's gradient also all-reduced over the
     replicate group, averaged over 4 ranks."""
     _check_fully_shard_compiled(pool4.run(_fully_shard_step_compiled, "jit", (2, 2)))
+
+
+def _jitted_dp_tp_step() -> tuple[Any, Any]:
+    """dp2 x tp2: fc1 colwise / fc2 rowwise over tp, then fully_shard over dp; each dp rank on
+    its half of the batch, the step under ms.jit and in PyNative."""
+    x, y = _data()
+    mesh = init_device_mesh((2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].get_local_rank()
+    rows = slice(2 * dp, 2 * dp + 2)
+    results = []
+    for mode in ("jit", "pynative"):
+        model = Net()
+        set_weights(model)
+        parallelize_module(model, mesh["tp"], PLANS["colwise-rowwise"]())
+        for block in (model.fc1, model.fc2):
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        results.append(_train(model, mode, x[rows], y[rows]))
+    return dp, results
+
+
+def test_jitted_dp_tp_step_matches_pynative_and_one_process(pool4):
+    ref = Net()
+    set_weights(ref)
+    x, y = _data()
+    ref_l, ref_o = _train(ref, "pynative", x, y)
+    scale = max(1.0, float(np.abs(ref_o).max()), max(ref_l))
+    by_dp: dict[int, list[float]] = {}
+    for dp, ((graph_l, graph_o), (eager_l, eager_o)) in pool4.run(_jitted_dp_tp_step):
+        rows = slice(2 * dp, 2 * dp + 2)
+        assert float(np.abs(graph_o - ref_o[rows]).max()) / scale < TOL, "output vs one process"
+        assert float(np.abs(graph_o - eager_o).max()) / scale < TOL, "output vs PyNative"
+        assert float(np.abs(np.subtract(graph_l, eager_l)).max()) / scale < TOL, "losses"
+        by_dp[dp] = graph_l
+    mean = np.mean([by_dp[0], by_dp[1]], axis=0)
+    assert float(np.abs(mean - ref_l).max()) / scale < TOL, "mean loss vs one process"
 
 
 _FAILING_COMPILE = """
