@@ -1,10 +1,13 @@
-"""Graph mode (``ms.jit`` and ``GRAPH_MODE``) on a tensor-parallel Cell step, 2 CPU ranks.
+"""Graph mode (``ms.jit`` and ``GRAPH_MODE``) on tensor-parallel and fully_shard Cell steps.
 
 Each rank builds the same MLP three times from the same numpy weights: a plain MindSpore reference
 in one process (no hyperpar, PyNative), one parallelized and trained in PyNative mode, one
 parallelized and trained with the whole step (forward, backward, SGD update) compiled. The
-compiled step runs hyperpar's graph boundaries (``hyperpar_mindspore.graph``: ``ops.AllReduce`` /
-``ops.AllGather`` Cells with a custom ``bprop``), the PyNative one its Python hooks.
+compiled step runs hyperpar's graph boundaries (``hyperpar_mindspore.graph``: ``ops.AllReduce``
+/ ``ops.AllGather`` Cells with a custom ``bprop``), the PyNative one its Python hooks. The
+fully_shard steps (2 ranks; HSDP and dp x tp on a 2x2 mesh, 4 ranks) train each rank on its rows
+of the batch and are compared (parameters too where they are whole) with one process on the
+whole batch (``hyperpar_mindspore.fsdp_graph``: the shards gathered where they are read).
 
 Tolerance as in test_tensor_parallel: float32 sums split over 2 ranks differ in rounding only
 (< ~6e-6 * scale after 3 steps); 2e-5 * scale allowed. A missing all-reduce, a bias added twice or
@@ -252,7 +255,8 @@ def test_graph_mode_refuses_what_only_pynative_runs(pool2, case):
 
 
 # ---------------------------------------------------------------- fully_shard under ms.jit
-FS_REFUSAL = "a fully-sharded Cell runs in PyNative mode only"
+# fc1, fc2 and the root each a unit; each rank trains on its rows of the batch (the mean of the
+# ranks' losses is the whole batch's loss, the averaged gradient the whole batch's gradient).
 
 
 def _fully_sharded(mesh: Any) -> nn.Cell:
@@ -263,89 +267,105 @@ def _fully_sharded(mesh: Any) -> nn.Cell:
     return fully_shard(model, mesh=mesh)
 
 
-def _try_compiled(model: nn.Cell, mode: str, x: ms.Tensor, y: ms.Tensor) -> Any:
-    """``_train`` in ``mode``; the refusal's message where the compile raised."""
-    here = os.getcwd()
-    with tempfile.TemporaryDirectory() as tmp:
-        os.chdir(tmp)  # (a failed compile's analyze_fail.ir)
-        try:
-            return _train(model, mode, x, y)
-        except NotImplementedError as exc:
-            return str(exc)
-        finally:
-            os.chdir(here)
-            ms.common.api._pynative_executor.clear_res()
-
-
-def _fully_shard_refused_then_pynative() -> tuple[list[str], list[float], float]:
-    """A fully_shard-ed Cell's step under ms.jit and GRAPH_MODE (refused), then in PyNative
-    on this rank's half of the batch: its loss, and its output against one process's rows."""
-    x, y = _data()
-    mesh = init_device_mesh((2,), mesh_dim_names=("dp",))
-    rows = slice(2 * mesh.get_local_rank(), 2 * mesh.get_local_rank() + 2)
+def _train_sharded(mesh: Any, mode: str, x: ms.Tensor, y: ms.Tensor) -> tuple[Any, ...]:
     model = _fully_sharded(mesh)
-    messages = [_try_compiled(model, mode, x[rows], y[rows]) for mode in ("jit", "graph")]
-    messages = [m if isinstance(m, str) else "compiled" for m in messages]
-    ref = Net()
-    set_weights(ref)
-    (_, ref_o), (losses, out) = (_train(ref, "pynative", x, y),
-                                 _train(model, "pynative", x[rows], y[rows]))
-    diff = float(np.abs(out - ref_o[rows]).max()) / max(1.0, float(np.abs(ref_o).max()))
-    return messages, losses, diff
+    losses, out = _train(model, mode, x, y)
+    whole = {name: p.asnumpy() for name, p in model.full_parameters().items()}
+    return losses, out, whole
 
 
-def test_fully_shard_is_refused_when_compiled_and_still_trains_in_pynative(pool2):
-    """The refusal comes at compile time on every rank, before any collective: the same Cell
-    then trains in PyNative mode like one process (a rank left inside a collective would hang
-    or shift the next gather)."""
-    results = pool2.run(_fully_shard_refused_then_pynative)
+def _fully_shard_step_compiled(mode: str, shape: tuple[int, ...]) -> tuple[Any, Any]:
+    """This rank's rows trained with the step compiled (``mode``) and in PyNative."""
+    x, y = _data()
+    names = ("dp",) if len(shape) == 1 else ("replicate", "shard")
+    mesh = init_device_mesh(shape, mesh_dim_names=names)
+    from hyperpar.platform import get_platform
+
+    world, rank = get_platform().world_size(), get_platform().rank()
+    rows = slice(rank * 4 // world, (rank + 1) * 4 // world)
+    return (_train_sharded(mesh, mode, x[rows], y[rows]),
+            _train_sharded(mesh, "pynative", x[rows], y[rows]))
+
+
+def _check_fully_shard_compiled(results: list[Any]) -> None:
     ref = Net()
     set_weights(ref)
     x, y = _data()
-    ref_losses, _ = _train(ref, "pynative", x, y)
-    for messages, _losses, diff in results:
-        for mode, message in zip(("jit", "graph"), messages, strict=True):
-            assert FS_REFUSAL in message and "fully_shard(Net)" in message, (mode, message)
-        assert diff < TOL, f"output after the refusals: {diff:.2e} x scale"
-    # the ranks' halves of the batch: their mean loss is the whole batch's
-    mean = np.mean([r[1] for r in results], axis=0)
-    assert float(np.abs(mean - ref_losses).max()) < TOL * max(1.0, max(ref_losses))
+    ref_l, ref_o = _train(ref, "pynative", x, y)
+    ref_p = {name: p.asnumpy() for name, p in ref.parameters_and_names()}
+    scale = max(1.0, float(np.abs(ref_o).max()), max(ref_l))
+    world = len(results)
+    for rank, ((graph_l, graph_o, graph_p), (eager_l, eager_o, eager_p)) in enumerate(results):
+        rows = slice(rank * 4 // world, (rank + 1) * 4 // world)
+        assert float(np.abs(graph_o - ref_o[rows]).max()) / scale < TOL, "output vs one process"
+        assert float(np.abs(graph_o - eager_o).max()) / scale < TOL, "output vs PyNative"
+        assert float(np.abs(np.subtract(graph_l, eager_l)).max()) / scale < TOL, "losses"
+        assert sorted(graph_p) == sorted(ref_p)
+        for name, want in ref_p.items():
+            assert graph_p[name].shape == want.shape, name
+            diff = float(np.abs(graph_p[name] - want).max()) / max(1.0, float(np.abs(want).max()))
+            assert diff < TOL, f"{name} after {STEPS} steps vs one process: {diff:.2e}"
+            assert float(np.abs(graph_p[name] - eager_p[name]).max()) < TOL, name
+    mean = np.mean([r[0][0] for r in results], axis=0)
+    assert float(np.abs(mean - ref_l).max()) / scale < TOL, "mean loss vs one process"
+    # the parameters moved (a step whose gradients never reached the shards would not)
+    assert float(np.abs(results[0][0][2]["fc1.weight"] - _initial("fc1.weight")).max()) > 1e-3
 
 
-def _fully_shard_step_compiled(mode: str) -> Any:
-    x, y = _data()
-    mesh = init_device_mesh((2,), mesh_dim_names=("dp",))
-    rows = slice(2 * mesh.get_local_rank(), 2 * mesh.get_local_rank() + 2)
-    got = _try_compiled(_fully_sharded(mesh), mode, x[rows], y[rows])
-    if isinstance(got, str):
-        return got
-    eager = _train(_fully_sharded(mesh), "pynative", x[rows], y[rows])
-    return got, eager
+def _initial(name: str) -> np.ndarray:
+    net = Net()
+    set_weights(net)
+    return dict(net.parameters_and_names())[name].asnumpy()
 
 
-@pytest.mark.xfail(strict=True, raises=NotImplementedError, reason=(
-    "MindSpore compiles a Cell's construct with the Parameters in its _params (the shards) and "
-    "never runs the Python __call__ that gathers the whole values; see docs/mindspore.md"))
 @pytest.mark.parametrize("mode", ["jit", "graph"])
 def test_compiled_fully_shard_step_matches_pynative_and_one_process(pool2, mode):
-    """The goal: forward, backward and update of a fully_shard-ed Cell compiled, matching the
-    PyNative step and one process. Today the compile refuses (above)."""
-    results = pool2.run(_fully_shard_step_compiled, mode)
-    for got in results:
-        if isinstance(got, str):
-            raise NotImplementedError(got)
+    """Forward, backward (all-gather / averaging reduce-scatter in the graph) and SGD update of
+    a fully_shard-ed Cell compiled: losses, outputs and every parameter after 3 steps match the
+    PyNative fully_shard step and one process on the whole batch."""
+    _check_fully_shard_compiled(pool2.run(_fully_shard_step_compiled, mode, (2,)))
+
+
+def test_jitted_hsdp_step_on_2x2_mesh_matches_one_process(pool4):
+    """HSDP, (replicate, shard) = (2, 2): the graph's gradient also all-reduced over the
+    replicate group, averaged over 4 ranks."""
+    _check_fully_shard_compiled(pool4.run(_fully_shard_step_compiled, "jit", (2, 2)))
+
+
+def _jitted_dp_tp_step() -> tuple[Any, Any]:
+    """dp2 x tp2: fc1 colwise / fc2 rowwise over tp, then fully_shard over dp; each dp rank on
+    its half of the batch, the step under ms.jit and in PyNative."""
+    x, y = _data()
+    mesh = init_device_mesh((2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].get_local_rank()
+    rows = slice(2 * dp, 2 * dp + 2)
+    results = []
+    for mode in ("jit", "pynative"):
+        model = Net()
+        set_weights(model)
+        parallelize_module(model, mesh["tp"], PLANS["colwise-rowwise"]())
+        for block in (model.fc1, model.fc2):
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        results.append(_train(model, mode, x[rows], y[rows]))
+    return dp, results
+
+
+def test_jitted_dp_tp_step_matches_pynative_and_one_process(pool4):
     ref = Net()
     set_weights(ref)
     x, y = _data()
     ref_l, ref_o = _train(ref, "pynative", x, y)
     scale = max(1.0, float(np.abs(ref_o).max()), max(ref_l))
-    for rank, ((graph_l, graph_o), (eager_l, eager_o)) in enumerate(results):
-        rows = slice(2 * rank, 2 * rank + 2)
-        assert float(np.abs(graph_o - ref_o[rows]).max()) / scale < TOL
-        assert float(np.abs(graph_o - eager_o).max()) / scale < TOL
-        assert float(np.abs(np.subtract(graph_l, eager_l)).max()) / scale < TOL
-    mean = np.mean([r[0][0] for r in results], axis=0)
-    assert float(np.abs(mean - ref_l).max()) / scale < TOL
+    by_dp: dict[int, list[float]] = {}
+    for dp, ((graph_l, graph_o), (eager_l, eager_o)) in pool4.run(_jitted_dp_tp_step):
+        rows = slice(2 * dp, 2 * dp + 2)
+        assert float(np.abs(graph_o - ref_o[rows]).max()) / scale < TOL, "output vs one process"
+        assert float(np.abs(graph_o - eager_o).max()) / scale < TOL, "output vs PyNative"
+        assert float(np.abs(np.subtract(graph_l, eager_l)).max()) / scale < TOL, "losses"
+        by_dp[dp] = graph_l
+    mean = np.mean([by_dp[0], by_dp[1]], axis=0)
+    assert float(np.abs(mean - ref_l).max()) / scale < TOL, "mean loss vs one process"
 
 
 _FAILING_COMPILE = """

@@ -26,13 +26,12 @@ so ``reshard_after_forward`` does not change what is held or sent here: one all-
 unit per forward, one reduce-scatter per unit per backward (no re-gather in backward, no
 prefetch). The argument is accepted and checked for torch compatibility.
 
-Graph mode (``ms.jit``, ``GRAPH_MODE``) is refused: MindSpore compiles a Cell's ``construct``
-with the ``Parameter`` objects it finds in ``_params`` at parse time -- here the padded shards --
-and never runs the Python ``__call__`` that puts the whole values in their place (measured: a
-``MatMul`` shape error, or, where the shard's shape happens to broadcast, a wrong loss). Each unit
-therefore carries a no-op forward pre-hook, so that the graph compiler compiles its
-``_jit_forward_pre_hook`` -- which raises ``NotImplementedError`` naming the Cell and the fix,
-on every rank, before any collective -- and ``__call__`` refuses ``GRAPH_MODE``.
+Graph mode (``ms.jit``, ``GRAPH_MODE``) compiles the whole step: a graph never runs the Python
+that puts the whole values in place, so each Cell owning a sharded parameter reads it through a
+property that, when the compiler reads it, all-gathers that parameter's shard with MindSpore's
+communication primitives (:mod:`.fsdp_graph`; one gather per parameter, not per unit). The
+gathered values are graph intermediates: as in PyNative, ``reshard_after_forward`` does not
+change what is held or sent.
 """
 
 from __future__ import annotations
@@ -40,12 +39,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, mint, nn
 
 from hyperpar.parallel.shard_plan import UnitPlan, plan_unit, reshard_after
 from hyperpar.platform import get_platform
+
+from .fsdp_graph import install_graph_reads
 
 __all__ = ["FullyShardedCell", "fully_shard"]
 
@@ -128,29 +128,20 @@ class _Unit:
                 sub._self_check()
 
 
-def _graph_refusal(name: str) -> str:
-    return (f"fully_shard({name}): a fully-sharded Cell runs in PyNative mode only: under "
-            f"ms.jit / GRAPH_MODE MindSpore compiles its construct with this rank's padded "
-            f"dim-0 shards as the parameters and never runs the Python that gathers the whole "
-            f"values (docs/mindspore.md, fully_shard). Train it without ms.jit, in "
-            f"ms.PYNATIVE_MODE; tensor parallelism (ColwiseParallel / RowwiseParallel) does "
-            f"compile")
+def _group_name(group: Any, size: int) -> str | None:
+    """MindSpore's name of ``group`` (``None``: the world) for the graph's primitives."""
+    if size == 1:
+        return None
+    if group is None:
+        from mindspore.communication import GlobalComm
+
+        return GlobalComm.WORLD_COMM_GROUP
+    return group.name
 
 
-def _graph_marker(cell: nn.Cell, inputs: tuple) -> None:
-    """A no-op forward pre-hook: a Cell with one makes the graph compiler compile its
-    ``_jit_forward_pre_hook`` (the refusal) instead of reading its shards silently."""
+def _run_through_hooks(cell: nn.Cell, inputs: tuple) -> None:
+    """A no-op forward pre-hook: with one, ``Cell.__call__`` runs ``_run_construct``."""
     return None
-
-
-class _RefuseGraph:
-    """The unit's ``_jit_*`` methods, read only by the graph compiler."""
-
-    def _jit_forward_pre_hook(self, inputs: tuple) -> tuple:
-        raise NotImplementedError(self._hp_fsdp_graph_refusal)
-
-    def _jit_forward_hook(self, inputs: tuple, output: Any) -> Any:
-        raise NotImplementedError(self._hp_fsdp_graph_refusal)
 
 
 class FullyShardedCell(nn.Cell):
@@ -271,24 +262,26 @@ def fully_shard(cell: nn.Cell, *, mesh: Any = None,
     unit.restore()  # the shards take the parameters' places
     unit.settle_owners()
     cls = type(cell)
-    # _RefuseGraph first: its _jit_* methods win over a tensor-parallel Cell's graph ones
-    sharded = type(f"FullyShard{cls.__name__}", (_RefuseGraph, cls, FullyShardedCell), {})
+    sharded = type(f"FullyShard{cls.__name__}", (cls, FullyShardedCell), {})
 
-    def __call__(self: nn.Cell, *args: Any, **kwargs: Any) -> Any:
-        # Wrapping __call__ rather than construct puts the whole values in place before the
-        # Cell's own forward hooks run.
-        if ms.get_context("mode") == ms.GRAPH_MODE:
-            raise NotImplementedError(self._hp_fsdp_graph_refusal)
+    def _run_construct(self: nn.Cell, *args: Any, **kwargs: Any) -> Any:
+        # PyNative only (a compile reads construct and the _jit_* hook methods, never this):
+        # the whole values go in place before the Cell's own forward hooks run.
         unit = self.__dict__["_hp_fsdp_unit"]
         unit.install(unit.unshard())
         try:
-            return super(sharded, self).__call__(*args, **kwargs)
+            return super(sharded, self)._run_construct(*args, **kwargs)
         finally:
             unit.restore()
 
-    sharded.__call__ = __call__
+    sharded._run_construct = _run_construct
     cell.__class__ = sharded
     object.__setattr__(cell, "_hp_fsdp_unit", unit)
-    object.__setattr__(cell, "_hp_fsdp_graph_refusal", _graph_refusal(cls.__name__))
-    cell.register_forward_pre_hook(_graph_marker)
+    # graph mode: each owner reads its sharded parameters gathered (fsdp_graph); last, as the
+    # property must sit in the Cell's own class (measured: an inherited one is read in Python)
+    install_graph_reads(plan, slots, shards, _group_name(shard_group, n), me,
+                        _group_name(replicate_group, rep))
+    # Cell.__call__ skips _run_construct for a Cell without hooks; a graph compiles this
+    # no-op hook (a named function) as it is
+    cell.register_forward_pre_hook(_run_through_hooks)
     return cell
