@@ -23,6 +23,7 @@ from hyperpar.testing.harness import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "mindspore_tp_mlp.py"
+FSDP_EXAMPLE = ROOT / "examples" / "mindspore_fully_shard_mlp.py"
 JOB_TIMEOUT_S = 480
 
 
@@ -106,14 +107,13 @@ def test_tp_example_under_msrun(tmp_path, mode):
     assert "fc1.weight on rank 0: (64, 32) of (128, 32)" in logs[0]
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
-def test_tp_example_on_two_nodes_of_one_rank(tmp_path, mode):
-    """Two `hyperpar run` launchers on localhost, as two nodes would run them."""
-    args, says = MODES[mode]
+def _two_nodes(script: Path, cwd: Path, args: tuple[str, ...]) -> list[tuple[str, str]]:
+    """``script args`` under two `hyperpar run` launchers on localhost, as two nodes of one rank
+    would run it; each node's (stdout, stderr)."""
     endpoint = f"127.0.0.1:{free_port()}"
     cmd = [sys.executable, "-c", "import sys; from hyperpar.cli import main; sys.exit(main())",
            "run", "-n", "1", "--nnodes", "2", "--rdzv-endpoint", endpoint]
-    nodes = [subprocess.Popen([*cmd, "--node-rank", str(r), str(EXAMPLE), *args], cwd=tmp_path,
+    nodes = [subprocess.Popen([*cmd, "--node-rank", str(r), str(script), *args], cwd=cwd,
                               env=_env(HYPERPAR_MS_DEVICE="CPU"), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     try:
@@ -124,8 +124,37 @@ def test_tp_example_on_two_nodes_of_one_rank(tmp_path, mode):
                 p.kill()
     assert [p.returncode for p in nodes] == [0, 0], [o[1][-2000:] for o in outs]
     assert "node 0 of 2" in "".join(outs[0]) and "node 1 of 2" in "".join(outs[1])
+    return outs
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_tp_example_on_two_nodes_of_one_rank(tmp_path, mode):
+    """Two `hyperpar run` launchers on localhost, as two nodes would run them."""
+    args, says = MODES[mode]
+    outs = _two_nodes(EXAMPLE, tmp_path, args)
     assert says in outs[0][0], outs[0][0][-3000:]
     assert _loss_difference(outs[0][0]) < 1e-5  # global rank 0 runs on node 0
+
+
+def _parameter_difference(text: str) -> float:
+    found = re.findall(r"largest parameter difference vs one process: (\S+)", text)
+    assert len(found) == 1, text[-3000:]
+    return float(found[0])
+
+
+@pytest.mark.parametrize("launcher", ["msrun", "two-nodes"])
+def test_compiled_fully_shard_example_under_the_launchers(tmp_path, launcher):
+    """The fully_shard example unchanged, its step under ms.jit (all-gathers and averaging
+    reduce-scatters in the graph), under msrun and as two nodes: every parameter after 4 SGD
+    steps on each rank's rows matches one process on the whole batch (float32 rounding; a
+    missing average or a wrong shard moves them by O(1e-2))."""
+    if launcher == "msrun":
+        text = _msrun(FSDP_EXAMPLE, tmp_path, args=("--jit",))[0]
+    else:
+        text = _two_nodes(FSDP_EXAMPLE, tmp_path, ("--jit",))[0][0]
+    assert "mode: ms.jit" in text, text[-3000:]
+    assert "fc1.weight on rank 0: (32, 16) of (64, 16)" in text, text[-3000:]
+    assert _parameter_difference(text) < 1e-5
 
 
 def test_multi_node_options_are_checked_before_anything_starts(tmp_path):
