@@ -32,6 +32,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch", type=int, default=64,
                    help="rows per rank (larger: compute weighs more against communication)")
+    p.add_argument("--profile", action="store_true",
+                   help="also time the collectives one fully_shard step runs, alone")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if importlib.util.find_spec("mindspore") is None:
@@ -42,7 +44,7 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump([], f)
         return
-    rows = run(args.steps, args.warmup, args.batch)
+    rows = run(args.steps, args.warmup, args.batch, args.profile)
     if args.json and rows is not None:
         with open(args.json, "w") as f:
             json.dump(rows, f)
@@ -70,7 +72,37 @@ def _state_bytes(net, opt) -> int:
     return params + moments
 
 
-def run(steps: int, warmup: int, batch: int) -> list[dict] | None:
+def _profile(net, platform, steps: int) -> tuple[float, float]:
+    """Median time of the collectives a fully_shard step runs, each unit's alone: the
+    all-gather of its flat shard (MindSpore's list all-gather, as the unit does) and the
+    all-reduce of its whole flat gradient (CPU MindSpore has no reduce-scatter kernel; the
+    unit all-reduces and keeps its slice)."""
+    import mindspore as ms
+    import numpy as np
+
+    def timed(fn, *args) -> float:
+        times = []
+        for _ in range(steps):
+            platform.barrier()
+            t0 = time.perf_counter()
+            fn(*args)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3
+
+    gather, reduce_ = 0.0, 0.0
+    for _name, cell in net.cells_and_names():
+        unit = cell.__dict__.get("_hp_fsdp_unit")
+        if unit is None or not unit.shards:
+            continue
+        numel, group = unit.plan.flat_numel, unit.shard_group
+        shard = ms.Tensor(np.zeros(numel, np.float32))
+        whole = ms.Tensor(np.zeros(numel * unit.plan.shard_size, np.float32))
+        gather += timed(platform.gather_list, shard, group, "bench")
+        reduce_ += timed(platform.all_reduce, whole, "sum", group)
+    return gather, reduce_
+
+
+def run(steps: int, warmup: int, batch: int, profile: bool = False) -> list[dict] | None:
     import mindspore as ms
     import mindspore.mint.distributed as dist
     import numpy as np
@@ -124,6 +156,7 @@ def run(steps: int, warmup: int, batch: int) -> list[dict] | None:
             losses[name] = float(loss.asnumpy())
             if i >= warmup:
                 times[name].append(time.perf_counter() - t0)
+    comm = _profile(nets[names[0]], platform, steps) if profile else None
     state = {name: _state_bytes(nets[name], runs[name][1]) for name in names}
     med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     if rank != 0:
@@ -141,6 +174,11 @@ def run(steps: int, warmup: int, batch: int) -> list[dict] | None:
           f"averaging costs fully_shard {fs - none:.2f} ms, by hand {hand - none:.2f} ms")
     print(f"  state ratio fully_shard / replicated: {state[names[0]] / state[names[1]]:.3f} "
           f"(1/N = {1 / n:.3f}, plus padding)")
+    if comm is not None:
+        gather, reduce_ = comm
+        print(f"  collectives alone, per step (fully_shard's units): all-gathers {gather:.2f} ms,"
+              f" all-reduces {reduce_:.2f} ms (the hand-written step runs only all-reduces of "
+              f"the same total size)")
     sys.stdout.flush()
     return [{"benchmark": "ms_fully_shard", "case": case, "hyperpar_ms": fs,
              "reference": "replicated, mint.distributed.all_reduce per gradient",
