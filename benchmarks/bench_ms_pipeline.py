@@ -89,6 +89,8 @@ def run(args: argparse.Namespace) -> list[dict] | None:
     import numpy as np
 
     from hyperpar.pipeline import (
+        Backward,
+        Forward,
         LayerSpec,
         PipelineModule,
         bubble_fraction_theory,
@@ -159,6 +161,15 @@ def run(args: argparse.Namespace) -> list[dict] | None:
                      "hyperpar_ms": med, "reference": None, "reference_ms": None,
                      "ratio": None})
     print("goal: 1F1B bubble / theory <= 1.3")
+    # where a plan above theory comes from: stages that are not equal
+    for name in scheds:
+        cost = []
+        for r, rec_r in enumerate(everyone):
+            acts = [a for step in rec_r[name]["actions"] for a in step]
+            fwd = statistics.median(dt for a, dt in acts if isinstance(a, Forward)) * 1e3
+            bwd = statistics.median(dt for a, dt in acts if isinstance(a, Backward)) * 1e3
+            cost.append(f"stage {r}: F {fwd:.1f} ms, B {bwd:.1f} ms")
+        print(f"{name}: per microbatch, median: " + "; ".join(cost))
     sys.stdout.flush()
     return rows
 
