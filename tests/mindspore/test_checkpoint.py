@@ -206,15 +206,16 @@ def test_torch_names_without_name_map_are_refused_on_every_rank(pool2, tmp_path)
 
 
 # ------------------------------------------------------------------ fully_shard (FSDP2) Cells
-def _fsdp_net(seed: int):
-    """The Cell with weights from ``seed``, fully sharded over every rank: fc1, fc2, then the
-    root (which holds the norm). fc1's 7 rows split 4 + 3 on 2 ranks: rank 1's shard has a
-    padding row."""
-    from hyperpar import fully_shard
+def _fsdp_net(seed: int, hsdp: bool = False):
+    """The Cell with weights from ``seed``, fully sharded over every rank (``hsdp``: on a
+    (replicate, shard) = (2, 2) mesh): fc1, fc2, then the root (which holds the norm). fc1's 7
+    rows split 4 + 3 over 2 shard ranks: the second's shard has a padding row."""
+    from hyperpar import fully_shard, init_device_mesh
 
     net, names, _mesh = _net(seed, 1)
+    mesh = init_device_mesh((2, 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
     for cell in (net.fc1, net.fc2, net):
-        fully_shard(cell)
+        fully_shard(cell, mesh=mesh)
     return net, names
 
 
@@ -244,7 +245,7 @@ def _load_fsdp(folder: str, seed: int) -> dict:
     return _fsdp_report(net, names)
 
 
-def _train_save_fsdp(folder: str, seed: int) -> dict:
+def _train_save_fsdp(folder: str, seed: int, hsdp: bool = False) -> dict:
     """Two SGD steps on this rank's own data (so the saved values are no seed's weights), then
     save."""
     import mindspore as ms
@@ -253,7 +254,7 @@ def _train_save_fsdp(folder: str, seed: int) -> dict:
     from hyperpar import checkpoint
     from hyperpar.platform import get_platform
 
-    net, names = _fsdp_net(seed)
+    net, names = _fsdp_net(seed, hsdp)
     opt = nn.SGD(net.trainable_params(), learning_rate=0.1)
     step = ms.value_and_grad(lambda a, b: ((net(a) - b) ** 2).mean(), None, opt.parameters)
     rng = np.random.default_rng(100 + get_platform().rank())
@@ -330,3 +331,26 @@ def test_fully_shard_on_a_sub_mesh_is_refused_on_every_rank_not_saved_wrong(
         assert "fully sharded over 1 of the 2 ranks" in msg and "not supported" in msg, (
             rank, msg)
     assert not (tmp_path / "dp-tp").exists()
+
+
+@pytest.fixture
+def pool4(ms_pools):
+    return _pool(ms_pools, 4)
+
+
+def test_hsdp_checkpoint_writes_each_box_once_and_loads_in_one_process(
+        pool1, pool4, tmp_path) -> None:
+    """HSDP (replicate 2 x shard 2), 2 SGD steps on different data per rank, saved: the two
+    replicas' identical rows are written once; loaded in one process, bit for bit."""
+    folder = str(tmp_path / "hsdp")
+    trained = pool4.run(_train_save_fsdp, folder, 5, True)
+    for res in trained[1:]:
+        _same_params(res["params"], trained[0]["params"], "hsdp ranks agree")
+    index = json.loads((tmp_path / "hsdp" / "index.json").read_text())
+    fc1 = index["tensors"]["fc1.weight"]
+    assert fc1["placements"] == ["Replicate()", "Shard(dim=0)"], fc1
+    assert fc1["mesh_shape"] == [2, 2], fc1
+    assert sorted((c["offset"][0], c["shape"][0]) for c in fc1["chunks"]) == [(0, 4), (4, 3)]
+    loaded = pool1.run(_load, folder, 1, 3)[0]
+    _same_params(loaded["params"], trained[0]["params"], "hsdp -> one process")
+    _close(loaded["loss"], trained[0]["loss"], "loss, hsdp -> one process")
