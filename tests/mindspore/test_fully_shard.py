@@ -299,15 +299,19 @@ def _checkpoint_refused_rank(path: str) -> str:
     from hyperpar import checkpoint, fully_shard
 
     net = fully_shard(nn.Dense(3, 2))
+    opt = nn.Adam(net.trainable_params(), learning_rate=1e-3)
     try:
-        checkpoint.save(net, path)
+        checkpoint.save(net, path, optimizer=opt)
     except NotImplementedError as exc:
         return str(exc)
     return "accepted"
 
 
-def test_checkpoint_of_a_fully_sharded_cell_is_refused_not_saved_wrong(pool2, tmp_path) -> None:
-    """Its Parameters are padded shards: saving them as whole tensors would be silently wrong."""
+def test_checkpoint_of_a_fully_sharded_cell_with_its_optimizer_is_refused_not_saved_wrong(
+        pool2, tmp_path) -> None:
+    """The parameters of a fully_shard Cell save and reshard (tests/mindspore/
+    test_checkpoint.py); optimizer state does not yet: refused on every rank, nothing
+    written."""
     for msg in pool2.run(_checkpoint_refused_rank, str(tmp_path / "ckpt")):
-        assert "fully_shard Cells are not supported" in msg and "full_parameters" in msg, msg
+        assert "optimizer=" in msg and "not implemented for MindSpore" in msg, msg
     assert not (tmp_path / "ckpt").exists()

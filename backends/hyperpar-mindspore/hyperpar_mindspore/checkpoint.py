@@ -7,9 +7,10 @@ per chunk, resharded on load), written and read through :mod:`hyperpar.checkpoin
 >>> checkpoint.load(cell, "ckpt/torch-run", name_map=torch_name_map(cell))   # torch's names
 
 ``hyperpar.checkpoint.save`` / ``load`` call these for a Cell. A tensor-parallel shard (a
-``Parameter`` ``parallelize_module`` split) is saved as its box of the global tensor, so a
-folder saved on 2 ranks loads on 1 and the reverse. Keys are the Cell's parameter paths
-(``parameters_and_names()``), or what ``name_map`` makes of them.
+``Parameter`` ``parallelize_module`` split) and a ``fully_shard`` shard (its unpadded dim-0
+rows, as torch's FSDP2 holds them) are saved as their boxes of the global tensor, so a folder
+saved on 2 tp ranks loads as fsdp2 or in one process, and the reverse. Keys are the Cell's
+parameter paths (``parameters_and_names()``), or what ``name_map`` makes of them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from mindspore import nn
 
 from hyperpar.checkpoint._format import CheckpointError, LoadResult
 from hyperpar.checkpoint.arrays import ArrayBox, Want, load_arrays, save_arrays
-from hyperpar.dtensor.placement import Shard
+from hyperpar.dtensor.placement import Replicate, Shard
 from hyperpar.platform import get_platform
 
 from .parallel import SHARD_GROUP
@@ -70,12 +71,7 @@ def _layout(model: nn.Cell, name_map: NameMap) -> dict[str, tuple[Any, ArrayBox 
     global tensor. One collective (every rank's shard lengths)."""
     if not isinstance(model, nn.Cell):
         raise TypeError(f"checkpoint: expected a mindspore.nn.Cell, got {type(model).__name__}")
-    for name, cell in model.cells_and_names():
-        if "_hp_fsdp_unit" in cell.__dict__:  # its padded shards would be saved as whole tensors
-            raise NotImplementedError(
-                f"checkpoint: {name or type(model).__name__!r} is fully sharded (fully_shard); "
-                f"checkpoints of fully_shard Cells are not supported on MindSpore yet -- save "
-                f"the values of cell.full_parameters() instead")
+    fsdp = _fsdp_boxes(model)
     platform = get_platform()
     params = list(model.parameters_and_names())
     keys: dict[str, str] = {}
@@ -98,6 +94,9 @@ def _layout(model: nn.Cell, name_map: NameMap) -> dict[str, tuple[Any, ArrayBox 
     out: dict[str, tuple[Any, Any]] = {}
     for name, p in params:
         key = _key(name, name_map)
+        if id(p) in fsdp:
+            out[key] = (p, fsdp[id(p)])
+            continue
         local = tuple(int(s) for s in p.shape)
         shape, offset = list(local), [0] * len(local)
         placements: list[str] = []
@@ -113,6 +112,52 @@ def _layout(model: nn.Cell, name_map: NameMap) -> dict[str, tuple[Any, ArrayBox 
     return out
 
 
+def _fsdp_boxes(model: nn.Cell) -> dict[int, ArrayBox]:
+    """id of each fully_shard shard ``Parameter`` -> its box of the global tensor: the
+    unpadded ``torch.chunk`` rows this rank holds (torch FSDP2's layout, so the index records
+    what torch's records: ``Shard(dim=0)``, HSDP ``Replicate(), Shard(dim=0)``). Raises, on
+    every rank alike and before any collective, where the global tensor is not known here."""
+    platform = get_platform()
+    world = platform.world_size()
+    out: dict[int, ArrayBox] = {}
+    for name, cell in model.cells_and_names():
+        unit = cell.__dict__.get("_hp_fsdp_unit")
+        if unit is None:
+            continue
+        plan = unit.plan
+        n, rep = plan.shard_size, plan.replicate
+        if n * rep != world:
+            # the unit's parameters were already split by another dim of the mesh (tensor
+            # parallelism on (dp, tp)) or live on a pipeline stage: their global shape is not
+            # the shard's, and this Cell does not record how
+            raise NotImplementedError(
+                f"checkpoint: {name or type(model).__name__!r} is fully sharded over {n * rep} "
+                f"of the {world} ranks (fully_shard on a sub-mesh, e.g. mesh['dp'] of a "
+                f"(dp, tp) mesh); checkpoints of such Cells are not supported on MindSpore "
+                f"yet -- fully_shard over every rank (1-D or HSDP mesh), or save the values of "
+                f"cell.full_parameters() instead")
+        me = platform.rank(unit.shard_group) if n > 1 else 0
+        placements = ([repr(Replicate())] if rep > 1 else []) + [repr(Shard(0))]
+        mesh_shape = ([rep] if rep > 1 else []) + [n]
+        for shard, slot in zip(unit.shards, plan.slots, strict=True):
+            start, length = slot.starts[me], slot.lengths[me]
+            offset = (start,) + (0,) * (len(slot.shape) - 1)
+            array = shard.asnumpy()[:length]  # the padding rows are not part of the tensor
+            out[id(shard)] = ArrayBox(slot.shape, offset, array, placements, mesh_shape)
+    return out
+
+
+def _set_shard(param: Any, box: ArrayBox, arr: np.ndarray) -> None:
+    """Put ``arr`` (this rank's unpadded rows) into a fully_shard shard Parameter, the
+    padding rows zero (they must stay zero: the gathered tensor drops them)."""
+    if arr.shape != box.array.shape:
+        raise CheckpointError(f"load: {param.name!r}: read {arr.shape}, this rank's fully_shard "
+                              f"rows are {box.array.shape}")
+    piece = np.zeros(tuple(param.shape), dtype=ms.dtype_to_nptype(param.dtype))
+    piece[:arr.shape[0]] = arr
+    param.set_data(ms.Tensor(piece))
+
+
 def save(model: nn.Cell, path: str | os.PathLike, *, name_map: NameMap = None,
          optimizer: Any = None, file_format: str = "auto", force: bool = False) -> str:
     """Save ``model``'s parameters as a hyperpar checkpoint folder ``path`` (collective; every
@@ -126,7 +171,9 @@ def save(model: nn.Cell, path: str | os.PathLike, *, name_map: NameMap = None,
     if file_format not in ("auto", "safetensors"):
         raise ValueError(f"checkpoint.save: a MindSpore Cell is saved as safetensors; got "
                          f"file_format={file_format!r} (use 'auto' or 'safetensors')")
-    state = {key: box for key, (_p, box) in _layout(model, name_map).items()}
+    # a rank holding no rows of a tensor (fully_shard of fewer rows than ranks) writes nothing
+    state = {key: box for key, (_p, box) in _layout(model, name_map).items()
+             if box.array.size or not box.array.ndim}
     return save_arrays(state, path, force=force)
 
 
@@ -143,8 +190,11 @@ def load(model: nn.Cell, path: str | os.PathLike, *, name_map: NameMap = None,
               for key, (_p, box) in layout.items()}
     arrays, result = load_arrays(wanted, path, strict=strict, verify=verify)
     for key, arr in arrays.items():
-        param = layout[key][0]
+        param, box = layout[key]
         want = ms.dtype_to_nptype(param.dtype)
+        if box.array.shape != tuple(param.shape):  # a fully_shard shard: padded rows
+            _set_shard(param, box, arr.astype(want, copy=False))
+            continue
         if arr.shape != tuple(param.shape):
             raise CheckpointError(f"load: {key!r}: read {arr.shape}, parameter holds "
                                   f"{tuple(param.shape)}")
