@@ -81,11 +81,13 @@ def mechanics() -> Mechanics | None:
         return None
 
 
-def _local_default(style: str, given: bool | None) -> bool:
-    if given is not None:
+def _local_default(style: Any, name: str, given: bool) -> bool:
+    """``given`` when the caller passed it, else this framework's default (torch's ``False``
+    unless the mechanics list ``name`` in ``local_by_default``)."""
+    if "use_local_output" in getattr(style, "_given", ()):
         return bool(given)
     mech = mechanics()
-    return mech is not None and style in mech.local_by_default
+    return mech is not None and name in mech.local_by_default
 
 
 def as_placement(p: Any, what: str = "a layout") -> Placement | None:
@@ -149,7 +151,10 @@ class ParallelStyle(StyleBase):
                 f"_apply(self, module, device_mesh) (torch's spelling) or apply(self, module, "
                 f"device_mesh) (HyperParallel's), shards module in place and returns it"
             )
-        return super().__new__(cls)
+        obj = super().__new__(cls)
+        # the keywords the caller gave: a framework default applies only to the others
+        obj.__dict__["_given"] = frozenset(kwargs)
+        return obj
 
     def _apply(self, module: Any, device_mesh: Any) -> Any:
         """Shard ``module`` in place over ``device_mesh`` and return it. A subclass overrides
@@ -169,7 +174,8 @@ class ParallelStyle(StyleBase):
         get_platform().tp_mechanics().before_apply(self, module, device_mesh, fqn)
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if k != "src_data_rank")
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items()
+                           if k != "src_data_rank" and not k.startswith("_"))
         return f"{type(self).__name__}({fields})"
 
 
@@ -258,9 +264,9 @@ class SequenceParallel(ParallelStyle):
 
     _claims = ("parameters",)
 
-    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool | None = None) -> None:
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False) -> None:
         self.sequence_sharding = (Shard(sequence_dim),)
-        self.use_local_output = _local_default("SequenceParallel", use_local_output)
+        self.use_local_output = _local_default(self, "SequenceParallel", use_local_output)
 
     @property
     def sequence_dim(self) -> int:
@@ -280,20 +286,20 @@ class PrepareModuleInput(ParallelStyle):
     """Convert a module's inputs (positional: ``input_layouts`` -> ``desired_input_layouts``,
     one entry per argument, ``None`` passes through; keyword: the ``*_kwarg_layouts`` dicts)
     before its forward. Inputs come out as DTensors unless ``use_local_output=True``
-    (MindSpore's default: local tensors)."""
+    (MindSpore's default when the argument is not given: local tensors)."""
 
     _claims = ("inputs",)
 
     def __init__(self, *, input_layouts: Any = None, desired_input_layouts: Any = None,
                  input_kwarg_layouts: dict[str, Any] | None = None,
                  desired_input_kwarg_layouts: dict[str, Any] | None = None,
-                 use_local_output: bool | None = None) -> None:
+                 use_local_output: bool = False) -> None:
         self.input_layouts = _layouts("input_layouts", input_layouts)
         self.desired_input_layouts = _layouts("desired_input_layouts", desired_input_layouts)
         self.input_kwarg_layouts = _kw_layouts("input_kwarg_layouts", input_kwarg_layouts)
         self.desired_input_kwarg_layouts = _kw_layouts("desired_input_kwarg_layouts",
                                                        desired_input_kwarg_layouts)
-        self.use_local_output = _local_default("PrepareModuleInput", use_local_output)
+        self.use_local_output = _local_default(self, "PrepareModuleInput", use_local_output)
         if (self.input_layouts is None) != (self.desired_input_layouts is None) or (
             self.input_layouts is not None
             and len(self.input_layouts) != len(self.desired_input_layouts)
@@ -356,13 +362,13 @@ class PrepareModuleInputOutput(ParallelStyle):
     def __init__(self, *, input_layouts: Any = None, desired_input_layouts: Any = None,
                  input_kwarg_layouts: dict[str, Any] | None = None,
                  desired_input_kwarg_layouts: dict[str, Any] | None = None,
-                 use_local_input: bool | None = None, output_layouts: Any,
+                 use_local_input: bool = False, output_layouts: Any,
                  desired_output_layouts: Any, use_local_output: bool = True) -> None:
+        given = {"use_local_output": use_local_input} if "use_local_input" in self._given else {}
         self.prepare_module_input = PrepareModuleInput(
             input_layouts=input_layouts, desired_input_layouts=desired_input_layouts,
             input_kwarg_layouts=input_kwarg_layouts,
-            desired_input_kwarg_layouts=desired_input_kwarg_layouts,
-            use_local_output=use_local_input,
+            desired_input_kwarg_layouts=desired_input_kwarg_layouts, **given,
         )
         self.prepare_module_output = PrepareModuleOutput(
             output_layouts=output_layouts, desired_output_layouts=desired_output_layouts,
