@@ -6,8 +6,8 @@ module, tied parameters are sharded alike), then applies the styles and re-ties 
 parameters. It reads modules and parameters only through the platform
 (:meth:`~hyperpar.platform.base.Platform.named_children`, ``named_modules``,
 ``named_parameters``, ``set_parameter``, ``parameter_placements``); what a style does to a
-module is the style's, through the protocol below, implemented by PyTorch's styles
-(:mod:`hyperpar.torch.parallel.style`) and MindSpore's (``hyperpar_mindspore.parallel``) alike.
+module is the style's, through the protocol below, implemented by hyperpar's one set of styles
+(:mod:`hyperpar.parallel.styles`, the same classes on every framework) and by custom ones.
 
 The style protocol (:class:`StyleBase` gives the bookkeeping; a style supplies ``_apply``):
 

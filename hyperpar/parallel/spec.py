@@ -2,8 +2,9 @@
 
 A style's meaning is data: which dim of each parameter is split, what layout the local compute
 produces, and what each module boundary communicates forward and backward. The mechanics --
-differentiable collectives, parameter swap, hooks -- belong to each framework (``style.py`` for
-PyTorch, ``hyperpar_mindspore.parallel`` for MindSpore Cells). This module imports no framework.
+differentiable collectives, parameter swap, hooks -- belong to each framework (the styles of
+:mod:`hyperpar.parallel.styles` reach them through ``Platform.tp_mechanics()``). This module
+imports no framework.
 
 Conventions (the weights' own layouts, as both frameworks store them):
 

@@ -437,6 +437,13 @@ class Platform(abc.ABC):
         ColwiseParallel`` asks this, so one import line serves every framework."""
         return None
 
+    def tp_mechanics(self) -> Any:
+        """The tensor mechanics behind hyperpar's one set of parallel styles
+        (:mod:`hyperpar.parallel.styles`; the members are its ``Mechanics`` protocol):
+        parameter sharding, boundary hooks, the local forward, DTensor outputs, on this
+        platform's framework. Default: none (a :class:`BackendError`)."""
+        raise BackendError(f"the {self.name!r} platform supplies no tensor-parallel mechanics")
+
     # ------------------------------------------------------------------ conveniences
     def describe(self) -> str:
         """One line naming this platform, for logs and errors."""

@@ -73,6 +73,13 @@ class TorchPlatformBase(Platform, DimCollectives):
         module.register_parameter(name, param)
         return param
 
+    def tp_mechanics(self) -> Any:
+        """PyTorch's tensor mechanics of the parallel styles
+        (:data:`hyperpar.torch.parallel.prepare.MECHANICS`)."""
+        from hyperpar.torch.parallel.prepare import MECHANICS  # torch's stack: loaded when used
+
+        return MECHANICS
+
     # ------------------------------------------------------------------ hooks
     def register_forward_pre_hook(
         self, module: nn.Module, hook: Callable[..., Any], *, with_kwargs: bool = False,

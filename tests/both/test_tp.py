@@ -256,3 +256,37 @@ def test_dtensor_head_with_loss_parallel_trains_like_one_process(framework, pool
             assert res["sp_output"] == "DTensor", res["sp_output"]
         else:
             assert res["sp_output"] == "local", res["sp_output"]
+
+
+# --------------------------------------------------------------------------- written once
+_STYLES = ("ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
+           "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput")
+
+
+def test_the_styles_are_one_set_of_classes_on_every_framework(framework: str) -> None:
+    """``hyperpar.ColwiseParallel`` (and every other style) is the class of
+    :mod:`hyperpar.parallel.styles` whichever backend is loaded; only the mechanics the
+    platform supplies differ."""
+    import importlib
+
+    import hyperpar
+    from hyperpar.parallel import styles
+    from hyperpar.platform import get_platform
+
+    get(framework)  # imports the framework
+    backend = importlib.import_module("hyperpar_mindspore" if framework == "mindspore"
+                                      else "hyperpar.parallel")
+    for name in _STYLES:
+        assert getattr(hyperpar, name) is getattr(styles, name), name
+        assert getattr(backend, name) is getattr(styles, name), name
+    mechanics = get_platform().tp_mechanics()
+    assert type(mechanics).__module__ == ("hyperpar_mindspore.prepare" if framework == "mindspore"
+                                          else "hyperpar.torch.parallel.prepare")
+    # The one documented difference: with use_local_output not passed, MindSpore keeps local
+    # tensors where torch gives DTensors; passed, it is the same everywhere.
+    local = framework == "mindspore"
+    assert hyperpar.SequenceParallel().use_local_output is local
+    assert hyperpar.PrepareModuleInput().use_local_output is local
+    assert hyperpar.SequenceParallel(use_local_output=False).use_local_output is False
+    assert hyperpar.ColwiseParallel().input_layouts == (Replicate(),)
+    assert hyperpar.RowwiseParallel().input_layouts == (Shard(-1),)

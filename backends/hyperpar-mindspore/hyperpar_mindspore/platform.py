@@ -506,6 +506,11 @@ class MindSporePlatform(Platform, DimCollectives):
         ``parallelize_module``, the other styles) resolves to the Cell implementations."""
         return importlib.import_module("hyperpar_mindspore")
 
+    def tp_mechanics(self) -> Any:
+        """The Cell mechanics of hyperpar's one set of parallel styles
+        (:data:`hyperpar_mindspore.prepare.MECHANICS`)."""
+        return importlib.import_module("hyperpar_mindspore.prepare").MECHANICS
+
     def collective_fallbacks(self) -> dict[str, str]:
         if self.target == "CPU":
             return dict(CPU_COMPOSITIONS)

@@ -1,14 +1,16 @@
-"""Sequence parallelism and boundary re-layouts on MindSpore Cells: ``SequenceParallel``,
-``PrepareModuleInput``, ``PrepareModuleOutput``, ``PrepareModuleInputOutput``.
+"""MindSpore's mechanics of sequence parallelism and boundary re-layouts (``SequenceParallel``,
+``PrepareModuleInput``, ``PrepareModuleOutput``, ``PrepareModuleInputOutput``), and
+:data:`MECHANICS`, what ``MindSporePlatform.tp_mechanics()`` returns.
 
-Their meaning comes from :mod:`hyperpar.parallel.spec` (:func:`~hyperpar.parallel.spec.
+The styles are hyperpar's one set (:mod:`hyperpar.parallel.styles`), the same classes as on
+PyTorch. Their meaning comes from :mod:`hyperpar.parallel.spec` (:func:`~hyperpar.parallel.spec.
 sequence_parallel`, :data:`~hyperpar.parallel.spec.REPLICATED_PARAM_GRAD`,
 :func:`~hyperpar.parallel.spec.prepare_comm`); the mechanics are those of :mod:`.parallel`:
 boundary Cells with a custom ``bprop`` run from forward hooks. ``use_local_output=False`` gives
-MindSpore DTensors (:mod:`.dtensor`); by default activations are local tensors whose layout the
-plan declares (torch's ``SequenceParallel`` and ``PrepareModuleInput`` default to DTensors). A
-DTensor input is redistributed to the declared layout first. Uneven pieces follow
-``torch.chunk``, as on PyTorch.
+MindSpore DTensors (:mod:`.dtensor`); when ``use_local_output`` is not passed, activations are
+local tensors whose layout the plan declares (MindSpore's difference: torch's
+``SequenceParallel`` and ``PrepareModuleInput`` default to DTensors). A DTensor input is
+redistributed to the declared layout first. Uneven pieces follow ``torch.chunk``, as on PyTorch.
 
 A Megatron sequence-parallel block::
 
@@ -24,97 +26,80 @@ from typing import Any
 from mindspore import Tensor, nn
 
 from hyperpar.dtensor.mesh import DeviceMesh
-from hyperpar.dtensor.placement import Placement, Replicate, Shard
-from hyperpar.parallel.spec import REPLICATED_PARAM_GRAD, prepare_comm, sequence_parallel
+from hyperpar.dtensor.placement import Replicate, Shard
+from hyperpar.parallel.spec import REPLICATED_PARAM_GRAD, prepare_comm
+from hyperpar.parallel.styles import (
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    SequenceParallel,
+)
 from hyperpar.platform import get_platform
 
 from .comm import Boundary
 from .graph import refuse_graph_mode
-from .parallel import ParallelStyle, as_local, check_layout, check_src_data_rank, wrap_output
+from .parallel import (
+    _shard,
+    as_local,
+    check_layouts,
+    check_sharding_style,
+    check_src_data_rank,
+    param_names,
+    wrap_output,
+)
 from .platform import SHARD_PLACEMENTS
 
-__all__ = ["PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
-           "SequenceParallel"]
+__all__ = ["MECHANICS", "MindSporeMechanics", "PrepareModuleInput", "PrepareModuleInputOutput",
+           "PrepareModuleOutput", "SequenceParallel"]
 
 
-class SequenceParallel(ParallelStyle):
-    """Run a position-by-position Cell (``nn.LayerNorm``, ``nn.Dropout``, an RMSNorm) on this
-    rank's slice of the sequence (dim ``sequence_dim``).
+def _sequence_parallel(style: Any, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
+    """SequenceParallel on ``cell``: rank ``src_data_rank``'s parameters everywhere, their
+    gradients all-reduced, the forward on this rank's slice."""
+    platform = get_platform()
+    group = mesh.get_group(0)
+    src = style.src_data_rank
+    check_src_data_rank("SequenceParallel", src, platform.world_size(group))
+    # Every parameter slot of the Cell and its sub-Cells, each held by the Cell that owns it.
+    owners = [(sub, name) for _path, sub in platform.named_modules(cell)
+              for name, _ in platform.named_parameters(sub, recurse=False)]
+    done: set[int] = set()
+    for sub, name in owners:  # rank src's values everywhere (None: each rank its own)
+        param = sub._params[name]
+        if id(param) in done:
+            continue
+        done.add(id(param))
+        if src is not None:
+            full = Tensor(param.asnumpy())
+            platform.broadcast(full, group.ranks[src], group)
+            param.set_data(full)
+        setattr(param, SHARD_PLACEMENTS, (Replicate(),))
+    grad_sum = Boundary(platform, REPLICATED_PARAM_GRAD, group, "SequenceParallel parameter")
+    saved: list[list[Any]] = []
 
-    Its parameters stay whole, starting from rank 0's values; each rank's gradient of them is a
-    partial sum over its slice and is all-reduced in backward. The input is taken to be this
-    rank's slice already (as torch does with a local tensor): feed it from
-    ``RowwiseParallel(output_layouts=Shard(1))``, an embedding with ``output_layouts=Shard(1)``
-    or ``PrepareModuleInput``; the output is the same slice, for
-    ``ColwiseParallel(input_layouts=Shard(1))``.
-    """
+    seq, use_local = Shard(style.sequence_dim), style.use_local_output
 
-    _claims = ("parameters",)
-
-    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool | None = None) -> None:
-        # None (the default here): local outputs, as before DTensor ops existed on MindSpore
-        self.use_local_output = use_local_output is not False
-        self.sequence_dim = sequence_dim
-        self.spec = sequence_parallel(sequence_dim)
-
-    def __repr__(self) -> str:
-        return f"SequenceParallel(sequence_dim={self.sequence_dim})"
-
-    def _param_placements(self, cell: nn.Cell, owner: nn.Cell, name: str) -> Any:
-        return (Replicate(),)  # every parameter under it, whole
-
-    def _apply(self, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
-        platform = get_platform()
-        group = mesh.get_group(0)
-        src = self.src_data_rank
-        check_src_data_rank("SequenceParallel", src, platform.world_size(group))
-        # Every parameter slot of the Cell and its sub-Cells, each held by the Cell that owns it.
-        owners = [(sub, name) for _path, sub in platform.named_modules(cell)
-                  for name, _ in platform.named_parameters(sub, recurse=False)]
-        done: set[int] = set()
-        for sub, name in owners:  # rank src's values everywhere (None: each rank its own)
-            param = sub._params[name]
-            if id(param) in done:
-                continue
-            done.add(id(param))
-            if src is not None:
-                full = Tensor(param.asnumpy())
-                platform.broadcast(full, group.ranks[src], group)
-                param.set_data(full)
-            setattr(param, SHARD_PLACEMENTS, (Replicate(),))
-        grad_sum = Boundary(platform, REPLICATED_PARAM_GRAD, group, "SequenceParallel parameter")
-        saved: list[list[Any]] = []
-
-        seq, use_local = Shard(self.sequence_dim), self.use_local_output
-
-        def use_summed_grads(_cell: nn.Cell, args: tuple) -> tuple | None:
-            now = [sub._params[name] for sub, name in owners]  # a tie may have replaced one
-            saved.append(now)
-            for (sub, name), param in zip(owners, now, strict=True):
-                sub._params[name] = grad_sum(param)  # the forward sees the parameter itself
-            if args and isinstance(args[0], Tensor):  # a DTensor: to this rank's slice
-                return (as_local(args[0], seq, "SequenceParallel input"), *args[1:])
-            return None
-
-        def restore(_cell: nn.Cell, args: tuple, out: Any) -> Any:
-            for (sub, name), param in zip(owners, saved.pop(), strict=True):
-                sub._params[name] = param
-            if use_local or not isinstance(out, Tensor):
-                return None
-            return wrap_output(out, mesh, seq, None, "SequenceParallel output")
-
-        platform.register_forward_pre_hook(cell, use_summed_grads)
-        platform.register_forward_hook(cell, restore)
-        refuse_graph_mode(cell, "SequenceParallel", "its hooks swap parameters, which a "
-                          "compiled graph does not replay")
-        return cell
-
-
-def _layouts(what: str, value: Any) -> tuple[Placement | None, ...] | None:
-    if value is None:
+    def use_summed_grads(_cell: nn.Cell, args: tuple) -> tuple | None:
+        now = [sub._params[name] for sub, name in owners]  # a tie may have replaced one
+        saved.append(now)
+        for (sub, name), param in zip(owners, now, strict=True):
+            sub._params[name] = grad_sum(param)  # the forward sees the parameter itself
+        if args and isinstance(args[0], Tensor):  # a DTensor: to this rank's slice
+            return (as_local(args[0], seq, "SequenceParallel input"), *args[1:])
         return None
-    items = tuple(value) if isinstance(value, (tuple, list)) else (value,)
-    return tuple(check_layout(what, v) for v in items)
+
+    def restore(_cell: nn.Cell, args: tuple, out: Any) -> Any:
+        for (sub, name), param in zip(owners, saved.pop(), strict=True):
+            sub._params[name] = param
+        if use_local or not isinstance(out, Tensor):
+            return None
+        return wrap_output(out, mesh, seq, None, "SequenceParallel output")
+
+    platform.register_forward_pre_hook(cell, use_summed_grads)
+    platform.register_forward_hook(cell, restore)
+    refuse_graph_mode(cell, "SequenceParallel", "its hooks swap parameters, which a "
+                      "compiled graph does not replay")
+    return cell
 
 
 class _Converter:
@@ -176,137 +161,78 @@ class _Converter:
         return tuple(out)
 
 
-def _check_pairs(what: str, layouts: tuple | None, desired: tuple | None) -> None:
-    if (layouts is None) != (desired is None) or (
-            layouts is not None and len(layouts) != len(desired)):
-        raise ValueError(f"{what}_layouts {layouts} and desired_{what}_layouts {desired} must "
-                         f"have the same length")
-
-
-class PrepareModuleInput(ParallelStyle):
-    """Re-lay out a Cell's inputs before its ``construct``: positional input ``i`` goes from
-    ``input_layouts[i]`` to ``desired_input_layouts[i]`` (``None`` passes through), keyword
-    input ``k`` from ``input_kwarg_layouts[k]`` to ``desired_input_kwarg_layouts[k]``. E.g.
-    ``PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1))`` keeps this
-    rank's slice of the sequence (its gradient all-gathered back)."""
-
-    _claims = ("inputs",)
-
-    def __init__(self, *, input_layouts: Any = None, desired_input_layouts: Any = None,
-                 input_kwarg_layouts: dict[str, Any] | None = None,
-                 desired_input_kwarg_layouts: dict[str, Any] | None = None,
-                 use_local_output: bool | None = None) -> None:
-        # None (the default here): local inputs, as before DTensor ops existed on MindSpore
-        self.use_local_output = use_local_output is not False
-        self.input_layouts = _layouts("input_layouts", input_layouts)
-        self.desired_input_layouts = _layouts("desired_input_layouts", desired_input_layouts)
-        _check_pairs("input", self.input_layouts, self.desired_input_layouts)
-        self.input_kwarg_layouts = {k: check_layout(f"input_kwarg_layouts[{k!r}]", v)
-                                    for k, v in (input_kwarg_layouts or {}).items()}
-        self.desired_input_kwarg_layouts = {
-            k: check_layout(f"desired_input_kwarg_layouts[{k!r}]", v)
-            for k, v in (desired_input_kwarg_layouts or {}).items()}
-        if set(self.input_kwarg_layouts) != set(self.desired_input_kwarg_layouts):
-            raise ValueError(
-                f"input_kwarg_layouts keys {sorted(self.input_kwarg_layouts)} and "
-                f"desired_input_kwarg_layouts keys {sorted(self.desired_input_kwarg_layouts)} "
-                f"must match")
-
-    def __repr__(self) -> str:
-        kw = (f", input_kwarg_layouts={self.input_kwarg_layouts}, desired_input_kwarg_layouts="
-              f"{self.desired_input_kwarg_layouts}") if self.input_kwarg_layouts else ""
-        return (f"PrepareModuleInput(input_layouts={self.input_layouts}, "
-                f"desired_input_layouts={self.desired_input_layouts}{kw})")
-
-    def _param_placements(self, cell: nn.Cell, owner: nn.Cell, name: str) -> None:
-        return None  # no parameter is touched
-
-    def _apply(self, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
-        if self.input_layouts is None and not self.input_kwarg_layouts:
-            return cell
-        # torch's rule: one layout per positional input. A sequence length that is not a
-        # torch.chunk split is caught by the boundary, on every rank, before it communicates.
-        convert = None if self.input_layouts is None else _Converter(
-            "PrepareModuleInput", "input", self.input_layouts, self.desired_input_layouts, mesh,
-            use_local=self.use_local_output)
-        keys = tuple(self.input_kwarg_layouts)
-        convert_kw = _Converter("PrepareModuleInput", "keyword input",
-                                tuple(self.input_kwarg_layouts[k] for k in keys),
-                                tuple(self.desired_input_kwarg_layouts[k] for k in keys), mesh,
-                                names=keys, use_local=self.use_local_output) if keys else None
-
-        def before(_cell: nn.Cell, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            if convert is not None:
-                args = convert(tuple(args))
-            if convert_kw is not None:
-                kwargs = dict(kwargs)
-                kwargs.update(convert_kw.by_name(kwargs))
-            return args, kwargs
-
-        get_platform().register_forward_pre_hook(cell, before, with_kwargs=True)
-        refuse_graph_mode(cell, "PrepareModuleInput", "its re-layouts run in PyNative mode only")
+def _prepare_inputs(style: Any, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
+    if style.input_layouts is None and not style.input_kwarg_layouts:
         return cell
+    # torch's rule: one layout per positional input. A sequence length that is not a
+    # torch.chunk split is caught by the boundary, on every rank, before it communicates.
+    convert = None if style.input_layouts is None else _Converter(
+        "PrepareModuleInput", "input", style.input_layouts, style.desired_input_layouts, mesh,
+        use_local=style.use_local_output)
+    keys = tuple(style.input_kwarg_layouts)
+    convert_kw = _Converter("PrepareModuleInput", "keyword input",
+                            tuple(style.input_kwarg_layouts[k] for k in keys),
+                            tuple(style.desired_input_kwarg_layouts[k] for k in keys), mesh,
+                            names=keys, use_local=style.use_local_output) if keys else None
+
+    def before(_cell: nn.Cell, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if convert is not None:
+            args = convert(tuple(args))
+        if convert_kw is not None:
+            kwargs = dict(kwargs)
+            kwargs.update(convert_kw.by_name(kwargs))
+        return args, kwargs
+
+    get_platform().register_forward_pre_hook(cell, before, with_kwargs=True)
+    refuse_graph_mode(cell, "PrepareModuleInput", "its re-layouts run in PyNative mode only")
+    return cell
 
 
-class PrepareModuleOutput(ParallelStyle):
-    """Re-lay out a Cell's output (a tensor or a tuple; ``None`` entries pass through) after its
-    ``construct``: from ``output_layouts`` to ``desired_output_layouts``. E.g.
-    ``PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())``
-    gathers the sequence (the gradient keeps this rank's slice)."""
+def _prepare_outputs(style: Any, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
+    convert = _Converter("PrepareModuleOutput", "output", style.output_layouts,
+                         style.desired_output_layouts, mesh, use_local=style.use_local_output)
 
-    _claims = ("outputs",)
+    def after(_cell: nn.Cell, args: tuple, out: Any) -> Any:
+        if isinstance(out, tuple):
+            return convert(out)
+        return convert((out,))[0]
 
-    def __init__(self, *, output_layouts: Any, desired_output_layouts: Any,
-                 use_local_output: bool = True) -> None:
-        self.use_local_output = use_local_output
-        self.output_layouts = _layouts("output_layouts", output_layouts)
-        self.desired_output_layouts = _layouts("desired_output_layouts", desired_output_layouts)
-        _check_pairs("output", self.output_layouts, self.desired_output_layouts)
-
-    def __repr__(self) -> str:
-        return (f"PrepareModuleOutput(output_layouts={self.output_layouts}, "
-                f"desired_output_layouts={self.desired_output_layouts})")
-
-    def _param_placements(self, cell: nn.Cell, owner: nn.Cell, name: str) -> None:
-        return None  # no parameter is touched
-
-    def _apply(self, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
-        convert = _Converter("PrepareModuleOutput", "output", self.output_layouts,
-                             self.desired_output_layouts, mesh, use_local=self.use_local_output)
-
-        def after(_cell: nn.Cell, args: tuple, out: Any) -> Any:
-            if isinstance(out, tuple):
-                return convert(out)
-            return convert((out,))[0]
-
-        get_platform().register_forward_hook(cell, after)
-        refuse_graph_mode(cell, "PrepareModuleOutput", "its re-layouts run in PyNative mode only")
-        return cell
+    get_platform().register_forward_hook(cell, after)
+    refuse_graph_mode(cell, "PrepareModuleOutput", "its re-layouts run in PyNative mode only")
+    return cell
 
 
-class PrepareModuleInputOutput(ParallelStyle):
-    """:class:`PrepareModuleInput` and :class:`PrepareModuleOutput` on one Cell."""
+class MindSporeMechanics:
+    """What the neutral styles do to an ``nn.Cell`` (the ``Mechanics`` protocol of
+    :mod:`hyperpar.parallel.styles`)."""
 
-    _claims = ("inputs", "outputs")
+    #: MindSpore's difference: these give local tensors unless use_local_output is passed
+    local_by_default: frozenset[str] = frozenset({"SequenceParallel", "PrepareModuleInput"})
 
-    def __init__(self, *, input_layouts: Any = None, desired_input_layouts: Any = None,
-                 input_kwarg_layouts: dict[str, Any] | None = None,
-                 desired_input_kwarg_layouts: dict[str, Any] | None = None,
-                 use_local_input: bool | None = None, output_layouts: Any,
-                 desired_output_layouts: Any, use_local_output: bool = True) -> None:
-        self.prepare_module_input = PrepareModuleInput(
-            input_layouts=input_layouts, desired_input_layouts=desired_input_layouts,
-            input_kwarg_layouts=input_kwarg_layouts,
-            desired_input_kwarg_layouts=desired_input_kwarg_layouts,
-            use_local_output=use_local_input)
-        self.prepare_module_output = PrepareModuleOutput(
-            output_layouts=output_layouts, desired_output_layouts=desired_output_layouts,
-            use_local_output=use_local_output)
+    def check_style(self, style: Any) -> None:
+        check_layouts(style)
 
-    def _param_placements(self, cell: nn.Cell, owner: nn.Cell, name: str) -> None:
-        return None  # no parameter is touched
+    def check_applicable(self, style: Any, cell: nn.Cell, fqn: str) -> None:
+        check_sharding_style(style, cell, fqn)
 
-    def _apply(self, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
-        self.prepare_module_input._apply(cell, mesh)
-        return self.prepare_module_output._apply(cell, mesh)
+    def param_names(self, cell: nn.Cell, kind: str) -> dict[str, str]:
+        return param_names(cell, kind)
 
+    def before_apply(self, style: Any, cell: nn.Cell, mesh: DeviceMesh, fqn: str) -> None:
+        """Nothing (PyTorch installs its debug input checks here)."""
+
+    def shard(self, style: Any, cell: nn.Cell, mesh: DeviceMesh, kind: str) -> nn.Cell:
+        return _shard(style, cell, mesh, kind)
+
+    def sequence_parallel(self, style: Any, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
+        return _sequence_parallel(style, cell, mesh)
+
+    def prepare_inputs(self, style: Any, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
+        return _prepare_inputs(style, cell, mesh)
+
+    def prepare_outputs(self, style: Any, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
+        return _prepare_outputs(style, cell, mesh)
+
+
+#: the one instance ``MindSporePlatform.tp_mechanics()`` returns
+MECHANICS = MindSporeMechanics()

@@ -1,12 +1,14 @@
-"""Parallel styles: how one module is sharded and what happens at its boundaries.
+"""PyTorch's mechanics of the parallel styles (:mod:`hyperpar.parallel.styles`).
 
-Names, keyword arguments and defaults mirror ``torch.distributed.tensor.parallel``. The
-difference is inside: a Linear/Embedding under :class:`ColwiseParallel` or
-:class:`RowwiseParallel` keeps its parameters as DTensors (``weight.placements``,
-``weight.full_tensor()``) but its forward runs on the *local* shards -- a forward pre-hook swaps
-in the local tensors (``to_local()``, differentiable, so gradients land on the DTensor
-parameters) and converts the input; a forward hook restores the parameters and converts the
-output. Communication happens only there, through :mod:`hyperpar.torch.parallel._comm`.
+The styles themselves -- arguments, defaults, checks, which parameter gets which placement --
+are written once in :mod:`hyperpar.parallel.styles` and are the same classes on every
+framework; this module is what they do to an ``nn.Module``. A Linear/Embedding under
+``ColwiseParallel`` or ``RowwiseParallel`` keeps its parameters as DTensors
+(``weight.placements``, ``weight.full_tensor()``) but its forward runs on the *local* shards --
+a forward pre-hook swaps in the local tensors (``to_local()``, differentiable, so gradients land
+on the DTensor parameters) and converts the input; a forward hook restores the parameters and
+converts the output. Communication happens only there, through
+:mod:`hyperpar.torch.parallel._comm`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ from torch import nn
 
 from hyperpar.dtensor.errors import AlreadyParallelizedError
 from hyperpar.dtensor.placement import Partial, Placement, Replicate, Shard, chunk_bounds
-from hyperpar.parallel.driver import UNKNOWN, StyleBase, UnsupportedModuleError
+from hyperpar.parallel.driver import UnsupportedModuleError
+from hyperpar.parallel.styles import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    as_placement,
+)
 from hyperpar.platform import get_platform
 from hyperpar.torch.parallel._comm import (
     _MEMO,
@@ -30,7 +39,6 @@ from hyperpar.torch.parallel._comm import (
     to_replicated_input,
 )
 from hyperpar.torch.parallel._debug_checks import (
-    install_input_checks,
     note_inferred_output,
     verify_dtensor_input,
 )
@@ -42,8 +50,8 @@ __all__ = [
     "AlreadyParallelizedError",
     "SequenceParallel",
     "UnsupportedModuleError",
+    "as_placement",
 ]
-
 
 # ---------------------------------------------------------------------------------- helpers
 _LAST, _PARTIAL = Shard(-1), Partial()
@@ -56,30 +64,6 @@ def _dtensor_cls() -> type:
 
         _DTENSOR.append(DTensor)
     return _DTENSOR[0]
-
-
-def as_placement(p: Any) -> Placement | None:
-    """Accept hyperpar placements and, by duck typing, torch's ``Shard``/``Replicate``/
-    ``Partial`` (so a plan written for torch runs unchanged). ``None`` stays ``None``."""
-    if p is None or isinstance(p, Placement):
-        return p
-    kind = type(p).__name__
-    if kind in ("Shard", "_StridedShard") and hasattr(p, "dim"):
-        return Shard(int(p.dim))
-    if kind == "Replicate":
-        return Replicate()
-    if kind in ("Partial", "_Partial", "_NormPartial"):
-        return Partial(str(getattr(p, "reduce_op", "sum")))
-    raise TypeError(f"{p!r} is not a placement (Shard(dim), Replicate(), Partial())")
-
-
-def _one_d(device_mesh: Any, style: Any) -> Any:
-    if device_mesh.ndim != 1:
-        raise ValueError(
-            f"{type(style).__name__} needs a 1-D mesh, got {device_mesh!r}; pass the "
-            f"tensor-parallel sub-mesh (mesh['tp']) or let parallelize_module pick it"
-        )
-    return device_mesh
 
 
 def _local_and_layout(x: Any, default: Placement
@@ -219,265 +203,154 @@ def _hide(x: Any) -> None:
     return None
 
 
-# ---------------------------------------------------------------------------------- styles
-class ParallelStyle(StyleBase):
-    """How to shard one module over a 1-D device mesh. ``src_data_rank`` is the rank whose
-    full parameters are scattered (``None``: every rank keeps its own chunk). The bookkeeping
-    (claims, the already-parallelized check) is :class:`~hyperpar.parallel.driver.StyleBase`'s,
-    shared with MindSpore's styles."""
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> ParallelStyle:
-        if cls._apply is ParallelStyle._apply and cls.apply is ParallelStyle.apply:
-            raise TypeError(
-                f"Can't instantiate {cls.__name__}: a ParallelStyle subclass overrides "
-                f"_apply(self, module, device_mesh) (torch's spelling) or apply(self, module, "
-                f"device_mesh) (HyperParallel's), shards module in place and returns it"
-            )
-        return super().__new__(cls)
-
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        """Shard ``module`` in place over ``device_mesh`` and return it. A subclass overrides
-        this (torch) or :meth:`apply` (HyperParallel); either is what a plan runs."""
-        if type(self).apply is not ParallelStyle.apply:
-            return type(self).apply(self, module, device_mesh)
-        raise NotImplementedError(f"{type(self).__name__} overrides neither _apply nor apply")
-
-    def apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        """Public spelling of :meth:`_apply` (refuses an already-parallelized module)."""
-        self._check_applicable(module, "")
-        self._apply(module, device_mesh)
-        self._mark_applied(module)
-        return module
-
-    def _before_apply(self, module: nn.Module, device_mesh: Any, fqn: str) -> None:
-        install_input_checks(self, module, device_mesh, fqn)  # HYPERPAR_DEBUG_COLLECTIVES=1 only
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if k != "src_data_rank")
-        return f"{type(self).__name__}({fields})"
-
-
-def _sharded_placements(style: Any, module: nn.Module, owner: nn.Module, name: str) -> Any:
-    """The placements Colwise/RowwiseParallel give ``owner.name`` (their own parameters only)."""
-    if owner is not module:
-        return None
+# ---------------------------------------------------------------------------------- mechanics
+def _colwise(style: Any, module: nn.Module, mesh: Any) -> nn.Module:
+    """ColwiseParallel's mechanics: shard, gather the input, run the local forward."""
     platform = get_platform()
-    colwise = isinstance(style, ColwiseParallel)
+    group = mesh.get_group(0)
+    src_default, dst = style.input_layouts[0], style.output_layouts[0]
+    use_local = style.use_local_output
+
     if platform.is_linear(module):
-        if colwise:
-            return (Shard(0),)
-        return (Shard(1),) if name == "weight" else (Replicate(),)
-    if platform.is_embedding(module):
-        return (Shard(1),) if colwise else (Shard(0),)
-    return UNKNOWN
-
-
-class ColwiseParallel(ParallelStyle):
-    """Shard a Linear's weight and bias by rows (``Shard(0)``: output features) or an
-    Embedding's weight by columns (``Shard(1)``).
-
-    Input: ``input_layouts`` (default ``Replicate()``) is made replicated -- for a Linear with
-    an all-reduce of the input gradient in backward (Megatron's *f*), or an all-gather forward /
-    reduce-scatter backward when the input is sequence-sharded. Output: sharded on the last dim,
-    converted to ``output_layouts`` (default ``Shard(-1)``); a local tensor unless
-    ``use_local_output=False``.
-    """
-    _claims = ("parameters",)
-
-    def __init__(self, *, input_layouts: Any = None, output_layouts: Any = None,
-                 use_local_output: bool = True) -> None:
-        self.input_layouts = (as_placement(input_layouts) or Replicate(),)
-        self.output_layouts = (as_placement(output_layouts) or Shard(-1),)
-        self.desired_input_layouts = (Replicate(),)
-        self.use_local_output = use_local_output
-
-    def _param_placements(self, module: nn.Module, owner: nn.Module, name: str) -> Any:
-        return _sharded_placements(self, module, owner, name)
-
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        mesh = _one_d(device_mesh, self)
-        platform = get_platform()
-        group = mesh.get_group(0)
-        src_default, dst = self.input_layouts[0], self.output_layouts[0]
-        use_local = self.use_local_output
-
-        if platform.is_linear(module):
-            for name in ("weight", "bias"):
-                _distribute_param(module, name, mesh, Shard(0), self.src_data_rank)
-            out_full = module.weight.shape[0]  # the DTensor's global shape
-
-            def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-                x = args[0]
-                hit = _MEMO.get(group, x, src_default)
-                if hit is None:
-                    local, src, full = _local_and_layout(x, src_default)
-                    hit = to_replicated_input(local, src, mesh, full=full)
-                    if hit is not x:
-                        _MEMO.put(group, x, src_default, hit)
-                return (hit, *args[1:]), kwargs
-
-        elif platform.is_embedding(module):
-            _distribute_param(module, "weight", mesh, Shard(1), self.src_data_rank)
-            out_full = module.weight.shape[1]
-
-            def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-                local, src, full = _local_and_layout(args[0], src_default)
-                return (gather_ids(local, src, mesh, full), *args[1:]), kwargs
-
-        else:
-            raise UnsupportedModuleError(
-                f"ColwiseParallel supports Linear and Embedding modules (as recognised by the "
-                f"{platform.name} platform), got {type(module).__name__}"
-            )
-
-        def after(mod: nn.Module, y: torch.Tensor, saved: dict) -> Any:
-            shape = None if use_local else (*y.shape[:-1], out_full)
-            y = redistribute_boundary(y, _LAST, dst, mesh, full=out_full)
-            return _wrap(y, mesh, dst, use_local, shape)
-
-        names = ("weight", "bias") if platform.is_linear(module) else ("weight",)
-        _LocalForward([(module, n, _identity) for n in names], before, after).install(module)
-        return module
-
-
-class RowwiseParallel(ParallelStyle):
-    """Shard a Linear's weight by columns (``Shard(1)``: input features; bias replicated) or an
-    Embedding's weight by rows (``Shard(0)``: a vocabulary-parallel embedding).
-
-    Input: ``input_layouts`` (default ``Shard(-1)``; token ids of an Embedding are made
-    replicated). Output: the partial sums are all-reduced to ``output_layouts`` (default
-    ``Replicate()``) or reduce-scattered to ``Shard(d)`` (sequence parallelism); a local
-    tensor unless ``use_local_output=False``.
-    """
-    _claims = ("parameters",)
-
-    def __init__(self, *, input_layouts: Any = None, output_layouts: Any = None,
-                 use_local_output: bool = True) -> None:
-        self.input_layouts = (as_placement(input_layouts) or Shard(-1),)
-        self.output_layouts = (as_placement(output_layouts) or Replicate(),)
-        self.desired_input_layouts = (Shard(-1),)
-        self.use_local_output = use_local_output
-
-    def _param_placements(self, module: nn.Module, owner: nn.Module, name: str) -> Any:
-        return _sharded_placements(self, module, owner, name)
-
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        mesh = _one_d(device_mesh, self)
-        platform = get_platform()
-        group = mesh.get_group(0)
-        src_default, dst = self.input_layouts[0], self.output_layouts[0]
-        use_local = self.use_local_output
-        state: dict[str, Any] = {}
-
-        if platform.is_linear(module):
-            _distribute_param(module, "weight", mesh, Shard(1), self.src_data_rank)
-            _distribute_param(module, "bias", mesh, Replicate(), self.src_data_rank)
-            self.desired_input_layouts = (Shard(-1),)
-            params = [(module, "weight", _identity), (module, "bias", _hide)]
-
-            def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-                local, src, full = _local_and_layout(args[0], src_default)
-                local = redistribute_boundary(local, src, _LAST, mesh, full=full)
-                return (local, *args[1:]), kwargs
-
-            def finish(mod: nn.Module, y: torch.Tensor, saved: dict) -> torch.Tensor:
-                bias = saved.get((id(mod), "bias"))
-                if bias is None:
-                    return y
-                local_bias = bias.to_local() if isinstance(bias, _dtensor_cls()) else bias
-                if isinstance(dst, Shard):  # each rank adds it to its rows only: partial grad
-                    local_bias = copy_to_region(local_bias, group)
-                return y + local_bias
-
-        elif platform.is_embedding(module):
-            _distribute_param(module, "weight", mesh, Shard(0), self.src_data_rank)
-            self.desired_input_layouts = (Replicate(),)
-            params = [(module, "weight", _identity)]
-            vocab = module.weight.shape[0]
-            n, rank = mesh.size(0), mesh.get_local_rank(0)
-            start, length = chunk_bounds(vocab, n, rank)
-
-            def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-                local, src, full = _local_and_layout(args[0], src_default)
-                local_ids = gather_ids(local, src, mesh, full) - start
-                outside = (local_ids < 0) | (local_ids >= length)
-                state["outside"] = outside
-                return (local_ids.masked_fill(outside, 0), *args[1:]), kwargs
-
-            def finish(mod: nn.Module, y: torch.Tensor, saved: dict) -> torch.Tensor:
-                return y
-
-        else:
-            raise UnsupportedModuleError(
-                f"RowwiseParallel supports Linear and Embedding modules (as recognised by the "
-                f"{platform.name} platform), got {type(module).__name__}"
-            )
-
-        def after(mod: nn.Module, y: torch.Tensor, saved: dict) -> Any:
-            outside = state.pop("outside", None)
-            if outside is not None:
-                y = y.masked_fill(outside.unsqueeze(-1), 0.0)
-            shape = None if use_local else tuple(y.shape)
-            y = redistribute_boundary(y, _PARTIAL, dst, mesh)
-            return _wrap(finish(mod, y, saved), mesh, dst, use_local, shape)
-
-        _LocalForward(params, before, after).install(module)
-        return module
-
-
-class SequenceParallel(ParallelStyle):
-    """Run a module that works position by position (norms, dropout) on this rank's slice of
-    the sequence: parameters are replicated (their gradients are all-reduced), the input is
-    taken as / made ``Shard(sequence_dim)``; the output is a ``Shard(sequence_dim)`` DTensor
-    unless ``use_local_output=True``."""
-    _claims = ("parameters",)
-
-    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False) -> None:
-        self.sequence_sharding = (Shard(sequence_dim),)
-        self.use_local_output = use_local_output
-
-    def _param_placements(self, module: nn.Module, owner: nn.Module, name: str) -> Any:
-        return (Replicate(),)  # every parameter under it, whole
-
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        mesh = _one_d(device_mesh, self)
-        group = mesh.get_group(0)
-        seq = self.sequence_sharding[0]
-        use_local = self.use_local_output
-        owners = replicate_params(module, mesh, self.src_data_rank)
-        grad_sum = lambda local: copy_to_region(local, group)  # partial grads from the slice
-
-        state: dict[str, Any] = {}
+        for name in ("weight", "bias"):
+            _distribute_param(module, name, mesh, Shard(0), style.src_data_rank)
+        out_full = module.weight.shape[0]  # the DTensor's global shape
 
         def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            if not args or not isinstance(args[0], torch.Tensor):
-                return args, kwargs
             x = args[0]
-            local, src, full = _local_and_layout(x, seq)
-            if not use_local:  # the output DTensor needs the global sequence length
-                d = seq.dim % local.dim()
-                if isinstance(x, _dtensor_cls()):  # a DTensor knows it, whatever its layout
-                    state["full"] = x.shape[d]
-                else:
-                    # A plain sequence-sharded input is taken to be split evenly, as torch
-                    # does: exchanging lengths would cost a collective per norm (see docs).
-                    even = local.shape[d] * mesh.size(0) if src == seq else local.shape[d]
-                    state["full"] = full if full is not None else even
-                    state["inferred"] = full is None and src == seq
-            # ``full`` is the global length along the *input's* shard dim (Shard(0) of a
-            # batch-sharded DTensor, say), which the re-layout to the sequence dim needs.
-            local = redistribute_boundary(local, src, seq, mesh, full=full)
+            hit = _MEMO.get(group, x, src_default)
+            if hit is None:
+                local, src, full = _local_and_layout(x, src_default)
+                hit = to_replicated_input(local, src, mesh, full=full)
+                if hit is not x:
+                    _MEMO.put(group, x, src_default, hit)
+            return (hit, *args[1:]), kwargs
+
+    elif platform.is_embedding(module):
+        _distribute_param(module, "weight", mesh, Shard(1), style.src_data_rank)
+        out_full = module.weight.shape[1]
+
+        def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            local, src, full = _local_and_layout(args[0], src_default)
+            return (gather_ids(local, src, mesh, full), *args[1:]), kwargs
+
+    else:
+        raise UnsupportedModuleError(
+            f"ColwiseParallel supports Linear and Embedding modules (as recognised by the "
+            f"{platform.name} platform), got {type(module).__name__}"
+        )
+
+    def after(mod: nn.Module, y: torch.Tensor, saved: dict) -> Any:
+        shape = None if use_local else (*y.shape[:-1], out_full)
+        y = redistribute_boundary(y, _LAST, dst, mesh, full=out_full)
+        return _wrap(y, mesh, dst, use_local, shape)
+
+    names = ("weight", "bias") if platform.is_linear(module) else ("weight",)
+    _LocalForward([(module, n, _identity) for n in names], before, after).install(module)
+    return module
+
+
+def _rowwise(style: Any, module: nn.Module, mesh: Any) -> nn.Module:
+    """RowwiseParallel's mechanics: shard, re-lay out the input, reduce the partial sums."""
+    platform = get_platform()
+    group = mesh.get_group(0)
+    src_default, dst = style.input_layouts[0], style.output_layouts[0]
+    use_local = style.use_local_output
+    state: dict[str, Any] = {}
+
+    if platform.is_linear(module):
+        _distribute_param(module, "weight", mesh, Shard(1), style.src_data_rank)
+        _distribute_param(module, "bias", mesh, Replicate(), style.src_data_rank)
+        params = [(module, "weight", _identity), (module, "bias", _hide)]
+
+        def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            local, src, full = _local_and_layout(args[0], src_default)
+            local = redistribute_boundary(local, src, _LAST, mesh, full=full)
             return (local, *args[1:]), kwargs
 
-        def after(mod: nn.Module, y: Any, saved: dict) -> Any:
-            full = state.pop("full", None)
-            inferred = state.pop("inferred", False)
-            if not isinstance(y, torch.Tensor) or use_local:
+        def finish(mod: nn.Module, y: torch.Tensor, saved: dict) -> torch.Tensor:
+            bias = saved.get((id(mod), "bias"))
+            if bias is None:
                 return y
-            out = _wrap(y, mesh, seq, use_local, _global_shape(y, seq, full, mesh))
-            if inferred:  # an odd sequence split unevenly: caught at the first gather
-                note_inferred_output(out, mesh, seq, mod)
-            return out
+            local_bias = bias.to_local() if isinstance(bias, _dtensor_cls()) else bias
+            if isinstance(dst, Shard):  # each rank adds it to its rows only: partial grad
+                local_bias = copy_to_region(local_bias, group)
+            return y + local_bias
 
-        _LocalForward([(o, n, grad_sum) for o, n in owners], before, after).install(module)
-        return module
+    elif platform.is_embedding(module):
+        _distribute_param(module, "weight", mesh, Shard(0), style.src_data_rank)
+        params = [(module, "weight", _identity)]
+        vocab = module.weight.shape[0]
+        n, rank = mesh.size(0), mesh.get_local_rank(0)
+        start, length = chunk_bounds(vocab, n, rank)
+
+        def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            local, src, full = _local_and_layout(args[0], src_default)
+            local_ids = gather_ids(local, src, mesh, full) - start
+            outside = (local_ids < 0) | (local_ids >= length)
+            state["outside"] = outside
+            return (local_ids.masked_fill(outside, 0), *args[1:]), kwargs
+
+        def finish(mod: nn.Module, y: torch.Tensor, saved: dict) -> torch.Tensor:
+            return y
+
+    else:
+        raise UnsupportedModuleError(
+            f"RowwiseParallel supports Linear and Embedding modules (as recognised by the "
+            f"{platform.name} platform), got {type(module).__name__}"
+        )
+
+    def after(mod: nn.Module, y: torch.Tensor, saved: dict) -> Any:
+        outside = state.pop("outside", None)
+        if outside is not None:
+            y = y.masked_fill(outside.unsqueeze(-1), 0.0)
+        shape = None if use_local else tuple(y.shape)
+        y = redistribute_boundary(y, _PARTIAL, dst, mesh)
+        return _wrap(finish(mod, y, saved), mesh, dst, use_local, shape)
+
+    _LocalForward(params, before, after).install(module)
+    return module
+
+
+def _sequence_parallel(style: Any, module: nn.Module, mesh: Any) -> nn.Module:
+    """SequenceParallel's mechanics: replicate the parameters, run on the slice."""
+    group = mesh.get_group(0)
+    seq = style.sequence_sharding[0]
+    use_local = style.use_local_output
+    owners = replicate_params(module, mesh, style.src_data_rank)
+    grad_sum = lambda local: copy_to_region(local, group)  # partial grads from the slice
+
+    state: dict[str, Any] = {}
+
+    def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if not args or not isinstance(args[0], torch.Tensor):
+            return args, kwargs
+        x = args[0]
+        local, src, full = _local_and_layout(x, seq)
+        if not use_local:  # the output DTensor needs the global sequence length
+            d = seq.dim % local.dim()
+            if isinstance(x, _dtensor_cls()):  # a DTensor knows it, whatever its layout
+                state["full"] = x.shape[d]
+            else:
+                # A plain sequence-sharded input is taken to be split evenly, as torch
+                # does: exchanging lengths would cost a collective per norm (see docs).
+                even = local.shape[d] * mesh.size(0) if src == seq else local.shape[d]
+                state["full"] = full if full is not None else even
+                state["inferred"] = full is None and src == seq
+        # ``full`` is the global length along the *input's* shard dim (Shard(0) of a
+        # batch-sharded DTensor, say), which the re-layout to the sequence dim needs.
+        local = redistribute_boundary(local, src, seq, mesh, full=full)
+        return (local, *args[1:]), kwargs
+
+    def after(mod: nn.Module, y: Any, saved: dict) -> Any:
+        full = state.pop("full", None)
+        inferred = state.pop("inferred", False)
+        if not isinstance(y, torch.Tensor) or use_local:
+            return y
+        out = _wrap(y, mesh, seq, use_local, _global_shape(y, seq, full, mesh))
+        if inferred:  # an odd sequence split unevenly: caught at the first gather
+            note_inferred_output(out, mesh, seq, mod)
+        return out
+
+    _LocalForward([(o, n, grad_sum) for o, n in owners], before, after).install(module)
+    return module
