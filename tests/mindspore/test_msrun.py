@@ -142,17 +142,20 @@ def _parameter_difference(text: str) -> float:
     return float(found[0])
 
 
-@pytest.mark.parametrize("launcher", ["msrun", "two-nodes"])
-def test_compiled_fully_shard_example_under_the_launchers(tmp_path, launcher):
-    """The fully_shard example unchanged, its step under ms.jit (all-gathers and averaging
-    reduce-scatters in the graph), under msrun and as two nodes: every parameter after 4 SGD
-    steps on each rank's rows matches one process on the whole batch (float32 rounding; a
-    missing average or a wrong shard moves them by O(1e-2))."""
+@pytest.mark.parametrize("launcher, mode", [("msrun", "jit"), ("msrun", "pynative"),
+                                            ("two-nodes", "jit")])
+def test_fully_shard_example_under_the_launchers(tmp_path, launcher, mode):
+    """The fully_shard example unchanged, in PyNative or with its step under ms.jit
+    (all-gathers and averaging reduce-scatters in the graph), under msrun and as two nodes:
+    every parameter after 4 SGD steps on each rank's rows matches one process on the whole
+    batch (float32 rounding; a missing average or a wrong shard moves them by O(1e-2)).
+    (PyNative as two nodes is the TP example's path: the launcher does not depend on the mode.)"""
+    args, says = MODES[mode]
     if launcher == "msrun":
-        text = _msrun(FSDP_EXAMPLE, tmp_path, args=("--jit",))[0]
+        text = _msrun(FSDP_EXAMPLE, tmp_path, args=args)[0]
     else:
-        text = _two_nodes(FSDP_EXAMPLE, tmp_path, ("--jit",))[0][0]
-    assert "mode: ms.jit" in text, text[-3000:]
+        text = _two_nodes(FSDP_EXAMPLE, tmp_path, args)[0][0]
+    assert says in text, text[-3000:]
     assert "fc1.weight on rank 0: (32, 16) of (64, 16)" in text, text[-3000:]
     assert _parameter_difference(text) < 1e-5
 
