@@ -2,12 +2,49 @@
 
 ``fully_shard`` shards each parameter on dim 0 over the data-parallel mesh; see
 ``docs/fsdp.md``.
+
+Where torch is not installed (a MindSpore venv), ``from hyperpar.fsdp import fully_shard`` (the
+line a torch FSDP2 script gets after its import is rewritten) gives the platform's
+implementation, MindSpore's :func:`hyperpar_mindspore.fully_shard`, as ``hyperpar.fully_shard``
+does. In a venv with both frameworks use ``from hyperpar import fully_shard`` (it follows
+``HYPERPAR_BACKEND``) or import from ``hyperpar_mindspore``.
 """
 
-from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
-from .clip import clip_grad_norm_
-from .policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+import importlib.util as _util
+from typing import Any as _Any
 
 __all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "FSDPModule", "MixedPrecisionPolicy",
            "OffloadPolicy", "UnshardHandle", "clip_grad_norm_", "fully_shard",
            "register_fsdp_forward_method"]
+
+
+def _torch_installed() -> bool:
+    try:
+        return _util.find_spec("torch") is not None
+    except ImportError:   # an import hook that refuses torch: not usable here either
+        return False
+
+
+if _torch_installed():
+    from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+    from .clip import clip_grad_norm_
+    from .policy import (
+        CPUOffloadPolicy,
+        DataParallelMeshDims,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+    )
+else:   # no torch: the platform's implementation (MindSpore's), looked up on first use
+    def __getattr__(name: str) -> _Any:
+        from hyperpar.platform import get_platform  # the backend is never named here
+
+        api = get_platform().parallel_api()
+        value = getattr(api, name, None) if api is not None else None
+        if value is None:
+            have = sorted(n for n in __all__ if api is not None and hasattr(api, n))
+            raise AttributeError(
+                f"hyperpar.fsdp.{name} is not available without torch: the "
+                f"{get_platform().name!r} backend offers {have} here "
+                f"(see docs/mindspore.md, 'fully_shard on Cells')")
+        globals()[name] = value
+        return value

@@ -235,6 +235,16 @@ exec("from hyperpar import *", namespace)  # the torch stack's names are left ou
 assert namespace["parallelize_module"] is hyperpar_mindspore.parallelize_module
 assert namespace["fully_shard"] is hyperpar_mindspore.fully_shard  # Cells have fully_shard now
 assert "PipelineModule" not in namespace and "get_platform" in namespace
+# a torch FSDP2 script's import line, rewritten (torch.distributed.fsdp -> hyperpar.fsdp)
+from hyperpar.fsdp import fully_shard
+assert fully_shard is hyperpar_mindspore.fully_shard
+import hyperpar.fsdp
+try:
+    hyperpar.fsdp.FSDPModule
+except AttributeError as e:
+    assert "not available without torch" in str(e) and "fully_shard" in str(e), e
+else:
+    raise AssertionError("hyperpar.fsdp.FSDPModule resolved without torch")
 assert "torch" not in sys.modules, "the MindSpore path imported torch"
 print("ok")
 """
