@@ -196,13 +196,22 @@ class TorchPlatform(TorchPlatformBase):
         return self._groups[key]
 
     def rank(self, group: Group = None) -> int:
-        return dist.get_rank(group)
+        try:
+            return dist.get_rank(group)
+        except ValueError as err:
+            raise _not_joined(err) from err
 
     def world_size(self, group: Group = None) -> int:
-        return dist.get_world_size(group)
+        try:
+            return dist.get_world_size(group)
+        except ValueError as err:
+            raise _not_joined(err) from err
 
     def group_ranks(self, group: Group = None) -> list[int]:
-        return list(dist.get_process_group_ranks(group or dist.group.WORLD))
+        try:
+            return list(dist.get_process_group_ranks(group or dist.group.WORLD))
+        except ValueError as err:
+            raise _not_joined(err) from err
 
     # ------------------------------------------------------------------ collectives
     def _native(self, op: str) -> bool:
@@ -478,3 +487,14 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _not_joined(err: ValueError) -> Exception:
+    """torch's "default process group has not been initialized" as the platform's error (the
+    MindSpore platform raises the same); any other ValueError (a bad group) passes unchanged."""
+    if dist.is_initialized():
+        return err
+    return RuntimeError(
+        "this process has not joined a process group: call "
+        "get_platform().init_process_group() (init_device_mesh does) before asking for ranks "
+        "or running collectives")

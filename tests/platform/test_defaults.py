@@ -123,3 +123,17 @@ def test_autograd_defaults_refuse_uneven_pieces():
         p.reduce_scatter_autograd(torch.ones(3, 2), dim=0)
     with pytest.raises(ValueError, match="all_to_all_autograd along dim 1"):
         p.all_to_all_autograd(torch.ones(2, 3), split_dim=1, concat_dim=0)
+
+
+def test_ranks_asked_before_joining_a_group_name_the_fix() -> None:
+    """torch's "Default process group has not been initialized" ValueError becomes the
+    platform's RuntimeError naming the call to make, as on the MindSpore platform."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("this process already joined a group")
+    platform = CPUPlatform()
+    for ask in (platform.rank, platform.world_size, platform.group_ranks):
+        with pytest.raises(RuntimeError, match=r"has not joined a process group.*"
+                                               r"init_process_group\(\)"):
+            ask()
