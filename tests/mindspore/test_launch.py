@@ -18,6 +18,7 @@ p = get_platform()
 p.init_process_group()
 x = ms.Tensor([float(p.rank() + 1)])
 p.all_reduce(x)
+p.barrier()   # MindSpore's barrier synchronizes the runtime: no false "CPU ... not supported"
 print(f"rank {p.rank()} of {p.world_size()}: sum {x.asnumpy()[0]:.0f}", flush=True)
 """
 
@@ -48,6 +49,9 @@ def test_run_starts_the_scheduler_and_every_worker(tmp_path):
     # Both workers share the pipe: their lines may interleave, so match the reports themselves.
     assert sorted(re.findall(r"rank (\d) of (\d): sum (\d)", done.stdout)) == [
         ("0", "2", "3"), ("1", "2", "3")]
+    # MindSpore 2.10 logs this ERROR on CPU's first runtime.synchronize(); the platform
+    # marks that call made (hyperpar_mindspore.platform.quiet_cpu_synchronize)
+    assert "CPU device is not supported" not in done.stdout + done.stderr
 
 
 def test_a_failed_rank_is_named_with_its_traceback_last(tmp_path):

@@ -302,6 +302,8 @@ class MindSporePlatform(Platform, DimCollectives):
             self.check_world_fits(ranks_needed_here(launch))
         tune_threads(_ms(), self.target)
         if self.target == "CPU":
+            quiet_cpu_synchronize()
+        if self.target == "CPU":
             # MindSpore's CPU collectives (compiled and PyNative) wait 30 s for a late peer,
             # whatever timeout_s says (measured): a rank still compiling its graph, or starved
             # on a loaded host, failed its peer's collective. Give them the timeout asked for.
@@ -596,6 +598,18 @@ def route_compiler_output() -> None:
     on MindSpore 2.10: read at the failure, so setting it after import works; the error
     message names the file's full path)."""
     os.environ.setdefault("MS_OM_PATH", compiler_output_dir())
+
+
+def quiet_cpu_synchronize() -> None:
+    """MindSpore 2.10's ``runtime.synchronize()`` (which its own ``barrier`` calls) logs "CPU
+    device is not supported" as an ERROR on its first call on CPU and skips that call; the C
+    function it wraps works on CPU (measured), so mark the first call as made: no false ERROR
+    line on every rank, and that first call synchronizes too."""
+    try:
+        from mindspore.runtime import stream
+        stream.function_stream_status["synchronize"] = True
+    except (ImportError, AttributeError, TypeError):  # another MindSpore version: leave it
+        pass
 
 
 def tune_threads(ms: Any, target: str = "CPU") -> None:
