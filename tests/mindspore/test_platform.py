@@ -48,11 +48,22 @@ def _all_gather() -> np.ndarray:
     return out.asnumpy()
 
 
-def _reduce_scatter(op: str) -> np.ndarray:
+def _reduce_scatter(op: str, odd_ranks: bool = False, ring: bool = False) -> np.ndarray | None:
+    import hyperpar_mindspore.platform as platform_module
+
     p = get_platform()
-    n = p.world_size()
+    group = p.new_group([1, 3]) if odd_ranks else None  # every rank creates it, as contracted
+    if odd_ranks and p.rank() % 2 == 0:
+        return None
+    n = p.world_size(group)
     out = mint.zeros((2, 3), dtype=ms.float32)
-    p.reduce_scatter_tensor(out, ms.Tensor(_inputs(p.rank(), (2 * n, 3))), op)
+    # the CPU ring (point-to-point) path is taken from a size on; force it, or keep it off
+    saved = platform_module.RING_MIN_BYTES
+    platform_module.RING_MIN_BYTES = 0 if ring else 1 << 40
+    try:
+        p.reduce_scatter_tensor(out, ms.Tensor(_inputs(p.rank(), (2 * n, 3))), op, group)
+    finally:
+        platform_module.RING_MIN_BYTES = saved
     return out.asnumpy()
 
 
@@ -158,12 +169,24 @@ def test_composed_all_gather_concatenates_in_rank_order(pool2, pool4, n):
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("op", ["sum", "max"])
-def test_composed_reduce_scatter_gives_each_rank_its_rows(pool4, op):
+@pytest.mark.parametrize("ring", [False, True], ids=["all-reduce", "ring"])
+@pytest.mark.parametrize("op", ["sum", "max", "avg"])
+def test_composed_reduce_scatter_gives_each_rank_its_rows(pool4, op, ring):
+    # two compositions (MindSpore's CPU build has no ReduceScatter kernel): an all-reduce of a
+    # copy, and from a size on a ring of point-to-point exchanges
     ins = [_inputs(r, (8, 3)) for r in range(4)]
-    full = sum(ins) if op == "sum" else np.maximum.reduce(ins)
-    for r, got in enumerate(pool4.run(_reduce_scatter, op)):
-        np.testing.assert_array_equal(got, full[2 * r:2 * r + 2])
+    full = {"sum": sum(ins), "max": np.maximum.reduce(ins), "avg": sum(ins) / 4}[op]
+    for r, got in enumerate(pool4.run(_reduce_scatter, op, False, ring)):
+        np.testing.assert_allclose(got, full[2 * r:2 * r + 2], rtol=1e-6, atol=0)
+    # on a sub-group of two ranks (1 and 3): its members' inputs only, in group-rank order
+    sub = [_inputs(r, (4, 3)) for r in (1, 3)]
+    full = {"sum": sum(sub), "max": np.maximum.reduce(sub), "avg": sum(sub) / 2}[op]
+    for r, got in enumerate(pool4.run(_reduce_scatter, op, True, ring)):
+        if r % 2 == 0:
+            assert got is None
+        else:
+            np.testing.assert_allclose(got, full[2 * (r // 2):2 * (r // 2) + 2], rtol=1e-6,
+                                       atol=0)
 
 
 @pytest.mark.parametrize("uneven", [False, True])

@@ -433,11 +433,38 @@ class MindSporePlatform(Platform, DimCollectives):
         if tuple(input.shape) != (n * rows, *output.shape[1:]):
             raise ValueError(f"reduce_scatter_tensor: input shape {tuple(input.shape)} must be "
                              f"({n} * {rows}, *{tuple(output.shape[1:])})")
-        total = input.copy()
-        self.all_reduce(total, op, group)
-        me = self.rank(group)
-        output.copy_(_rows(total, me * rows, rows))
+        if n == 1:
+            output.copy_(input)
+        elif self.target == "CPU" and input.nbytes >= RING_MIN_BYTES * n * n:
+            output.copy_(self._ring_reduce_scatter(input, rows, op, group))
+        else:
+            total = input.copy()
+            self.all_reduce(total, op, group)
+            output.copy_(_rows(total, self.rank(group) * rows, rows))
         return _DoneWork() if async_op else None
+
+    def _ring_reduce_scatter(self, input: Any, rows: int, op: str, group: Group) -> Any:
+        """This rank's reduced rows by a ring of point-to-point exchanges: ``n - 1`` steps,
+        each sending one ``rows`` block to the next rank and adding the block received from
+        the previous one, so a rank sends ``(n - 1) / n`` of the input. MindSpore's CPU build
+        has no ReduceScatter kernel; the all-reduce composition it replaces moved the whole
+        input and took 1.6-2x as long for 4-16 MiB on 2 ranks (measured, MindSpore 2.10)."""
+        ranks = self._ranks(group)
+        n, me = len(ranks), ranks.index(self._rank)
+        nxt, prev = ranks[(me + 1) % n], ranks[(me - 1) % n]
+        combine = {"sum": _ms().mint.add, "avg": _ms().mint.add,
+                   "max": _ms().mint.maximum, "min": _ms().mint.minimum,
+                   "product": _ms().mint.mul}[op]
+        send = _rows(input, ((me - 1) % n) * rows, rows)
+        for step in range(n - 1):
+            recv = _ms().ops.zeros_like(send)
+            ops = [P2POp("send", send, nxt, group), P2POp("recv", recv, prev, group)]
+            # even ranks send first, odd ones receive first: no cycle of blocked sends
+            for work in self.batch_isend_irecv(ops if me % 2 == 0 else ops[::-1]):
+                work.wait()
+            block = (me - step - 2) % n
+            send = combine(recv, _rows(input, block * rows, rows))
+        return send / n if op == "avg" else send
 
     def all_to_all_single(self, output: Any, input: Any,
                           output_split_sizes: Sequence[int] | None = None,
@@ -598,6 +625,14 @@ def route_compiler_output() -> None:
     on MindSpore 2.10: read at the failure, so setting it after import works; the error
     message names the file's full path)."""
     os.environ.setdefault("MS_OM_PATH", compiler_output_dir())
+
+
+#: CPU reduce-scatter takes the point-to-point ring from ``RING_MIN_BYTES * n**2`` input bytes
+#: on: each of its ``n - 1`` steps costs a round trip, so small inputs are faster through the
+#: all-reduce composition. Measured (MindSpore 2.10, 2 cores), ring / all-reduce time: n=2
+#: 1.51 at 16 KiB, 0.88 at 256 KiB, 0.73 at 4 MiB; n=4 1.68 at 256 KiB, 0.98 at 4 MiB, 0.73 at
+#: 16 MiB.
+RING_MIN_BYTES = 256 * 1024
 
 
 def quiet_cpu_synchronize() -> None:
