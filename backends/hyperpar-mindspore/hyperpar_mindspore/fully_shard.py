@@ -40,7 +40,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-from mindspore import Parameter, Tensor, mint, nn
+from mindspore import Parameter, Tensor, mint, nn, ops
 
 from hyperpar.parallel.shard_plan import UnitPlan, plan_unit, reshard_after
 from hyperpar.platform import get_platform
@@ -66,12 +66,15 @@ class _GatherFlat(nn.Cell):
         return mint.cat(self.platform.gather_list(flat, self.shard_group, "fully_shard"))
 
     def bprop(self, flat: Any, out: Any, dout: Any) -> tuple[Any]:
-        total = dout.copy()
-        if self.plan.shard_size > 1:
-            self.platform.all_reduce(total, "sum", self.shard_group)
-        me = self.platform.rank(self.shard_group)
         numel = self.plan.flat_numel
-        grad = mint.narrow(total, 0, me * numel, numel).copy()
+        if self.plan.shard_size > 1:
+            # the platform's reduce-scatter (on CPU a point-to-point ring for large buffers,
+            # which moves (n - 1)/n of the bytes an all-reduce would)
+            grad = ops.zeros((numel,), dout.dtype)
+            self.platform.reduce_scatter_tensor(grad, dout.reshape(-1), "sum",
+                                                self.shard_group)
+        else:
+            grad = dout.reshape(-1).copy()
         if self.plan.replicate > 1:
             self.platform.all_reduce(grad, "sum", self.replicate_group)
         return (grad * self.plan.grad_scale(),)
