@@ -35,10 +35,14 @@ if _torch is not None:
         registered_ops,
     )
     from hyperpar.torch.dtensor.api import DTensor, DTensorSpec, distribute_tensor
+    from hyperpar.torch.dtensor.autograd_function import install as _install_function_apply
     from hyperpar.torch.dtensor.factories import empty, full, ones, rand, randn, zeros
     from hyperpar.torch.dtensor.local_map import local_map
     from hyperpar.torch.dtensor.module import distribute_module
     from hyperpar.torch.dtensor.random import manual_seed
+
+    # custom autograd.Functions over DTensors stay in the graph (torch.autograd.Function.apply)
+    _install_function_apply()
 
     # The torch files live under hyperpar/torch/; their old paths stay importable.
     _alias(

@@ -385,28 +385,133 @@ def test_custom_autograd_function_through_local_map_keeps_its_gradient(run_on_ra
         torch.testing.assert_close(f["grad"], x.grad, rtol=TOL, atol=TOL)
 
 
-def _cut_facts():
+class _ScaledMatmul(torch.autograd.Function):
+    """x @ w * alpha with a hand-written backward; ``alpha`` is not a tensor."""
+
+    @staticmethod
+    def forward(ctx, x, w, alpha):  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        ctx.alpha = alpha
+        return x @ w * alpha
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        gx = g @ w.t() * ctx.alpha if ctx.needs_input_grad[0] else None
+        gw = x.t() @ g * ctx.alpha if ctx.needs_input_grad[1] else None
+        return gx, gw, None
+
+
+class _Bridge(torch.autograd.Function):
+    """torchtitan's ``_DecoderOutputGradientBackProp``: returns the (detached) loss; its
+    backward hands a precomputed gradient to the hidden states."""
+
+    @staticmethod
+    def forward(ctx, hidden, accumulated_grad, loss):  # type: ignore[override]
+        ctx.save_for_backward(accumulated_grad)
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        (accumulated_grad,) = ctx.saved_tensors
+        return accumulated_grad * g, None, None
+
+
+class _Cube(torch.autograd.Function):
+    """The ``setup_context`` style (forward without ctx)."""
+
+    @staticmethod
+    def forward(x):  # type: ignore[override]
+        return x * x * x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # type: ignore[override]
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        return 3 * x * x * g
+
+
+class _PlainGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        return g.to_local() * 2   # a plain tensor for a DTensor input: its layout is unknown
+
+
+def _chunked_loss(hidden, head, target):
+    """torchtitan's chunked loss: the head's gradient computed inside, then bridged."""
+    h = hidden.detach().requires_grad_()
+    with torch.enable_grad():
+        loss = ((h @ head - target) ** 2).sum()
+        acc, g_head = torch.autograd.grad(loss, (h, head))
+    return _Bridge.apply(hidden, acc, loss.detach()), g_head
+
+
+def _applied_functions(x, w, head, target, cube_in):
+    """The computation both sides run: custom Functions applied to (D)Tensors directly."""
+    y = _ScaledMatmul.apply(x, w, 0.5)                    # x Shard(0), w Replicate
+    hidden = torch.tanh(y) + _Cube.apply(cube_in).sum()
+    loss, g_head = _chunked_loss(hidden, head, target)
+    return loss + (_Square.apply(x)).sum(), g_head
+
+
+def _inputs():
+    torch.manual_seed(0)
+    return (torch.randn(4, 6), torch.randn(6, 5), torch.randn(5, 3), torch.randn(4, 3),
+            torch.randn(3))
+
+
+def _function_facts():
     from hyperpar.dtensor._ops.dispatch import CustomFunctionError
 
-    from hyperpar.dtensor import Shard, distribute_tensor, init_device_mesh
+    from hyperpar.dtensor import Replicate, Shard, distribute_tensor, init_device_mesh
 
     mesh = init_device_mesh((2,), mesh_dim_names=("dp",))
-    x = distribute_tensor(torch.randn(4, 6), mesh, [Shard(0)]).requires_grad_()
-    out = {}
-    try:
-        _Square.apply(x)
-        out["error"] = None
+    x, w, head, target, cube_in = _inputs()
+    dx = distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
+    dw = distribute_tensor(w, mesh, [Replicate()]).requires_grad_()
+    dhead = distribute_tensor(head, mesh, [Replicate()]).requires_grad_()
+    dtarget = distribute_tensor(target, mesh, [Shard(0)])
+    dcube = distribute_tensor(cube_in, mesh, [Shard(0)]).requires_grad_()
+    loss, g_head = _applied_functions(dx, dw, dhead, dtarget, dcube)
+    out = {"loss_type": type(loss).__name__, "placements": loss.placements,
+           "grad_fn": loss.grad_fn is not None}
+    loss.backward()
+    out.update(loss=loss.full_tensor(), g_head=g_head.full_tensor(), gx=dx.grad.full_tensor(),
+               gw=dw.grad.full_tensor(), gcube=dcube.grad.full_tensor(),
+               gw_placements=dw.grad.placements)
+    try:  # a plain tensor returned as a DTensor input's gradient is refused, not guessed
+        _PlainGrad.apply(dx).sum().backward()
+        out["plain_grad"] = None
     except CustomFunctionError as exc:
-        out["error"] = str(exc)
+        out["plain_grad"] = str(exc)
     with torch.no_grad():  # plain no_grad and inference mode stay allowed
-        out["no_grad"] = (x * 2).requires_grad
+        out["no_grad"] = (dx * 2).requires_grad
     with torch.inference_mode():
-        out["inference"] = (x * 2).requires_grad
+        out["inference"] = (dx * 2).requires_grad
     return out
 
 
-def test_custom_function_applied_to_dtensors_raises_instead_of_cutting_the_graph(run_on_ranks):
-    for f in run_on_ranks(2, _cut_facts):
-        assert "inside a custom torch.autograd.Function" in f["error"]
-        assert "local_map" in f["error"]
+def test_custom_functions_applied_to_dtensors_keep_their_gradients(run_on_ranks):
+    """As torch's DTensor: custom autograd.Functions applied to DTensors directly (saved
+    tensors, ``needs_input_grad``, a non-tensor argument, ``setup_context``, a Partial gradient
+    of a Replicate input, torchtitan's chunked-loss bridge), against the same Functions on
+    whole tensors in one process."""
+    x, w, head, target, cube_in = (t.requires_grad_() for t in _inputs())
+    loss, g_head = _applied_functions(x, w, head, target, cube_in)
+    loss.backward()
+    for f in run_on_ranks(2, _function_facts):
+        assert f["loss_type"] == "DTensor" and f["grad_fn"], f
+        torch.testing.assert_close(f["loss"], loss.detach(), rtol=TOL, atol=TOL)
+        torch.testing.assert_close(f["g_head"], g_head, rtol=TOL, atol=TOL)
+        torch.testing.assert_close(f["gx"], x.grad, rtol=TOL, atol=TOL)
+        torch.testing.assert_close(f["gw"], w.grad, rtol=TOL, atol=TOL)
+        torch.testing.assert_close(f["gcube"], cube_in.grad, rtol=TOL, atol=TOL)
+        assert "returned a plain Tensor as the gradient of argument 0" in f["plain_grad"]
         assert f["no_grad"] is False and f["inference"] is False

@@ -117,9 +117,10 @@ def _check_not_a_copy(func: Any, args: Sequence) -> None:
 
 
 class CustomFunctionError(RuntimeError):
-    """DTensors that require grad used inside a custom ``torch.autograd.Function``'s forward:
-    hyperpar records autograd on the local tensors, so the Function's output would be cut
-    from the graph (a silently missing gradient)."""
+    """A custom ``torch.autograd.Function`` over DTensors that hyperpar cannot run with its
+    gradient intact (DTensors nested in a list or passed by keyword, forward-mode AD, a plain
+    tensor returned as a DTensor's gradient): raised instead of a silently missing gradient.
+    DTensors passed positionally are handled (:mod:`hyperpar.torch.dtensor.autograd_function`)."""
 
 
 _grad_enabled = torch._C.is_grad_enabled
@@ -136,11 +137,12 @@ def _check_not_in_custom_function(func: Any, args: Sequence, kwargs: dict) -> No
     if any(d._local.requires_grad for d in collect_dtensors(args, kwargs)):
         raise CustomFunctionError(
             f"{op_name(func)} on a DTensor that requires grad inside a custom "
-            f"torch.autograd.Function's forward: hyperpar DTensors record autograd on their "
-            f"local tensors, which Function.apply does not see, so the result would be cut "
-            f"from the graph (no gradient). Apply the Function to local tensors instead: "
-            f"hyperpar.local_map(MyFunction.apply, out_placements=..., in_placements=...), or "
-            f"call it on dtensor.to_local() and wrap the result with DTensor.from_local")
+            f"torch.autograd.Function's forward, a DTensor the Function did not get as a "
+            f"positional argument (nested in a list, passed by keyword, or captured): hyperpar "
+            f"DTensors record autograd on their local tensors, so the result would be cut "
+            f"from the graph (no gradient). Pass the DTensors to MyFunction.apply "
+            f"positionally, or apply it to local tensors: hyperpar.local_map(MyFunction.apply, "
+            f"out_placements=..., in_placements=...)")
 
 
 def _torch_function(cls, func, types, args=(), kwargs=None):
