@@ -9,7 +9,9 @@ import math
 import torch
 
 from hyperpar.dtensor.placement import REPLICATE, Partial, Shard, chunk_bounds
+from hyperpar.dtensor.rules.reduction import reduced_dims
 from hyperpar.torch.dtensor._ops.dispatch import infer_shapes, localize
+from hyperpar.torch.dtensor._ops.neutral import neutral_sharding
 from hyperpar.torch.dtensor._ops.pointwise import pointwise_sharding
 from hyperpar.torch.dtensor._ops.registry import (
     OpCall,
@@ -54,27 +56,36 @@ def _reduced_shape(shape: tuple, dims: tuple[int, ...], keepdim: bool) -> tuple:
 
 @register_op(torch.sum, torch.Tensor.sum, torch.mean, torch.Tensor.mean)
 def sum_mean_rule(call: OpCall) -> Sharding:
-    """``sum``/``mean``: sharded reduced dims give Partial(sum); ``mean`` divides by the global
-    count."""
-    x, dims, keepdim = _reduction_args(call)
-    pl = x._spec.placements
-    is_mean = call.func in (torch.mean, torch.Tensor.mean)
-    if any(type(p) is Partial and p.reduce_op not in ("sum", "avg") for p in pl):
-        pl = unshard(pl)
-    out = _reduced_placements(pl, dims, keepdim, "sum")
-    shape = _reduced_shape(tuple(x._spec.shape), dims, keepdim)
-    local = None
-    sharded = any(type(p) is Shard and p.dim in dims for p in pl)
-    if is_mean and sharded:
-        count = math.prod(x._spec.shape[d] for d in dims)
+    """``sum``/``mean``: the neutral rule (sharded reduced dims give Partial(sum); ``mean``
+    divides a local sum by the global count)."""
+    x = call.args[0]
+    dim = call.arg(1, "dim")
+    keepdim = bool(call.arg(2, "keepdim", False))
+    op = "mean" if call.func in (torch.mean, torch.Tensor.mean) else "sum"
+    sh = neutral_sharding(op, call, dim=dim, keepdim=keepdim)
+    count = _divide_by(op, x, sh, dim)
+    if count is not None:
+        dims = reduced_dims(dim, x.ndim)
         dtype = call.kwargs.get("dtype")
 
         def local(t, *a, **k):  # mean over sharded dims: local sum / global count
             return torch.sum(t, dims, keepdim, dtype=dtype) / count
-    elif call.arg(1, "dim") is None and len(call.args) < 2 and not call.kwargs:
+        sh.local = local
+    elif dim is None and len(call.args) < 2 and not call.kwargs:
         def local(t, *a, **k):
             return call.func(t)
-    return Sharding([pl], out, shape, local=local)
+        sh.local = local
+    return sh
+
+
+def _divide_by(op: str, x: DTensor, sh: Sharding, dim: object) -> int | None:
+    """The global count a mean over sharded dims divides its local sum by (else None)."""
+    if op != "mean":
+        return None
+    dims = reduced_dims(dim, x.ndim)
+    if not any(type(p) is Shard and p.dim in dims for p in sh.inputs[0]):
+        return None
+    return math.prod(x._spec.shape[d] for d in dims)
 
 
 @register_op(torch.amax, torch.Tensor.amax, torch.amin, torch.Tensor.amin)

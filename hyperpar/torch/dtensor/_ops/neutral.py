@@ -1,0 +1,31 @@
+"""The bridge from torch rules to the neutral rules of :mod:`hyperpar.dtensor.rules`.
+
+A torch family normalises its function's arguments into a neutral op name and keyword
+arguments; :func:`neutral_sharding` asks the neutral rule (written once for every framework)
+and turns its answer into this stack's :class:`~.registry.Sharding`. Rules run only on a plan
+cache miss, so the bridge costs nothing per cached call."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hyperpar.dtensor.rules import TensorMeta
+from hyperpar.dtensor.rules.base import RULES, no_rule
+from hyperpar.torch.dtensor._ops.registry import OpCall, Sharding
+
+
+def neutral_sharding(op: str, call: OpCall, **args: Any) -> Sharding:
+    """The :class:`Sharding` of ``call`` decided by the neutral rule of ``op`` on the call's
+    DTensor inputs (in order) and the normalised non-tensor ``args``.
+
+    The neutral result's ``grad_sum`` is not used: the torch dispatch derives the same mesh
+    dims from the outputs (``reduce_grad``); ``divide_by`` is the caller's to apply (it knows
+    the torch function to run locally)."""
+    metas = tuple(TensorMeta(d._spec.placements, tuple(d._spec.shape)) for d in call.dtensors)
+    fn = RULES.get(op)
+    if fn is None:
+        raise no_rule(op, metas, "no sharding rule is registered for it")
+    res = fn(op, metas, tuple(call.mesh.shape), **args)
+    outputs = res.outputs[0] if len(res.outputs) == 1 else list(res.outputs)
+    shapes = res.shapes[0] if len(res.shapes) == 1 else list(res.shapes)
+    return Sharding(list(res.inputs), outputs, shapes)
