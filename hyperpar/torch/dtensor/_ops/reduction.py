@@ -113,7 +113,8 @@ def amax_rule(call: OpCall) -> Sharding:
 
 @register_op(torch.max, torch.Tensor.max, torch.min, torch.Tensor.min)
 def max_rule(call: OpCall) -> Sharding:
-    """``max``/``min``: elementwise with a tensor, else the reduced dim gathered first."""
+    """``max``/``min``: elementwise with a tensor; over a dim the neutral ``max_dim``/``min_dim``
+    rule (the reduced dim gathered first); whole-tensor maxima gathered."""
     other = call.arg(1, "other") if not isinstance(call.arg(1, "dim"), int) else None
     if isinstance(other, torch.Tensor):
         return pointwise_sharding(call)
@@ -122,7 +123,8 @@ def max_rule(call: OpCall) -> Sharding:
     if dim is None:  # full reduction -> one value
         pl = unshard(x._spec.placements, range(x.ndim))
         return Sharding([pl], pl, ())
-    return _gather_reduction(call, dims_arg(dim, x.ndim), bool(call.arg(2, "keepdim", False)))
+    name = "min_dim" if call.func in (torch.min, torch.Tensor.min) else "max_dim"
+    return neutral_sharding(name, call, dim=dim, keepdim=bool(call.arg(2, "keepdim", False)))
 
 
 def _gather_reduction(call: OpCall, dims: tuple[int, ...], keepdim: bool) -> Sharding:
