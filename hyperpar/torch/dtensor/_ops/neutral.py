@@ -10,8 +10,18 @@ from __future__ import annotations
 from typing import Any
 
 from hyperpar.dtensor.rules import TensorMeta
-from hyperpar.dtensor.rules.base import RULES, no_rule
+from hyperpar.dtensor.rules.base import RULES, OpSharding, no_rule
 from hyperpar.torch.dtensor._ops.registry import OpCall, Sharding
+from hyperpar.torch.dtensor.api import DTensorSpec
+
+
+def decide(op: str, specs: list[DTensorSpec], **args: Any) -> OpSharding:
+    """The neutral rule of ``op`` applied to DTensor ``specs`` (same mesh) and ``args``."""
+    metas = tuple(TensorMeta(s.placements, tuple(s.shape)) for s in specs)
+    fn = RULES.get(op)
+    if fn is None:
+        raise no_rule(op, metas, "no sharding rule is registered for it")
+    return fn(op, metas, tuple(specs[0].mesh.shape), **args)
 
 
 def neutral_sharding(op: str, call: OpCall, **args: Any) -> Sharding:
@@ -21,11 +31,7 @@ def neutral_sharding(op: str, call: OpCall, **args: Any) -> Sharding:
     The neutral result's ``grad_sum`` is not used: the torch dispatch derives the same mesh
     dims from the outputs (``reduce_grad``); ``divide_by`` is the caller's to apply (it knows
     the torch function to run locally)."""
-    metas = tuple(TensorMeta(d._spec.placements, tuple(d._spec.shape)) for d in call.dtensors)
-    fn = RULES.get(op)
-    if fn is None:
-        raise no_rule(op, metas, "no sharding rule is registered for it")
-    res = fn(op, metas, tuple(call.mesh.shape), **args)
+    res = decide(op, [d._spec for d in call.dtensors], **args)
     outputs = res.outputs[0] if len(res.outputs) == 1 else list(res.outputs)
     shapes = res.shapes[0] if len(res.shapes) == 1 else list(res.shapes)
     return Sharding(list(res.inputs), outputs, shapes)
