@@ -29,9 +29,13 @@ def neutral_sharding(op: str, call: OpCall, **args: Any) -> Sharding:
     DTensor inputs (in order) and the normalised non-tensor ``args``.
 
     The neutral result's ``grad_sum`` is not used: the torch dispatch derives the same mesh
-    dims from the outputs (``reduce_grad``); ``divide_by`` is the caller's to apply (it knows
-    the torch function to run locally)."""
-    res = decide(op, [d._spec for d in call.dtensors], **args)
+    dims from the outputs (``reduce_grad``). A rule that needs ``divide_by`` calls
+    :func:`decide` and :func:`to_sharding` itself (it knows the torch function to run locally)."""
+    return to_sharding(decide(op, [d._spec for d in call.dtensors], **args))
+
+
+def to_sharding(res: OpSharding) -> Sharding:
+    """A neutral rule's answer as this stack's :class:`Sharding` (``divide_by`` left out)."""
     outputs = res.outputs[0] if len(res.outputs) == 1 else list(res.outputs)
     shapes = res.shapes[0] if len(res.shapes) == 1 else list(res.shapes)
     return Sharding(list(res.inputs), outputs, shapes)

@@ -4,14 +4,12 @@ gather the reduced dims first."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from hyperpar.dtensor.placement import REPLICATE, Partial, Shard, chunk_bounds
 from hyperpar.dtensor.rules.reduction import reduced_dims
 from hyperpar.torch.dtensor._ops.dispatch import infer_shapes, localize
-from hyperpar.torch.dtensor._ops.neutral import neutral_sharding
+from hyperpar.torch.dtensor._ops.neutral import decide, neutral_sharding, to_sharding
 from hyperpar.torch.dtensor._ops.pointwise import pointwise_sharding
 from hyperpar.torch.dtensor._ops.registry import (
     OpCall,
@@ -62,8 +60,9 @@ def sum_mean_rule(call: OpCall) -> Sharding:
     dim = call.arg(1, "dim")
     keepdim = bool(call.arg(2, "keepdim", False))
     op = "mean" if call.func in (torch.mean, torch.Tensor.mean) else "sum"
-    sh = neutral_sharding(op, call, dim=dim, keepdim=keepdim)
-    count = _divide_by(op, x, sh, dim)
+    res = decide(op, [x._spec], dim=dim, keepdim=keepdim)
+    sh = to_sharding(res)
+    count = res.divide_by
     if count is not None:
         dims = reduced_dims(dim, x.ndim)
         dtype = call.kwargs.get("dtype")
@@ -76,16 +75,6 @@ def sum_mean_rule(call: OpCall) -> Sharding:
             return call.func(t)
         sh.local = local
     return sh
-
-
-def _divide_by(op: str, x: DTensor, sh: Sharding, dim: object) -> int | None:
-    """The global count a mean over sharded dims divides its local sum by (else None)."""
-    if op != "mean":
-        return None
-    dims = reduced_dims(dim, x.ndim)
-    if not any(type(p) is Shard and p.dim in dims for p in sh.inputs[0]):
-        return None
-    return math.prod(x._spec.shape[d] for d in dims)
 
 
 @register_op(torch.amax, torch.Tensor.amax, torch.amin, torch.Tensor.amin)
