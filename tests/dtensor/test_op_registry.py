@@ -14,8 +14,8 @@ from hyperpar.torch.dtensor._ops import OP_TABLE, OpEntry, OpOverlay, PlanCache,
 FAMILIES = {"pointwise", "matmul", "reduction", "view", "factory", "nn", "tensor", "complex",
             "foreach"}
 # the order a module may import from: each imports only modules before it
-LAYERS = ["registry", "dispatch", "pointwise", "matmul", "reduction", "view", "factory", "nn",
-          "tensor", "complex", "foreach"]
+LAYERS = ["registry", "neutral", "dispatch", "pointwise", "matmul", "reduction", "view",
+          "factory", "nn", "tensor", "complex", "foreach"]
 
 
 def test_every_table_entry_was_registered_by_the_decorator_in_a_family_with_a_docstring():

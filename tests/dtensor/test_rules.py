@@ -59,6 +59,9 @@ NUMPY = {
     "sum": lambda xs, a: np.sum(xs[0], _axis(a), keepdims=a.get("keepdim", False)),
     "mean": lambda xs, a: np.mean(xs[0], _axis(a), keepdims=a.get("keepdim", False)),
     "max": lambda xs, a: np.max(xs[0], _axis(a), keepdims=a.get("keepdim", False)),
+    "min": lambda xs, a: np.min(xs[0], _axis(a), keepdims=a.get("keepdim", False)),
+    "max_dim": lambda xs, a: np.max(xs[0], a["dim"], keepdims=a.get("keepdim", False)),
+    "min_dim": lambda xs, a: np.min(xs[0], a["dim"], keepdims=a.get("keepdim", False)),
     "softmax": lambda xs, a: _softmax(xs[0], a["dim"]),
     "log_softmax": lambda xs, a: np.log(_softmax(xs[0], a["dim"])),
     "reshape": lambda xs, a: xs[0].reshape(a["shape"]),
@@ -71,8 +74,8 @@ NUMPY = {
 
 
 def _axis(args):
-    dim = args.get("dim")
-    return None if dim is None else dim if isinstance(dim, int) else tuple(dim)
+    dim = args.get("dim")  # torch's reading: an empty dim list reduces every dim
+    return None if dim is None or dim == [] else dim if isinstance(dim, int) else tuple(dim)
 
 
 def _simulate(op, arrays, placements, mesh_shape, **args):
@@ -147,6 +150,16 @@ CASES = [
     ("mean", [A56], [(S1, S0)], (2, 2), {"dim": 1, "keepdim": True}),
     ("max", [A56], [(S0,)], (4,), {"dim": 0}),
     ("max", [A56], [(S1,)], (2,), {"dim": 0}),
+    # negative and several dims, keepdim, uneven shards (5 rows over 4 ranks: 2, 2, 1, 0)
+    ("sum", [A56], [(S0,)], (4,), {"dim": -2, "keepdim": True}),
+    ("sum", [A246], [(S2, S0)], (2, 2), {"dim": (-1, 1)}),
+    ("sum", [A246], [(S1,)], (4,), {"dim": []}),
+    ("mean", [A56], [(S0,)], (4,), {"dim": (0, -1)}),
+    ("mean", [A465], [(S2, S1)], (2, 2), {"dim": (2,), "keepdim": True}),
+    ("max", [A56], [(S0, S1)], (2, 2), {"dim": None}),
+    ("min", [A56], [(S0,)], (4,), {"dim": -2, "keepdim": True}),
+    ("max_dim", [A56], [(S0,)], (4,), {"dim": -2}),
+    ("min_dim", [A246], [(S1, S2)], (2, 2), {"dim": 2, "keepdim": True}),
     ("softmax", [A56], [(S1,)], (2,), {"dim": 1}),
     ("log_softmax", [A56], [(S0, S1)], (2, 2), {"dim": 0}),
     ("reshape", [A64], [(S0,)], (2,), {"shape": (-1,)}),
@@ -219,3 +232,18 @@ def test_rules_and_layout_import_no_framework():
             "sys.meta_path.insert(0, Block())\n"
             "import hyperpar.dtensor.rules, hyperpar.dtensor.layout\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_max_dim_gathers_a_partial_max_input_because_its_indices_cannot_be_combined():
+    for op in ("max_dim", "min_dim"):
+        p = Partial(op[:3])
+        r = propagate(op, (TensorMeta((p,), (5, 6)),), (2,), dim=1)
+        assert r.inputs == ((R,),) and r.outputs == ((R,), (R,)) and r.shapes == ((5,), (5,))
+    # a whole-tensor max of a Partial("max") input stays pending (max commutes with max)
+    r = propagate("max", (TensorMeta((Partial("max"),), (5, 6)),), (2,))
+    assert r.outputs == ((Partial("max"),),) and r.shapes == ((),)
+
+
+def test_a_reduction_dim_out_of_range_raises_naming_it():
+    with pytest.raises(IndexError, match="dim 2 is out of range"):
+        propagate("sum", (TensorMeta((S0,), (5, 6)),), (2,), dim=2)

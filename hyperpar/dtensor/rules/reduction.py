@@ -1,5 +1,5 @@
-"""Reductions (``sum``, ``mean``, ``max``, ``max_dim``) and the ops that normalise along a dim
-(``softmax``, ``log_softmax``)."""
+"""Reductions (``sum``, ``mean``, ``max``, ``min``, ``max_dim``, ``min_dim``) and the ops that
+normalise along a dim (``softmax``, ``log_softmax``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ from typing import Any
 from ..placement import REPLICATE, Partial, Placement, Shard
 from .base import OpSharding, Shape, TensorMeta, norm_dim, rule
 
-_KEEPS = {"sum": ("sum", "avg"), "mean": ("sum", "avg"), "max": ("max",)}
+# Partial inputs a reduction keeps pending (it commutes with their reduce op). Not the *_dim
+# ops: their indices output has no Partial meaning.
+_KEEPS = {"sum": ("sum", "avg"), "mean": ("sum", "avg"), "max": ("max",), "min": ("min",)}
+_GATHERS = ("max", "min", "max_dim", "min_dim")
 _OVER_SHARDS = {"sum": Partial("sum"), "mean": Partial("sum")}
 
 
@@ -27,13 +30,14 @@ def _out_shape(shape: Shape, dims: tuple[int, ...], keepdim: bool) -> Shape:
     return tuple(s for i, s in enumerate(shape) if i not in dims)
 
 
-@rule("sum", "mean", "max", "max_dim")
+@rule("sum", "mean", "max", "min", "max_dim", "min_dim")
 def _reduce(op: str, metas: tuple[TensorMeta, ...], mesh_shape: tuple[int, ...], *,
             dim: Any = None, keepdim: bool = False, **_: Any) -> OpSharding:
     """Over a sharded dim: ``sum``/``mean`` give Partial("sum") (a mean is a local sum divided
-    by the global count); ``max`` and ``max_dim`` gather the dim first (a Partial("max") output
-    would send the gradient to every rank's local maximum). Partial inputs of the same algebra
-    stay Partial; others reduce first."""
+    by the global count); ``max``/``min`` and ``*_dim`` gather the dim first (a Partial("max")
+    output would send the gradient to every rank's local maximum). ``dim`` may be None, an int
+    or several dims, negative or not. Partial inputs of the same algebra stay Partial; others
+    reduce first (always for ``*_dim``: their indices cannot be combined across ranks)."""
     (x,) = metas
     nd = len(x.shape)
     dims = reduced_dims(dim, nd)
@@ -42,7 +46,7 @@ def _reduce(op: str, metas: tuple[TensorMeta, ...], mesh_shape: tuple[int, ...],
     sharded_reduced = False
     for p in x.placements:
         if type(p) is Shard and p.dim in dims:
-            if op in ("max", "max_dim"):
+            if op in _GATHERS:
                 target.append(REPLICATE)
                 outs.append(REPLICATE)
             else:
@@ -62,7 +66,7 @@ def _reduce(op: str, metas: tuple[TensorMeta, ...], mesh_shape: tuple[int, ...],
     divide_by = None
     if op == "mean" and sharded_reduced:
         divide_by = math.prod(x.shape[d] for d in dims)
-    n_out = 2 if op == "max_dim" else 1
+    n_out = 2 if op.endswith("_dim") else 1
     return OpSharding((tuple(target),), (tuple(outs),) * n_out, (shape,) * n_out,
                       divide_by=divide_by)
 

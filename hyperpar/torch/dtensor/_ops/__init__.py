@@ -1,6 +1,8 @@
 """DTensor op rules, by family (``hyperpar.torch.dtensor._ops``).
 
-``registry`` holds the table (:data:`~.registry.OP_TABLE`), the one decorator
+``neutral`` bridges torch rules to the framework-neutral rules of
+:mod:`hyperpar.dtensor.rules` (the sharding decided once); ``registry`` holds the table
+(:data:`~.registry.OP_TABLE`), the one decorator
 (:func:`~.registry.register_op`), what rules see and return (``OpCall``/``Sharding``) and the
 errors; ``dispatch`` is ``DTensor.__torch_function__`` with the one bounded plan cache. Each
 family file registers its ops: ``pointwise``, ``matmul``, ``reduction``, ``view``, ``factory``,
@@ -16,6 +18,7 @@ from hyperpar.torch.dtensor._ops import (  # noqa: F401
     factory,
     foreach,
     matmul,
+    neutral,
     nn,
     pointwise,
     reduction,

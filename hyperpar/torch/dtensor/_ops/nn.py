@@ -9,6 +9,7 @@ from hyperpar.dtensor.placement import REPLICATE, Shard
 from hyperpar.platform import get_platform
 from hyperpar.torch.dtensor import random as _random
 from hyperpar.torch.dtensor._ops.dispatch import localize
+from hyperpar.torch.dtensor._ops.neutral import neutral_sharding
 from hyperpar.torch.dtensor._ops.registry import (
     P_SUM,
     OpCall,
@@ -29,13 +30,12 @@ R = REPLICATE
 @register_op(torch.softmax, torch.Tensor.softmax, F.softmax, torch.log_softmax,
              torch.Tensor.log_softmax, F.log_softmax)
 def softmax_rule(call: OpCall) -> Sharding:
-    """``softmax``/``log_softmax``: the softmax dim gathered, others kept."""
-    x = call.args[0]
+    """``softmax``/``log_softmax``: the neutral rule (the softmax dim gathered, others kept)."""
     dim = call.arg(1, "dim")
     if dim is None:
         raise ShardingError(f"{op_name(call.func)} on a DTensor needs an explicit dim")
-    pl = unshard(x._spec.placements, [dim % x.ndim])
-    return Sharding([pl], pl, tuple(x._spec.shape))
+    name = "log_softmax" if "log" in getattr(call.func, "__name__", "") else "softmax"
+    return neutral_sharding(name, call, dim=dim)
 
 
 @register_op(F.layer_norm, F.rms_norm if hasattr(F, "rms_norm") else None, F.group_norm)

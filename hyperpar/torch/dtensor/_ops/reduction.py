@@ -4,12 +4,12 @@ gather the reduced dims first."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from hyperpar.dtensor.placement import REPLICATE, Partial, Shard, chunk_bounds
+from hyperpar.dtensor.rules.reduction import reduced_dims
 from hyperpar.torch.dtensor._ops.dispatch import infer_shapes, localize
+from hyperpar.torch.dtensor._ops.neutral import decide, neutral_sharding, to_sharding
 from hyperpar.torch.dtensor._ops.pointwise import pointwise_sharding
 from hyperpar.torch.dtensor._ops.registry import (
     OpCall,
@@ -54,27 +54,27 @@ def _reduced_shape(shape: tuple, dims: tuple[int, ...], keepdim: bool) -> tuple:
 
 @register_op(torch.sum, torch.Tensor.sum, torch.mean, torch.Tensor.mean)
 def sum_mean_rule(call: OpCall) -> Sharding:
-    """``sum``/``mean``: sharded reduced dims give Partial(sum); ``mean`` divides by the global
-    count."""
-    x, dims, keepdim = _reduction_args(call)
-    pl = x._spec.placements
-    is_mean = call.func in (torch.mean, torch.Tensor.mean)
-    if any(type(p) is Partial and p.reduce_op not in ("sum", "avg") for p in pl):
-        pl = unshard(pl)
-    out = _reduced_placements(pl, dims, keepdim, "sum")
-    shape = _reduced_shape(tuple(x._spec.shape), dims, keepdim)
-    local = None
-    sharded = any(type(p) is Shard and p.dim in dims for p in pl)
-    if is_mean and sharded:
-        count = math.prod(x._spec.shape[d] for d in dims)
+    """``sum``/``mean``: the neutral rule (sharded reduced dims give Partial(sum); ``mean``
+    divides a local sum by the global count)."""
+    x = call.args[0]
+    dim = call.arg(1, "dim")
+    keepdim = bool(call.arg(2, "keepdim", False))
+    op = "mean" if call.func in (torch.mean, torch.Tensor.mean) else "sum"
+    res = decide(op, [x._spec], dim=dim, keepdim=keepdim)
+    sh = to_sharding(res)
+    count = res.divide_by
+    if count is not None:
+        dims = reduced_dims(dim, x.ndim)
         dtype = call.kwargs.get("dtype")
 
         def local(t, *a, **k):  # mean over sharded dims: local sum / global count
             return torch.sum(t, dims, keepdim, dtype=dtype) / count
-    elif call.arg(1, "dim") is None and len(call.args) < 2 and not call.kwargs:
+        sh.local = local
+    elif dim is None and len(call.args) < 2 and not call.kwargs:
         def local(t, *a, **k):
             return call.func(t)
-    return Sharding([pl], out, shape, local=local)
+        sh.local = local
+    return sh
 
 
 @register_op(torch.amax, torch.Tensor.amax, torch.amin, torch.Tensor.amin)
@@ -102,7 +102,8 @@ def amax_rule(call: OpCall) -> Sharding:
 
 @register_op(torch.max, torch.Tensor.max, torch.min, torch.Tensor.min)
 def max_rule(call: OpCall) -> Sharding:
-    """``max``/``min``: elementwise with a tensor, else the reduced dim gathered first."""
+    """``max``/``min``: elementwise with a tensor; over a dim the neutral ``max_dim``/``min_dim``
+    rule (the reduced dim gathered first); whole-tensor maxima gathered."""
     other = call.arg(1, "other") if not isinstance(call.arg(1, "dim"), int) else None
     if isinstance(other, torch.Tensor):
         return pointwise_sharding(call)
@@ -111,7 +112,8 @@ def max_rule(call: OpCall) -> Sharding:
     if dim is None:  # full reduction -> one value
         pl = unshard(x._spec.placements, range(x.ndim))
         return Sharding([pl], pl, ())
-    return _gather_reduction(call, dims_arg(dim, x.ndim), bool(call.arg(2, "keepdim", False)))
+    name = "min_dim" if call.func in (torch.min, torch.Tensor.min) else "max_dim"
+    return neutral_sharding(name, call, dim=dim, keepdim=bool(call.arg(2, "keepdim", False)))
 
 
 def _gather_reduction(call: OpCall, dims: tuple[int, ...], keepdim: bool) -> Sharding:

@@ -19,6 +19,7 @@ from hyperpar.torch.dtensor._ops.dispatch import (
     mark_copy,
     replicated_local,
 )
+from hyperpar.torch.dtensor._ops.neutral import decide
 from hyperpar.torch.dtensor._ops.registry import (
     OpCall,
     Placements,
@@ -214,10 +215,8 @@ def _permute_plan(func, args, kwargs):
         if nd:
             d0, d1 = d0 % nd, d1 % nd
             perm[d0], perm[d1] = perm[d1], perm[d0]
-    inv = {src: dst for dst, src in enumerate(perm)}
-    out = tuple(Shard(inv[p.dim]) if type(p) is Shard else p for p in spec.placements)
-    shape = torch.Size(spec.shape[p] for p in perm)
-    return perm, DTensorSpec(spec.mesh, out, shape)
+    res = decide("permute", [spec], dims=perm)  # placements follow their dims
+    return perm, DTensorSpec(spec.mesh, res.outputs[0], torch.Size(res.shapes[0]))
 
 
 @register_op(torch.Tensor.expand, torch.Tensor.expand_as, torch.broadcast_to)
