@@ -107,16 +107,18 @@ def _pipeline(schedule: str, n_layers: int, tied: bool, m: int) -> dict:
         engine, *_ = initialize(model=model, optimizer=optimizer, config=config)
     else:
         engine = PipelineEngine(model, optimizer, config, schedule=schedule)
-    it = iter([(_ms.Tensor(x), _ms.Tensor(y)) for x, y in _data(m, STEPS)])
+    it = iter([(_ms.Tensor(x), _ms.Tensor(y)) for x, y in _data(m, STEPS + 1)])
     losses = [float(engine.train_batch(it).asnumpy()) for _ in range(STEPS)]
+    # then one forward-only batch: its loss on every rank, the parameters left as they were
+    eval_loss = float(engine.eval_batch(it).asnumpy())
     params = {}
     for j, pos in enumerate(model._positions):
         layer_index = model.parts[model.stage_id] + j
         if pos.cell is not None:
             for p in pos.cell.trainable_params():
                 params[f"{layer_index}.{p.name.split('.')[-1]}"] = p.asnumpy()
-    return {"losses": losses, "params": params, "stage": model.stage_id,
-            "parts": model.parts}
+    return {"losses": losses, "eval_loss": eval_loss, "params": params,
+            "stage": model.stage_id, "parts": model.parts}
 
 
 def _reference(n_layers: int, tied: bool, m: int) -> dict:
@@ -135,7 +137,7 @@ def _reference(n_layers: int, tied: bool, m: int) -> dict:
 
     opt = nn.SGD(cells.trainable_params(), learning_rate=LR)
     grad_fn = ms.value_and_grad(lambda x, y: _mse(forward(x), y), None, opt.parameters)
-    data = _data(m, STEPS)
+    data = _data(m, STEPS + 1)
     losses = []
     for s in range(STEPS):
         batch = data[s * m:(s + 1) * m]
@@ -144,6 +146,10 @@ def _reference(n_layers: int, tied: bool, m: int) -> dict:
         loss, grads = grad_fn(x, y)
         opt(grads)
         losses.append(float(loss.asnumpy()))
+    batch = data[STEPS * m:]
+    x = ms.Tensor(np.concatenate([b[0] for b in batch]))
+    y = ms.Tensor(np.concatenate([b[1] for b in batch]))
+    eval_loss = float(_mse(forward(x), y).asnumpy())
     params = {}
     offset = 1 if tied else 0
     for i, cell in enumerate(body):
@@ -151,7 +157,7 @@ def _reference(n_layers: int, tied: bool, m: int) -> dict:
         params[f"{i + offset}.bias"] = cell.bias.asnumpy()
     if tied:
         params["0.weight"] = params[f"{n_layers + 1}.weight"] = emb.weight.asnumpy()
-    return {"losses": losses, "params": params}
+    return {"losses": losses, "eval_loss": eval_loss, "params": params}
 
 
 def _close(got: np.ndarray, want: np.ndarray, what: str) -> None:
@@ -165,6 +171,8 @@ def _check(results: list[dict], ref: dict) -> None:
     for rank, res in enumerate(results):
         for s, (got, want) in enumerate(zip(res["losses"], ref["losses"], strict=True)):
             _close(np.float32(got), np.float32(want), f"rank {rank} loss of step {s}")
+        _close(np.float32(res["eval_loss"]), np.float32(ref["eval_loss"]),
+               f"rank {rank} eval_batch loss")
         for name, value in res["params"].items():
             _close(value, ref["params"][name], f"rank {rank} parameter {name}")
             seen.add(name)

@@ -37,7 +37,9 @@ from hyperpar.pipeline.schedules import (
     Forward,
     PlanFn,
     Step,
+    check_plans,
     choose_lowering,
+    forward_only_plan,
     gpipe_plan,
     lower,
     one_f_one_b_plan,
@@ -99,6 +101,8 @@ class PipelineSchedule:
         self.grads: list[Any] = []
         self.last_timings = StepTimings()
         self._broken: str | None = None
+        self._train = True
+        self._eval_program: list[Step] | None = None
 
     def plan(self) -> list[Action]:
         """This rank's compute actions for one step."""
@@ -106,9 +110,10 @@ class PipelineSchedule:
 
     # ------------------------------------------------------------------ step
     def run_microbatches(self, inputs: list[Any] | None, targets: list[Any] | None, *,
-                         data_error: str | None = None) -> list[Any] | None:
+                         data_error: str | None = None, train: bool = True) -> list[Any] | None:
         """One training step; see the class docstring. ``data_error`` (the engine's: the data
-        iterator ran out) is raised inside the step, so the other stages are told."""
+        iterator ran out) is raised inside the step, so the other stages are told.
+        ``train=False`` runs the forward-only plan instead: no backward, :attr:`grads` empty."""
         if self._broken is not None:
             raise RuntimeError(
                 f"this pipeline failed in an earlier step ({self._broken}); messages its ranks "
@@ -121,7 +126,8 @@ class PipelineSchedule:
         self._grad_in: dict[int, Any] = {}
         self._outbox: dict[Comm, tuple[list[Any], bool]] = {}
         self._losses: list[Any] = [None] * m
-        self.grads = [ms.ops.zeros(p.shape, p.dtype) for p in self.weights]
+        self._train = train
+        self.grads = [ms.ops.zeros(p.shape, p.dtype) for p in self.weights] if train else []
         self._pc, self._sent_upto = 0, 0
         self._stage: int | None = None
         timings = StepTimings()
@@ -138,7 +144,8 @@ class PipelineSchedule:
                                  f"{None if targets is None else len(targets)}")
             run_program(self._counted(), self._communicate, self._run, timings, self._blame)
             self.p2p.wait_sends()
-            self._reduce_tied()
+            if train:
+                self._reduce_tied()
         except Exception as exc:
             self._fail(exc)
             raise
@@ -146,8 +153,20 @@ class PipelineSchedule:
         self.last_timings = timings
         return list(self._losses) if mod.stage_id == last else None
 
+    def _forward_program(self) -> list[Step]:
+        # Built on first use: the forward-only plan of eval_batch, lowered like the train plan.
+        if self._eval_program is None:
+            plans = [forward_only_plan(self.n_stages, self.n_microbatches, r, self.n_ranks)
+                     for r in range(self.n_ranks)]
+            check_plans(plans, self.n_stages, self.n_microbatches, self.n_ranks,
+                        forward_only=True)
+            self._eval_program = lower(plans[self.module.stage_id], self.n_stages,
+                                       self.n_ranks)
+        return self._eval_program
+
     def _counted(self) -> Iterator[Step]:
-        for i, step in enumerate(self.program):
+        program = self.program if self._train else self._forward_program()
+        for i, step in enumerate(program):
             self._pc = i
             yield step
 
@@ -206,7 +225,8 @@ class PipelineSchedule:
 
     def _forward(self, stage: int, mb: int) -> None:
         x = self._inputs[mb] if stage == 0 else self._act_in.pop(mb)
-        self._saved[mb] = x
+        if self._train:
+            self._saved[mb] = x
         out = self.module(x)
         if stage == self.n_stages - 1:
             self._losses[mb] = self.loss_fn(out, self._targets[mb])
@@ -375,10 +395,11 @@ class PipelineEngine:
     def is_last_stage(self) -> bool:
         return self.module.stage_id == self.module.num_stages - 1
 
-    def train_batch(self, data_iter: Iterator[Any]) -> ms.Tensor:
-        """One optimizer step over ``gradient_accumulation_steps`` microbatches ``(inputs,
-        labels)`` drawn from ``data_iter`` (on the first and the last stage); returns the mean
-        microbatch loss (a float32 scalar) on every rank."""
+    def _draw(self, data_iter: Iterator[Any], where: str
+              ) -> tuple[list[Any] | None, list[Any] | None, str | None]:
+        """``gradient_accumulation_steps`` pairs ``(inputs, labels)`` from ``data_iter`` on the
+        first and the last stage; a bad iterator gives an error text, raised inside the step
+        so the other stages are told."""
         m, first, last = self.gradient_accumulation_steps, self.is_first_stage(), \
             self.is_last_stage()
         inputs: list[Any] | None = [] if first else None
@@ -391,29 +412,52 @@ class PipelineEngine:
                 except StopIteration:
                     batch = None
                 if batch is None or not (isinstance(batch, tuple | list) and len(batch) == 2):
-                    # raised inside the step below, so the other stages are told
                     error = (
-                        f"train_batch: the data iterator ran out after {i} of the {m} "
+                        f"{where}: the data iterator ran out after {i} of the {m} "
                         f"microbatches" if batch is None else
-                        f"train_batch: each item of the data iterator must be a pair "
+                        f"{where}: each item of the data iterator must be a pair "
                         f"(inputs, labels), got {type(batch).__name__}")
                     break
                 if first:
                     inputs.append(batch[0])
                 if last:
                     targets.append(batch[1])
+        return inputs, targets, error
+
+    def _mean_loss(self, losses: list[Any] | None) -> ms.Tensor:
+        # The last stage's mean microbatch loss, broadcast so every rank returns it.
+        buf = ms.ops.zeros((1,), ms.float32)
+        if self.is_last_stage():
+            buf = ms.ops.stack([x.astype(ms.float32) for x in losses]).mean().reshape(1)
+        self.platform.broadcast(buf, src=self.module.stage_ranks[-1])
+        return buf[0]
+
+    def train_batch(self, data_iter: Iterator[Any]) -> ms.Tensor:
+        """One optimizer step over ``gradient_accumulation_steps`` microbatches ``(inputs,
+        labels)`` drawn from ``data_iter`` (on the first and the last stage); returns the mean
+        microbatch loss (a float32 scalar) on every rank."""
+        inputs, targets, error = self._draw(data_iter, "train_batch")
         losses = self.schedule.run_microbatches(inputs, targets, data_error=error)
         grads = dict(zip([id(p) for p in self.schedule.weights], self.schedule.grads,
                          strict=True))
         self.optimizer(tuple(grads[id(p)] for p in self.optimizer.parameters))
         self.global_steps += 1
-        owner = self.module.stage_ranks[-1]
-        buf = ms.ops.zeros((1,), ms.float32)
-        if last:
-            buf = ms.ops.stack([x.astype(ms.float32) for x in losses]).mean().reshape(1)
-        self.platform.broadcast(buf, src=owner)
-        return buf[0]
+        return self._mean_loss(losses)
 
+    def eval_batch(self, data_iter: Iterator[Any]) -> ms.Tensor:
+        """Forward ``gradient_accumulation_steps`` microbatches from ``data_iter`` through the
+        forward-only plan, without gradients and leaving the parameters unchanged; returns
+        the mean microbatch loss (float32 scalar) on every rank, as :meth:`train_batch`. The
+        Cells run with ``set_train(False)`` (dropout off) and get their mode back after."""
+        inputs, targets, error = self._draw(data_iter, "eval_batch")
+        was_training = self.module.training
+        self.module.set_train(False)
+        try:
+            losses = self.schedule.run_microbatches(inputs, targets, data_error=error,
+                                                    train=False)
+        finally:
+            self.module.set_train(was_training)
+        return self._mean_loss(losses)
 
 def initialize(args: Any = None, model: PipelineModule | None = None, optimizer: Any = None,
                config: Mapping[str, Any] | None = None,
