@@ -27,6 +27,7 @@ DTensor input, forward-mode AD (``jvp``), and DTensors under ``torch.func`` tran
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -40,7 +41,9 @@ __all__ = ["install"]
 _Function = torch.autograd.Function
 _compiling = torch.compiler.is_compiling
 _functorch_active = torch._C._are_functorch_transforms_active
-_ORIGINAL_APPLY = _Function.apply.__func__  # type: ignore[attr-defined]
+# torch's own apply, as its raw descriptor: a Python classmethod on some torch versions, a C
+# one on others (2.14); bound to the calling class at each call
+_ORIGINAL = inspect.getattr_static(_Function, "apply")
 # forward receives its call's specs through this stack (forward runs inside apply, nested
 # custom Functions push their own)
 _PENDING: list[_Call] = []
@@ -159,6 +162,10 @@ class _OnLocals(torch.autograd.Function):
         return tuple(out)
 
 
+def _original_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+    return _ORIGINAL.__get__(None, cls)(*args, **kwargs)
+
+
 def _uses_setup_context(fn: type) -> bool:
     return fn.setup_context is not _Function.setup_context  # type: ignore[comparison-overlap]
 
@@ -170,17 +177,15 @@ def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         if isinstance(a, DTensor):
             break
     else:
-        return _ORIGINAL_APPLY(cls, *args, **kwargs)
+        return _original_apply(cls, *args, **kwargs)
     if cls is _OnLocals or _compiling():
-        return _ORIGINAL_APPLY(cls, *args, **kwargs)
+        return _original_apply(cls, *args, **kwargs)
     if _functorch_active():
         raise CustomFunctionError(
             f"{cls.__name__}.apply on hyperpar DTensors under a torch.func transform is not "
             f"supported; apply it to local tensors (hyperpar.local_map)")
     if kwargs:
         if _uses_setup_context(cls):  # torch binds keywords to forward's parameters there
-            import inspect
-
             bound = inspect.signature(cls.forward).bind(*args, **kwargs)
             bound.apply_defaults()
             args, kwargs = tuple(bound.args), {}
@@ -192,7 +197,7 @@ def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     call = _Call(cls, in_specs)
     _PENDING.append(call)
     try:
-        out = _ORIGINAL_APPLY(_OnLocals, *(_local(a) for a in args), **kwargs)
+        out = _original_apply(_OnLocals, *(_local(a) for a in args), **kwargs)
     finally:
         if _PENDING and _PENDING[-1] is call:  # forward never ran (apply raised first)
             _PENDING.pop()
@@ -205,6 +210,6 @@ def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
 
 def install() -> None:
     """Wrap ``torch.autograd.Function.apply`` (once per process)."""
-    if getattr(_Function.apply, "__func__", None) is _apply:
+    if getattr(inspect.getattr_static(_Function, "apply"), "__func__", None) is _apply:
         return
     _Function.apply = classmethod(_apply)  # type: ignore[method-assign,assignment]
