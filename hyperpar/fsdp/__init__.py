@@ -10,19 +10,13 @@ does. In a venv with both frameworks use ``from hyperpar import fully_shard`` (i
 ``HYPERPAR_BACKEND``) or import from ``hyperpar_mindspore``.
 """
 
-import importlib.util as _util
 from typing import Any as _Any
+
+from hyperpar.platform.registry import torch_installed as _torch_installed
 
 __all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "FSDPModule", "MixedPrecisionPolicy",
            "OffloadPolicy", "UnshardHandle", "clip_grad_norm_", "fully_shard",
            "register_fsdp_forward_method"]
-
-
-def _torch_installed() -> bool:
-    try:
-        return _util.find_spec("torch") is not None
-    except ImportError:   # an import hook that refuses torch: not usable here either
-        return False
 
 
 if _torch_installed():

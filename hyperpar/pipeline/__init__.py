@@ -13,8 +13,9 @@ partitioners, plans and the instruction loop are the same framework-neutral code
 with both frameworks import the MindSpore ones from ``hyperpar_mindspore`` directly.
 """
 
-import importlib.util as _util
 from typing import Any as _Any
+
+from hyperpar.platform.registry import torch_installed as _torch_installed
 
 from .partition import partition_balanced, partition_layers, partition_uniform
 from .runner import StepTimings
@@ -42,14 +43,6 @@ from .schedules import (
 )
 from .spec import LayerSpec, LayerSpecTypeError, TiedLayerSpec
 from .topology import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
-
-
-def _torch_installed() -> bool:
-    try:
-        return _util.find_spec("torch") is not None
-    except ImportError:   # an import hook that refuses torch: not usable here either
-        return False
-
 
 if _torch_installed():
     from .engine import PipelineEngine, RepeatingLoader, initialize

@@ -33,9 +33,8 @@ from .schedules import (
     PlanFn,
     Step,
     bubble_fraction_theory,
-    check_plans,
     choose_lowering,
-    forward_only_plan,
+    forward_only_program,
     gpipe_plan,
     interleaved_1f1b_plan,
     lower,
@@ -174,12 +173,8 @@ class PipelineSchedule(StageMailbox):
 
     def _forward_program(self) -> list[Step]:
         if self._eval_program is None:
-            plans = [forward_only_plan(self.n_stages, self.n_microbatches, r, self.n_ranks)
-                     for r in range(self.n_ranks)]
-            check_plans(plans, self.n_stages, self.n_microbatches, self.n_ranks,
-                        forward_only=True)
-            self._eval_program = lower(plans[self.module.stage_id], self.n_stages,
-                                       self.n_ranks)
+            self._eval_program = forward_only_program(self.n_stages, self.n_microbatches,
+                                                      self.module.stage_id, self.n_ranks)
         return self._eval_program
 
     def run_microbatches(self, inputs: Sequence[Any] | None, targets: Sequence[Any] | None, *,

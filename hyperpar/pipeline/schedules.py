@@ -495,3 +495,14 @@ def bubble_fraction_theory(n_ranks: int, n_microbatches: int, virtual_stages: in
     """Idle fraction of a synchronous pipeline step: ``(p - 1) / (v * m + p - 1)``."""
     p, m, v = n_ranks, n_microbatches, virtual_stages
     return (p - 1) / (v * m + p - 1)
+
+
+def forward_only_program(n_stages: int, n_microbatches: int, rank: int,
+                         n_ranks: int | None = None) -> list[Step]:
+    """``rank``'s lowered program for an evaluation step (:func:`forward_only_plan`), the
+    plans of every rank checked for deadlock first; both executors build their
+    ``eval_batch`` from it."""
+    n_ranks = n_stages if n_ranks is None else n_ranks
+    plans = [forward_only_plan(n_stages, n_microbatches, r, n_ranks) for r in range(n_ranks)]
+    check_plans(plans, n_stages, n_microbatches, n_ranks, forward_only=True)
+    return lower(plans[rank], n_stages, n_ranks)

@@ -8,6 +8,7 @@ Resolution is lazy and cached until :func:`reset`; nothing is decided at import 
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import os
 import threading
@@ -258,3 +259,12 @@ def reset() -> None:
         _state.override = None
         _state.platform = None
         _state.rule = ""
+
+
+def torch_installed() -> bool:
+    """Whether torch can be imported here (without importing it): where it cannot (a MindSpore
+    venv), the packages that offer torch implementations resolve names through the platform."""
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except ImportError:   # an import hook that refuses torch: not usable here either
+        return False

@@ -37,9 +37,8 @@ from hyperpar.pipeline.schedules import (
     Forward,
     PlanFn,
     Step,
-    check_plans,
     choose_lowering,
-    forward_only_plan,
+    forward_only_program,
     gpipe_plan,
     lower,
     one_f_one_b_plan,
@@ -156,12 +155,8 @@ class PipelineSchedule:
     def _forward_program(self) -> list[Step]:
         # Built on first use: the forward-only plan of eval_batch, lowered like the train plan.
         if self._eval_program is None:
-            plans = [forward_only_plan(self.n_stages, self.n_microbatches, r, self.n_ranks)
-                     for r in range(self.n_ranks)]
-            check_plans(plans, self.n_stages, self.n_microbatches, self.n_ranks,
-                        forward_only=True)
-            self._eval_program = lower(plans[self.module.stage_id], self.n_stages,
-                                       self.n_ranks)
+            self._eval_program = forward_only_program(self.n_stages, self.n_microbatches,
+                                                      self.module.stage_id, self.n_ranks)
         return self._eval_program
 
     def _counted(self) -> Iterator[Step]:
