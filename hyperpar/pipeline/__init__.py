@@ -35,10 +35,16 @@ from .schedules import (
     forward_only_plan,
     gpipe_plan,
     interleaved_1f1b_plan,
+    interleaved_zero_bubble_plan,
     lower,
+    lower_all,
     one_f_one_b_plan,
+    rank_program,
+    rank_stages,
     simulate,
+    stage_rank,
     timeline,
+    zbv_plan,
     zero_bubble_plan,
 )
 from .spec import LayerSpec, LayerSpecTypeError, TiedLayerSpec
@@ -81,7 +87,8 @@ __all__ = [
     "ScheduleInterleaved1F1B", "ScheduleZeroBubble", "StepTimings", "TiedLayerSpec", "W",
     "bubble_fraction_theory", "check_plans", "forward_only_plan", "get_schedule_class",
     "gpipe_plan", "initialize",
-    "interleaved_1f1b_plan", "lower", "merge_microbatches", "one_f_one_b_plan",
-    "partition_balanced", "partition_layers", "partition_uniform", "simulate",
-    "split_microbatches", "timeline", "zero_bubble_plan",
+    "interleaved_1f1b_plan", "interleaved_zero_bubble_plan", "lower", "lower_all",
+    "merge_microbatches", "one_f_one_b_plan", "partition_balanced", "partition_layers",
+    "partition_uniform", "rank_program", "rank_stages", "simulate", "split_microbatches",
+    "stage_rank", "timeline", "zbv_plan", "zero_bubble_plan",
 ]

@@ -15,8 +15,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from hyperpar.platform import get_platform
-
 from ._faults import pipeline_step
 from .mailbox import StageMailbox
 from .mailbox import as_leaf as _leaf
@@ -37,9 +35,15 @@ from .schedules import (
     forward_only_program,
     gpipe_plan,
     interleaved_1f1b_plan,
-    lower,
     one_f_one_b_plan,
+    rank_program,
     zero_bubble_plan,
+)
+from .split_backward import (
+    capture_leaf_outputs,
+    exact_pieces,
+    input_gradients,
+    weight_gradients,
 )
 
 
@@ -133,8 +137,8 @@ class PipelineSchedule(StageMailbox):
         plan_fn = type(self).plan_fn
         self.fuse = choose_lowering(plan_fn, self.n_stages, n_microbatches, self.n_ranks)
         self._plan = plan_fn(self.n_stages, n_microbatches, module.stage_id, self.n_ranks)
-        self.program: list[Step] = lower(self._plan, self.n_stages, self.n_ranks,
-                                         fuse=self.fuse)
+        self.program: list[Step] = rank_program(plan_fn, self.n_stages, n_microbatches,
+                                                module.stage_id, self.n_ranks, fuse=self.fuse)
         self._train_p2p = P2P(module.group, module.stage_ranks, dynamic_shapes)
         self._eval_p2p = P2P(module.group, module.stage_ranks, dynamic_shapes)
         self._eval_program: list[Step] | None = None
@@ -398,37 +402,13 @@ class PipelineSchedule(StageMailbox):
         """Hooks recording the output of every submodule that owns parameters directly."""
         if self.module.activation_checkpoint_interval:
             return []   # recomputed units: keep the per-unit split
-        platform = get_platform()
-        handles = []
-
-        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            if isinstance(output, torch.Tensor):
-                captured.append((module, output, output._version))
-
-        for i in layers:
-            for top in self.module._layer_modules[i]:
-                for sub in top.modules():
-                    if any(p.requires_grad for p in sub.parameters(recurse=False)):
-                        handles.append(platform.register_forward_hook(sub, hook))
-        return handles
+        return capture_leaf_outputs((top for i in layers for top in self.module._layer_modules[i]),
+                                    captured)
 
     def _leaf_split(self, layers: list[int], captured: list) -> list[list[Any]]:
         """Per-submodule weight-gradient pieces, or ``[]`` when the unit cannot be split
-        exactly (a module called twice, shared or functionally used parameters, an output
-        modified in place): then the whole unit's weight gradient runs as one piece."""
-        if not captured:
-            return []
-        pieces, seen_mods, seen_params = [], set(), set()
-        for module, out, version in captured:
-            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
-            if id(module) in seen_mods or out._version != version or not out.requires_grad \
-                    or any(id(p) in seen_params for p in params):
-                return []
-            seen_mods.add(id(module))
-            seen_params.update(id(p) for p in params)
-            pieces.append([out, params, None])
-        unit_params = {id(p) for p in self.module.unit_parameters(layers)}
-        return pieces if seen_params == unit_params else []
+        exactly: then the whole unit's weight gradient runs as one piece."""
+        return exact_pieces(captured, self.module.unit_parameters(layers))
 
     def _backward_input(self, stage: int, mb: int) -> None:
         units = self._units[(stage, mb)]
@@ -438,29 +418,14 @@ class PipelineSchedule(StageMailbox):
             grads = [torch.ones_like(t) for t in units[-1].outs]
         for unit in reversed(units):
             unit.grads = list(grads)
-            wanted = list(unit.ins) + [piece[0] for piece in unit.leaves]
-            if wanted and unit.outs:
-                got = torch.autograd.grad(unit.outs, wanted, unit.grads, retain_graph=True,
-                                          allow_unused=True)
-                for piece, g in zip(unit.leaves, got[len(unit.ins):], strict=True):
-                    piece[2] = g
-                grads = [g if g is not None else torch.zeros_like(t)
-                         for g, t in zip(got[:len(unit.ins)], unit.ins, strict=True)]
-            else:
-                grads = [torch.zeros_like(t) for t in unit.ins]
+            grads = input_gradients(unit.outs, unit.grads, unit.ins, unit.leaves)
         self._send_input_grads(stage, mb, grads)
         self._inputs.pop((stage, mb), None)
 
     def _backward_weight(self, stage: int, mb: int) -> None:
         for unit in self._units.pop((stage, mb)):
-            if unit.leaves:   # each submodule's own weight gradient, nothing recomputed
-                for out, params, grad in unit.leaves:
-                    if grad is not None:
-                        torch.autograd.backward(out, grad, inputs=params)
-                continue
-            params = self.module.unit_parameters(unit.layers)
-            if params and unit.outs:
-                torch.autograd.backward(unit.outs, unit.grads, inputs=params)
+            weight_gradients(unit.outs, unit.grads or [], unit.leaves,
+                             self.module.unit_parameters(unit.layers))
 
 
 class ScheduleGPipe(PipelineSchedule):

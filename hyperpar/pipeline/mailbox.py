@@ -52,6 +52,10 @@ class StageMailbox:
         """Whether ``neighbour`` runs on the same rank as ``stage``."""
         raise NotImplementedError
 
+    def _rank_of(self, stage: int) -> int:
+        """The pipeline rank holding ``stage`` (torch's loop layout unless overridden)."""
+        return stage % self.n_ranks
+
     def _communicate(self, comms: Sequence[Comm]) -> None:
         """Post one step's sends and receives together and file what arrived."""
         sends, recvs = [], []
@@ -92,4 +96,4 @@ class StageMailbox:
             else:
                 self._grad_in[(nxt, mb)] = list(tensors)
             return
-        self._outbox[Comm("send", what, mb, stage, nxt % self.n_ranks)] = (tensors, single)
+        self._outbox[Comm("send", what, mb, stage, self._rank_of(nxt))] = (tensors, single)

@@ -28,18 +28,31 @@ from hyperpar.pipeline.schedules import (
     Action,
     B,
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Comm,
     F,
     Forward,
     Plan,
     PlanFn,
     Step,
+    Style,
     check_plans,
     choose_lowering,
     gpipe_plan,
     interleaved_1f1b_plan,
-    lower,
+    interleaved_zero_bubble_plan,
+    lower_all,
     one_f_one_b_plan,
+    rank_stages,
+    stage_rank,
+    zbv_plan,
+)
+from hyperpar.pipeline.split_backward import (
+    capture_leaf_outputs,
+    exact_pieces,
+    input_gradients,
+    weight_gradients,
 )
 
 from .stage import PipelineStage
@@ -68,6 +81,10 @@ class _PipelineSchedule(StageMailbox):
 
     plan_fn: ClassVar[PlanFn]
     multi: ClassVar[bool] = False
+    #: where stage s lives: "loop" (rank s % p) or "v" (down the ranks and back up)
+    style: ClassVar[Style] = "loop"
+    #: zero-bubble schedules: each backward runs as I (input gradient) and W (weights)
+    split_backward: ClassVar[bool] = False
 
     def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int,
                  loss_fn: Callable[..., torch.Tensor] | None, args_chunk_spec: Any,
@@ -101,6 +118,23 @@ class _PipelineSchedule(StageMailbox):
         self._stages = {s.stage_index: s for s in stages}
         if len(self._stages) != len(stages):
             raise ValueError(f"{name}: duplicate stage indices {[s.stage_index for s in stages]}")
+        style = type(self).style
+        mine = rank_stages(first.group_rank, n_stages, n_ranks, style)
+        if sorted(self._stages) != mine:
+            rule = ("stage s runs on rank s % p" if style == "loop" else
+                    "V placement: rank r holds stages r and 2p - 1 - r")
+            raise ValueError(
+                f"{name}: pipeline rank {first.group_rank} of {n_ranks} built stages "
+                f"{sorted(self._stages)}, but this schedule places stages {mine} there ({rule}); "
+                f"build those PipelineStages on this rank")
+        if type(self).split_backward:
+            for s in stages:
+                if any(isinstance(mod, FSDPModule) for mod in s.submod.modules()):
+                    raise NotImplementedError(
+                        f"{name}: stage {s.stage_index} holds fully_shard modules; hyperpar runs "
+                        f"the split (input / weight) backward of zero-bubble schedules only on "
+                        f"stages without them. Use ScheduleInterleaved1F1B or Schedule1F1B with "
+                        f"fully_shard")
         self._n_microbatches = n_microbatches
         self._loss_fn = loss_fn
         self.scale_grads = scale_grads
@@ -109,17 +143,18 @@ class _PipelineSchedule(StageMailbox):
         # what hyperpar.pipeline._faults needs to name a failing stage on every rank
         self.stage_ranks, self.stage_id = first.stage_ranks, first.group_rank
         plan_fn = type(self).plan_fn
-        self.fuse = choose_lowering(plan_fn, n_stages, n_microbatches, n_ranks)
-        self._plan = plan_fn(n_stages, n_microbatches, self.stage_id, n_ranks)
-        self._program = lower(self._plan, n_stages, n_ranks, fuse=self.fuse)
+        self.fuse = choose_lowering(plan_fn, n_stages, n_microbatches, n_ranks, style)
+        all_plans = [plan_fn(n_stages, n_microbatches, r, n_ranks) for r in range(n_ranks)]
+        self._plan = all_plans[self.stage_id]
+        self._program = lower_all(all_plans, n_stages, n_ranks, fuse=self.fuse,
+                                  style=style)[self.stage_id]
         self._last_backward = {a.stage: a for a in self._plan if isinstance(a, Backward)}
         # eval: the training plan's forwards in their order. (forward_only_plan runs each
         # local stage to the end first, which deadlocks under rendezvous sends once a later
         # stage comes back to this rank with more than a few microbatches.)
-        plans = [[a for a in plan_fn(n_stages, n_microbatches, r, n_ranks)
-                  if isinstance(a, Forward)] for r in range(n_ranks)]
-        check_plans(plans, n_stages, n_microbatches, n_ranks, forward_only=True)
-        self._eval_program = lower(plans[self.stage_id], n_stages, n_ranks)
+        plans = [[a for a in plan if isinstance(a, Forward)] for plan in all_plans]
+        check_plans(plans, n_stages, n_microbatches, n_ranks, forward_only=True, style=style)
+        self._eval_program = lower_all(plans, n_stages, n_ranks, style=style)[self.stage_id]
         self._train_p2p = P2P(first.group, first.stage_ranks, dynamic_shapes)
         self._eval_p2p = P2P(first.group, first.stage_ranks, dynamic_shapes)
 
@@ -200,6 +235,8 @@ class _PipelineSchedule(StageMailbox):
         self._outbox: dict[Comm, tuple[Sequence[torch.Tensor], bool]] = {}
         self._losses: list[torch.Tensor | None] = [None] * m
         self._mb_outputs: list[Any] = [None] * m
+        self._pieces: dict[tuple[int, int], list[Any]] = {}
+        self._weight_work: dict[tuple[int, int], tuple[list, list, list]] = {}
         self._fault_stage: int | None = None
         self._fault_peers: list[int] = []
         with pipeline_step(self, lambda: self._fault_stage, lambda: self._fault_peers):
@@ -229,10 +266,15 @@ class _PipelineSchedule(StageMailbox):
                     self._communicate(step.comms)
                 if step.action is not None:
                     self._fault_stage = step.action.stage
-                    if isinstance(step.action, Forward):
-                        self._forward(step.action.stage, step.action.mb)
+                    action = step.action
+                    if isinstance(action, Forward):
+                        self._forward(action.stage, action.mb)
+                    elif isinstance(action, BackwardInput):
+                        self._backward_input(action.stage, action.mb)
+                    elif isinstance(action, BackwardWeight):
+                        self._backward_weight(action.stage, action.mb)
                     else:
-                        self._backward(step.action.stage, step.action.mb)
+                        self._backward(action.stage, action.mb)
             self._fault_stage = None
             self._fault_peers = list(self.stage_ranks)
             p2p.wait_sends()
@@ -254,7 +296,10 @@ class _PipelineSchedule(StageMailbox):
         return self.stage_ranks
 
     def _is_local(self, stage: int, neighbour: int) -> bool:
-        return neighbour in self._stages   # the next stage on this rank (one-rank pipeline)
+        return neighbour in self._stages   # the next stage on this rank (or a V's turn)
+
+    def _rank_of(self, stage: int) -> int:
+        return stage_rank(stage, self.n_stages, self.n_ranks, type(self).style)
 
     def _forward(self, s: int, mb: int) -> None:
         stage = self._stages[s]
@@ -269,7 +314,17 @@ class _PipelineSchedule(StageMailbox):
             stage.check_shapes("input", args)
             ins = [t for t in args if t.requires_grad]
         self._inputs[(s, mb)] = ins
-        out = stage.submod(*args, **kwargs)
+        if self._train and type(self).split_backward:
+            captured: list = []
+            handles = capture_leaf_outputs([stage.submod], captured)
+            try:
+                out = stage.submod(*args, **kwargs)
+            finally:
+                for h in handles:
+                    h.remove()
+            self._pieces[(s, mb)] = exact_pieces(captured, stage.submod.parameters())
+        else:
+            out = stage.submod(*args, **kwargs)
         tensors, single = flatten(out, f"output of stage {s}")
         stage.check_shapes("output", tensors)
         if s == self.n_stages - 1:
@@ -306,6 +361,25 @@ class _PipelineSchedule(StageMailbox):
             self._hand_off("grad", s, mb, full, False)
         else:
             self._inputs.pop((s, mb), None)
+
+
+    def _backward_input(self, s: int, mb: int) -> None:
+        """Zero-bubble ``I``: the stage input's gradient, sent upstream at once; the weight
+        gradient waits for ``W`` (:mod:`hyperpar.pipeline.split_backward`)."""
+        outs = self._outputs.pop((s, mb))
+        grads = ([torch.ones_like(t) for t in outs] if s == self.n_stages - 1
+                 else list(self._grad_in.pop((s, mb))))
+        ins = self._inputs.pop((s, mb))
+        pieces = self._pieces.pop((s, mb), [])
+        got = input_gradients(outs, grads, ins, pieces)
+        self._weight_work[(s, mb)] = (outs, grads, pieces)
+        if s > 0:
+            self._hand_off("grad", s, mb, got, False)
+
+    def _backward_weight(self, s: int, mb: int) -> None:
+        """Zero-bubble ``W``: accumulate the stage's parameter gradients for microbatch ``mb``."""
+        outs, grads, pieces = self._weight_work.pop((s, mb))
+        weight_gradients(outs, grads, pieces, list(self._stages[s].submod.parameters()))
 
 
 class PipelineScheduleSingle(_PipelineSchedule):
@@ -398,12 +472,23 @@ class ScheduleLoopedBFS(_NotImplementedSchedule):
            "hyperpar.pipeline.check_plans)")
 
 
-class ScheduleInterleavedZeroBubble(_NotImplementedSchedule):
-    """Not implemented (raises :class:`NotImplementedError` naming the alternatives)."""
+class ScheduleInterleavedZeroBubble(PipelineScheduleMulti):
+    """Interleaved zero-bubble: interleaved 1F1B's stages and order with each backward split
+    into the input gradient (sent at once) and the weight gradient (deferred into the waits);
+    see :func:`hyperpar.pipeline.interleaved_zero_bubble_plan`."""
+
+    plan_fn = staticmethod(interleaved_zero_bubble_plan)
+    split_backward = True
 
 
-class ScheduleZBVZeroBubble(_NotImplementedSchedule):
-    """Not implemented (raises :class:`NotImplementedError` naming the alternatives)."""
+class ScheduleZBVZeroBubble(PipelineScheduleMulti):
+    """Zero-bubble V: exactly two stages per rank, rank ``r`` holding stages ``r`` and
+    ``2p - 1 - r`` (so the loss is computed on rank 0), backward split into input and weight
+    gradients; see :func:`hyperpar.pipeline.zbv_plan`."""
+
+    plan_fn = staticmethod(zbv_plan)
+    split_backward = True
+    style = "v"
 
 
 class ScheduleDualPipeV(_NotImplementedSchedule):

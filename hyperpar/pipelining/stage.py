@@ -1,7 +1,9 @@
 """``PipelineStage``: one stage of a ``torch.distributed.pipelining``-style pipeline.
 
 Stage ``s`` of ``num_stages`` runs on pipeline rank ``s % group_size`` (torch's loop layout:
-with ``v`` stages per rank, rank ``r`` holds stages ``r, r + p, ...``). Shapes need not be
+with ``v`` stages per rank, rank ``r`` holds stages ``r, r + p, ...``), or for the V schedules
+(``ScheduleZBVZeroBubble``) on ranks ``0 .. p-1`` and back (rank ``r`` holds ``r`` and
+``2p - 1 - r``); the schedule checks that each rank built its own stages. Shapes need not be
 given: they travel with the first activation of every (stage, microbatch) as a small header
 (:mod:`hyperpar.pipeline.p2p`), so no warm-up pass runs and no gradients are left behind by
 one. ``input_args`` / ``output_args``, when given, are checked against what really flows.
@@ -76,12 +78,6 @@ class PipelineStage:
             raise ValueError(f"PipelineStage: num_stages={num_stages} is not a multiple of the "
                              f"pipeline group size {self.group_size}; each rank must hold the same "
                              f"number of stages")
-        if stage_index % self.group_size != self.group_rank:
-            raise ValueError(
-                f"PipelineStage: stage {stage_index} belongs on pipeline rank "
-                f"{stage_index % self.group_size} (stage s runs on rank s % {self.group_size}), "
-                f"but this is rank {self.group_rank}; build stages {self.group_rank}, "
-                f"{self.group_rank + self.group_size}, ... here")
         self.input_shapes = _shapes(input_args)
         self.output_shapes = _shapes(output_args)
 

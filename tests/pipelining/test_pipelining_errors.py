@@ -34,10 +34,23 @@ def _bad_inputs() -> dict[str, str]:
     platform = get_platform()
     rank, world = platform.rank(), platform.world_size()
     model = build_model(world)
-    out = {"wrong rank": _message(lambda: pp.PipelineStage(model[0], (rank + 1) % world, world,
-                                                           platform.device()))}
+    wrong = pp.PipelineStage(model[(rank + 1) % world], (rank + 1) % world, world,
+                             platform.device())
+    out = {"wrong rank": _message(lambda: pp.Schedule1F1B(wrong, 4, mse_mean))}
     stage = pp.PipelineStage(model[rank], rank, world, platform.device())
-    out["zero bubble"] = _message(lambda: pp.ScheduleZBVZeroBubble([stage], 4, mse_mean))
+    out["zbv one stage"] = _message(lambda: pp.ScheduleZBVZeroBubble([stage], 4, mse_mean))
+    v_model = build_model(2 * world)   # loop placement handed to the V schedule
+    loop = [pp.PipelineStage(v_model[i], i, 2 * world, platform.device())
+            for i in (rank, rank + world)]
+    out["zbv loop placement"] = _message(lambda: pp.ScheduleZBVZeroBubble(loop, 4, mse_mean))
+    out["dual pipe"] = _message(lambda: pp.ScheduleDualPipeV(loop, 4, mse_mean))
+    from hyperpar.fsdp import fully_shard
+
+    sharded = build_model(2 * world)
+    fully_shard(sharded[rank])
+    v_stages = [pp.PipelineStage(sharded[i], i, 2 * world, platform.device())
+                for i in (rank, 2 * world - 1 - rank)]
+    out["zbv fsdp"] = _message(lambda: pp.ScheduleZBVZeroBubble(v_stages, 4, mse_mean))
     out["looped bfs"] = _message(lambda: pp.ScheduleLoopedBFS([stage], 4, mse_mean))
     out["two stages to a single schedule"] = _message(
         lambda: pp.ScheduleInterleaved1F1B([stage, stage], 4, mse_mean))
@@ -52,10 +65,14 @@ def _bad_inputs() -> dict[str, str]:
 
 def test_bad_input_is_named_on_every_rank(run_on_ranks):
     for got in run_on_ranks(2, _bad_inputs, timeout_s=60):
-        assert got["wrong rank"].startswith("ValueError: PipelineStage: stage ")
-        assert "build stages" in got["wrong rank"]
-        assert got["zero bubble"].startswith(
-            "NotImplementedError: hyperpar.pipelining.ScheduleZBVZeroBubble is not implemented")
+        assert got["wrong rank"].startswith("ValueError: Schedule1F1B: pipeline rank ")
+        assert "build those PipelineStages on this rank" in got["wrong rank"]
+        assert got["zbv one stage"].startswith("ValueError: ZB-V runs exactly two stages per rank")
+        assert "V placement: rank r holds stages r and 2p - 1 - r" in got["zbv loop placement"]
+        assert "holds fully_shard modules" in got["zbv fsdp"] and \
+            got["zbv fsdp"].startswith("NotImplementedError"), got["zbv fsdp"]
+        assert got["dual pipe"].startswith(
+            "NotImplementedError: hyperpar.pipelining.ScheduleDualPipeV is not implemented")
         assert "deadlocks under rendezvous sends" in got["looped bfs"]
         assert "duplicate stage indices" in got["two stages to a single schedule"] or \
             "make 4 stages" in got["two stages to a single schedule"]

@@ -26,6 +26,9 @@ def _check(results: list[dict], ref: dict, n_stages: int) -> None:
             torch.testing.assert_close(params[lib][k], v, **TOL, msg=f"{lib} {k}")
         got = torch.tensor(last[0][lib]["losses"])
         torch.testing.assert_close(got, torch.tensor(ref["losses"]), **TOL, msg=lib)
+        if last[0][lib]["eval"] is None:   # torch's eval() is broken for this schedule
+            assert lib == LIBS[0], "hyperpar's eval must always run"
+            continue
         torch.testing.assert_close(last[0][lib]["eval"], ref["eval"], **TOL, msg=lib)
         torch.testing.assert_close(torch.tensor(last[0][lib]["eval_losses"]),
                                    torch.tensor(ref["eval_losses"]), **TOL, msg=lib)
@@ -45,6 +48,13 @@ def test_two_ranks_match_torch_and_one_process(run_on_ranks, schedule, m):
 def test_two_ranks_two_virtual_stages_interleaved(run_on_ranks, m):
     results = run_on_ranks(2, both, "ScheduleInterleaved1F1B", m, 2, 2, timeout_s=60)
     _check(results, reference(4, m, 2), 4)
+
+
+@pytest.mark.parametrize("schedule", ["ScheduleZBVZeroBubble", "ScheduleInterleavedZeroBubble"])
+def test_two_ranks_zero_bubble_split_backward(run_on_ranks, schedule):
+    """Input and weight gradients computed apart (I, then W later) give torch's result."""
+    results = run_on_ranks(2, both, schedule, 4, 2, 2, timeout_s=60)
+    _check(results, reference(4, 4, 2), 4)
 
 
 def test_four_ranks_interleaved_two_stages_per_rank(run_on_ranks):

@@ -29,6 +29,8 @@ def test_kinds_as_torch() -> None:
     """torchtitan picks single- vs multi-stage by issubclass; unbuilt ones raise when made."""
     assert issubclass(hp.get_schedule_class("1F1B"), hp.PipelineScheduleSingle)
     assert issubclass(hp.get_schedule_class("Interleaved1F1B"), hp.PipelineScheduleMulti)
+    for name in ("ZBVZeroBubble", "InterleavedZeroBubble"):
+        assert issubclass(hp.get_schedule_class(name), hp.PipelineScheduleMulti)
     for cls in (hp.ScheduleDualPipeV, hp._PipelineScheduleRuntime):
         with pytest.raises(NotImplementedError, match="is not implemented"):
             cls(None, 4)

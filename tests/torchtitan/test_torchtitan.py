@@ -51,6 +51,9 @@ CASES = {
                            "--parallelism.pipeline_parallel_degree", "2",
                            "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
                            "--parallelism.pipeline_parallel_layers_per_stage", "1"]),
+    # zero-bubble V: two stages per rank in a V (rank 0 holds the first and the last stage)
+    "pp_zbv": (2, ["--training.seq_len", "128", "--parallelism.pipeline_parallel_degree", "2",
+                   "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
     "cp": (2, ["--training.seq_len", "256", "--parallelism.context_parallel_degree", "2"]),
     "tp": (2, ["--training.seq_len", "128", "--parallelism.tensor_parallel_degree", "2"]),
     "fsdp_tp": (4, ["--training.seq_len", "128", "--parallelism.data_parallel_shard_degree", "2",

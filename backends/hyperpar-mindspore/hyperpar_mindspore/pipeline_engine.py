@@ -2,8 +2,8 @@
 
 What runs when is hyperpar's, shared with torch: the plan (:mod:`hyperpar.pipeline.schedules`:
 ``gpipe_plan``, ``one_f_one_b_plan``), its lowering to batches of sends and receives
-(``lower``), and the instruction loop (:func:`hyperpar.pipeline.runner.run_program`). This module
-supplies the MindSpore mechanics of one action:
+(``rank_program``), and the instruction loop (:func:`hyperpar.pipeline.runner.run_program`).
+This module supplies the MindSpore mechanics of one action:
 
 * forward of microbatch ``mb``: run the stage Cell on its input (no gradient graph) and send the
   output on; the stage input is kept for the backward;
@@ -40,8 +40,8 @@ from hyperpar.pipeline.schedules import (
     choose_lowering,
     forward_only_program,
     gpipe_plan,
-    lower,
     one_f_one_b_plan,
+    rank_program,
 )
 from hyperpar.platform import get_platform
 
@@ -94,7 +94,8 @@ class PipelineSchedule:
         plan_fn = type(self).plan_fn
         fuse = choose_lowering(plan_fn, self.n_stages, n_microbatches, self.n_ranks)
         self._plan = plan_fn(self.n_stages, n_microbatches, module.stage_id, self.n_ranks)
-        self.program: list[Step] = lower(self._plan, self.n_stages, self.n_ranks, fuse=fuse)
+        self.program: list[Step] = rank_program(plan_fn, self.n_stages, n_microbatches,
+                                                module.stage_id, self.n_ranks, fuse=fuse)
         self.p2p = MindSporeP2P(module.stage_ranks)
         self.weights = module.trainable_params()
         self.grads: list[Any] = []
