@@ -127,14 +127,6 @@ class _PipelineSchedule(StageMailbox):
                 f"{name}: pipeline rank {first.group_rank} of {n_ranks} built stages "
                 f"{sorted(self._stages)}, but this schedule places stages {mine} there ({rule}); "
                 f"build those PipelineStages on this rank")
-        if type(self).split_backward:
-            for s in stages:
-                if any(isinstance(mod, FSDPModule) for mod in s.submod.modules()):
-                    raise NotImplementedError(
-                        f"{name}: stage {s.stage_index} holds fully_shard modules; hyperpar runs "
-                        f"the split (input / weight) backward of zero-bubble schedules only on "
-                        f"stages without them. Use ScheduleInterleaved1F1B or Schedule1F1B with "
-                        f"fully_shard")
         self._n_microbatches = n_microbatches
         self._loss_fn = loss_fn
         self.scale_grads = scale_grads
@@ -261,24 +253,18 @@ class _PipelineSchedule(StageMailbox):
                 raise ValueError(f"step(): no target on the rank holding the last stage "
                                  f"({last}), but the schedule has a loss_fn; pass target= to "
                                  f"step() there")
-            for step in program:
-                if step.comms:
-                    self._communicate(step.comms)
-                if step.action is not None:
-                    self._fault_stage = step.action.stage
-                    action = step.action
-                    if isinstance(action, Forward):
-                        self._forward(action.stage, action.mb)
-                    elif isinstance(action, BackwardInput):
-                        self._backward_input(action.stage, action.mb)
-                    elif isinstance(action, BackwardWeight):
-                        self._backward_weight(action.stage, action.mb)
-                    else:
-                        self._backward(action.stage, action.mb)
+            held = self._hold_fsdp_sync() if train and type(self).split_backward else []
+            try:
+                self._run_program(program)
+            except BaseException:
+                self._restore_fsdp(held)   # settings only: no collective on a failing rank
+                raise
             self._fault_stage = None
             self._fault_peers = list(self.stage_ranks)
             p2p.wait_sends()
             self._fault_peers = []
+            if held:
+                self._release_fsdp_sync(held)
         if train:
             factor = m if self.scale_grads else 1
             for stage in self._stages.values():
@@ -362,6 +348,62 @@ class _PipelineSchedule(StageMailbox):
         else:
             self._inputs.pop((s, mb), None)
 
+
+    def _run_program(self, program: list[Step]) -> None:
+        for step in program:
+            if step.comms:
+                self._communicate(step.comms)
+            action = step.action
+            if action is None:
+                continue
+            self._fault_stage = action.stage
+            if isinstance(action, Forward):
+                self._forward(action.stage, action.mb)
+            elif isinstance(action, BackwardInput):
+                self._backward_input(action.stage, action.mb)
+            elif isinstance(action, BackwardWeight):
+                self._backward_weight(action.stage, action.mb)
+            else:
+                self._backward(action.stage, action.mb)
+
+    def _hold_fsdp_sync(self) -> list[tuple[Any, Any, Any, Any]]:
+        """Zero-bubble with ``fully_shard`` stages (as torch's runtime schedules do): keep every
+        group's parameters gathered and its gradients unreduced for the whole step, since
+        weight gradients (W) arrive after the backward that produced the input gradient (I)
+        has ended. Returns each group with the settings to restore."""
+        held = []
+        for stage in self._stages.values():
+            for mod in stage.submod.modules():
+                if isinstance(mod, FSDPModule):
+                    for g in mod._fsdp_groups(recurse=False):
+                        held.append((g, g.reshard_after_forward, g.reshard_after_backward,
+                                     g.requires_gradient_sync))
+                        g.reshard_after_forward = False
+                        g.reshard_after_backward = False
+                        g.requires_gradient_sync = False
+        return held
+
+    def _release_fsdp_sync(self, held: list[tuple[Any, Any, Any, Any]]) -> None:
+        """After the step's last W: reduce-scatter each stage's accumulated gradients once
+        (every group of a fully_shard root, in the same order on every rank), then restore the
+        groups' settings and reshard the ones that reshard after backward."""
+        sync = [g for g, _, _, requires_sync in held if requires_sync]
+        for g in sync:
+            g.requires_gradient_sync = True
+        contexts = {id(g.ctx): g.ctx for g in sync if getattr(g, "ctx", None) is not None}
+        for ctx in contexts.values():
+            ctx.sync_gradients()
+        self._restore_fsdp(held)
+        for g, _, after_backward, _ in held:
+            if after_backward:
+                g.reshard()
+
+    @staticmethod
+    def _restore_fsdp(held: list[tuple[Any, Any, Any, Any]]) -> None:
+        for g, after_forward, after_backward, requires_sync in held:
+            g.reshard_after_forward = after_forward
+            g.reshard_after_backward = after_backward
+            g.requires_gradient_sync = requires_sync
 
     def _backward_input(self, s: int, mb: int) -> None:
         """Zero-bubble ``I``: the stage input's gradient, sent upstream at once; the weight

@@ -54,6 +54,10 @@ CASES = {
     # zero-bubble V: two stages per rank in a V (rank 0 holds the first and the last stage)
     "pp_zbv": (2, ["--training.seq_len", "128", "--parallelism.pipeline_parallel_degree", "2",
                    "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
+    "pp_interleaved_zb": (2, ["--training.seq_len", "128",
+                              "--parallelism.pipeline_parallel_degree", "2",
+                              "--parallelism.pipeline_parallel_schedule", "InterleavedZeroBubble",
+                              "--parallelism.pipeline_parallel_layers_per_stage", "1"]),
     "cp": (2, ["--training.seq_len", "256", "--parallelism.context_parallel_degree", "2"]),
     "tp": (2, ["--training.seq_len", "128", "--parallelism.tensor_parallel_degree", "2"]),
     "fsdp_tp": (4, ["--training.seq_len", "128", "--parallelism.data_parallel_shard_degree", "2",
@@ -113,6 +117,7 @@ def test_losses_equal_native(case: str, prepared: Path, tmp_path: Path) -> None:
     h_loss = [s["loss"] for s in ours["steps"]]
     assert len(n_loss) == len(h_loss) == STEPS
     assert n_loss[-1] < n_loss[0]  # it trains
+    print(f"{case}: native {n_loss} hyperpar {h_loss}")
     for step, (a, b) in enumerate(zip(n_loss, h_loss, strict=True), start=1):
         assert abs(a - b) <= TOL * max(1.0, abs(a)), (step, a, b)
 
