@@ -32,6 +32,12 @@ property that, when the compiler reads it, all-gathers that parameter's shard wi
 communication primitives (:mod:`.fsdp_graph`; one gather per parameter, not per unit). The
 gathered values are graph intermediates: as in PyNative, ``reshard_after_forward`` does not
 change what is held or sent.
+
+``mp_policy=MixedPrecisionPolicy(...)`` (hyperpar's one policy class, MindSpore dtypes) follows
+torch FSDP2: the flat shard buffer is cast to ``param_dtype`` before the gather, floating inputs
+are cast to it, the gathered buffer's gradient is reduce-scattered in ``reduce_dtype`` and
+handed back in the shards' dtype, outputs are cast to ``output_dtype``. PyNative only: those
+casts are Python a compiled graph skips, so a compile refuses the unit (:mod:`.fsdp_graph`).
 """
 
 from __future__ import annotations
