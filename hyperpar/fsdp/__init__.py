@@ -28,7 +28,14 @@ if _torch_installed():
         MixedPrecisionPolicy,
         OffloadPolicy,
     )
-else:   # no torch: the platform's implementation (MindSpore's), looked up on first use
+else:   # no torch: the policies (framework-free) here, the rest the platform's (MindSpore's)
+    from .policy import (
+        CPUOffloadPolicy,
+        DataParallelMeshDims,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+    )
+
     def __getattr__(name: str) -> _Any:
         from hyperpar.platform import get_platform  # the backend is never named here
 

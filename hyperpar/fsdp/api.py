@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from hyperpar.dtensor.mesh import DeviceMesh, init_device_mesh
@@ -379,6 +380,14 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     modules = _modules_of(module)
     reshard_after_forward = _check_reshard(reshard_after_forward)
     mp = mp_policy or MixedPrecisionPolicy()
+    if not isinstance(mp, MixedPrecisionPolicy):
+        raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got "
+                        f"{type(mp).__name__}")
+    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+        value = getattr(mp, field)  # the policy class also takes MindSpore's dtypes
+        if value is not None and not isinstance(value, torch.dtype):
+            raise TypeError(f"fully_shard: mp_policy.{field}={value!r} is not a torch.dtype; "
+                            f"on torch modules pass torch's (e.g. torch.bfloat16)")
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"fully_shard: offload_policy must be an OffloadPolicy, got "

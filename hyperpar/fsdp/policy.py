@@ -1,14 +1,16 @@
 """Policies of :func:`hyperpar.fully_shard`: mixed precision and parameter offload.
 
 The names and defaults follow torch FSDP2 (``torch.distributed.fsdp``), so a script written for
-it reads the same here.
+it reads the same here. This module imports no framework: one policy class serves
+``fully_shard`` on torch modules and on MindSpore Cells, with each framework's own dtypes
+(``torch.float16`` / ``mindspore.float16``); each ``fully_shard`` checks that the dtypes are its
+framework's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import Any
 
 __all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "MixedPrecisionPolicy", "OffloadPolicy"]
 
@@ -28,9 +30,9 @@ class MixedPrecisionPolicy:
         cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``.
     """
 
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    output_dtype: torch.dtype | None = None
+    param_dtype: Any = None
+    reduce_dtype: Any = None
+    output_dtype: Any = None
     cast_forward_inputs: bool = True
 
     def __post_init__(self) -> None:
@@ -38,14 +40,27 @@ class MixedPrecisionPolicy:
             value = getattr(self, field)
             if value is None:
                 continue
-            if not isinstance(value, torch.dtype):
-                raise TypeError(f"MixedPrecisionPolicy: {field} must be a torch.dtype or None, "
-                                f"got {value!r}")
-            if not value.is_floating_point:
+            floating = dtype_is_floating(value)
+            if floating is None:
+                raise TypeError(f"MixedPrecisionPolicy: {field} must be a torch.dtype, a "
+                                f"mindspore dtype or None, got {value!r}")
+            if not floating:
                 raise ValueError(
-                    f"MixedPrecisionPolicy: {field}={value} is not a floating dtype; "
+                    f"MixedPrecisionPolicy: {field}={value!r} is not a floating dtype; "
                     "parameters, gradients and outputs are cast to it, which needs a floating "
-                    "dtype such as torch.bfloat16, torch.float16 or torch.float32")
+                    "dtype such as torch.bfloat16, torch.float16 or torch.float32 "
+                    "(mindspore.float16, mindspore.float32 on MindSpore)")
+
+
+def dtype_is_floating(value: Any) -> bool | None:
+    """Whether ``value`` is a floating dtype of torch or MindSpore; ``None`` when it is neither
+    framework's dtype. Read from the object (no framework is imported here)."""
+    module = type(value).__module__.split(".")[0]
+    if module == "torch" and type(value).__name__ == "dtype":
+        return bool(value.is_floating_point)
+    if module == "mindspore":  # mindspore._c_expression.typing: Float, BFloat, Int, Bool, ...
+        return type(value).__name__ in ("Float", "BFloat")
+    return None
 
 
 @dataclass(frozen=True)

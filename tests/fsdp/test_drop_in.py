@@ -490,6 +490,18 @@ def test_mixed_precision_policy_needs_a_floating_dtype():
     MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # fine
 
 
+def test_fully_shard_on_torch_refuses_a_mindspore_dtype():
+    """The policy class imports no framework and takes MindSpore's dtypes too (read from the
+    object's type); torch's fully_shard refuses them, before any collective."""
+    from hyperpar.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # what mindspore.float16 looks like to the policy, without importing MindSpore here
+    float16 = type("Float", (), {"__module__": "mindspore._c_expression.typing"})()
+    policy = MixedPrecisionPolicy(param_dtype=float16)
+    with pytest.raises(TypeError, match="mp_policy.param_dtype=.* is not a torch.dtype"):
+        fully_shard(torch.nn.Linear(2, 2), mp_policy=policy)
+
+
 LONE_SCRIPT = '''
 import copy
 import torch

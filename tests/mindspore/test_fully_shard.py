@@ -235,6 +235,43 @@ def _errors_rank() -> dict:
     cell = Scalar()
     fully_shard(cell, ignored_params={cell.scale})  # left whole: no parameter to shard
     out["ignored"] = float(cell(ms.Tensor(np.ones(2, np.float32))).asnumpy().sum())
+    out.update(_mp_errors())
+    return out
+
+
+def _mp_errors() -> dict:
+    """MixedPrecisionPolicy's bad inputs on Cells (each raised before any collective)."""
+    import mindspore as ms
+    from mindspore import nn
+
+    from hyperpar import fully_shard
+    from hyperpar.fsdp import MixedPrecisionPolicy
+
+    out = {}
+    for name, call in (
+        ("mp_int", lambda: MixedPrecisionPolicy(param_dtype=ms.int32)),
+        ("mp_str", lambda: MixedPrecisionPolicy(param_dtype="float16")),
+        ("mp_not_policy", lambda: fully_shard(nn.Dense(3, 2), mp_policy={"param_dtype": 1})),
+        ("mp_bf16", lambda: fully_shard(
+            nn.Dense(3, 2), mp_policy=MixedPrecisionPolicy(param_dtype=ms.bfloat16))),
+    ):
+        try:
+            value = call()
+            out[name] = "accepted"
+        except (TypeError, ValueError) as exc:
+            out[name] = str(exc)
+    if out["mp_bf16"] == "accepted":  # a device with a bf16 MatMul: it must then run
+        out["mp_bf16"] = str(value(ms.Tensor(np.ones((1, 3), np.float32))).dtype)
+    dense = fully_shard(nn.Dense(3, 2), mp_policy=MixedPrecisionPolicy(param_dtype=ms.float16))
+
+    def forward(x):
+        return dense(x)
+
+    try:
+        ms.jit(forward)(ms.Tensor(np.ones((1, 3), np.float32)))
+        out["mp_jit"] = "accepted"
+    except NotImplementedError as exc:
+        out["mp_jit"] = str(exc)
     return out
 
 
@@ -246,6 +283,13 @@ def test_bad_input_is_refused_on_every_rank_before_any_collective(pool2) -> None
         assert "is a scalar (0-d)" in res["scalar"] and "ignored_params" in res["scalar"], rank
         assert res["ignored"] == 4.0, rank
         assert "is tied between the fully-sharded" in res["tied"], (rank, res["tied"])
+        assert "param_dtype=mindspore.int32 is not a floating dtype" in res["mp_int"], rank
+        assert "must be a torch.dtype, a mindspore dtype or None" in res["mp_str"], rank
+        assert "mp_policy must be a hyperpar MixedPrecisionPolicy" in res["mp_not_policy"], rank
+        # MindSpore 2.10's CPU MatMul has no bf16 kernel: refused, naming the fix
+        assert (res["mp_bf16"] == "BFloat16" or "no bfloat16 kernel" in res["mp_bf16"]
+                and "param_dtype=mindspore.float16" in res["mp_bf16"]), (rank, res["mp_bf16"])
+        assert "PyNative mode only" in res["mp_jit"], (rank, res["mp_jit"])
 
 
 def _dp_tp_rank() -> dict:
@@ -291,6 +335,125 @@ def test_dp2_x_tp2_fully_shard_over_dp_matches_one_process(pool4) -> None:
                 want = np.take(want, range(res["tp"] * step,
                                            min(want.shape[dim], (res["tp"] + 1) * step)), dim)
             _close(res["full"][name], want, f"dp {res['dp']} tp {res['tp']} {name}")
+
+
+# ------------------------------------------------------------------ MixedPrecisionPolicy
+# fp16 parameters and compute, fp32 gradient reduction, fp32 shards and optimizer state; the
+# root casts its output to fp32 (torch FSDP2's semantics, MindSpore's CPU MatMul runs fp16).
+def _mp_policies():
+    import mindspore as ms
+
+    from hyperpar.fsdp import MixedPrecisionPolicy
+
+    block = MixedPrecisionPolicy(param_dtype=ms.float16, reduce_dtype=ms.float32)
+    root = MixedPrecisionPolicy(param_dtype=ms.float16, reduce_dtype=ms.float32,
+                                output_dtype=ms.float32)
+    return block, root
+
+
+def _mp_rank() -> dict:
+    import mindspore as ms
+
+    from hyperpar import fully_shard
+    from hyperpar.fsdp import MixedPrecisionPolicy
+    from hyperpar.platform import get_platform
+
+    n, rank = get_platform().world_size(), get_platform().rank()
+    block, root = _mp_policies()
+    net = _net()
+    for layer in (net.fc1, net.fc2):
+        fully_shard(layer, mp_policy=block)
+    fully_shard(net, mp_policy=root)
+    x, y = _data(n)
+    rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    xb = ms.Tensor(x[rows])
+    dtypes = {"inner_out": str(net.fc1(xb).dtype), "root_out": str(net(xb).dtype)}
+    losses, first, opt = _train(net, "sgd", x[rows], y[rows])
+    dtypes["shards"] = sorted({str(p.dtype) for p in net.trainable_params()})
+    dtypes["grads"] = sorted({str(g.dtype) for g in first})
+    dtypes["state"] = sorted({str(p.dtype) for p in opt.accum})
+    full = {name: v.asnumpy() for name, v in net.full_parameters().items()}
+    return {"losses": losses, "full": full, "dtypes": dtypes,
+            "reduce_fp32": _weight_grad(block), "reduce_default": _weight_grad(
+                MixedPrecisionPolicy(param_dtype=ms.float16))}
+
+
+def _weight_grad(policy) -> list[float]:
+    """The distinct values of a Dense weight's gradient shard when each rank's local gradient is
+    4e4 (exact in fp16): the mean, 4e4, if summed in fp32; inf if summed in fp16."""
+    import mindspore as ms
+    from mindspore import nn
+
+    from hyperpar import fully_shard
+
+    dense = nn.Dense(2, 2)
+    dense.weight.set_data(ms.Tensor(np.full((2, 2), 1e-3, np.float32)))
+    fully_shard(dense, mp_policy=policy)
+    x = ms.Tensor(np.full((1, 2), 4e4, np.float32))
+    grad = ms.grad(lambda inp: dense(inp).astype(ms.float32).sum(), None,
+                   [dense.weight])(x)[0]
+    return sorted(set(grad.asnumpy().ravel().tolist()))
+
+
+def _mp_reference(n: int) -> dict:
+    """One process, the whole batch, the policy's casts by hand: fp16 parameters, inputs and
+    compute, the output cast to fp32, fp32 gradients (through the casts) and parameters."""
+    import mindspore as ms
+    from mindspore import ops
+
+    net = _net()
+    x, y = _data(n)
+    opt = _optimizer("sgd", net.trainable_params())
+    dt = ms.float16
+
+    def loss_fn(inp, target):
+        h = inp.astype(dt)
+        for layer in (net.fc1, net.fc2, net.out):
+            h = ops.matmul(h, layer.weight.astype(dt).T) + layer.bias.astype(dt)
+            h = ops.relu(h) if layer is not net.out else h
+        return ((h.astype(ms.float32) - target) ** 2).mean()
+
+    step = ms.value_and_grad(loss_fn, None, opt.parameters)
+    losses = []
+    for _ in range(STEPS):
+        loss, grads = step(ms.Tensor(x), ms.Tensor(y))
+        assert all(g.dtype == ms.float32 for g in grads)
+        opt(grads)
+        losses.append(float(loss.asnumpy()))
+    return {"losses": losses, "full": {k: p.asnumpy() for k, p in net.parameters_and_names()}}
+
+
+# fp16 tolerance. Unit roundoff u = 2^-11 ~ 4.9e-4. The forward of each rank's rows is the same
+# fp16 arithmetic in both runs; what differs is the batch sum of each weight gradient (fp16 over
+# 4 rows here vs fp16 over 2 rows + an fp32 sum over ranks there): <= ~4u relative of the
+# gradient, x lr 0.1 per step; after an update a parameter may round to the neighbouring fp16
+# value (1 ulp = u relative) and shift the next forward by ~3 layers x 1 ulp. 3 steps: well
+# within 8u ~ 4e-3 of max(1, max|want|). A missing or doubled average, or a shard read from the
+# wrong rows, is O(1) off. Measured (x86 CPU, MindSpore 2.10): parameters 1.2e-4, mean loss
+# 3.3e-4 off; the fp16 and fp32 one-process runs differ by about as much, so the dtypes are
+# asserted directly (outputs, shards, gradients, state) and the reduction's by an fp16 overflow.
+RTOL_FP16 = 8 * 2.0 ** -11
+
+
+def test_mixed_precision_fp16_params_fp32_reduce_matches_one_process(pool2) -> None:
+    results = pool2.run(_mp_rank)
+    half = _mp_reference(2)
+    for rank, res in enumerate(results):
+        d = res["dtypes"]
+        assert d["inner_out"] == "Float16" and d["root_out"] == "Float32", (rank, d)
+        assert d["shards"] == d["state"] == ["Float32"] and d["grads"] == ["float32"], (rank, d)
+    mean_loss = np.mean([r["losses"] for r in results], axis=0)
+    tol = RTOL_FP16 * max(1.0, float(np.abs(half["losses"]).max()))
+    assert np.abs(mean_loss - half["losses"]).max() <= tol, (mean_loss, half["losses"])
+    for rank, res in enumerate(results):
+        for name, want in half["full"].items():
+            got = res["full"][name]
+            assert got.dtype == np.float32, (rank, name, got.dtype)
+            err = float(np.abs(got - want).max()) / max(1.0, float(np.abs(want).max()))
+            assert err <= RTOL_FP16, f"rank {rank} {name}: relative |diff| {err:.3g}"
+        # the reduction's dtype: 4e4 per rank sums to 8e4, past fp16's 65504
+        assert res["reduce_fp32"] == [4e4], (rank, res["reduce_fp32"])
+        assert res["reduce_default"] == [np.inf], (rank, res["reduce_default"])
 
 
 def _checkpoint_refused_rank(path: str) -> str:

@@ -46,6 +46,7 @@ _EXPORTS = {
     "reduce_gradients": ".data_parallel",
     "fully_shard": ".fully_shard",
     "FullyShardedCell": ".fully_shard",
+    "MixedPrecisionPolicy": "hyperpar.fsdp.policy",
     # hyperpar.pipeline's framework-bound names, asked for through Platform.parallel_api()
     "PipelineModule": ".pipeline",
     "PipelineEngine": ".pipeline_engine",

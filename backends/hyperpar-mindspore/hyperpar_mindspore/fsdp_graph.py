@@ -125,27 +125,46 @@ def _gather_by_sum(group: str | None) -> bool:
     return ms.get_context("device_target") == "CPU" and group != GlobalComm.WORLD_COMM_GROUP
 
 
-def _reader(attr: str) -> Any:
-    def read(self: nn.Cell) -> Any:
-        if compiling():
-            return getattr(self, _PREFIX_FULL + attr)(getattr(self, _PREFIX_SHARD + attr))
-        return self._params[attr]
+@constexpr
+def _mp_refused() -> None:
+    """Raised at compile time: the policy's casts of inputs and outputs are Python that a
+    compiled graph does not run."""
+    raise NotImplementedError(
+        "fully_shard(..., mp_policy=MixedPrecisionPolicy(...)) on MindSpore runs in PyNative "
+        "mode only; a compiled graph (ms.jit / GRAPH_MODE) would skip its casts -- run the step "
+        "in PyNative, or drop mp_policy and cast the Cell yourself (Cell.to_float)")
+
+
+def _reader(attr: str, refused: bool) -> Any:
+    if refused:
+        def read(self: nn.Cell) -> Any:
+            if compiling():
+                _mp_refused()
+            return self._params[attr]
+    else:
+        def read(self: nn.Cell) -> Any:
+            if compiling():
+                return getattr(self, _PREFIX_FULL + attr)(getattr(self, _PREFIX_SHARD + attr))
+            return self._params[attr]
 
     read.__name__ = read.__qualname__ = f"read_{attr}"
     return read
 
 
-_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
+_CLASSES: dict[tuple[type, tuple[str, ...], tuple[str, ...]], type] = {}
 
 
-def _with_reads(cell: nn.Cell, attrs: tuple[str, ...]) -> None:
+def _with_reads(cell: nn.Cell, attrs: tuple[str, ...], refused: bool = False) -> None:
     own = type(cell).__dict__  # a class this module made (not a subclass of one)
     base = own.get("_hp_fsdp_read_base", type(cell))
+    old_refused = set(own.get("_hp_fsdp_read_refused", ()))
+    refused_attrs = tuple(sorted(old_refused | set(attrs) if refused else old_refused))
     attrs = tuple(sorted(set(attrs) | set(own.get("_hp_fsdp_read_attrs", ()))))
-    key = (base, attrs)
+    key = (base, attrs, refused_attrs)
     if key not in _CLASSES:
-        body: dict[str, Any] = {a: property(_reader(a)) for a in attrs}
-        body.update(_hp_fsdp_read_base=base, _hp_fsdp_read_attrs=attrs)
+        body: dict[str, Any] = {a: property(_reader(a, a in refused_attrs)) for a in attrs}
+        body.update(_hp_fsdp_read_base=base, _hp_fsdp_read_attrs=attrs,
+                    _hp_fsdp_read_refused=refused_attrs)
         # same name (reprs read as before); no __qualname__ / __module__ of the base: with
         # those the compiler did not use the property (measured)
         _CLASSES[key] = type(base.__name__, (base,), body)
@@ -154,10 +173,11 @@ def _with_reads(cell: nn.Cell, attrs: tuple[str, ...]) -> None:
 
 def install_graph_reads(plan: UnitPlan, slots: list[list[tuple[nn.Cell, str]]],
                         shards: list[Any], shard_group: str | None, rank: int,
-                        replicate_group: str | None) -> None:
+                        replicate_group: str | None, mp_refused: bool = False) -> None:
     """Make each slot's owner read its sharded parameter whole when a graph is compiled.
     ``shard_group`` / ``replicate_group``: MindSpore's group names (``None`` where the group
-    has one rank)."""
+    has one rank). ``mp_refused``: the unit has a mixed-precision policy, which a compile
+    refuses (:func:`_mp_refused`)."""
     for slot, where, shard in zip(plan.slots, slots, shards, strict=True):
         full = FullParameter(slot, plan, shard_group, rank, replicate_group)
         for owner, attr in where:
@@ -165,4 +185,4 @@ def install_graph_reads(plan: UnitPlan, slots: list[list[tuple[nn.Cell, str]]],
             # parameter names and trainable_params() stay as they were
             object.__setattr__(owner, _PREFIX_SHARD + attr, shard)
             object.__setattr__(owner, _PREFIX_FULL + attr, full)
-            _with_reads(owner, (attr,))
+            _with_reads(owner, (attr,), mp_refused)

@@ -32,16 +32,25 @@ property that, when the compiler reads it, all-gathers that parameter's shard wi
 communication primitives (:mod:`.fsdp_graph`; one gather per parameter, not per unit). The
 gathered values are graph intermediates: as in PyNative, ``reshard_after_forward`` does not
 change what is held or sent.
+
+``mp_policy=MixedPrecisionPolicy(...)`` (hyperpar's one policy class, MindSpore dtypes) follows
+torch FSDP2: the flat shard buffer is cast to ``param_dtype`` before the gather, floating inputs
+are cast to it, the gathered buffer's gradient is reduce-scattered in ``reduce_dtype`` and
+handed back in the shards' dtype, outputs are cast to ``output_dtype``. PyNative only: those
+casts are Python a compiled graph skips, so a compile refuses the unit (:mod:`.fsdp_graph`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
+import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, mint, nn, ops
 
+from hyperpar.fsdp.policy import MixedPrecisionPolicy
 from hyperpar.parallel.shard_plan import UnitPlan, plan_unit, reshard_after
 from hyperpar.platform import get_platform
 
@@ -50,23 +59,89 @@ from .fsdp_graph import install_graph_reads
 __all__ = ["FullyShardedCell", "fully_shard"]
 
 
-class _GatherFlat(nn.Cell):
-    """All-gather of a unit's flat shard buffer; its ``bprop`` is the averaging
-    reduce-scatter of the gathered buffer's gradient."""
+class _Precision(NamedTuple):
+    """A unit's checked :class:`MixedPrecisionPolicy` (``None``: no cast)."""
 
-    def __init__(self, plan: UnitPlan, shard_group: Any, replicate_group: Any) -> None:
+    param_dtype: Any = None
+    reduce_dtype: Any = None  # the policy's, else param_dtype (torch FSDP2's default)
+    output_dtype: Any = None
+    cast_inputs: bool = False
+
+
+@functools.cache
+def _bf16_matmul_runs() -> bool:
+    """Whether a bfloat16 MatMul runs on this process's device (measured: MindSpore 2.10's CPU
+    MatMul has no bfloat16 kernel, "Select CPU operator[MatMul] fail! Unsupported data type")."""
+    one = Tensor(np.ones((1, 1), np.float32)).astype(ms.bfloat16)
+    try:
+        ops.matmul(one, one).asnumpy()
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    return True
+
+
+def _precision(mp_policy: Any, what: str) -> _Precision:
+    """Check ``mp_policy`` for a MindSpore Cell (local checks only: every rank raises alike,
+    before any collective)."""
+    if mp_policy is None:
+        return _Precision()
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"fully_shard: mp_policy must be a hyperpar MixedPrecisionPolicy, got "
+                        f"{type(mp_policy).__name__}")
+    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+        value = getattr(mp_policy, field)
+        if value is not None and not type(value).__module__.startswith("mindspore"):
+            raise TypeError(f"fully_shard: mp_policy.{field}={value!r} is not a MindSpore dtype; "
+                            f"on Cells pass mindspore's (e.g. mindspore.float16)")
+    param = mp_policy.param_dtype
+    if param == ms.bfloat16 and not _bf16_matmul_runs():
+        raise ValueError(
+            f"fully_shard({what}): mp_policy.param_dtype=mindspore.bfloat16, but MindSpore's "
+            f"{ms.get_context('device_target')} MatMul has no bfloat16 kernel here (a bfloat16 "
+            f"MatMul failed); use param_dtype=mindspore.float16 on this device (bfloat16 where "
+            f"the device has it)")
+    reduce = mp_policy.reduce_dtype if mp_policy.reduce_dtype is not None else param
+    return _Precision(param, reduce, mp_policy.output_dtype,
+                      bool(mp_policy.cast_forward_inputs) and param is not None)
+
+
+def _cast_floating(value: Any, dtype: Any) -> Any:
+    """``value`` with its floating tensors (in tuples, lists, dicts) cast to ``dtype``."""
+    if isinstance(value, Tensor):
+        if value.dtype in ms.dtype.float_type and value.dtype != dtype:
+            return value.astype(dtype)
+        return value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast_floating(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floating(v, dtype) for k, v in value.items()}
+    return value
+
+
+class _GatherFlat(nn.Cell):
+    """All-gather of a unit's flat shard buffer, cast to ``param_dtype`` first (so the gather
+    moves that dtype); its ``bprop`` is the averaging reduce-scatter of the gathered buffer's
+    gradient, in ``reduce_dtype``, handed back in the shards' own dtype."""
+
+    def __init__(self, plan: UnitPlan, shard_group: Any, replicate_group: Any,
+                 param_dtype: Any = None, reduce_dtype: Any = None) -> None:
         super().__init__()
         self.platform = get_platform()
         self.plan = plan
         self.shard_group, self.replicate_group = shard_group, replicate_group
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
 
     def construct(self, flat: Any) -> Any:
+        if self.param_dtype is not None and flat.dtype != self.param_dtype:
+            flat = flat.astype(self.param_dtype)
         if self.plan.shard_size == 1:
             return flat * 1  # a new tensor: bprop still runs (HSDP with no shard dim)
         return mint.cat(self.platform.gather_list(flat, self.shard_group, "fully_shard"))
 
     def bprop(self, flat: Any, out: Any, dout: Any) -> tuple[Any]:
         numel = self.plan.flat_numel
+        if self.reduce_dtype is not None and dout.dtype != self.reduce_dtype:
+            dout = dout.astype(self.reduce_dtype)
         if self.plan.shard_size > 1:
             # the platform's reduce-scatter (on CPU a point-to-point ring for large buffers,
             # which moves (n - 1)/n of the bytes an all-reduce would)
@@ -77,7 +152,10 @@ class _GatherFlat(nn.Cell):
             grad = dout.reshape(-1).copy()
         if self.plan.replicate > 1:
             self.platform.all_reduce(grad, "sum", self.replicate_group)
-        return (grad * self.plan.grad_scale(),)
+        grad = grad * self.plan.grad_scale()
+        if grad.dtype != flat.dtype:  # the sharded parameter's gradient, in its dtype (fp32)
+            grad = grad.astype(flat.dtype)
+        return (grad,)
 
 
 class _Unit:
@@ -85,20 +163,27 @@ class _Unit:
 
     def __init__(self, cell: nn.Cell, plan: UnitPlan, slots: list[list[tuple[nn.Cell, str]]],
                  shards: list[Parameter], shard_group: Any, replicate_group: Any,
-                 reshard: bool) -> None:
+                 reshard: bool, mp: _Precision) -> None:
         self.cell, self.plan, self.slots, self.shards = cell, plan, slots, shards
         self.shard_group = shard_group
-        self.gather = _GatherFlat(plan, shard_group, replicate_group)
+        self.mp = mp
+        self.gather = _GatherFlat(plan, shard_group, replicate_group, mp.param_dtype,
+                                  mp.reduce_dtype)
+        # full_parameters(): the values in the shards' own dtype, not param_dtype
+        self.gather_exact = (self.gather if mp.param_dtype is None
+                             else _GatherFlat(plan, shard_group, replicate_group))
         self.reshard = reshard
         self.originals: set[int] = set()  # ids of the Parameters the shards replaced
 
-    def unshard(self) -> list[Any]:
-        """The whole value of every parameter (differentiable w.r.t. the shards)."""
+    def unshard(self, exact: bool = False) -> list[Any]:
+        """The whole value of every parameter (differentiable w.r.t. the shards), in the
+        policy's ``param_dtype`` (``exact``: in the shards' own dtype)."""
         if not self.shards:
             return []
         flat = mint.cat([p.reshape(-1) for p in self.shards])
         n = self.plan.shard_size
-        rows = self.gather(flat).reshape(n, self.plan.flat_numel)
+        gather = self.gather_exact if exact else self.gather
+        rows = gather(flat).reshape(n, self.plan.flat_numel)
         out = []
         for slot in self.plan.slots:
             piece = mint.narrow(rows, 1, slot.offset, slot.shard_numel)
@@ -159,7 +244,7 @@ class FullyShardedCell(nn.Cell):
         for _name, cell in self.cells_and_names():
             unit = cell.__dict__.get("_hp_fsdp_unit")
             if unit is not None:
-                for shard, value in zip(unit.shards, unit.unshard(), strict=True):
+                for shard, value in zip(unit.shards, unit.unshard(exact=True), strict=True):
                     whole[id(shard)] = value.copy()
         return {name: whole.get(id(p), p) for name, p in self.parameters_and_names()}
 
@@ -219,7 +304,8 @@ def _own_params(cell: nn.Cell, ignored: set[int]) -> tuple[list[Parameter],
 
 def fully_shard(cell: nn.Cell, *, mesh: Any = None,
                 reshard_after_forward: bool | int | None = None,
-                ignored_params: Iterable[Parameter] | None = None) -> nn.Cell:
+                ignored_params: Iterable[Parameter] | None = None,
+                mp_policy: MixedPrecisionPolicy | None = None) -> nn.Cell:
     """Shard ``cell``'s parameters along dim 0 over the data-parallel ``mesh`` (FSDP2
     semantics): apply to the blocks first, then to the root.
 
@@ -232,6 +318,13 @@ def fully_shard(cell: nn.Cell, *, mesh: Any = None,
             not change the schedule on MindSpore PyNative.
         ignored_params: parameters left whole: not sharded, not gathered, their gradients not
             reduced.
+        mp_policy: :class:`~hyperpar.fsdp.MixedPrecisionPolicy` with MindSpore dtypes (torch
+            FSDP2's semantics): the shards (and so the optimizer state) keep their dtype, the
+            gathered parameters are ``param_dtype``, floating inputs are cast to it
+            (``cast_forward_inputs``), gradients are reduce-scattered in ``reduce_dtype``
+            (default ``param_dtype``) and land in the shards' dtype, floating outputs are cast
+            to ``output_dtype``. PyNative only (a compiled graph refuses it). ``bfloat16`` is
+            refused where a bfloat16 MatMul does not run (MindSpore's CPU): use ``float16``.
 
     Returns ``cell`` itself, whose class now also derives from :class:`FullyShardedCell`.
     """
@@ -242,6 +335,7 @@ def fully_shard(cell: nn.Cell, *, mesh: Any = None,
                          f"fully_shard once per Cell (blocks first, then the root)")
     # checked as on torch; the root is not known yet, and the schedule does not depend on it
     reshard = reshard_after(reshard_after_forward, is_root=False)
+    mp = _precision(mp_policy, type(cell).__name__)
     shard_group, replicate_group, n, rep = _groups(mesh)
     ignored = {id(p) for p in (ignored_params or ())}
     params, slots = _own_params(cell, ignored)
@@ -260,7 +354,7 @@ def fully_shard(cell: nn.Cell, *, mesh: Any = None,
         start, length = slot.starts[me], slot.lengths[me]
         piece[:length] = whole[start:start + length]
         shards.append(Parameter(Tensor(piece), name=p.name, requires_grad=p.requires_grad))
-    unit = _Unit(cell, plan, slots, shards, shard_group, replicate_group, reshard)
+    unit = _Unit(cell, plan, slots, shards, shard_group, replicate_group, reshard, mp)
     unit.originals = {id(p) for p in params}
     unit.restore()  # the shards take the parameters' places
     unit.settle_owners()
@@ -271,11 +365,17 @@ def fully_shard(cell: nn.Cell, *, mesh: Any = None,
         # PyNative only (a compile reads construct and the _jit_* hook methods, never this):
         # the whole values go in place before the Cell's own forward hooks run.
         unit = self.__dict__["_hp_fsdp_unit"]
+        if unit.mp.cast_inputs:
+            args = _cast_floating(args, unit.mp.param_dtype)
+            kwargs = _cast_floating(kwargs, unit.mp.param_dtype)
         unit.install(unit.unshard())
         try:
-            return super(sharded, self)._run_construct(*args, **kwargs)
+            out = super(sharded, self)._run_construct(*args, **kwargs)
         finally:
             unit.restore()
+        if unit.mp.output_dtype is not None:
+            out = _cast_floating(out, unit.mp.output_dtype)
+        return out
 
     sharded._run_construct = _run_construct
     cell.__class__ = sharded
@@ -283,7 +383,7 @@ def fully_shard(cell: nn.Cell, *, mesh: Any = None,
     # graph mode: each owner reads its sharded parameters gathered (fsdp_graph); last, as the
     # property must sit in the Cell's own class (measured: an inherited one is read in Python)
     install_graph_reads(plan, slots, shards, _group_name(shard_group, n), me,
-                        _group_name(replicate_group, rep))
+                        _group_name(replicate_group, rep), mp_refused=mp != _Precision())
     # Cell.__call__ skips _run_construct for a Cell without hooks; a graph compiles this
     # no-op hook (a named function) as it is
     cell.register_forward_pre_hook(_run_through_hooks)
