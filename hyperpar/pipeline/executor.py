@@ -23,11 +23,7 @@ from .p2p import P2P, Meta, flatten, meta_of
 from .runner import StepTimings, run_program
 from .schedules import (
     Action,
-    Backward,
-    BackwardInput,
-    BackwardWeight,
     Comm,
-    Forward,
     PlanFn,
     Step,
     bubble_fraction_theory,
@@ -277,18 +273,6 @@ class PipelineSchedule(StageMailbox):
         return neighbour % self.n_ranks == stage % self.n_ranks   # a one-rank pipeline
 
     # ------------------------------------------------------------------ compute
-    def _run(self, action: Action) -> None:
-        if isinstance(action, Forward):
-            self._forward(action.stage, action.mb)
-        elif isinstance(action, Backward):
-            self._backward(action.stage, action.mb)
-        elif isinstance(action, BackwardInput):
-            self._backward_input(action.stage, action.mb)
-        elif isinstance(action, BackwardWeight):
-            self._backward_weight(action.stage, action.mb)
-        else:
-            raise TypeError(f"unknown action {action!r}")
-
     def _forward(self, stage: int, mb: int) -> None:
         mod = self.module
         kwargs: dict[str, Any] = {}

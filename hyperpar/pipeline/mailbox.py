@@ -17,7 +17,7 @@ import torch
 from hyperpar.platform.health import P2P_COUNTER
 
 from .p2p import P2P, Meta
-from .schedules import Comm
+from .schedules import Action, Backward, BackwardInput, BackwardWeight, Comm, Forward
 
 
 def as_leaf(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
@@ -51,6 +51,20 @@ class StageMailbox:
     def _is_local(self, stage: int, neighbour: int) -> bool:
         """Whether ``neighbour`` runs on the same rank as ``stage``."""
         raise NotImplementedError
+
+    def _run(self, action: Action) -> None:
+        """One compute action; the subclass implements ``_forward``, ``_backward`` and, for
+        zero-bubble plans, ``_backward_input`` / ``_backward_weight``."""
+        if isinstance(action, Forward):
+            self._forward(action.stage, action.mb)
+        elif isinstance(action, Backward):
+            self._backward(action.stage, action.mb)
+        elif isinstance(action, BackwardInput):
+            self._backward_input(action.stage, action.mb)
+        elif isinstance(action, BackwardWeight):
+            self._backward_weight(action.stage, action.mb)
+        else:
+            raise TypeError(f"unknown action {action!r}")
 
     def _rank_of(self, stage: int) -> int:
         """The pipeline rank holding ``stage`` (torch's loop layout unless overridden)."""

@@ -24,12 +24,11 @@ from hyperpar.pipeline._faults import pipeline_step
 from hyperpar.pipeline.executor import merge_microbatches, split_microbatches
 from hyperpar.pipeline.mailbox import StageMailbox
 from hyperpar.pipeline.p2p import P2P, Meta, flatten, meta_of
+from hyperpar.pipeline.runner import StepTimings, run_program
 from hyperpar.pipeline.schedules import (
     Action,
     B,
     Backward,
-    BackwardInput,
-    BackwardWeight,
     Comm,
     F,
     Forward,
@@ -255,7 +254,7 @@ class _PipelineSchedule(StageMailbox):
                                  f"step() there")
             held = self._hold_fsdp_sync() if train and type(self).split_backward else []
             try:
-                self._run_program(program)
+                run_program(program, self._communicate, self._run, StepTimings(), self._blame)
             except BaseException:
                 self._restore_fsdp(held)   # settings only: no collective on a failing rank
                 raise
@@ -349,22 +348,8 @@ class _PipelineSchedule(StageMailbox):
             self._inputs.pop((s, mb), None)
 
 
-    def _run_program(self, program: list[Step]) -> None:
-        for step in program:
-            if step.comms:
-                self._communicate(step.comms)
-            action = step.action
-            if action is None:
-                continue
-            self._fault_stage = action.stage
-            if isinstance(action, Forward):
-                self._forward(action.stage, action.mb)
-            elif isinstance(action, BackwardInput):
-                self._backward_input(action.stage, action.mb)
-            elif isinstance(action, BackwardWeight):
-                self._backward_weight(action.stage, action.mb)
-            else:
-                self._backward(action.stage, action.mb)
+    def _blame(self, stage: int | None) -> None:
+        self._fault_stage = stage   # the stage computing now: a failure is blamed on it
 
     def _hold_fsdp_sync(self) -> list[tuple[Any, Any, Any, Any]]:
         """Zero-bubble with ``fully_shard`` stages (as torch's runtime schedules do): keep every
