@@ -63,9 +63,10 @@ class ArrayBox:
 
 
 def save_arrays(state: dict[str, ArrayBox], path: str | os.PathLike, *,
-                force: bool = False) -> str:
+                force: bool = False, extend_index: Any = None) -> str:
     """Write ``state`` (this rank's boxes) as checkpoint folder ``path``; returns the index
-    path. Collective; the same steps and guarantees as :func:`hyperpar.checkpoint.save`."""
+    path. Collective; the same steps and guarantees as :func:`hyperpar.checkpoint.save`.
+    ``extend_index(index)`` may add sections to the index before rank 0 commits it."""
     for key, box in state.items():
         if box.array.dtype.kind not in "biuf" or box.array.dtype.itemsize > 8:
             raise CheckpointError(f"save: {key!r} has dtype {box.array.dtype}, which the "
@@ -74,13 +75,14 @@ def save_arrays(state: dict[str, ArrayBox], path: str | os.PathLike, *,
     os.makedirs(path, exist_ok=True)
     lock, save_id = take_lock(path, force)
     try:
-        return _save_locked(state, path, save_id)
+        return _save_locked(state, path, save_id, extend_index)
     finally:
         if lock is not None:
             release(lock, save_id)
 
 
-def _save_locked(state: dict[str, ArrayBox], path: str, save_id: str) -> str:
+def _save_locked(state: dict[str, ArrayBox], path: str, save_id: str,
+                 extend_index: Any = None) -> str:
     platform = get_platform()
     rank, world = platform.rank(), platform.world_size()
     metas = platform.all_gather_object([box.meta(key) for key, box in state.items()])
@@ -88,7 +90,7 @@ def _save_locked(state: dict[str, ArrayBox], path: str, save_id: str) -> str:
     mine = {key: box for key, box in state.items()
             if owner[(key, tuple(box.offset), tuple(box.array.shape))] == rank}
     written = _write_shard(path, shard_name(rank, world, save_id, "safetensors"), mine)
-    commit(path, written, metas, "safetensors", save_id)
+    commit(path, written, metas, "safetensors", save_id, extend_index)
     return os.path.join(path, INDEX_FILE)
 
 

@@ -23,7 +23,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn
 
-from hyperpar.checkpoint._format import CheckpointError, LoadResult
+from hyperpar.checkpoint._commit import agree_or_raise
+from hyperpar.checkpoint._format import CheckpointError, LoadResult, read_index
 from hyperpar.checkpoint.arrays import ArrayBox, Want, load_arrays, save_arrays
 from hyperpar.dtensor.placement import Replicate, Shard
 from hyperpar.platform import get_platform
@@ -158,41 +159,125 @@ def _set_shard(param: Any, box: ArrayBox, arr: np.ndarray) -> None:
     param.set_data(ms.Tensor(piece))
 
 
+def _optimizer_layout(optimizer: Any, layout: dict[str, tuple[Any, Any]]
+                      ) -> dict[str, tuple[Any, ArrayBox]]:
+    """key -> (state Parameter, its box) for ``optimizer``'s own Parameters. A per-parameter
+    state (MindSpore names it ``<state>.<parameter name>``: Adam's ``moment1``/``moment2``,
+    SGD's ``accum``/``stat``, Momentum's ``moments``, AdamWeightDecay's ``adam_m``/``adam_v``)
+    is laid out as its parameter -- the same box of the global tensor, so it reshards like it
+    -- under ``optimizer.<parameter key>.<state>``; the optimizer's scalars (``global_step``,
+    ``beta1_power``, ``learning_rate``...) are replicated, under ``optimizer.<name>``."""
+    if not isinstance(optimizer, nn.Optimizer):
+        raise TypeError(f"checkpoint: optimizer= must be a mindspore.nn.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    by_name = {p.name: (key, p, box) for key, (p, box) in layout.items()}
+    model_ids = {id(p) for p, _box in layout.values()}
+    out: dict[str, tuple[Any, ArrayBox]] = {}
+    for _attr, state in optimizer.parameters_and_names():
+        if id(state) in model_ids:
+            continue
+        prefix, _, rest = state.name.partition(".")
+        owner = by_name.get(rest) if rest else None
+        if owner is not None and tuple(state.shape) == tuple(owner[1].shape):
+            key, param, box = owner
+            rows = box.array.shape[0] if box.array.ndim else None
+            array = state.asnumpy()
+            if rows is not None and array.shape != box.array.shape:   # fully_shard padding
+                array = array[:rows]
+            out[f"optimizer.{key}.{prefix}"] = (state, ArrayBox(
+                box.shape, box.offset, array, box.placements, box.mesh_shape))
+            continue
+        if owner is None and rest and rest in {p.name for p, _b in layout.values()}:
+            raise CheckpointError(f"checkpoint: optimizer state {state.name!r} does not have "
+                                  f"its parameter's shape")
+        # a 0-d scalar (learning_rate, beta1_power) is stored as one element: the numpy
+        # checkpoint path keeps at least one dim, and load gives the Parameter its own shape
+        local = tuple(int(d) for d in state.shape) or (1,)
+        array = np.ascontiguousarray(state.asnumpy().reshape(local))
+        out[f"optimizer.{state.name}"] = (state, ArrayBox(local, (0,) * len(local), array, [],
+                                                          []))
+    return out
+
+
 def save(model: nn.Cell, path: str | os.PathLike, *, name_map: NameMap = None,
          optimizer: Any = None, file_format: str = "auto", force: bool = False) -> str:
     """Save ``model``'s parameters as a hyperpar checkpoint folder ``path`` (collective; every
     rank calls it). ``name_map``: parameter path -> checkpoint key (a dict, missing names kept,
-    or a function), e.g. :func:`torch_name_map` for a folder a PyTorch model loads. Returns
-    the index path."""
-    if optimizer is not None:
-        raise NotImplementedError(
-            "checkpoint.save(optimizer=...) is not implemented for MindSpore Cells yet: save "
-            "the model only, or save the optimizer with mindspore.save_checkpoint")
+    or a function), e.g. :func:`torch_name_map` for a folder a PyTorch model loads.
+    ``optimizer``: a ``mindspore.nn.Optimizer`` over the model's parameters whose state is
+    saved with them, each per-parameter tensor sharded as its parameter (see
+    :func:`_optimizer_layout`). Returns the index path."""
     if file_format not in ("auto", "safetensors"):
         raise ValueError(f"checkpoint.save: a MindSpore Cell is saved as safetensors; got "
                          f"file_format={file_format!r} (use 'auto' or 'safetensors')")
+    layout = _layout(model, name_map)
+    boxes = {key: box for key, (_p, box) in layout.items()}
+    if optimizer is not None:
+        boxes.update((key, box) for key, (_s, box) in
+                     _optimizer_layout(optimizer, layout).items())
     # a rank holding no rows of a tensor (fully_shard of fewer rows than ranks) writes nothing
-    state = {key: box for key, (_p, box) in _layout(model, name_map).items()
-             if box.array.size or not box.array.ndim}
-    return save_arrays(state, path, force=force)
+    state = {key: box for key, box in boxes.items() if box.array.size or not box.array.ndim}
+    extend = None
+    if optimizer is not None:
+        cls = _class_name(optimizer)
+
+        def extend(index: dict[str, Any]) -> None:
+            keys = sorted(k for k in index["tensors"] if k.startswith("optimizer."))
+            index["optimizer"] = {"class": cls, "param_groups": [{}], "scalars": {},
+                                  "tensors": keys}
+
+    return save_arrays(state, path, force=force, extend_index=extend)
+
+
+def _class_name(optimizer: Any) -> str:
+    cls = type(optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _check_optimizer_section(optimizer: Any, path: str | os.PathLike) -> None:
+    """Refuse (on every rank, before reading any tensor) a checkpoint without optimizer
+    state or with another optimizer's -- a PyTorch optimizer's included: its state has other
+    names and meanings (``exp_avg`` vs ``moment1``), so it is not translated."""
+    error: Exception | None = None
+    try:
+        section = read_index(os.fspath(path)).get("optimizer")
+        mine = _class_name(optimizer)
+        if section is None:
+            raise CheckpointError(f"load(optimizer=...): {os.fspath(path)} holds no optimizer "
+                                  f"state (save it with save(model, path, optimizer=opt))")
+        if section.get("class") != mine:
+            raise CheckpointError(
+                f"load(optimizer=...): {os.fspath(path)} holds the state of a "
+                f"{section.get('class')} but the optimizer given is a {mine}; build the "
+                f"optimizer type that saved it, or load without optimizer= and start its state "
+                f"afresh")
+    except Exception as exc:   # shared: no rank reads tensors the others refused
+        error = exc
+    agree_or_raise(error)
 
 
 def load(model: nn.Cell, path: str | os.PathLike, *, name_map: NameMap = None,
          optimizer: Any = None, strict: bool = True, verify: bool = True) -> LoadResult:
     """Load checkpoint folder ``path`` (saved by either framework, in any layout) into
     ``model``'s current layout: each rank reads its box of every parameter. ``strict`` and the
-    result are ``hyperpar.checkpoint.load``'s; values are cast to each parameter's dtype."""
-    if optimizer is not None:
-        raise NotImplementedError(
-            "checkpoint.load(optimizer=...) is not implemented for MindSpore Cells yet")
+    result are ``hyperpar.checkpoint.load``'s; values are cast to each parameter's dtype.
+    ``optimizer``: restore the state :func:`save` wrote for an optimizer of the same class
+    (build it over the model's parameters first), resharded like the parameters."""
     layout = _layout(model, name_map)
+    targets: dict[str, tuple[Any, Any]] = dict(layout)
+    if optimizer is not None:
+        targets.update(_optimizer_layout(optimizer, layout))
     wanted = {key: Want(box.shape, box.offset, tuple(box.array.shape))
-              for key, (_p, box) in layout.items()}
+              for key, (_p, box) in targets.items()}
+    if optimizer is not None:
+        _check_optimizer_section(optimizer, path)
     arrays, result = load_arrays(wanted, path, strict=strict, verify=verify)
     for key, arr in arrays.items():
-        param, box = layout[key]
+        param, box = targets[key]
         want = ms.dtype_to_nptype(param.dtype)
-        if box.array.shape != tuple(param.shape):  # a fully_shard shard: padded rows
+        if not param.shape and arr.shape == (1,):   # an optimizer scalar (see above)
+            arr = arr.reshape(())
+        elif box.array.shape != tuple(param.shape):  # a fully_shard shard: padded rows
             _set_shard(param, box, arr.astype(want, copy=False))
             continue
         if arr.shape != tuple(param.shape):
