@@ -479,14 +479,13 @@ class ScheduleInterleaved1F1B(PipelineScheduleMulti):
 class _NotImplementedSchedule:
     """A torch schedule hyperpar.pipelining does not run; constructing it raises."""
 
-    why = ("its split backward (input and weight gradients apart) over an arbitrary stage "
-           "module is not built")
+    why = "it is not built"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError(
             f"hyperpar.pipelining.{type(self).__name__} is not implemented: {self.why}. Use "
-            f"ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B, or hyperpar.pipeline's "
-            f"ScheduleZeroBubble over a PipelineModule")
+            f"ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B / ScheduleZBVZeroBubble / "
+            f"ScheduleInterleavedZeroBubble")
 
 
 class ScheduleLoopedBFS(_NotImplementedSchedule):
@@ -519,7 +518,14 @@ class ScheduleZBVZeroBubble(PipelineScheduleMulti):
 
 
 class ScheduleDualPipeV(_NotImplementedSchedule):
-    """Not implemented (raises :class:`NotImplementedError` naming the alternatives)."""
+    """Not implemented (raises :class:`NotImplementedError` naming the alternatives): DualPipeV
+    exists to overlap one microbatch's forward with another's backward on separate streams,
+    which hyperpar's executor does not do; ``ScheduleZBVZeroBubble`` runs the same V placement
+    with split backwards."""
+
+    why = ("it overlaps one microbatch's forward with another's backward on separate streams, "
+           "which hyperpar's executor does not do (ScheduleZBVZeroBubble runs the same V "
+           "placement)")
 
 
 class _PipelineScheduleRuntime(_NotImplementedSchedule):
