@@ -26,7 +26,7 @@ from hyperpar.dtensor.rules import (
 )
 
 R = Replicate()
-S0, S1, S2 = Shard(0), Shard(1), Shard(2)
+S0, S1, S2, S3 = Shard(0), Shard(1), Shard(2), Shard(3)
 
 
 def _piece(full: np.ndarray, placements, mesh_shape, coord) -> np.ndarray:
@@ -169,6 +169,14 @@ CASES = [
     ("reshape", [A246], [(S1, S2)], (2, 2), {"shape": (8, 6)}),
     ("reshape", [A465], [(S2,)], (4,), {"shape": (24, 5)}),    # 5 over 4: 2, 2, 1, 0 kept
     ("reshape", [A465], [(S0, S2)], (2, 2), {"shape": (24, 5)}),
+    # size-1 dims (unsqueeze, squeeze, flatten/unflatten around them) and an empty tensor
+    ("reshape", [A64], [(S0,)], (2,), {"shape": (1, 6, 4)}),
+    ("reshape", [A64], [(S1, S0)], (2, 2), {"shape": (6, 1, 4, 1)}),
+    ("reshape", [A64.reshape(1, 6, 1, 4)], [(S1, S3)], (4, 2), {"shape": (6, 4)}),
+    ("reshape", [A246], [(S1,)], (2,), {"shape": (2, 1, 24)}),
+    ("reshape", [A465], [(S1,)], (4,), {"shape": (4, 2, 3, 5)}),   # 6 over 4: gathered
+    ("reshape", [A465], [(S1, S2)], (2, 2), {"shape": (4, 3, 2, 5)}),
+    ("reshape", [np.zeros((0, 6))], [(S1,)], (2,), {"shape": (3, 0, 2)}),
     ("transpose", [A246], [(S0, S2)], (2, 2), {"dim0": 0, "dim1": 2}),
     ("permute", [A246], [(P_SUM, S1)], (2, 2), {"dims": (2, 0, 1)}),
     ("embedding", [A64, IDS], [(R,), (S1,)], (4,), {}),
@@ -204,6 +212,14 @@ def test_the_rules_keep_communication_low_where_they_can():
     # for loss_parallel): torch.chunk's pieces do not change
     r = propagate("reshape", (TensorMeta((S2,), (2, 8, 11)),), (4,), shape=(16, 11))
     assert r.inputs == ((S2,),) and r.outputs == ((S1,),)
+    # unsqueeze / squeeze move the shard to the dim it became, without communication
+    r = propagate("reshape", (TensorMeta((S0, S1), (6, 4)),), (2, 2), shape=(1, 6, 1, 4))
+    assert r.inputs == ((S0, S1),) and r.outputs == ((S1, S3),)
+    r = propagate("reshape", (TensorMeta((S2,), (2, 1, 7)),), (4,), shape=(2, 7))
+    assert r.inputs == ((S2,),) and r.outputs == ((S1,),)
+    # a split of the sharded dim keeps the shard when both sizes divide by the ranks
+    r = propagate("reshape", (TensorMeta((S1, S1), (3, 8)),), (2, 2), shape=(3, 4, 2))
+    assert r.inputs == ((S1, S1),) and r.outputs == ((S1, S1),)
     # a constant added to a Partial sum would be added once per rank: reduce first
     r = propagate("add", (TensorMeta((P_SUM,), (5, 6)),), (2,), has_scalar=True)
     assert r.inputs == ((R,),)
