@@ -254,6 +254,13 @@ def _f_reshape(x):
     return x.reshape(2, -1).view(-1) * 2
 
 
+def _f_views(x):
+    from mindspore import mint
+
+    y = mint.unsqueeze(x, 0).unsqueeze(-1)  # (1, 4, 6, 1): ExpandDimsView, ExpandDims
+    return mint.flatten(y.squeeze(0), 1) * 2 + y.squeeze()  # Squeeze, FlattenExt
+
+
 def _f_transpose(x):
     return x.transpose(0, 1).permute(1, 2, 0) * 2
 
@@ -308,6 +315,7 @@ OP_CASES = {
     "mean_uneven": (_f_mean, [((5, 6), {2: (S0,), 4: (S0,), (2, 2): (S0, S0)}, "")]),
     "max": (_f_max, [((5, 6), {2: (S0,), 4: (S1,), (2, 2): (S1, S0)}, "")]),
     "reshape": (_f_reshape, [((4, 6), {2: (S0,), 4: (S0,), (2, 2): (S0, S1)}, "")]),
+    "views": (_f_views, [((4, 6), {2: (S0,), 4: (S1,), (2, 2): (S1, S0)}, "")]),
     "transpose_permute": (_f_transpose, [((4, 3, 2), {2: (S0,), 4: (S1,), (2, 2): (S0, P)},
                                           "")]),
     "softmax": (_f_softmax, [((4, 6), {2: (S1,), 4: (S0,), (2, 2): (S0, S1)}, "")]),

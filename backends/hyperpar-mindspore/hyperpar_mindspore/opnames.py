@@ -4,9 +4,11 @@ neutral op names of :mod:`hyperpar.dtensor.rules`, with how to read each call's 
 The names were read off ``__fallback__`` in MindSpore 2.10 PyNative: ``x + y`` is ``AddExt``,
 ``x + 1`` ``AddScalar``, ``1 - x`` ``Sub``, ``x * 2`` ``Muls``, ``mint.matmul``/``@``
 ``MatMulExt``, ``mint.nn.functional.linear`` ``Dense``, ``x.sum()``/``ops.sum`` ``SumExt``,
-``x.view``/``reshape`` ``Reshape``, ``x.transpose(a, b)`` ``TransposeExtView``, ``x.T`` and
-``x.permute`` ``Transpose``, ``ops.gather`` (what ``nn.Embedding`` runs) the legacy primitive
-``Gather``. Add a primitive by adding a line to :data:`OPS`.
+``x.view``/``reshape`` ``Reshape``, ``x.unsqueeze`` ``ExpandDims`` (``mint.unsqueeze``
+``ExpandDimsView``), ``x.squeeze`` ``Squeeze``, ``flatten`` ``FlattenExt``,
+``x.transpose(a, b)`` ``TransposeExtView``, ``x.T`` and ``x.permute`` ``Transpose``,
+``ops.gather`` (what ``nn.Embedding`` runs) the legacy primitive ``Gather``. Add a primitive by
+adding a line to :data:`OPS`.
 """
 
 from __future__ import annotations
@@ -177,7 +179,7 @@ OPS: dict[str, Parser] = {
     "ReduceMax": reduction("max"), "Max": reduction("max", 0, 0),
     "MaxDim": reduction("max_dim"),
     "Reshape": _reshape, "FlattenExt": _flatten, "ExpandDims": _expand_dims,
-    "Squeeze": _squeeze,
+    "ExpandDimsView": _expand_dims, "Squeeze": _squeeze,
     "TransposeExtView": _transpose, "Transpose": _permute, "TransposeView": _permute,
     "Softmax": softmax("softmax"), "LogSoftmax": softmax("log_softmax"),
     "LogSoftmaxExt": softmax("log_softmax"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..placement import REPLICATE, Placement, Shard
+from ..placement import REPLICATE, Shard
 from .base import OpSharding, Shape, TensorMeta, no_rule, norm_dim, rule
 
 
