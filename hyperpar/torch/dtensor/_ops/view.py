@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from hyperpar.dtensor.placement import REPLICATE, Partial, Shard
+from hyperpar.dtensor.placement import REPLICATE, Shard
 from hyperpar.torch.dtensor._ops.dispatch import (
     PLAN_CACHE,
     Unhashable,
@@ -19,7 +19,7 @@ from hyperpar.torch.dtensor._ops.dispatch import (
     mark_copy,
     replicated_local,
 )
-from hyperpar.torch.dtensor._ops.neutral import decide
+from hyperpar.torch.dtensor._ops.neutral import decide, neutral_sharding
 from hyperpar.torch.dtensor._ops.registry import (
     OpCall,
     Placements,
@@ -163,49 +163,29 @@ def expand_rule(call: OpCall) -> Sharding:
 # ---------------------------------------------------------------------------- cat / split
 @register_op(torch.cat, torch.concat, torch.concatenate, torch.stack)
 def cat_rule(call: OpCall) -> Sharding:
-    """``cat``/``stack``: the cat dim gathered, other shards kept."""
+    """``cat``/``stack``: the neutral rule (rules/cat.py): the cat dim gathered, other shards
+    kept."""
     tensors = call.arg(0, "tensors")
     for t in tensors:
         if not isinstance(t, DTensor):
             raise mixing_error(call.func, t)
-    dim = call.arg(1, "dim", 0)
-    nd = tensors[0].ndim
-    is_stack = call.func is torch.stack
-    dim = dim % (nd + 1 if is_stack else nd)
-    first = tensors[0]._spec.placements
-    pl = []
-    for m, p in enumerate(first):
-        if type(p) is Shard and not is_stack and p.dim == dim:
-            p = R
-        if type(p) is Partial and not all(t._spec.placements[m] == p for t in tensors):
-            p = R
-        if type(p) is Shard and not is_stack and any(
-                t._spec.shape[p.dim] != first_shape for t in tensors
-                for first_shape in (tensors[0]._spec.shape[p.dim],)):
-            p = R
-        pl.append(p)
-    pl_t = tuple(pl)
-    out = tuple(Shard(p.dim + (p.dim >= dim)) if is_stack and type(p) is Shard else p
-                for p in pl_t)
-    return Sharding([pl_t] * len(tensors), out, None)
+    op = "stack" if call.func is torch.stack else "cat"
+    return neutral_sharding(op, call, dim=call.arg(1, "dim", 0))
 
 
 @register_op(torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk,
              torch.unbind, torch.Tensor.unbind, torch.split_with_sizes,
              torch.Tensor.split_with_sizes, torch.tensor_split, torch.Tensor.tensor_split)
 def split_rule(call: OpCall) -> Sharding:
-    """``split``/``chunk``/``unbind``/``tensor_split``: the split dim gathered, others kept."""
+    """``split``/``chunk``/``unbind``/``tensor_split``: the neutral rule (rules/cat.py): the
+    split dim gathered, others kept."""
     x = call.args[0]
     if call.func in (torch.unbind, torch.Tensor.unbind):
-        dim = call.arg(1, "dim", 0)
-    else:
-        dim = call.arg(2, "dim", 0)
-    dim = dim % x.ndim
-    pl = unshard(x._spec.placements, [dim], partial_ok=True)
-    shapes = infer_shapes(call.func, call.args, call.kwargs)
-    drop = call.func in (torch.unbind, torch.Tensor.unbind)
-    out = tuple(Shard(p.dim - (drop and p.dim > dim)) if type(p) is Shard else p for p in pl)
-    return Sharding([pl], [out] * len(shapes), shapes)
+        return neutral_sharding("unbind", call, dim=call.arg(1, "dim", 0))
+    dim = call.arg(2, "dim", 0)
+    shapes = infer_shapes(call.func, call.args, call.kwargs)  # torch reads the many spellings
+    d = dim % x.ndim
+    return neutral_sharding("split", call, dim=dim, sizes=[s[d] for s in shapes])
 
 
 # ---------------------------------------------------------------------------- indexing
