@@ -19,20 +19,13 @@ from hyperpar.torch.dtensor._ops.registry import (
     register_op,
     unshard,
 )
-from hyperpar.torch.dtensor.api import DTensor, DTensorSpec, _wrap
+from hyperpar.torch.dtensor.api import DTensorSpec, _wrap
 from hyperpar.torch.dtensor.redistribute import redistribute_autograd
 
 R = REPLICATE
 
 
 # ---------------------------------------------------------------------------- reductions
-def _reduction_args(call: OpCall) -> tuple[DTensor, tuple[int, ...], bool]:
-    x = call.args[0]
-    dim = call.arg(1, "dim")
-    keepdim = call.arg(2, "keepdim", False)
-    return x, dims_arg(dim, x.ndim), bool(keepdim)
-
-
 def _reduced_placements(pl: Placements, dims: tuple[int, ...], keepdim: bool, op: str
                         ) -> Placements:
     out = []
