@@ -134,3 +134,15 @@ def test_no_torch_function_is_registered_by_two_families():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", f"rules replaced (op, first, second): {done.stdout}"
+
+
+def test_a_dim_out_of_range_raises_torchs_index_error_instead_of_wrapping():
+    from hyperpar.torch.dtensor._ops.registry import dims_arg
+
+    for shape, dim in [((2, 3), 5), ((2, 3), -3), ((), 1), ((4,), (0, 2))]:
+        with pytest.raises(IndexError) as torch_err:
+            torch.zeros(shape).sum(dim)
+        with pytest.raises(IndexError) as ours:
+            dims_arg(dim, len(shape))
+        assert str(ours.value).startswith(str(torch_err.value)), (shape, dim)
+    assert dims_arg((-1, 0), 3) == (0, 2) and dims_arg(-1, 0) == (0,)

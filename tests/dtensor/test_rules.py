@@ -26,7 +26,7 @@ from hyperpar.dtensor.rules import (
 )
 
 R = Replicate()
-S0, S1, S2 = Shard(0), Shard(1), Shard(2)
+S0, S1, S2, S3 = Shard(0), Shard(1), Shard(2), Shard(3)
 
 
 def _piece(full: np.ndarray, placements, mesh_shape, coord) -> np.ndarray:
@@ -67,6 +67,10 @@ NUMPY = {
     "reshape": lambda xs, a: xs[0].reshape(a["shape"]),
     "transpose": lambda xs, a: np.swapaxes(xs[0], a["dim0"], a["dim1"]),
     "permute": lambda xs, a: np.transpose(xs[0], a["dims"]),
+    "cat": lambda xs, a: np.concatenate(xs, a["dim"]),
+    "stack": lambda xs, a: np.stack(xs, a["dim"]),
+    "split": lambda xs, a: np.split(xs[0], np.cumsum(a["sizes"])[:-1], a["dim"])[a["_out"]],
+    "unbind": lambda xs, a: np.moveaxis(xs[0], a["dim"], 0)[a["_out"]],
     "embedding": lambda xs, a: xs[0][xs[1]],
     "gather_d": lambda xs, a: np.take_along_axis(xs[0], xs[1], a["dim"]),
     "cross_entropy": lambda xs, a: _cross_entropy(xs[0], xs[1], a.get("reduction", "mean")),
@@ -82,7 +86,8 @@ def _simulate(op, arrays, placements, mesh_shape, **args):
     metas = tuple(TensorMeta(p, a.shape) for a, p in zip(arrays, placements, strict=True))
     rule = propagate(op, metas, mesh_shape, **args)
     want = np.asarray(NUMPY[op](arrays, args))
-    out_pl, out_shape = rule.outputs[0], rule.shapes[0]
+    k = args.get("_out", 0)  # which output to check (split, unbind)
+    out_pl, out_shape = rule.outputs[k], rule.shapes[k]
     assert out_shape == want.shape, (op, out_shape, want.shape)
     pieces = {}
     for coord in itertools.product(*(range(n) for n in mesh_shape)):
@@ -107,7 +112,8 @@ def _simulate(op, arrays, placements, mesh_shape, **args):
                                       for m, p in enumerate(out_pl)):
                 ops = {p.reduce_op for m, p in enumerate(out_pl)
                        if type(p) is Partial and other[m] != coord[m]}
-                total = np.maximum(total, z) if ops == {"max"} else total + z
+                total = np.maximum(total, z) if ops == {"max"} else \
+                    np.minimum(total, z) if ops == {"min"} else total + z
         expect = _piece(want, tuple(R if type(p) is Partial else p for p in out_pl),
                         mesh_shape, coord)
         np.testing.assert_allclose(total, expect, rtol=1e-9, atol=1e-9,
@@ -159,6 +165,11 @@ CASES = [
     ("max", [A56], [(S0, S1)], (2, 2), {"dim": None}),
     ("min", [A56], [(S0,)], (4,), {"dim": -2, "keepdim": True}),
     ("max_dim", [A56], [(S0,)], (4,), {"dim": -2}),
+    # pending (no gradient: torch's amax under no_grad): Partial(max/min) over shards
+    ("max", [A56], [(S0,)], (2,), {"dim": 0, "pending": True}),
+    ("min", [A56], [(S1, S0)], (2, 2), {"dim": None, "pending": True}),
+    ("max", [A56], [(S0,)], (4,), {"dim": 0, "pending": True}),  # a piece is empty: gathered
+    ("min", [A56], [(Partial("min"),)], (2,), {"dim": 1, "pending": True}),
     ("min_dim", [A246], [(S1, S2)], (2, 2), {"dim": 2, "keepdim": True}),
     ("softmax", [A56], [(S1,)], (2,), {"dim": 1}),
     ("log_softmax", [A56], [(S0, S1)], (2, 2), {"dim": 0}),
@@ -169,7 +180,22 @@ CASES = [
     ("reshape", [A246], [(S1, S2)], (2, 2), {"shape": (8, 6)}),
     ("reshape", [A465], [(S2,)], (4,), {"shape": (24, 5)}),    # 5 over 4: 2, 2, 1, 0 kept
     ("reshape", [A465], [(S0, S2)], (2, 2), {"shape": (24, 5)}),
+    # size-1 dims (unsqueeze, squeeze, flatten/unflatten around them) and an empty tensor
+    ("reshape", [A64], [(S0,)], (2,), {"shape": (1, 6, 4)}),
+    ("reshape", [A64], [(S1, S0)], (2, 2), {"shape": (6, 1, 4, 1)}),
+    ("reshape", [A64.reshape(1, 6, 1, 4)], [(S1, S3)], (4, 2), {"shape": (6, 4)}),
+    ("reshape", [A246], [(S1,)], (2,), {"shape": (2, 1, 24)}),
+    ("reshape", [A465], [(S1,)], (4,), {"shape": (4, 2, 3, 5)}),   # 6 over 4: gathered
+    ("reshape", [A465], [(S1, S2)], (2, 2), {"shape": (4, 3, 2, 5)}),
+    ("reshape", [np.zeros((0, 6))], [(S1,)], (2,), {"shape": (3, 0, 2)}),
     ("transpose", [A246], [(S0, S2)], (2, 2), {"dim0": 0, "dim1": 2}),
+    ("cat", [A56, A56[:3]], [(S1, S0), (R, S0)], (2, 2), {"dim": 0}),
+    ("cat", [A465, A465], [(S0, P_SUM), (S2, P_SUM)], (4, 2), {"dim": -1}),
+    ("stack", [A56, A56 * 2], [(S1,), (S0,)], (4,), {"dim": 1}),
+    ("stack", [A56, A56], [(P_SUM, S0), (P_SUM, S1)], (2, 2), {"dim": -1}),
+    ("split", [A465], [(S1, S0)], (2, 2), {"dim": 1, "sizes": (4, 2), "_out": 1}),
+    ("split", [A465], [(P_SUM, S2)], (2, 2), {"dim": -1, "sizes": (2, 2, 1), "_out": 0}),
+    ("unbind", [A246], [(S0, S2)], (2, 2), {"dim": 1, "_out": 3}),
     ("permute", [A246], [(P_SUM, S1)], (2, 2), {"dims": (2, 0, 1)}),
     ("embedding", [A64, IDS], [(R,), (S1,)], (4,), {}),
     ("embedding", [A64, IDS], [(S1,), (R,)], (2,), {}),
@@ -204,6 +230,21 @@ def test_the_rules_keep_communication_low_where_they_can():
     # for loss_parallel): torch.chunk's pieces do not change
     r = propagate("reshape", (TensorMeta((S2,), (2, 8, 11)),), (4,), shape=(16, 11))
     assert r.inputs == ((S2,),) and r.outputs == ((S1,),)
+    # unsqueeze / squeeze move the shard to the dim it became, without communication
+    r = propagate("reshape", (TensorMeta((S0, S1), (6, 4)),), (2, 2), shape=(1, 6, 1, 4))
+    assert r.inputs == ((S0, S1),) and r.outputs == ((S1, S3),)
+    r = propagate("reshape", (TensorMeta((S2,), (2, 1, 7)),), (4,), shape=(2, 7))
+    assert r.inputs == ((S2,),) and r.outputs == ((S1,),)
+    # a split of the sharded dim keeps the shard when both sizes divide by the ranks
+    r = propagate("reshape", (TensorMeta((S1, S1), (3, 8)),), (2, 2), shape=(3, 4, 2))
+    assert r.inputs == ((S1, S1),) and r.outputs == ((S1, S1),)
+    # cat keeps shards off the cat dim (others take the first input's layout); stack moves them
+    r = propagate("cat", (TensorMeta((S0,), (4, 6)), TensorMeta((S1,), (4, 2))), (2,), dim=1)
+    assert r.inputs == ((S0,), (S0,)) and r.outputs == ((S0,),) and r.shapes == ((4, 8),)
+    r = propagate("stack", (TensorMeta((S1,), (4, 6)),) * 3, (2,), dim=0)
+    assert r.inputs == ((S1,),) * 3 and r.outputs == ((S2,),) and r.shapes == ((3, 4, 6),)
+    r = propagate("split", (TensorMeta((S1,), (4, 6)),), (2,), dim=0, sizes=(3, 1))
+    assert r.inputs == ((S1,),) and r.outputs == ((S1,),) * 2
     # a constant added to a Partial sum would be added once per rank: reduce first
     r = propagate("add", (TensorMeta((P_SUM,), (5, 6)),), (2,), has_scalar=True)
     assert r.inputs == ((R,),)
@@ -239,11 +280,24 @@ def test_max_dim_gathers_a_partial_max_input_because_its_indices_cannot_be_combi
         p = Partial(op[:3])
         r = propagate(op, (TensorMeta((p,), (5, 6)),), (2,), dim=1)
         assert r.inputs == ((R,),) and r.outputs == ((R,), (R,)) and r.shapes == ((5,), (5,))
-    # a whole-tensor max of a Partial("max") input stays pending (max commutes with max)
-    r = propagate("max", (TensorMeta((Partial("max"),), (5, 6)),), (2,))
+    # a whole-tensor max of a Partial("max") input stays pending (max commutes with max) only
+    # where no gradient flows; else it is reduced first (its gradient must reach one rank)
+    r = propagate("max", (TensorMeta((Partial("max"),), (5, 6)),), (2,), pending=True)
     assert r.outputs == ((Partial("max"),),) and r.shapes == ((),)
+    r = propagate("max", (TensorMeta((Partial("max"),), (5, 6)),), (2,))
+    assert r.inputs == ((R,),) and r.outputs == ((R,),)
+
+
+def test_pending_max_over_shards_is_partial_unless_a_piece_is_empty():
+    r = propagate("max", (TensorMeta((S0, S1), (6, 4)),), (2, 2), dim=0, pending=True)
+    assert r.inputs == ((S0, S1),) and r.outputs == ((Partial("max"), S0),)
+    r = propagate("min", (TensorMeta((S0,), (5, 6)),), (4,), dim=0, pending=True)
+    assert r.inputs == ((R,),) and r.outputs == ((R,),)  # 5 rows over 4: 2, 2, 1, 0
+    r = propagate("max", (TensorMeta((S0,), (6, 4)),), (2,), dim=0)  # a gradient may flow
+    assert r.inputs == ((R,),) and r.outputs == ((R,),)
 
 
 def test_a_reduction_dim_out_of_range_raises_naming_it():
-    with pytest.raises(IndexError, match="dim 2 is out of range"):
+    with pytest.raises(IndexError, match=r"Dimension out of range \(expected to be in range "
+                                         r"of \[-2, 1\], but got 2\)"):
         propagate("sum", (TensorMeta((S0,), (5, 6)),), (2,), dim=2)

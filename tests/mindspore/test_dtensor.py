@@ -247,11 +247,38 @@ def _f_max(x):
     from mindspore import mint
 
     values, _ = mint.max(x, dim=1, keepdim=True)
-    return mint.amax(x, 0) + values.sum()
+    return mint.amax(x, 0) + values.sum() - mint.amin(x, -2) * 2
 
 
 def _f_reshape(x):
     return x.reshape(2, -1).view(-1) * 2
+
+
+def _f_views(x):
+    from mindspore import mint
+
+    y = mint.unsqueeze(x, 0).unsqueeze(-1)  # (1, 4, 6, 1): ExpandDimsView, ExpandDims
+    return mint.flatten(y.squeeze(0), 1) * 2 + y.squeeze()  # Squeeze, FlattenExt
+
+
+def _f_cat(a, b):
+    from mindspore import mint
+
+    # (mint.stack is not tested: MindSpore 2.10 has no CPU kernel for StackExt)
+    return mint.cat([a, b], dim=1) * 2 + mint.cat((b, a * b), -1)
+
+
+def _f_split(x):
+    from mindspore import mint
+
+    # Not mint.unbind (UnstackExtView) nor mint.split (SplitTensorView, SplitWithSizeView):
+    # plain MindSpore 2.10 cannot differentiate the first and gets the others' gradients wrong.
+    a, b, c = x.split(2, 1)  # SplitTensor
+    d, e = x.split([2, 4], 1)  # SplitWithSize
+    f, g = x.split(4, -1)  # SplitTensor
+    h, i, j = mint.chunk(x, 3, -1)  # ChunkView
+    small = a * 2 + b - c + d + g + h * i - j * 3
+    return mint.cat([small, e * f], 1)
 
 
 def _f_transpose(x):
@@ -308,6 +335,10 @@ OP_CASES = {
     "mean_uneven": (_f_mean, [((5, 6), {2: (S0,), 4: (S0,), (2, 2): (S0, S0)}, "")]),
     "max": (_f_max, [((5, 6), {2: (S0,), 4: (S1,), (2, 2): (S1, S0)}, "")]),
     "reshape": (_f_reshape, [((4, 6), {2: (S0,), 4: (S0,), (2, 2): (S0, S1)}, "")]),
+    "views": (_f_views, [((4, 6), {2: (S0,), 4: (S1,), (2, 2): (S1, S0)}, "")]),
+    "cat": (_f_cat, [((4, 3), {2: (S0,), 4: (S1,), (2, 2): (S1, S0)}, ""),
+                                 ((4, 3), {2: (S1,), 4: (P,), (2, 2): (S0, P)}, "")]),
+    "split": (_f_split, [((4, 6), {2: (S0,), 4: (S1,), (2, 2): (S1, S0)}, "")]),
     "transpose_permute": (_f_transpose, [((4, 3, 2), {2: (S0,), 4: (S1,), (2, 2): (S0, P)},
                                           "")]),
     "softmax": (_f_softmax, [((4, 6), {2: (S1,), 4: (S0,), (2, 2): (S0, S1)}, "")]),

@@ -59,7 +59,8 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
 
 def _run(func: Any, name: str, args: Any, real: list[Any], kwargs: dict[str, Any], call: Call,
          legacy: bool) -> Any:
-    operands = [real[i] for i in call.tensors]
+    listed = call.tensor_list
+    operands = list(real[listed]) if listed is not None else [real[i] for i in call.tensors]
     dts = [a for a in operands if isinstance(a, DTensor)]
     mesh = dts[0].device_mesh
     for a in operands:
@@ -75,10 +76,14 @@ def _run(func: Any, name: str, args: Any, real: list[Any], kwargs: dict[str, Any
     if call.op not in EMPTY_SAFE:
         sharding = _without_empty_pieces(call, metas, sharding, tuple(mesh.shape))
     local = list(real)
-    for i, a, target, sums in zip(call.tensors, operands, sharding.inputs, sharding.grad_sum,
-                                  strict=True):
-        x = redistribute(a.to_local(), mesh, a.placements, target, a.shape)
-        local[i] = sum_grad_over(x, mesh, sums)
+    moved = [sum_grad_over(redistribute(a.to_local(), mesh, a.placements, target, a.shape),
+                           mesh, sums)
+             for a, target, sums in zip(operands, sharding.inputs, sharding.grad_sum,
+                                        strict=True)]
+    if listed is not None:
+        local[listed] = type(real[listed])(moved)
+    for i, x in zip(call.tensors, moved, strict=False):
+        local[i] = x
     for i, a in enumerate(local):  # DTensors outside the operands (none expected): unwrap
         local[i] = _unlayout(a)
     with NoFallbackGuard():
@@ -122,15 +127,15 @@ def _without_empty_pieces(call: Call, metas: tuple[TensorMeta, ...], sharding: O
 
 def _call_local(func: Any, args: Any, local: list[Any], kwargs: dict[str, Any], call: Call,
                 sharding: OpSharding, mesh: Any, legacy: bool) -> Any:
-    x = local[call.tensors[0]]
     if call.reshape:
+        x = local[call.tensors[0]]
         shape, _ = shard_shape_and_offset(sharding.shapes[0], sharding.outputs[0],
                                           tuple(mesh.shape), mesh_coordinate(mesh))
         return mint.reshape(x, shape)
     if sharding.divide_by is not None:  # a mean over a sharded dim: local sum / global count
         dim = call.args["dim"]
         dim = tuple(dim) if isinstance(dim, list) else dim
-        return mint.sum(x, dim, call.args["keepdim"]) / sharding.divide_by
+        return mint.sum(local[call.tensors[0]], dim, call.args["keepdim"]) / sharding.divide_by
     if legacy:
         return func(args[0], args[1], tuple(local), **kwargs)
     return func(*local, **kwargs)

@@ -4,9 +4,16 @@ neutral op names of :mod:`hyperpar.dtensor.rules`, with how to read each call's 
 The names were read off ``__fallback__`` in MindSpore 2.10 PyNative: ``x + y`` is ``AddExt``,
 ``x + 1`` ``AddScalar``, ``1 - x`` ``Sub``, ``x * 2`` ``Muls``, ``mint.matmul``/``@``
 ``MatMulExt``, ``mint.nn.functional.linear`` ``Dense``, ``x.sum()``/``ops.sum`` ``SumExt``,
-``x.view``/``reshape`` ``Reshape``, ``x.transpose(a, b)`` ``TransposeExtView``, ``x.T`` and
+``mint.amax``/``amin`` ``ReduceMax``/``ReduceMin``, ``x.view``/``reshape`` ``Reshape``,
+``x.unsqueeze`` ``ExpandDims`` (``mint.unsqueeze`` ``ExpandDimsView``), ``x.squeeze``
+``Squeeze``, ``flatten`` ``FlattenExt``, ``x.transpose(a, b)`` ``TransposeExtView``, ``x.T`` and
 ``x.permute`` ``Transpose``, ``ops.gather`` (what ``nn.Embedding`` runs) the legacy primitive
-``Gather``. Add a primitive by adding a line to :data:`OPS`.
+``Gather``, ``mint.cat`` ``Concat``, ``mint.stack`` ``StackExt``, ``x.split`` ``SplitTensor``
+(with sizes ``SplitWithSize``), ``mint.chunk`` ``ChunkView``. Left out on purpose:
+``mint.unbind`` (``UnstackExtView``: plain MindSpore 2.10 cannot differentiate it) and
+``mint.split`` (``SplitTensorView``, ``SplitWithSizeView``: plain MindSpore 2.10 gets their
+gradients wrong when an output is used twice), so they raise "no sharding rule is mapped". Add a
+primitive by adding a line to :data:`OPS`.
 """
 
 from __future__ import annotations
@@ -21,13 +28,16 @@ from mindspore import Tensor
 @dataclass
 class Call:
     """One op call read for the rules: the neutral ``op``, the argument positions of its tensor
-    inputs (in the rule's order), the rule's keyword arguments, and for view ops the global
-    output shape to give the local call (``reshape_to``)."""
+    inputs (in the rule's order), the rule's keyword arguments, whether the local call is a
+    reshape to this rank's piece of the global output shape (``reshape``), and for ops taking a
+    list of tensors (``Concat``) the position of that list (``tensor_list``; ``tensors`` empty).
+    """
 
     op: str
     tensors: tuple[int, ...]
     args: dict[str, Any] = field(default_factory=dict)
     reshape: bool = False
+    tensor_list: int | None = None
 
 
 Parser = Callable[[Sequence[Any], dict[str, Any]], Call]
@@ -136,6 +146,42 @@ def softmax(op: str) -> Parser:
     return parse
 
 
+def joined(op: str) -> Parser:
+    """``Concat``/``StackExt``: a list of tensors, then the dim."""
+
+    def parse(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+        dim = _arg(args, kwargs, 1, "axis", kwargs.get("dim", 0))
+        return Call(op, (), {"dim": int(dim)}, tensor_list=0)
+
+    return parse
+
+
+def _split_sizes(size: int, step: int) -> tuple[int, ...]:
+    """Pieces of ``step`` (the last one shorter) covering ``size``, as torch.split gives."""
+    if step <= 0:
+        raise ValueError(f"split: the piece size must be positive, got {step}")
+    return tuple(min(step, size - s) for s in range(0, size, step)) or (0,)
+
+
+def split(kind: str) -> Parser:
+    """``SplitTensor`` (a piece size), ``SplitWithSize`` (the sizes), ``ChunkView``
+    (a number of chunks, each ``ceil(size / chunks)`` as torch.chunk): all become the sizes."""
+
+    def parse(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+        dim = int(_arg(args, kwargs, 2, "dim", kwargs.get("axis", 0)))
+        how = args[1]
+        size = args[0].shape[dim]
+        if kind == "sizes":
+            sizes = tuple(int(s) for s in how)
+        elif kind == "chunks":
+            sizes = _split_sizes(size, -(-size // int(how)) if size else 1)
+        else:
+            sizes = _split_sizes(size, int(how))
+        return Call("split", (0,), {"dim": dim, "sizes": sizes})
+
+    return parse
+
+
 def _gather(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
     axis = int(_arg(args, kwargs, 2, "axis", 0))
     batch_dims = int(_arg(args, kwargs, 3, "batch_dims", 0))
@@ -174,14 +220,19 @@ OPS: dict[str, Parser] = {
     "Dense": _linear,
     "SumExt": reduction("sum"), "MeanExt": reduction("mean"),
     "DeprecatedSum": reduction("sum", 1, 2, "axis", "keepdims"),
-    "ReduceMax": reduction("max"), "Max": reduction("max", 0, 0),
+    "ReduceMax": reduction("max"), "ReduceMin": reduction("min"),
+    "Max": reduction("max", 0, 0),
     "MaxDim": reduction("max_dim"),
     "Reshape": _reshape, "FlattenExt": _flatten, "ExpandDims": _expand_dims,
-    "Squeeze": _squeeze,
+    "ExpandDimsView": _expand_dims, "Squeeze": _squeeze,
     "TransposeExtView": _transpose, "Transpose": _permute, "TransposeView": _permute,
     "Softmax": softmax("softmax"), "LogSoftmax": softmax("log_softmax"),
     "LogSoftmaxExt": softmax("log_softmax"),
     "Gather": _gather, "Embedding": _embedding, "GatherD": _gather_d,
+    "Concat": joined("cat"), "StackExt": joined("stack"),
+    "SplitTensor": split("size"),
+    "SplitWithSize": split("sizes"),
+    "ChunkView": split("chunks"),
 }
 
 #: Primitives that only inspect their input (no tensor result to lay out).

@@ -12,12 +12,13 @@ shape(s), and the mesh dims where a replicated input's gradient must be summed.
 
 Ops with rules: ``add sub neg identity mul div elementwise`` (broadcasting, the Partial algebra),
 ``matmul bmm linear``, ``sum mean max max_dim``, ``softmax log_softmax``,
-``reshape transpose permute``, ``embedding gather_d cross_entropy``. Each platform maps its own
-functions (torch functions, MindSpore OpCalls) to these names. An op or a layout without a rule
-raises :class:`ShardingError` naming both.
+``reshape transpose permute``, ``cat stack split unbind``,
+``embedding gather_d cross_entropy``. Each platform maps its own functions (torch functions,
+MindSpore OpCalls) to these names. An op or a layout without a rule raises
+:class:`ShardingError` naming both.
 """
 
-from . import elementwise, matmul, nn, reduction, view  # noqa: F401  (fill the table)
+from . import cat, elementwise, matmul, nn, reduction, view  # noqa: F401  (fill the table)
 from .base import (
     P_SUM,
     RULES,

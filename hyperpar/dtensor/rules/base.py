@@ -91,7 +91,11 @@ def grad_sum_dims(target: Placements, outputs: tuple[Placements, ...]) -> tuple[
 
 
 def norm_dim(d: int, ndim: int) -> int:
-    """``d`` made non-negative for a tensor of ``ndim`` dims."""
-    if not -max(ndim, 1) <= d < max(ndim, 1):
-        raise IndexError(f"dim {d} is out of range for a tensor with {ndim} dim(s)")
-    return d % max(ndim, 1)
+    """``d`` made non-negative for a tensor of ``ndim`` dims (a 0-d tensor takes 0 and -1, as
+    in torch); out of range raises torch's IndexError, never wraps."""
+    n = max(ndim, 1)
+    if not -n <= d < n:
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-n}, {n - 1}], "
+                         f"but got {d}): dim {d} is out of range for a tensor with {ndim} "
+                         "dim(s)")
+    return d % n

@@ -9,8 +9,8 @@ from typing import Any
 from ..placement import REPLICATE, Partial, Placement, Shard
 from .base import OpSharding, Shape, TensorMeta, norm_dim, rule
 
-# Partial inputs a reduction keeps pending (it commutes with their reduce op). Not the *_dim
-# ops: their indices output has no Partial meaning.
+# Partial inputs a reduction keeps pending (it commutes with their reduce op); max/min only
+# when no gradient flows. Not the *_dim ops: their indices output has no Partial meaning.
 _KEEPS = {"sum": ("sum", "avg"), "mean": ("sum", "avg"), "max": ("max",), "min": ("min",)}
 _GATHERS = ("max", "min", "max_dim", "min_dim")
 _OVER_SHARDS = {"sum": Partial("sum"), "mean": Partial("sum")}
@@ -30,23 +30,38 @@ def _out_shape(shape: Shape, dims: tuple[int, ...], keepdim: bool) -> Shape:
     return tuple(s for i, s in enumerate(shape) if i not in dims)
 
 
+def _some_piece_empty(size: int, n: int) -> bool:
+    """Whether torch.chunk's split of ``size`` into ``n`` leaves the last rank nothing."""
+    step = -(-size // n)
+    return step * (n - 1) >= size
+
+
 @rule("sum", "mean", "max", "min", "max_dim", "min_dim")
 def _reduce(op: str, metas: tuple[TensorMeta, ...], mesh_shape: tuple[int, ...], *,
-            dim: Any = None, keepdim: bool = False, **_: Any) -> OpSharding:
+            dim: Any = None, keepdim: bool = False, pending: bool = False,
+            **_: Any) -> OpSharding:
     """Over a sharded dim: ``sum``/``mean`` give Partial("sum") (a mean is a local sum divided
     by the global count); ``max``/``min`` and ``*_dim`` gather the dim first (a Partial("max")
-    output would send the gradient to every rank's local maximum). ``dim`` may be None, an int
-    or several dims, negative or not. Partial inputs of the same algebra stay Partial; others
-    reduce first (always for ``*_dim``: their indices cannot be combined across ranks)."""
+    output would send the gradient to every rank's local maximum) -- unless ``pending`` (the
+    platform knows no gradient flows: torch's ``amax`` under no_grad), where ``max``/``min``
+    give Partial("max"/"min") if no rank's piece is empty (an empty piece has no maximum).
+    ``dim`` may be None, an int or several dims, negative or not. Partial inputs of the same
+    algebra stay Partial (for ``max``/``min`` only when ``pending``); others reduce first
+    (always for ``*_dim``: their indices cannot be combined across ranks)."""
     (x,) = metas
     nd = len(x.shape)
     dims = reduced_dims(dim, nd)
+    keeps = _KEEPS.get(op, ()) if op in ("sum", "mean") or pending else ()
     target: list[Placement] = []
     outs: list[Placement] = []
     sharded_reduced = False
-    for p in x.placements:
+    for m, p in enumerate(x.placements):
         if type(p) is Shard and p.dim in dims:
-            if op in _GATHERS:
+            if op in ("max", "min") and pending and \
+                    not _some_piece_empty(x.shape[p.dim], mesh_shape[m]):
+                target.append(p)
+                outs.append(Partial(op))
+            elif op in _GATHERS:
                 target.append(REPLICATE)
                 outs.append(REPLICATE)
             else:
@@ -56,7 +71,7 @@ def _reduce(op: str, metas: tuple[TensorMeta, ...], mesh_shape: tuple[int, ...],
         elif type(p) is Shard:
             target.append(p)
             outs.append(Shard(p.dim if keepdim else p.dim - sum(d < p.dim for d in dims)))
-        elif type(p) is Partial and op in _KEEPS and p.reduce_op in _KEEPS[op]:
+        elif type(p) is Partial and p.reduce_op in keeps:
             target.append(p)
             outs.append(p)
         else:

@@ -1,12 +1,12 @@
-"""Views: ``reshape`` (``view``, flatten, squeeze, ...), ``transpose``, ``permute``. Partial
-placements pass through (views are linear)."""
+"""Views: ``reshape`` (``view``, flatten, unflatten, squeeze, unsqueeze), ``transpose``,
+``permute``. Partial placements pass through (views are linear)."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from ..placement import REPLICATE, Placement, Shard
+from ..placement import REPLICATE, Shard
 from .base import OpSharding, Shape, TensorMeta, no_rule, norm_dim, rule
 
 
@@ -51,50 +51,40 @@ def _blocks(src: Shape, dst: Shape) -> list[tuple[list[int], list[int]]]:
 @rule("reshape")
 def _reshape(op: str, metas: tuple[TensorMeta, ...], mesh_shape: tuple[int, ...], *,
              shape: Any, **_: Any) -> OpSharding:
-    """A shard of dim ``d`` survives when ``d`` maps onto an output dim of the same size, or
-    leads its group of merged/split dims and both ``d`` and the dim it becomes divide evenly
-    over the ranks sharding it; else it is gathered first."""
+    """``view``/``reshape``/``flatten``/``unflatten``/``squeeze``/``unsqueeze``. Dims are
+    grouped into blocks of equal products; size-1 dims are ignored. A shard of dim ``d``
+    survives, onto the first non-1 dim of its block's output, when ``d`` is the first non-1 dim
+    of its block and either the block maps one non-1 dim onto one (kept whole: torch.chunk's
+    pieces, however uneven, do not change) or ``d`` and the dim it becomes divide evenly over
+    the ranks sharding ``d``. Else the dim is gathered first, on every mesh dim sharding it.
+    Partial placements pass through (a view is linear)."""
     (x,) = metas
-    out_shape = infer_shape(math.prod(x.shape), shape)
-    lead = {}
-    same = set()  # dims that map one-to-one onto an output dim of the same size
-    for a, b in _blocks(tuple(x.shape), out_shape):
-        if a and b:
-            lead[a[0]] = b[0]
-            if len(a) == 1 and len(b) == 1:
-                same.add(a[0])
+    src = tuple(x.shape)
+    out_shape = infer_shape(math.prod(src), shape)
+    if 0 in src:  # nothing to keep apart: gather the shards (cheap, the tensor is empty)
+        pl = tuple(REPLICATE if type(p) is Shard else p for p in x.placements)
+        return OpSharding((pl,), (pl,), (out_shape,))
+    onto: dict[int, int] = {}  # input dim -> output dim its shard may become
+    for a, b in _blocks(src, out_shape):
+        big_a = [d for d in a if src[d] != 1]
+        big_b = [d for d in b if out_shape[d] != 1]
+        if big_a and big_b:
+            onto[big_a[0]] = big_b[0] if len(big_a) > 1 or len(big_b) > 1 else -1 - big_b[0]
     ways: dict[int, int] = {}
     for m, p in enumerate(x.placements):
         if type(p) is Shard:
             ways[p.dim] = ways.get(p.dim, 1) * mesh_shape[m]
-    target: list[Placement] = []
-    outs: list[Placement] = []
-    for p in x.placements:
-        if type(p) is Shard:
-            e = lead.get(p.dim)
-            n = ways[p.dim]
-            # A dim kept whole (same size, not merged or split) keeps torch.chunk's pieces
-            # however uneven: (B, S, V) -> (B * S, V) keeps a vocabulary of 11 over 4 sharded.
-            even = x.shape[p.dim] % n == 0 and out_shape[e] % n == 0 if e is not None else False
-            if e is not None and (p.dim in same or even):
-                target.append(p)
-                outs.append(Shard(e))
-            else:
-                target.append(REPLICATE)
-                outs.append(REPLICATE)
-        else:
-            target.append(p)
-            outs.append(p)
-    if tuple(target) != tuple(x.placements) and any(type(p) is Shard for p in target):
-        # gathering one mesh dim changes the piece sizes the others saw: replicate every
-        # mesh dim that shards a dim we had to gather (simple and always exact)
-        gathered = {p.dim for p, t in zip(x.placements, target, strict=True)
-                    if type(p) is Shard and type(t) is not Shard}
-        target = [REPLICATE if type(p) is Shard and p.dim in gathered else t
-                  for p, t in zip(x.placements, target, strict=True)]
-        outs = [REPLICATE if type(p) is Shard and p.dim in gathered else o
-                for p, o in zip(x.placements, outs, strict=True)]
-    return OpSharding((tuple(target),), (tuple(outs),), (out_shape,))
+    kept: dict[int, int] = {}  # sharded input dim -> its output dim, where the shard survives
+    for d, n in ways.items():
+        e = onto.get(d)
+        if e is not None and e < 0:  # one dim onto one of the same size: kept whole
+            kept[d] = -1 - e
+        elif e is not None and src[d] % n == 0 and out_shape[e] % n == 0:
+            kept[d] = e
+    target = tuple(REPLICATE if type(p) is Shard and p.dim not in kept else p
+                   for p in x.placements)
+    outs = tuple(Shard(kept[p.dim]) if type(p) is Shard else p for p in target)
+    return OpSharding((target,), (outs,), (out_shape,))
 
 
 def _permuted(op: str, x: TensorMeta, perm: tuple[int, ...]) -> OpSharding:

@@ -41,7 +41,6 @@ from hyperpar.torch.dtensor._ops.registry import (
     registered_ops,
     unshard,
 )
-from hyperpar.torch.dtensor._ops.view import view_placements
 
 __all__ = [
     "OP_TABLE",
@@ -59,5 +58,4 @@ __all__ = [
     "register_op",
     "registered_ops",
     "unshard",
-    "view_placements",
 ]

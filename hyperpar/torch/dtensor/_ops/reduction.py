@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from hyperpar.dtensor.placement import REPLICATE, Partial, Shard, chunk_bounds
+from hyperpar.dtensor.placement import REPLICATE, Partial, Shard
 from hyperpar.dtensor.rules.reduction import reduced_dims
 from hyperpar.torch.dtensor._ops.dispatch import infer_shapes, localize
 from hyperpar.torch.dtensor._ops.neutral import decide, neutral_sharding, to_sharding
@@ -19,20 +19,13 @@ from hyperpar.torch.dtensor._ops.registry import (
     register_op,
     unshard,
 )
-from hyperpar.torch.dtensor.api import DTensor, DTensorSpec, _wrap
+from hyperpar.torch.dtensor.api import DTensorSpec, _wrap
 from hyperpar.torch.dtensor.redistribute import redistribute_autograd
 
 R = REPLICATE
 
 
 # ---------------------------------------------------------------------------- reductions
-def _reduction_args(call: OpCall) -> tuple[DTensor, tuple[int, ...], bool]:
-    x = call.args[0]
-    dim = call.arg(1, "dim")
-    keepdim = call.arg(2, "keepdim", False)
-    return x, dims_arg(dim, x.ndim), bool(keepdim)
-
-
 def _reduced_placements(pl: Placements, dims: tuple[int, ...], keepdim: bool, op: str
                         ) -> Placements:
     out = []
@@ -79,25 +72,15 @@ def sum_mean_rule(call: OpCall) -> Sharding:
 
 @register_op(torch.amax, torch.Tensor.amax, torch.amin, torch.Tensor.amin)
 def amax_rule(call: OpCall) -> Sharding:
-    """``amax``/``amin``: Partial(max/min) without grad; with grad the reduced dims are gathered."""
-    x, dims, keepdim = _reduction_args(call)
+    """``amax``/``amin``: the neutral ``max``/``min`` rule; Partial(max/min) without grad, with
+    grad the reduced dims gathered."""
+    x = call.args[0]
     op = "max" if call.func in (torch.amax, torch.Tensor.amax) else "min"
-    spec = x._spec
-    if x.requires_grad and torch.is_grad_enabled():
-        # the gradient of a Partial(max) term is not the replicated gradient: only the rank
-        # holding the maximum may receive it, so differentiable maxima gather first
-        pl = unshard(spec.placements, dims)
-        return Sharding([pl], _reduced_placements(pl, dims, keepdim, op),
-                        _reduced_shape(tuple(spec.shape), dims, keepdim))
-    pl = tuple(p if p == Partial(op) else (R if type(p) is Partial else p)
-               for p in spec.placements)
-    # an empty local shard has no max: gather dims whose shards can be empty
-    mesh = spec.mesh
-    pl = tuple(R if type(p) is Shard and p.dim in dims and
-               chunk_bounds(spec.shape[p.dim], mesh.shape[m], mesh.shape[m] - 1)[1] == 0
-               else p for m, p in enumerate(pl))
-    out = _reduced_placements(pl, dims, keepdim, op)
-    return Sharding([pl], out, _reduced_shape(tuple(spec.shape), dims, keepdim))
+    # the gradient of a Partial(max) term is not the replicated gradient: only the rank
+    # holding the maximum may receive it, so differentiable maxima gather first
+    pending = not (x.requires_grad and torch.is_grad_enabled())
+    return neutral_sharding(op, call, dim=call.arg(1, "dim"),
+                            keepdim=bool(call.arg(2, "keepdim", False)), pending=pending)
 
 
 @register_op(torch.max, torch.Tensor.max, torch.min, torch.Tensor.min)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from hyperpar.dtensor.placement import REPLICATE, Partial, Shard
+from hyperpar.dtensor.placement import REPLICATE, Shard
 from hyperpar.torch.dtensor._ops.dispatch import (
     PLAN_CACHE,
     Unhashable,
@@ -19,7 +19,7 @@ from hyperpar.torch.dtensor._ops.dispatch import (
     mark_copy,
     replicated_local,
 )
-from hyperpar.torch.dtensor._ops.neutral import decide
+from hyperpar.torch.dtensor._ops.neutral import decide, neutral_sharding
 from hyperpar.torch.dtensor._ops.registry import (
     OpCall,
     Placements,
@@ -35,85 +35,6 @@ R = REPLICATE
 
 
 # ---------------------------------------------------------------------------- views
-def _view_groups(src: tuple, dst: tuple) -> list[tuple[list[int], list[int]]]:
-    groups: list[tuple[list[int], list[int]]] = []
-    i = j = 0
-    while i < len(src) or j < len(dst):
-        gs, gd = [], []
-        ps = pd = 1
-        if i < len(src):
-            gs.append(i)
-            ps = src[i]
-            i += 1
-        if j < len(dst):
-            gd.append(j)
-            pd = dst[j]
-            j += 1
-        while ps != pd:
-            if ps < pd and i < len(src):
-                gs.append(i)
-                ps *= src[i]
-                i += 1
-            elif j < len(dst):
-                gd.append(j)
-                pd *= dst[j]
-                j += 1
-            else:
-                break
-        groups.append((gs, gd))
-    return groups
-
-
-def view_placements(mesh, src_shape: tuple, dst_shape: tuple, pl: Placements
-                    ) -> tuple[Placements, Placements]:
-    """(input targets, output placements) for a reshape from ``src_shape`` to ``dst_shape``."""
-    if 0 in src_shape:
-        pl = unshard(pl, range(len(src_shape)), partial_ok=True)
-        return pl, pl
-    groups = _view_groups(src_shape, dst_shape)
-    where = {}
-    for gs, gd in groups:
-        for d in gs:
-            where[d] = (gs, gd)
-    factor: dict[int, int] = {}
-    for m, p in enumerate(pl):
-        if type(p) is Shard:
-            factor[p.dim] = factor.get(p.dim, 1) * mesh.shape[m]
-    tg, out = [], []
-    for p in pl:
-        if type(p) is not Shard:
-            tg.append(p)
-            out.append(p)
-            continue
-        gs, gd = where[p.dim]
-        first_s = next((d for d in gs if src_shape[d] != 1), None)
-        first_d = next((d for d in gd if dst_shape[d] != 1), None)
-        n = factor[p.dim]
-        ok = first_s == p.dim and first_d is not None and (
-            (len([d for d in gs if src_shape[d] != 1]) == 1 and
-             len([d for d in gd if dst_shape[d] != 1]) == 1)
-            or (src_shape[p.dim] % n == 0 and dst_shape[first_d] % n == 0))
-        if ok:
-            tg.append(p)
-            out.append(Shard(first_d))
-        else:
-            tg.append(R)
-            out.append(R)
-    # a tensor dim un-sharded on one mesh dim must be un-sharded on all (nesting)
-    gathered = {p.dim for p, t in zip(pl, tg, strict=False) if type(p) is Shard and t is R}
-    if gathered:
-        tg2, out2 = [], []
-        for p, t, o in zip(pl, tg, out, strict=False):
-            if type(p) is Shard and p.dim in gathered:
-                tg2.append(R)
-                out2.append(R)
-            else:
-                tg2.append(t)
-                out2.append(o)
-        tg, out = tg2, out2
-    return tuple(tg), tuple(out)
-
-
 _is_compiling = torch.compiler.is_compiling
 _VIEW, _PERM = "view", "permute"  # key prefixes in the shared plan cache
 
@@ -129,7 +50,8 @@ def _view_plan(func, args, kwargs) -> tuple:
         key, plan = None, None
     if plan is None:
         dst = infer_shapes(func, args, kwargs)
-        tg, out = view_placements(spec.mesh, tuple(spec.shape), tuple(dst), spec.placements)
+        res = decide("reshape", [spec], shape=tuple(dst))  # the neutral rule (rules/view.py)
+        tg, out = res.inputs[0], res.outputs[0]
         out_spec = DTensorSpec(spec.mesh, out, torch.Size(dst))
         local_shape, _ = out_spec.local_shape_and_offset()
         plan = (None if tg == spec.placements else tg, out, out_spec, local_shape)
@@ -241,49 +163,29 @@ def expand_rule(call: OpCall) -> Sharding:
 # ---------------------------------------------------------------------------- cat / split
 @register_op(torch.cat, torch.concat, torch.concatenate, torch.stack)
 def cat_rule(call: OpCall) -> Sharding:
-    """``cat``/``stack``: the cat dim gathered, other shards kept."""
+    """``cat``/``stack``: the neutral rule (rules/cat.py): the cat dim gathered, other shards
+    kept."""
     tensors = call.arg(0, "tensors")
     for t in tensors:
         if not isinstance(t, DTensor):
             raise mixing_error(call.func, t)
-    dim = call.arg(1, "dim", 0)
-    nd = tensors[0].ndim
-    is_stack = call.func is torch.stack
-    dim = dim % (nd + 1 if is_stack else nd)
-    first = tensors[0]._spec.placements
-    pl = []
-    for m, p in enumerate(first):
-        if type(p) is Shard and not is_stack and p.dim == dim:
-            p = R
-        if type(p) is Partial and not all(t._spec.placements[m] == p for t in tensors):
-            p = R
-        if type(p) is Shard and not is_stack and any(
-                t._spec.shape[p.dim] != first_shape for t in tensors
-                for first_shape in (tensors[0]._spec.shape[p.dim],)):
-            p = R
-        pl.append(p)
-    pl_t = tuple(pl)
-    out = tuple(Shard(p.dim + (p.dim >= dim)) if is_stack and type(p) is Shard else p
-                for p in pl_t)
-    return Sharding([pl_t] * len(tensors), out, None)
+    op = "stack" if call.func is torch.stack else "cat"
+    return neutral_sharding(op, call, dim=call.arg(1, "dim", 0))
 
 
 @register_op(torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk,
              torch.unbind, torch.Tensor.unbind, torch.split_with_sizes,
              torch.Tensor.split_with_sizes, torch.tensor_split, torch.Tensor.tensor_split)
 def split_rule(call: OpCall) -> Sharding:
-    """``split``/``chunk``/``unbind``/``tensor_split``: the split dim gathered, others kept."""
+    """``split``/``chunk``/``unbind``/``tensor_split``: the neutral rule (rules/cat.py): the
+    split dim gathered, others kept."""
     x = call.args[0]
     if call.func in (torch.unbind, torch.Tensor.unbind):
-        dim = call.arg(1, "dim", 0)
-    else:
-        dim = call.arg(2, "dim", 0)
-    dim = dim % x.ndim
-    pl = unshard(x._spec.placements, [dim], partial_ok=True)
-    shapes = infer_shapes(call.func, call.args, call.kwargs)
-    drop = call.func in (torch.unbind, torch.Tensor.unbind)
-    out = tuple(Shard(p.dim - (drop and p.dim > dim)) if type(p) is Shard else p for p in pl)
-    return Sharding([pl], [out] * len(shapes), shapes)
+        return neutral_sharding("unbind", call, dim=call.arg(1, "dim", 0))
+    dim = call.arg(2, "dim", 0)
+    shapes = infer_shapes(call.func, call.args, call.kwargs)  # torch reads the many spellings
+    d = dim % x.ndim
+    return neutral_sharding("split", call, dim=dim, sizes=[s[d] for s in shapes])
 
 
 # ---------------------------------------------------------------------------- indexing
