@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import mindspore as ms
 import numpy as np
-from mindspore import nn
+from mindspore import nn, ops
 
 
 def set_weights(model: nn.Cell, seed: int = 0) -> None:
@@ -40,3 +40,93 @@ def train_sgd(model: nn.Cell, x: ms.Tensor, y: ms.Tensor, steps: int, lr: float,
 
 def param_arrays(model: nn.Cell) -> dict[str, np.ndarray]:
     return {name: p.asnumpy() for name, p in model.parameters_and_names()}
+
+
+# ------------------------------------------------------------------ a tiny causal transformer
+# Plain MindSpore, each piece seeded on its own (set_weights on the piece, in its constructor):
+# a pipeline that builds the pieces from LayerSpecs and a one-process model that composes them
+# hold the same weights. Sizes are tiny so a step costs milliseconds on a CPU.
+TFM_IN, TFM_HIDDEN, TFM_HEADS, TFM_SEQ, TFM_OUT = 5, 16, 2, 8, 3
+
+
+class InputProjection(nn.Cell):
+    """Dense ``TFM_IN -> TFM_HIDDEN`` on each position (the "embedding" of real inputs)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.proj = nn.Dense(TFM_IN, TFM_HIDDEN)
+        set_weights(self, seed)
+
+    def construct(self, x):
+        return self.proj(x)
+
+
+class TransformerBlock(nn.Cell):
+    """Pre-LayerNorm block: ``x + attn(ln1(x))``, then ``+ mlp(ln2(.))``; causal multi-head
+    self-attention from one qkv Dense, matmuls and a softmax; a GELU MLP of width 4h."""
+
+    def __init__(self, seed: int, hidden: int = TFM_HIDDEN, heads: int = TFM_HEADS) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, hidden // heads
+        self.ln1 = nn.LayerNorm((hidden,))
+        # no qkv bias: a key bias adds q . b_k to a whole row of scores, which softmax cancels,
+        # so its gradient is 0 up to rounding -- and Adam turns that rounding into +-lr steps
+        self.qkv = nn.Dense(hidden, 3 * hidden, has_bias=False)
+        self.attn_out = nn.Dense(hidden, hidden)
+        self.ln2 = nn.LayerNorm((hidden,))
+        self.fc1 = nn.Dense(hidden, 4 * hidden)
+        self.fc2 = nn.Dense(4 * hidden, hidden)
+        set_weights(self, seed)
+        # 0 on and below the diagonal, -1e9 above it: softmax gives future positions exactly 0
+        self.mask = ms.Tensor(np.triu(np.full((TFM_SEQ, TFM_SEQ), -1e9, np.float32), 1))
+
+    def _attention(self, x):
+        b, s, h = x.shape
+        qkv = self.qkv(x).reshape(b, s, 3, self.heads, self.head_dim).transpose(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]                     # (b, heads, s, head_dim)
+        scores = ops.matmul(q, k.swapaxes(-1, -2)) / float(np.sqrt(self.head_dim))
+        weights = ops.softmax(scores + self.mask[:s, :s], axis=-1)
+        out = ops.matmul(weights, v).transpose(0, 2, 1, 3).reshape(b, s, h)
+        return self.attn_out(out)
+
+    def construct(self, x):
+        x = x + self._attention(self.ln1(x))
+        return x + self.fc2(ops.gelu(self.fc1(self.ln2(x))))
+
+
+class OutputHead(nn.Cell):
+    """Final LayerNorm and Dense ``TFM_HIDDEN -> TFM_OUT``."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm((TFM_HIDDEN,))
+        self.out = nn.Dense(TFM_HIDDEN, TFM_OUT)
+        set_weights(self, seed)
+
+    def construct(self, x):
+        return self.out(self.ln(x))
+
+
+class TinyTransformer(nn.Cell):
+    """InputProjection (seed s), ``n_blocks`` TransformerBlocks (seeds s+1..), OutputHead:
+    ``(batch, TFM_SEQ, TFM_IN) -> (batch, TFM_SEQ, TFM_OUT)``."""
+
+    def __init__(self, n_blocks: int = 2, seed: int = 0) -> None:
+        super().__init__()
+        self.embed = InputProjection(seed)
+        self.blocks = nn.CellList([TransformerBlock(seed + 1 + i) for i in range(n_blocks)])
+        self.head = OutputHead(seed + 1 + n_blocks)
+
+    def construct(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def transformer_data(rows: int, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """``rows`` sequences of inputs normal(0, 1) and regression targets normal(0, 1)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, TFM_SEQ, TFM_IN)).astype(np.float32)
+    y = rng.standard_normal((rows, TFM_SEQ, TFM_OUT)).astype(np.float32)
+    return x, y

@@ -19,6 +19,9 @@ doubled average, or a shard read from the wrong rows, is O(1) off.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import numpy as np
 import pytest
 
@@ -27,6 +30,16 @@ pytestmark = pytest.mark.timeout(900)
 D, H, OUT, PER_RANK, STEPS = 5, 7, 3, 2, 3
 LR = {"sgd": 0.1, "momentum": 0.05, "adam": 0.01}
 RTOL = 2e-5
+# The transformer (tests/mindspore/_cells.py: hidden 16, 2 heads, seq 8, 2 pre-LN blocks, MLP 64,
+# weights normal(0, 0.5)): on top of the MLP's batch sums, its weight gradients sum over rows x
+# positions (<= 32 terms per rank), and a changed batch shape may change the order of the
+# LayerNorm (16 terms), softmax (8) and matmul (<= 64) reductions: <= ~100 terms, ~6e-6
+# relative each, through 2 blocks and 3 steps (gain below 2 each). Values stay O(1-10). We allow
+# 5e-5 * max(1, max|want|); a missing average, a wrong shard or a dropped block is O(1e-2) off.
+TFM_RTOL = 5e-5
+# CI time: by default the transformer runs on 2 ranks with Adam and on HSDP (2, 2) (4 ranks);
+# HYPERPAR_MS_TRANSFORMER_ALL=1 adds it to the 2-rank SGD and the 4-rank Adam runs.
+TFM_ALL = os.environ.get("HYPERPAR_MS_TRANSFORMER_ALL") == "1"
 
 
 def _net():
@@ -95,9 +108,12 @@ def _train(net, opt_name: str, x, y) -> tuple[list[float], list[np.ndarray], obj
     return losses, first, opt
 
 
-def _fsdp_rank(opt_name: str, mesh_shape: tuple[int, ...] | None) -> dict:
-    from hyperpar import fully_shard, init_device_mesh
+def _fsdp_rank(opt_name: str, mesh_shape: tuple[int, ...] | None, tfm: bool = True) -> dict:
+    """The MLP, then (``tfm``) the tiny transformer (fully_shard per block, then the root), each
+    rank on its own rows; the transformer's result under ``"tfm"``."""
+    from hyperpar import init_device_mesh
     from hyperpar.platform import get_platform
+    from tests.mindspore._cells import TinyTransformer, transformer_data
 
     platform = get_platform()
     n, rank = platform.world_size(), platform.rank()
@@ -105,18 +121,29 @@ def _fsdp_rank(opt_name: str, mesh_shape: tuple[int, ...] | None) -> dict:
     if mesh_shape is not None:
         names = ("replicate", "shard")[-len(mesh_shape):]
         mesh = init_device_mesh(mesh_shape, mesh_dim_names=names)
-    net = _net()
-    for layer in (net.fc1, net.fc2):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(net, mesh=mesh)
-    x, y = _data(n)
     rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    net = _net()
+    x, y = _data(n)
+    out = _sharded_run(net, [net.fc1, net.fc2], mesh, opt_name, x[rows], y[rows])
+    if tfm:
+        model = TinyTransformer()
+        x, y = transformer_data(n * PER_RANK)
+        out["tfm"] = _sharded_run(model, list(model.blocks), mesh, opt_name, x[rows], y[rows])
+    return out
+
+
+def _sharded_run(net, blocks: list, mesh, opt_name: str, x, y) -> dict:
+    from hyperpar import fully_shard
+
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(net, mesh=mesh)
     names = [p.name for p in net.trainable_params()]
     layout = {}
-    for cell in (net.fc1, net.fc2, net):
+    for cell in (*blocks, net):
         layout.update(cell.shard_layout())
     param_bytes = sum(p.nbytes for p in net.trainable_params())
-    losses, first, opt = _train(net, opt_name, x[rows], y[rows])
+    losses, first, opt = _train(net, opt_name, x, y)
     full = {name: v.asnumpy() for name, v in net.full_parameters().items()}
     return {"losses": losses, "grads": dict(zip(names, first, strict=True)), "layout": layout,
             "param_bytes": param_bytes, "state_bytes": _state_bytes(opt), "full": full,
@@ -124,8 +151,17 @@ def _fsdp_rank(opt_name: str, mesh_shape: tuple[int, ...] | None) -> dict:
 
 
 def _reference(opt_name: str, n: int) -> dict:
-    net = _net()
-    x, y = _data(n)
+    return _reference_of(_net(), opt_name, *_data(n))
+
+
+@functools.cache   # 4 ranks and HSDP (2, 2) train the same reference (CI time); only read
+def _tfm_reference(opt_name: str, n: int) -> dict:
+    from tests.mindspore._cells import TinyTransformer, transformer_data
+
+    return _reference_of(TinyTransformer(), opt_name, *transformer_data(n * PER_RANK))
+
+
+def _reference_of(net, opt_name: str, x, y) -> dict:
     names = [p.name for p in net.trainable_params()]
     losses, first, _opt = _train(net, opt_name, x, y)
     return {"losses": losses, "grads": dict(zip(names, first, strict=True)),
@@ -133,26 +169,28 @@ def _reference(opt_name: str, n: int) -> dict:
             "bytes": sum(p.nbytes for p in net.trainable_params())}
 
 
-def _close(got: np.ndarray, want: np.ndarray, what: str) -> None:
-    tol = RTOL * max(1.0, float(np.abs(want).max(initial=0.0)))
+def _close(got: np.ndarray, want: np.ndarray, what: str, rtol: float = RTOL) -> None:
+    tol = rtol * max(1.0, float(np.abs(want).max(initial=0.0)))
     assert got.shape == want.shape, (what, got.shape, want.shape)
     err = float(np.abs(got - want).max(initial=0.0))
     assert err <= tol, f"{what}: max |diff| {err:.3g} > {tol:.3g}"
 
 
-def _check(results: list[dict], ref: dict, n_shard: int, state_per_param: int) -> None:
+def _check(results: list[dict], ref: dict, n_shard: int, state_per_param: int,
+           rtol: float = RTOL) -> None:
     n = len(results)
     mean_loss = np.mean([r["losses"] for r in results], axis=0)
-    _close(mean_loss, np.array(ref["losses"]), "mean loss per step")
+    _close(mean_loss, np.array(ref["losses"]), "mean loss per step", rtol)
     for rank, res in enumerate(results):
         for name, want in ref["full"].items():
-            _close(res["full"][name], want, f"rank {rank} {name} after {STEPS} steps")
+            _close(res["full"][name], want, f"rank {rank} {name} after {STEPS} steps", rtol)
         padded_bytes = 0
         for name, (start, length, rows) in res["layout"].items():
             want = ref["grads"][name]
             got = res["grads"][name]
             assert got.shape == (rows, *want.shape[1:]), (rank, name, got.shape)
-            _close(got[:length], want[start:start + length], f"rank {rank} grad {name}")
+            _close(got[:length], want[start:start + length], f"rank {rank} grad {name}",
+                   rtol)
             assert not np.any(got[length:]), f"rank {rank} {name}: padding got a gradient"
             padded_bytes += rows * int(np.prod(want.shape[1:], dtype=np.int64)) * 4
         assert res["param_bytes"] == padded_bytes, (rank, res["param_bytes"], padded_bytes)
@@ -166,14 +204,22 @@ def _check(results: list[dict], ref: dict, n_shard: int, state_per_param: int) -
 
 @pytest.mark.parametrize("opt_name", ["sgd", "adam"])
 def test_fully_shard_2_ranks_matches_one_process(pool2, opt_name: str) -> None:
-    results = pool2.run(_fsdp_rank, opt_name, None)
-    _check(results, _reference(opt_name, 2), 2, {"sgd": 1, "adam": 2}[opt_name])  # SGD: `accum`
+    with_tfm = opt_name == "adam" or TFM_ALL
+    results = pool2.run(_fsdp_rank, opt_name, None, with_tfm)
+    state = {"sgd": 1, "adam": 2}[opt_name]  # SGD: `accum`
+    _check(results, _reference(opt_name, 2), 2, state)
+    if with_tfm:
+        _check([r["tfm"] for r in results], _tfm_reference(opt_name, 2), 2, state, TFM_RTOL)
 
 
 @pytest.mark.parametrize("opt_name", ["momentum", "adam"])
 def test_fully_shard_4_ranks_matches_one_process(pool4, opt_name: str) -> None:
-    results = pool4.run(_fsdp_rank, opt_name, (4,))
-    _check(results, _reference(opt_name, 4), 4, {"momentum": 1, "adam": 2}[opt_name])
+    with_tfm = opt_name == "adam" and TFM_ALL
+    results = pool4.run(_fsdp_rank, opt_name, (4,), with_tfm)
+    state = {"momentum": 1, "adam": 2}[opt_name]
+    _check(results, _reference(opt_name, 4), 4, state)
+    if with_tfm:
+        _check([r["tfm"] for r in results], _tfm_reference(opt_name, 4), 4, state, TFM_RTOL)
 
 
 def test_hsdp_replicate_2_shard_2_matches_one_process(pool4) -> None:
@@ -181,6 +227,7 @@ def test_hsdp_replicate_2_shard_2_matches_one_process(pool4) -> None:
     reduce-scattered over the shard pair and summed over the replicas, mean over all 4."""
     results = pool4.run(_fsdp_rank, "adam", (2, 2))
     _check(results, _reference("adam", 4), 2, 2)
+    _check([r["tfm"] for r in results], _tfm_reference("adam", 4), 2, 2, TFM_RTOL)
 
 
 def _errors_rank() -> dict:

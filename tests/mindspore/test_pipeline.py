@@ -308,3 +308,88 @@ def test_a_refusal_on_one_rank_is_raised_on_every_rank_before_any_p2p(pool2) -> 
     assert "not this stage's trainable parameters" in mine
     assert peer.startswith("PipelineEngine: rank 1 refused its arguments"), peer
     assert "not this stage's trainable parameters" in peer
+
+
+# ------------------------------------------------------------------------------ transformer
+# The tiny causal transformer of tests/mindspore/_cells.py as 4 LayerSpecs (input projection,
+# 2 blocks, head; seeds 0..3 as TinyTransformer(seed=0) uses them), 2 stages of 2 under 1F1B.
+# Tolerance: as above, plus the blocks' LayerNorm (16 terms), softmax (8) and matmul (<= 64)
+# reductions, whose order may change with the batch shape (2 rows per microbatch vs 8): ~100
+# terms, ~6e-6 relative each, through 2 blocks and 3 steps. We allow 5e-5 * max(1, max|want|);
+# a missing microbatch or a gradient not accumulated is O(1e-2) off.
+TFM_M, TFM_RTOL = 4, 5e-5
+
+
+def _tfm_pipeline() -> dict:
+    import mindspore as ms
+    from mindspore import nn
+
+    from hyperpar.pipeline import LayerSpec, PipelineModule, initialize
+    from tests.mindspore._cells import (
+        InputProjection,
+        OutputHead,
+        TransformerBlock,
+        transformer_data,
+    )
+
+    layers = [LayerSpec(InputProjection, 0), LayerSpec(TransformerBlock, 1),
+              LayerSpec(TransformerBlock, 2), LayerSpec(OutputHead, 3)]
+    model = PipelineModule(layers, loss_fn=_mse, partition_method="uniform")
+    engine, *_ = initialize(model=model,
+                            optimizer=nn.SGD(model.trainable_params(), learning_rate=LR),
+                            config={"train_micro_batch_size_per_gpu": MICRO,
+                                    "gradient_accumulation_steps": TFM_M})
+    x, y = transformer_data(MICRO * TFM_M * STEPS)
+    it = iter([(ms.Tensor(x[i:i + MICRO]), ms.Tensor(y[i:i + MICRO]))
+               for i in range(0, len(x), MICRO)])
+    losses = [float(engine.train_batch(it).asnumpy()) for _ in range(STEPS)]
+    params = {}
+    for j, pos in enumerate(model._positions):
+        for name, p in pos.cell.parameters_and_names():
+            params[f"{model.parts[model.stage_id] + j}.{name}"] = p.asnumpy()
+    return {"losses": losses, "params": params, "stage": model.stage_id}
+
+
+def _tfm_reference() -> dict:
+    import mindspore as ms
+    from mindspore import nn
+
+    from tests.mindspore._cells import TinyTransformer, transformer_data
+
+    model = TinyTransformer(n_blocks=2, seed=0)
+    opt = nn.SGD(model.trainable_params(), learning_rate=LR)
+    grad_fn = ms.value_and_grad(lambda x, y: _mse(model(x), y), None, opt.parameters)
+    x, y = transformer_data(MICRO * TFM_M * STEPS)
+    rows = MICRO * TFM_M
+    losses = []
+    for s in range(STEPS):
+        loss, grads = grad_fn(ms.Tensor(x[s * rows:(s + 1) * rows]),
+                              ms.Tensor(y[s * rows:(s + 1) * rows]))
+        opt(grads)
+        losses.append(float(loss.asnumpy()))
+    params = {}
+    for name, p in model.parameters_and_names():   # embed.* -> 0.*, blocks.i.* -> i+1, head.*
+        first, _, rest = name.partition(".")
+        if first == "blocks":
+            index, _, rest = rest.partition(".")
+            first = str(int(index) + 1)
+        params[f"{ {'embed': '0', 'head': '3'}.get(first, first)}.{rest}"] = p.asnumpy()
+    return {"losses": losses, "params": params}
+
+
+def test_transformer_two_stages_1f1b_match_one_process(pool2) -> None:
+    results = pool2.run(_tfm_pipeline)
+    assert [r["stage"] for r in results] == [0, 1]
+    ref = _tfm_reference()
+    seen = set()
+    for rank, res in enumerate(results):
+        for s, (got, want) in enumerate(zip(res["losses"], ref["losses"], strict=True)):
+            err = abs(got - want)
+            assert err <= TFM_RTOL * max(1.0, abs(want)), (rank, s, got, want)
+        for name, value in res["params"].items():
+            want = ref["params"][name]
+            err = float(np.abs(value - want).max())
+            assert err <= TFM_RTOL * max(1.0, float(np.abs(want).max())), (rank, name, err)
+            seen.add(name)
+    assert seen == set(ref["params"]), (sorted(seen), sorted(ref["params"]))
+    assert abs(ref["losses"][-1] - ref["losses"][0]) > 1e-3   # the model moved
