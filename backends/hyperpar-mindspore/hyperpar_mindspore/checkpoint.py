@@ -159,6 +159,13 @@ def _set_shard(param: Any, box: ArrayBox, arr: np.ndarray) -> None:
     param.set_data(ms.Tensor(piece))
 
 
+def _check_optimizer_type(optimizer: Any) -> None:
+    """Refuse a non-optimizer up front, before any collective (every rank is given one)."""
+    if optimizer is not None and not isinstance(optimizer, nn.Optimizer):
+        raise TypeError(f"checkpoint: optimizer= must be a mindspore.nn.Optimizer built over "
+                        f"the Cell's parameters, got {type(optimizer).__name__}")
+
+
 def _optimizer_layout(optimizer: Any, layout: dict[str, tuple[Any, Any]]
                       ) -> dict[str, tuple[Any, ArrayBox]]:
     """key -> (state Parameter, its box) for ``optimizer``'s own Parameters. A per-parameter
@@ -167,9 +174,6 @@ def _optimizer_layout(optimizer: Any, layout: dict[str, tuple[Any, Any]]
     is laid out as its parameter -- the same box of the global tensor, so it reshards like it
     -- under ``optimizer.<parameter key>.<state>``; the optimizer's scalars (``global_step``,
     ``beta1_power``, ``learning_rate``...) are replicated, under ``optimizer.<name>``."""
-    if not isinstance(optimizer, nn.Optimizer):
-        raise TypeError(f"checkpoint: optimizer= must be a mindspore.nn.Optimizer, got "
-                        f"{type(optimizer).__name__}")
     by_name = {p.name: (key, p, box) for key, (p, box) in layout.items()}
     model_ids = {id(p) for p, _box in layout.values()}
     out: dict[str, tuple[Any, ArrayBox]] = {}
@@ -210,6 +214,7 @@ def save(model: nn.Cell, path: str | os.PathLike, *, name_map: NameMap = None,
     if file_format not in ("auto", "safetensors"):
         raise ValueError(f"checkpoint.save: a MindSpore Cell is saved as safetensors; got "
                          f"file_format={file_format!r} (use 'auto' or 'safetensors')")
+    _check_optimizer_type(optimizer)
     layout = _layout(model, name_map)
     boxes = {key: box for key, (_p, box) in layout.items()}
     if optimizer is not None:
@@ -263,6 +268,7 @@ def load(model: nn.Cell, path: str | os.PathLike, *, name_map: NameMap = None,
     result are ``hyperpar.checkpoint.load``'s; values are cast to each parameter's dtype.
     ``optimizer``: restore the state :func:`save` wrote for an optimizer of the same class
     (build it over the model's parameters first), resharded like the parameters."""
+    _check_optimizer_type(optimizer)
     layout = _layout(model, name_map)
     targets: dict[str, tuple[Any, Any]] = dict(layout)
     if optimizer is not None:
