@@ -149,6 +149,9 @@ PRELUDES: dict[tuple[str, str], str] = {
 
 #: (page, a line of the block) -> why the block is not run
 NOT_RUNNABLE: dict[tuple[str, str], str] = {
+    ("docs/mindspore.md", "mp_policy=MixedPrecisionPolicy("):
+        "a MindSpore fragment (this venv has torch, not MindSpore): tests/mindspore/"
+        "test_fully_shard.py trains fully_shard Cells with the same policy on real ranks",
     ("docs/data-parallel.md", "data_parallel(pipe, mesh"):
         "a fragment indented inside a list item, showing three calls in context",
     ("docs/mindspore.md", "import mindspore as ms"):
