@@ -268,6 +268,16 @@ def _f_cat(a, b):
     return mint.cat([a, b], dim=1) * 2 + mint.cat((b, a * b), -1)
 
 
+def _f_stack_addn(a, b):
+    from mindspore import ops
+
+    # legacy primitives taking a list (Stack, AddN) never reach __fallback__: hyperpar routes
+    # them through unsqueeze + cat and adds (hyperpar_mindspore.listops)
+    stacked = ops.stack([a, b * 2], 1) * 3  # (4, 2, 3)
+    last = ops.Stack(-1)((b, a)).sum(-1)  # (4, 3, 2) summed back to (4, 3)
+    return stacked + ops.expand_dims(ops.addn([a, b, a * b]) + last, 1)
+
+
 def _f_split(x):
     from mindspore import mint
 
@@ -338,6 +348,8 @@ OP_CASES = {
     "views": (_f_views, [((4, 6), {2: (S0,), 4: (S1,), (2, 2): (S1, S0)}, "")]),
     "cat": (_f_cat, [((4, 3), {2: (S0,), 4: (S1,), (2, 2): (S1, S0)}, ""),
                                  ((4, 3), {2: (S1,), 4: (P,), (2, 2): (S0, P)}, "")]),
+    "stack_addn": (_f_stack_addn, [((4, 3), {2: (S0,), 4: (S1,), (2, 2): (S1, S0)}, ""),
+                                   ((4, 3), {2: (S1,), 4: (S1,), (2, 2): (S0, R)}, "")]),
     "split": (_f_split, [((4, 6), {2: (S0,), 4: (S1,), (2, 2): (S1, S0)}, "")]),
     "transpose_permute": (_f_transpose, [((4, 3, 2), {2: (S0,), 4: (S1,), (2, 2): (S0, P)},
                                           "")]),
@@ -474,6 +486,20 @@ def _errors_and_recovery() -> dict:
     out["grad"] = g.full_tensor().asnumpy()
     out["raw"] = type(ms.grad(good)(x)).__name__  # MindSpore's own: the local shard
     out["norm_grad"] = ms.grad(lambda t: norm(t).sum())(ms.Tensor(arr)).asnumpy()
+
+    # a legacy list primitive with no DTensor route returns a plain Tensor of local pieces:
+    # refused (shown with AddN's route taken away), and the next gradient call still works
+    from hyperpar_mindspore import listops
+    from mindspore import ops
+
+    addn = listops.EXPRESSED.pop("AddN")
+    try:
+        grad(lambda t: ops.addn([t, t]).sum(), 0)(x)
+    except ShardingError as exc:
+        out["list_refused"] = str(exc)
+    finally:
+        listops.EXPRESSED["AddN"] = addn
+    out["after_refusal"] = grad(lambda t: ops.addn([t, t * t]).sum(), 0)(x).full_tensor().asnumpy()
     return out
 
 
@@ -486,3 +512,5 @@ def test_an_op_without_a_rule_raises_and_the_next_gradient_call_works(pool2):
         # d/dx of sum(x^2) + sum(layernorm(x)): 2x + (d/dx sum(layernorm), from plain MindSpore)
         np.testing.assert_allclose(res["grad"], 2 * arr + res["norm_grad"], rtol=0, atol=1e-5)
         assert res["raw"] == "Tensor"
+        assert "'AddN'" in res["list_refused"] and "full_tensor" in res["list_refused"]
+        np.testing.assert_allclose(res["after_refusal"], 1 + 2 * arr, rtol=0, atol=1e-6)

@@ -305,3 +305,8 @@ def value_and_grad(fn: Callable[..., Any], grad_position: Any = 0, weights: Any 
 
 __all__ = ["DTensor", "Partial", "Replicate", "Shard", "clear_grad_state", "distribute_tensor",
            "grad", "value_and_grad"]
+
+# Legacy primitives taking a list of tensors bypass __fallback__: route or refuse them (listops).
+from . import listops  # noqa: E402  (needs DTensor, defined above)
+
+listops.install()
