@@ -1,8 +1,9 @@
 """Pipelines of MindSpore Cells on real ranks: ``hyperpar.pipeline``'s ``PipelineModule`` /
-``initialize`` / ``train_batch`` (GPipe and 1F1B; ``LayerSpec`` and a ``TiedLayerSpec`` whose
-gradient is summed over the two stages that hold it) against the same model built in plain
-MindSpore in one process and trained on the whole batch, over several SGD steps: the loss on
-every rank and every parameter of every stage.
+``initialize`` / ``train_batch`` (GPipe, 1F1B and interleaved 1F1B; ``LayerSpec`` and a
+``TiedLayerSpec`` whose gradient is summed over the two stages that hold it; on 4 ranks pp x dp,
+pp x fully_shard and pp x tp) against the same model built in plain MindSpore in one process and
+trained on the whole batch, over several SGD steps: the loss on every rank and every parameter
+of every stage.
 
 Tolerance: weights normal(0, 0.4), inputs normal(0, 1), widths 6: values O(1). The pipeline and
 one process differ in the order of float32 sums (the batch mean split into microbatch means,
@@ -296,10 +297,99 @@ def _pp_dp(n_layers: int, m: int) -> dict:
         out[variant] = {"losses": losses, "eval_loss": float(engine.eval_batch(it).asnumpy()),
                         "params": _stage_params(model), "stage": model.stage_id,
                         "dp_size": model.dp_size}
+    out["tp"] = _pp_tp(m)
     return out
 
 
-def test_pp_x_dp_and_pp_x_fully_shard_match_one_process(pool4) -> None:
+# pp x tp: a ("pp", "tp") = (2, 2) mesh, one MLP block per stage (Dense D -> 2D, tanh,
+# Dense 2D -> D), each block's fc1 colwise and fc2 rowwise over mesh["tp"]; every rank of a
+# pipeline gets the same m microbatches. Same tolerance: tensor parallelism only splits the
+# 2D-term sums of fc2 into two partial sums added by an all-reduce.
+_TP_SPLITS = {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1, "fc2.bias": None}
+
+
+def _tp_block():
+    """A Cell class ``Block(seed)`` (defined on the ranks, where MindSpore is imported)."""
+    from mindspore import nn, ops
+
+    from tests.mindspore._cells import set_weights
+
+    class Block(nn.Cell):
+        def __init__(self, seed: int) -> None:
+            super().__init__()
+            self.fc1 = nn.Dense(D, 2 * D)
+            self.fc2 = nn.Dense(2 * D, D)
+            set_weights(self, seed)
+
+        def construct(self, x):
+            return self.fc2(ops.tanh(self.fc1(x)))
+
+    return Block
+
+
+def _pp_tp(m: int) -> dict:
+    from hyperpar import ColwiseParallel, RowwiseParallel, init_device_mesh, parallelize_module
+    from hyperpar.pipeline import LayerSpec, PipelineModule, initialize
+
+    ms, nn, _ops, _a, _e = _cells()
+    Block = _tp_block()
+    mesh = init_device_mesh((PP, 2), mesh_dim_names=("pp", "tp"))
+    model = PipelineModule([LayerSpec(Block, 0), LayerSpec(Block, 1)], mesh=mesh, loss_fn=_mse,
+                           partition_method="uniform")
+    for cell in model.stage_layers:
+        parallelize_module(cell, mesh["tp"], {"fc1": ColwiseParallel(),
+                                              "fc2": RowwiseParallel()})
+    engine, *_ = initialize(model=model,
+                            optimizer=nn.SGD(model.trainable_params(), learning_rate=LR),
+                            config={"train_micro_batch_size_per_gpu": MICRO,
+                                    "gradient_accumulation_steps": m})
+    it = iter([(ms.Tensor(x), ms.Tensor(y)) for x, y in _data(m, STEPS)])
+    losses = [float(engine.train_batch(it).asnumpy()) for _ in range(STEPS)]
+    params = {f"{model.stage_id}.{name}": p.asnumpy()
+              for name, p in model.stage_layers[0].parameters_and_names()}
+    return {"losses": losses, "params": params, "stage": model.stage_id,
+            "tp_rank": mesh.get_local_rank("tp"), "dp_size": model.dp_size}
+
+
+def _tp_reference(m: int) -> dict:
+    import mindspore as ms
+    from mindspore import nn
+
+    Block = _tp_block()
+    blocks = [Block(0), Block(1)]
+    cells = nn.CellList(blocks)
+    opt = nn.SGD(cells.trainable_params(), learning_rate=LR)
+    grad_fn = ms.value_and_grad(lambda x, y: _mse(blocks[1](blocks[0](x)), y), None,
+                                opt.parameters)
+    data, losses = _data(m, STEPS), []
+    for s in range(STEPS):
+        batch = data[s * m:(s + 1) * m]
+        loss, grads = grad_fn(ms.Tensor(np.concatenate([b[0] for b in batch])),
+                              ms.Tensor(np.concatenate([b[1] for b in batch])))
+        opt(grads)
+        losses.append(float(loss.asnumpy()))
+    params = {f"{i}.{name}": p.asnumpy() for i, block in enumerate(blocks)
+              for name, p in block.parameters_and_names()}
+    return {"losses": losses, "params": params}
+
+
+def _check_tp(results: list[dict], ref: dict) -> None:
+    seen = set()
+    for rank, res in enumerate(results):
+        for s, (got, want) in enumerate(zip(res["losses"], ref["losses"], strict=True)):
+            _close(np.float32(got), np.float32(want), f"pp x tp rank {rank} loss of step {s}")
+        for key, value in res["params"].items():
+            want = ref["params"][key]
+            dim = _TP_SPLITS[key.split(".", 1)[1]]
+            if dim is not None:
+                want = np.split(want, 2, axis=dim)[res["tp_rank"]]
+            _close(value, want, f"pp x tp rank {rank} parameter {key}")
+            seen.add(key)
+    assert seen == set(ref["params"]), (sorted(seen), sorted(ref["params"]))
+    assert abs(ref["losses"][-1] - ref["losses"][0]) > 1e-3   # the model moved
+
+
+def test_pp_x_dp_fully_shard_and_tp_match_one_process(pool4) -> None:
     m, n_layers = 2, 3   # per replica; D = 6 rows split 3 + 3 over dp: no padding
     results = pool4.run(_pp_dp, n_layers, m)
     for rank, res in enumerate(results):
@@ -317,6 +407,10 @@ def test_pp_x_dp_and_pp_x_fully_shard_match_one_process(pool4) -> None:
         assert [r["stage"] for r in got] == [0, 0, 1, 1], variant
         assert {r["dp_size"] for r in got} == {DP}, variant
         _check(got, _reference(n_layers, tied, DP * m))
+    tp = [res["tp"] for res in results]
+    assert [r["stage"] for r in tp] == [0, 0, 1, 1] and [r["tp_rank"] for r in tp] == [0, 1] * 2
+    assert {r["dp_size"] for r in tp} == {1}
+    _check_tp(tp, _tp_reference(m))
 
 
 # ---------------------------------------------------------------------------------- faults
