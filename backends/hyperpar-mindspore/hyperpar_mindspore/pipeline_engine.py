@@ -1,16 +1,19 @@
 """Run hyperpar's pipeline schedules on MindSpore Cells, and the DeepSpeed-style engine.
 
 What runs when is hyperpar's, shared with torch: the plan (:mod:`hyperpar.pipeline.schedules`:
-``gpipe_plan``, ``one_f_one_b_plan``), its lowering to batches of sends and receives
-(``rank_program``), and the instruction loop (:func:`hyperpar.pipeline.runner.run_program`).
-This module supplies the MindSpore mechanics of one action:
+``gpipe_plan``, ``one_f_one_b_plan``, ``interleaved_1f1b_plan``), its lowering to batches of
+sends and receives (``rank_program``), and the instruction loop
+(:func:`hyperpar.pipeline.runner.run_program`). This module supplies the MindSpore mechanics
+of one action:
 
 * forward of microbatch ``mb``: run the stage Cell on its input (no gradient graph) and send the
   output on; the stage input is kept for the backward;
 * backward of ``mb``: ``mindspore.vjp`` of the stage (of ``loss * weight`` on the last stage)
   with respect to the stage's float inputs and its trainable parameters, applied to the output
   gradient received from the next stage; the input gradient is sent back and the weight
-  gradients accumulate over the microbatches.
+  gradients accumulate over the microbatches;
+* after the step: tied gradients summed over their owning stages, then every gradient averaged
+  over the stage's data-parallel replicas (fully_shard shards excepted: already averaged).
 
 MindSpore's PyNative mode keeps one gradient graph at a time (a second ``vjp`` before the first
 one's backward left the first unusable on MindSpore 2.10), so the backward recomputes the stage
