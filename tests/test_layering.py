@@ -161,7 +161,8 @@ NEUTRAL_MODULES = ("hyperpar.dtensor.mesh", "hyperpar.dtensor.placement",
                    "hyperpar.checkpoint._commit",
                    "hyperpar.pipeline.schedules", "hyperpar.pipeline.runner",
                    "hyperpar.pipeline.spec", "hyperpar.pipeline.partition",
-                   "hyperpar.pipeline._faults", "hyperpar.pipeline.topology")
+                   "hyperpar.pipeline._faults", "hyperpar.pipeline.topology",
+                   "hyperpar.pipeline.layout")
 
 _BLOCK_MINDSPORE = """
 class _NoMindSpore(importlib.abc.MetaPathFinder):

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hyperpar.dtensor.mesh import ensure_world
 from hyperpar.platform import get_platform
 from hyperpar.platform.base import Group
 
+from .layout import check_layout_arguments, resolve_stages
 from .partition import partition_layers
 from .spec import LayerSpec, TiedLayerSpec, get_dotted
 
@@ -76,12 +76,6 @@ class PipelineModule(nn.Module):
         layers = list(layers.children()) if isinstance(layers, nn.Sequential) else list(layers)
         _check_arguments(layers, num_stages, topology, group, mesh, virtual_stages,
                          activation_checkpoint_interval, checkpointable_layers)
-        if topology is not None:
-            from .topology import topology_to_mesh
-
-            mesh, mesh_dim = topology_to_mesh(topology), "pp"
-            num_stages = topology.get_dim("pipe")
-        self.mesh = mesh
         self.loss_fn = loss_fn
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self.activation_checkpoint_func = activation_checkpoint_func
@@ -89,7 +83,7 @@ class PipelineModule(nn.Module):
                                       if checkpointable_layers is not None else None)
         self.dynamic_shape = dynamic_shape
         self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn, base_seed
-        self._setup_stages(num_stages, group, mesh, mesh_dim, virtual_stages)
+        self._setup_stages(num_stages, group, mesh, mesh_dim, topology, virtual_stages)
         self.parts = partition_layers(layers, self.total_stages, partition_method)
         self._n_layers = len(layers)
         self._build_local_layers(layers)
@@ -97,76 +91,17 @@ class PipelineModule(nn.Module):
 
     # ------------------------------------------------------------------ construction steps
     def _setup_stages(self, num_stages: int | None, group: Group, mesh: DeviceMesh | None,
-                      mesh_dim: str | int | None, virtual_stages: int) -> None:
-        """Pipeline group, stage ranks, this rank's stages and the data-parallel group."""
-        platform = get_platform()
-        if group is None and mesh is None:
-            # No group given: the world, joined by the rule init_device_mesh follows (from the
-            # launcher's environment under torchrun / hyperpar run; a lone process is a world
-            # of one) -- never a silently assumed 1-rank world under a launcher.
-            ensure_world(platform)
-        self.dp_group: Group = None
-        has_dp = False
-        if mesh is not None:
-            group = mesh.get_mesh(mesh_dim, default="pp").get_group()
-            names = mesh.mesh_dim_names or ()
-            if mesh.ndim > 1 and "dp" in names and mesh_dim not in ("dp", names.index("dp")):
-                self.dp_group, has_dp = mesh.get_mesh("dp").get_group(), True
-        distributed = platform.is_initialized()
-        group_size = platform.world_size(group) if distributed else 1
-        group_ranks = platform.group_ranks(group) if distributed else [0]
-        num_stages = group_size if num_stages is None else num_stages
-        if not isinstance(num_stages, int) or num_stages < 1:
-            raise ValueError(f"PipelineModule: num_stages must be a positive int, got "
-                             f"{num_stages!r}")
-        if group_size % num_stages:
-            raise ValueError(
-                f"PipelineModule: num_stages={num_stages} does not divide the group size "
-                f"{group_size}; use a divisor of {group_size} (e.g. {group_size})"
-            )
-        me = platform.rank() if distributed else 0
-        if num_stages == 1:
-            self.group, self.stage_ranks = None, [me]
-            if group_size > 1 and mesh is None:   # every rank holds the whole model: replicas
-                self.dp_group, has_dp = group, True
-        elif num_stages == group_size:
-            self.group, self.stage_ranks = group, group_ranks
-        else:
-            self._split_world(num_stages, group, group_size, group_ranks, me)
-            has_dp = True
-        self.num_stages = num_stages
-        self.virtual_stages = virtual_stages
-        self.total_stages = num_stages * virtual_stages
-        if me not in self.stage_ranks:
-            raise ValueError(f"PipelineModule: rank {me} is not in the pipeline group (global "
-                             f"ranks {self.stage_ranks}); build the module on its members only")
-        self.stage_id = self.stage_ranks.index(me)
-        self.local_stages = [self.stage_id + k * num_stages for k in range(virtual_stages)]
-        self.dp_size = platform.world_size(self.dp_group) if has_dp else 1
-
-    def _split_world(self, num_stages: int, group: Group, group_size: int,
-                     group_ranks: list[int], me: int) -> None:
-        """``group_size // num_stages`` pipelines of consecutive stages, DeepSpeed's layout;
-        the ranks holding the same stage are a data-parallel group."""
-        platform = get_platform()
-        if group is not None and group_size != platform.world_size():
-            raise ValueError(
-                f"PipelineModule: num_stages={num_stages} is smaller than the group "
-                f"({group_size} ranks); splitting into several pipelines is supported only "
-                f"for the world group. Pass a group of exactly {num_stages} ranks instead."
-            )
-        dp = group_size // num_stages
-        self.group, self.stage_ranks = None, []
-        for d in range(dp):  # collective: every rank creates every pipeline's group
-            ranks = [group_ranks[s * dp + d] for s in range(num_stages)]
-            handle = platform.new_group(ranks)
-            if me in ranks:
-                self.group, self.stage_ranks = handle, ranks
-        for s in range(num_stages):  # and every stage's data-parallel group
-            ranks = [group_ranks[s * dp + d] for d in range(dp)]
-            handle = platform.new_group(ranks)
-            if me in ranks:
-                self.dp_group = handle
+                      mesh_dim: str | int | None, topology: Any, virtual_stages: int) -> None:
+        """Pipeline group, stage ranks, this rank's stages and the data-parallel group
+        (:func:`hyperpar.pipeline.layout.resolve_stages`, shared with MindSpore)."""
+        layout = resolve_stages(num_stages, group=group, mesh=mesh, mesh_dim=mesh_dim,
+                                topology=topology, virtual_stages=virtual_stages)
+        self.mesh = layout.mesh
+        self.group, self.stage_ranks = layout.group, layout.stage_ranks
+        self.dp_group, self.dp_size = layout.dp_group, layout.dp_size
+        self.num_stages, self.virtual_stages = layout.num_stages, layout.virtual_stages
+        self.total_stages = layout.total_stages
+        self.stage_id, self.local_stages = layout.stage_id, layout.local_stages
 
     def _seed(self, index: int) -> None:
         if self.seed_fn is not None:
@@ -377,20 +312,7 @@ def _check_arguments(layers: list[Any], num_stages: int | None, topology: Any, g
     """Everything checkable before any collective, raised the same way on every rank."""
     if not layers:
         raise ValueError("PipelineModule: the layer list is empty")
-    given = [name for name, v in (("topology", topology), ("mesh", mesh), ("group", group))
-             if v is not None]
-    if len(given) > 1:
-        raise ValueError(f"PipelineModule: pass only one of topology=, mesh=, group=; got "
-                         f"{' and '.join(given)}")
-    if topology is not None and num_stages is not None and hasattr(topology, "get_dim") \
-            and topology.get_dim("pipe") != num_stages:
-        raise ValueError(f"PipelineModule: num_stages={num_stages} but the topology's 'pipe' "
-                         f"axis has {topology.get_dim('pipe')}; give one of them")
-    if mesh is not None and not hasattr(mesh, "get_mesh"):
-        raise TypeError(f"PipelineModule: mesh= must be a hyperpar DeviceMesh "
-                        f"(hyperpar.init_device_mesh), got {type(mesh).__name__}")
-    if virtual_stages < 1:
-        raise ValueError(f"PipelineModule: virtual_stages must be >= 1, got {virtual_stages}")
+    check_layout_arguments(num_stages, topology, group, mesh, virtual_stages)
     if interval < 0:
         raise ValueError(f"PipelineModule: activation_checkpoint_interval must be >= 0, got "
                          f"{interval}")

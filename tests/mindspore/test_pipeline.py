@@ -1,8 +1,9 @@
 """Pipelines of MindSpore Cells on real ranks: ``hyperpar.pipeline``'s ``PipelineModule`` /
-``initialize`` / ``train_batch`` (GPipe and 1F1B; ``LayerSpec`` and a ``TiedLayerSpec`` whose
-gradient is summed over the two stages that hold it) against the same model built in plain
-MindSpore in one process and trained on the whole batch, over several SGD steps: the loss on
-every rank and every parameter of every stage.
+``initialize`` / ``train_batch`` (GPipe, 1F1B and interleaved 1F1B; ``LayerSpec`` and a
+``TiedLayerSpec`` whose gradient is summed over the two stages that hold it; on 4 ranks pp x dp,
+pp x fully_shard and pp x tp) against the same model built in plain MindSpore in one process and
+trained on the whole batch, over several SGD steps: the loss on every rank and every parameter
+of every stage.
 
 Tolerance: weights normal(0, 0.4), inputs normal(0, 1), widths 6: values O(1). The pipeline and
 one process differ in the order of float32 sums (the batch mean split into microbatch means,
@@ -95,15 +96,32 @@ def _layer_list(n_layers: int, tied: bool) -> list:
     return layers
 
 
+def _stage_params(model) -> dict[str, np.ndarray]:
+    """``"layer index.weight"`` -> value for every Cell of this rank's stages (fully-sharded
+    Cells gathered whole: a collective over their replicas)."""
+    params = {}
+    for stage, positions in model._stage_positions.items():
+        for j, pos in enumerate(positions):
+            if pos.cell is None:
+                continue
+            values = (pos.cell.full_parameters() if hasattr(pos.cell, "full_parameters") else
+                      dict(pos.cell.parameters_and_names()))
+            for name, p in values.items():
+                params[f"{model.parts[stage] + j}.{name.split('.')[-1]}"] = p.asnumpy()
+    return params
+
+
 def _pipeline(schedule: str, n_layers: int, tied: bool, m: int) -> dict:
     """Train STEPS batches through the pipeline; return the losses and this stage's params."""
     from hyperpar.pipeline import PipelineEngine, PipelineModule, initialize
 
     _ms, nn, _ops, _a, _e = _cells()
-    model = PipelineModule(_layer_list(n_layers, tied), loss_fn=_mse, partition_method="uniform")
+    virtual = 2 if schedule == "interleaved1f1b" else 1
+    model = PipelineModule(_layer_list(n_layers, tied), loss_fn=_mse, partition_method="uniform",
+                           virtual_stages=virtual)
     optimizer = nn.SGD(model.trainable_params(), learning_rate=LR)
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": m}
-    if schedule == "1f1b":   # initialize's default, as on torch
+    if schedule in ("1f1b", "interleaved1f1b"):   # initialize's defaults, as on torch
         engine, *_ = initialize(model=model, optimizer=optimizer, config=config)
     else:
         engine = PipelineEngine(model, optimizer, config, schedule=schedule)
@@ -111,14 +129,9 @@ def _pipeline(schedule: str, n_layers: int, tied: bool, m: int) -> dict:
     losses = [float(engine.train_batch(it).asnumpy()) for _ in range(STEPS)]
     # then one forward-only batch: its loss on every rank, the parameters left as they were
     eval_loss = float(engine.eval_batch(it).asnumpy())
-    params = {}
-    for j, pos in enumerate(model._positions):
-        layer_index = model.parts[model.stage_id] + j
-        if pos.cell is not None:
-            for p in pos.cell.trainable_params():
-                params[f"{layer_index}.{p.name.split('.')[-1]}"] = p.asnumpy()
-    return {"losses": losses, "eval_loss": eval_loss, "params": params,
-            "stage": model.stage_id, "parts": model.parts}
+    return {"losses": losses, "eval_loss": eval_loss, "params": _stage_params(model),
+            "stage": model.stage_id, "parts": model.parts, "local": model.local_stages,
+            "schedule": type(engine.schedule).__name__}
 
 
 def _reference(n_layers: int, tied: bool, m: int) -> dict:
@@ -191,11 +204,213 @@ def test_two_stages_match_one_process(pool2, schedule: str, tied: bool) -> None:
     _check(results, ref)
 
 
+def test_interleaved_1f1b_two_stages_per_rank_matches_one_process(pool2) -> None:
+    # 4 stages on 2 ranks (rank 0: stages 0 and 2), the tied embedding on stages 0 and 3
+    m, n_layers = 4, 3
+    results = pool2.run(_pipeline, "interleaved1f1b", n_layers, True, m)
+    assert [r["local"] for r in results] == [[0, 2], [1, 3]]
+    assert {r["schedule"] for r in results} == {"ScheduleInterleaved1F1B"}
+    ref = pool2.run(_reference, n_layers, True, m)[0]
+    _check(results, ref)
+
+
 def test_four_stages_1f1b_tied_match_one_process(pool4) -> None:
     m, n_layers = 5, 4   # 6 positions over 4 stages; 5 microbatches: 1F1B's steady state
     results = pool4.run(_pipeline, "1f1b", n_layers, True, m)
     ref = pool4.run(_reference, n_layers, True, m)[0]
     _check(results, ref)
+
+
+# ------------------------------------------------------------ pp x dp and pp x fully_shard
+# 4 ranks on a ("pp", "dp") = (2, 2) mesh: two pipelines of 2 stages, each replica fed its own m
+# microbatches; one process trains on all dp * m of them per step (the reference above with
+# dp * m microbatches: replica d's are the d-th m of each step's). The replicas' mean of
+# microbatch means is the whole batch's mean (equal sizes), so losses and parameters must
+# match within RTOL (the dp average adds one 2-term sum to the tolerance's <= 24-term sums).
+PP, DP = 2, 2
+
+
+def _refused_layouts() -> dict[str, str]:
+    """Bad layouts: each refused on every rank before any collective (no rank waits)."""
+    from hyperpar import fully_shard, init_device_mesh
+    from hyperpar.pipeline import PipelineEngine, PipelineModule
+
+    _ms, nn, _ops, _a, _e = _cells()
+    out = {}
+
+    def attempt(key: str, fn) -> None:
+        try:
+            fn()
+            out[key] = "accepted"
+        except (TypeError, ValueError, KeyError) as exc:
+            out[key] = str(exc)
+
+    layers = _layer_list(2, tied=False)
+    attempt("divisible", lambda: PipelineModule(layers, 3, loss_fn=_mse))
+    no_pp = init_device_mesh((2, 2), mesh_dim_names=("dp", "tp"))
+    attempt("no_pp", lambda: PipelineModule(layers, mesh=no_pp, loss_fn=_mse))
+    mesh = init_device_mesh((PP, DP), mesh_dim_names=("pp", "dp"))
+    attempt("no_dim", lambda: PipelineModule(layers, mesh=mesh, mesh_dim="stages",
+                                             loss_fn=_mse))
+    model = PipelineModule(layers, mesh=mesh, loss_fn=_mse, partition_method="uniform")
+    for cell in model.stage_layers:   # sharded over the world, not over the stage's replicas
+        fully_shard(cell)
+    attempt("shard_group", lambda: PipelineEngine(
+        model, nn.SGD(model.trainable_params(), learning_rate=LR), {}))
+    return out
+
+
+def _pp_dp(n_layers: int, m: int) -> dict:
+    """Both variants on one spawn: "dp" (a PipeDataParallelTopology, a tied embedding) and
+    "fsdp" (a mesh, every stage Cell fully_shard-ed over mesh["dp"])."""
+    from hyperpar import fully_shard, init_device_mesh
+    from hyperpar.pipeline import PipeDataParallelTopology, PipelineModule, initialize
+
+    ms, nn, _ops, _a, _e = _cells()
+    out: dict = {"refused": _refused_layouts()}
+    mesh = init_device_mesh((PP, DP), mesh_dim_names=("pp", "dp"))
+    dp_rank = mesh.get_local_rank("dp")
+    data = _data(DP * m, STEPS + 1)
+    mine = [data[s * DP * m + dp_rank * m:s * DP * m + (dp_rank + 1) * m]
+            for s in range(STEPS + 1)]
+    for variant in ("dp", "fsdp"):
+        tied = variant == "dp"
+        layers = _layer_list(n_layers, tied)
+        if variant == "dp":
+            model = PipelineModule(layers, topology=PipeDataParallelTopology(num_pp=PP,
+                                                                            num_dp=DP),
+                                   loss_fn=_mse, partition_method="uniform")
+        else:
+            model = PipelineModule(layers, mesh=mesh, loss_fn=_mse, partition_method="uniform")
+            whole = sum(p.asnumpy().nbytes for p in model.trainable_params())
+            for cell in model.stage_layers:
+                fully_shard(cell, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
+            held = sum(p.asnumpy().nbytes for p in model.trainable_params())
+            out["bytes"] = (held, whole)
+        engine, *_ = initialize(model=model,
+                                optimizer=nn.SGD(model.trainable_params(), learning_rate=LR),
+                                config={"train_micro_batch_size_per_gpu": MICRO,
+                                        "gradient_accumulation_steps": m})
+        it = iter([(ms.Tensor(x), ms.Tensor(y)) for batch in mine for x, y in batch])
+        losses = [float(engine.train_batch(it).asnumpy()) for _ in range(STEPS)]
+        out[variant] = {"losses": losses, "eval_loss": float(engine.eval_batch(it).asnumpy()),
+                        "params": _stage_params(model), "stage": model.stage_id,
+                        "dp_size": model.dp_size}
+    out["tp"] = _pp_tp(m)
+    return out
+
+
+# pp x tp: a ("pp", "tp") = (2, 2) mesh, one MLP block per stage (Dense D -> 2D, tanh,
+# Dense 2D -> D), each block's fc1 colwise and fc2 rowwise over mesh["tp"]; every rank of a
+# pipeline gets the same m microbatches. Same tolerance: tensor parallelism only splits the
+# 2D-term sums of fc2 into two partial sums added by an all-reduce.
+_TP_SPLITS = {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1, "fc2.bias": None}
+
+
+def _tp_block():
+    """A Cell class ``Block(seed)`` (defined on the ranks, where MindSpore is imported)."""
+    from mindspore import nn, ops
+
+    from tests.mindspore._cells import set_weights
+
+    class Block(nn.Cell):
+        def __init__(self, seed: int) -> None:
+            super().__init__()
+            self.fc1 = nn.Dense(D, 2 * D)
+            self.fc2 = nn.Dense(2 * D, D)
+            set_weights(self, seed)
+
+        def construct(self, x):
+            return self.fc2(ops.tanh(self.fc1(x)))
+
+    return Block
+
+
+def _pp_tp(m: int) -> dict:
+    from hyperpar import ColwiseParallel, RowwiseParallel, init_device_mesh, parallelize_module
+    from hyperpar.pipeline import LayerSpec, PipelineModule, initialize
+
+    ms, nn, _ops, _a, _e = _cells()
+    Block = _tp_block()
+    mesh = init_device_mesh((PP, 2), mesh_dim_names=("pp", "tp"))
+    model = PipelineModule([LayerSpec(Block, 0), LayerSpec(Block, 1)], mesh=mesh, loss_fn=_mse,
+                           partition_method="uniform")
+    for cell in model.stage_layers:
+        parallelize_module(cell, mesh["tp"], {"fc1": ColwiseParallel(),
+                                              "fc2": RowwiseParallel()})
+    engine, *_ = initialize(model=model,
+                            optimizer=nn.SGD(model.trainable_params(), learning_rate=LR),
+                            config={"train_micro_batch_size_per_gpu": MICRO,
+                                    "gradient_accumulation_steps": m})
+    it = iter([(ms.Tensor(x), ms.Tensor(y)) for x, y in _data(m, STEPS)])
+    losses = [float(engine.train_batch(it).asnumpy()) for _ in range(STEPS)]
+    params = {f"{model.stage_id}.{name}": p.asnumpy()
+              for name, p in model.stage_layers[0].parameters_and_names()}
+    return {"losses": losses, "params": params, "stage": model.stage_id,
+            "tp_rank": mesh.get_local_rank("tp"), "dp_size": model.dp_size}
+
+
+def _tp_reference(m: int) -> dict:
+    import mindspore as ms
+    from mindspore import nn
+
+    Block = _tp_block()
+    blocks = [Block(0), Block(1)]
+    cells = nn.CellList(blocks)
+    opt = nn.SGD(cells.trainable_params(), learning_rate=LR)
+    grad_fn = ms.value_and_grad(lambda x, y: _mse(blocks[1](blocks[0](x)), y), None,
+                                opt.parameters)
+    data, losses = _data(m, STEPS), []
+    for s in range(STEPS):
+        batch = data[s * m:(s + 1) * m]
+        loss, grads = grad_fn(ms.Tensor(np.concatenate([b[0] for b in batch])),
+                              ms.Tensor(np.concatenate([b[1] for b in batch])))
+        opt(grads)
+        losses.append(float(loss.asnumpy()))
+    params = {f"{i}.{name}": p.asnumpy() for i, block in enumerate(blocks)
+              for name, p in block.parameters_and_names()}
+    return {"losses": losses, "params": params}
+
+
+def _check_tp(results: list[dict], ref: dict) -> None:
+    seen = set()
+    for rank, res in enumerate(results):
+        for s, (got, want) in enumerate(zip(res["losses"], ref["losses"], strict=True)):
+            _close(np.float32(got), np.float32(want), f"pp x tp rank {rank} loss of step {s}")
+        for key, value in res["params"].items():
+            want = ref["params"][key]
+            dim = _TP_SPLITS[key.split(".", 1)[1]]
+            if dim is not None:
+                want = np.split(want, 2, axis=dim)[res["tp_rank"]]
+            _close(value, want, f"pp x tp rank {rank} parameter {key}")
+            seen.add(key)
+    assert seen == set(ref["params"]), (sorted(seen), sorted(ref["params"]))
+    assert abs(ref["losses"][-1] - ref["losses"][0]) > 1e-3   # the model moved
+
+
+def test_pp_x_dp_fully_shard_and_tp_match_one_process(pool4) -> None:
+    m, n_layers = 2, 3   # per replica; D = 6 rows split 3 + 3 over dp: no padding
+    results = pool4.run(_pp_dp, n_layers, m)
+    for rank, res in enumerate(results):
+        refused = res["refused"]
+        assert "num_stages=3 does not divide the group size 4" in refused["divisible"], \
+            (rank, refused)
+        assert "no dimension named 'pp'" in refused["no_pp"], (rank, refused)
+        assert "no dimension named 'stages'" in refused["no_dim"], (rank, refused)
+        assert "mesh=mesh['dp']" in refused["shard_group"], (rank, refused)
+        held, whole = res["bytes"]
+        assert held * DP == whole, (rank, held, whole)   # 1/dp of the stage's bytes
+    for variant, tied in (("dp", True), ("fsdp", False)):
+        got = [res[variant] for res in results]
+        # ("pp", "dp") row-major: ranks 0, 1 hold stage 0; ranks 2, 3 stage 1
+        assert [r["stage"] for r in got] == [0, 0, 1, 1], variant
+        assert {r["dp_size"] for r in got} == {DP}, variant
+        _check(got, _reference(n_layers, tied, DP * m))
+    tp = [res["tp"] for res in results]
+    assert [r["stage"] for r in tp] == [0, 0, 1, 1] and [r["tp_rank"] for r in tp] == [0, 1] * 2
+    assert {r["dp_size"] for r in tp} == {1}
+    _check_tp(tp, _tp_reference(m))
 
 
 # ---------------------------------------------------------------------------------- faults
@@ -274,18 +489,18 @@ def _refusals() -> dict:
     attempt("sizes", lambda: PipelineEngine(model, mine, {
         "train_batch_size": 5, "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 2}))
-    attempt("interleaved", lambda: get_schedule_class("interleaved_1f1b"))
+    attempt("zero_bubble", lambda: get_schedule_class("zero_bubble"))
     return out
 
 
 def test_bad_input_is_refused_on_every_rank(pool2) -> None:
     for rank, res in enumerate(pool2.run(_refusals)):
-        assert "num_stages=4 but the world has 2 ranks" in res["stages"], (rank, res)
+        assert "num_stages=4 does not divide the group size 2" in res["stages"], (rank, res)
         assert "layer 2 is a int" in res["layer"], (rank, res)
         assert "not this stage's trainable parameters" in res["optimizer"], (rank, res)
         assert "['fp16'] are not supported yet" in res["config"], (rank, res)
         assert "train_batch_size=5 must equal" in res["sizes"], (rank, res)
-        assert "not supported on MindSpore yet" in res["interleaved"], (rank, res)
+        assert "not supported on MindSpore yet" in res["zero_bubble"], (rank, res)
 
 
 def _one_rank_refused() -> str:

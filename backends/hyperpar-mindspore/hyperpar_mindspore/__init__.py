@@ -53,6 +53,7 @@ _EXPORTS = {
     "PipelineSchedule": ".pipeline_engine",
     "ScheduleGPipe": ".pipeline_engine",
     "Schedule1F1B": ".pipeline_engine",
+    "ScheduleInterleaved1F1B": ".pipeline_engine",
     "get_schedule_class": ".pipeline_engine",
     "initialize": ".pipeline_engine",
 }

@@ -21,6 +21,7 @@ from typing import Any
 
 from mindspore import nn
 
+from hyperpar.pipeline.layout import resolve_stages
 from hyperpar.pipeline.partition import partition_layers
 from hyperpar.pipeline.spec import LayerSpec, TiedLayerSpec, get_dotted
 from hyperpar.platform import get_platform
@@ -36,62 +37,87 @@ class _Position:
 
 
 class PipelineModule(nn.Cell):
-    """``PipelineModule(layers, num_stages=None, *, loss_fn=None, partition_method=
-    "parameters")``: the layers of this rank's stage, built from ``layers`` (``LayerSpec``,
-    ``TiedLayerSpec``, Cells or plain callables), as torch's ``PipelineModule`` does.
+    """``PipelineModule(layers, num_stages=None, topology=None, loss_fn=None, *,
+    partition_method="parameters", group=None, mesh=None, mesh_dim=None, virtual_stages=1)``:
+    the layers of this rank's stages, built from ``layers`` (``LayerSpec``, ``TiedLayerSpec``,
+    Cells or plain callables), as torch's ``PipelineModule`` does, with its arguments.
 
-    One stage per rank over the whole world (``num_stages`` defaults to the world size; data
-    parallelism across pipelines is not supported on MindSpore yet). ``partition_method`` is
-    ``"uniform"``, ``"parameters"``, ``"type:REGEX"`` or a list of boundaries. Tied weights
-    (same ``TiedLayerSpec`` key on several stages) start from the first owning stage's values;
-    the engine sums their gradients over the owning stages. ``construct(x)`` runs the stage.
+    Where the stages sit is resolved as on torch (:func:`hyperpar.pipeline.layout.
+    resolve_stages`): the pipeline runs along ``mesh``'s dimension ``mesh_dim`` (default
+    ``"pp"``) and a ``"dp"`` dimension of that mesh holds the replicas; or ``topology=
+    PipeDataParallelTopology(num_pp, num_dp)``; or ``num_stages`` divides the world into
+    ``world // num_stages`` pipelines (DeepSpeed's layout); default: one pipeline over the
+    world. The replicas of this rank's stage form :attr:`dp_group` (:attr:`dp_size` ranks),
+    over which the engine averages gradients and losses; each replica is fed its own data.
+    ``virtual_stages=v`` cuts the layers into ``num_stages * v`` stages placed round-robin
+    (stage ``s`` on pipeline rank ``s % num_stages``), for the interleaved schedule.
+
+    ``partition_method`` is ``"uniform"``, ``"parameters"``, ``"type:REGEX"`` or a list of
+    boundaries. Tied weights (same ``TiedLayerSpec`` key on several stages) start from the
+    first owning stage's values; the engine sums their gradients over the owning stages.
+    ``construct(x)`` runs the stage chosen by :meth:`select_stage` (the first local one).
     """
 
-    def __init__(self, layers: Sequence[Any], num_stages: int | None = None, *,
-                 loss_fn: Callable[..., Any] | None = None,
-                 partition_method: str | Sequence[int] = "parameters") -> None:
+    def __init__(self, layers: Sequence[Any], num_stages: int | None = None,
+                 topology: Any = None, loss_fn: Callable[..., Any] | None = None, *,
+                 partition_method: str | Sequence[int] = "parameters", group: Any = None,
+                 mesh: Any = None, mesh_dim: str | int | None = None,
+                 virtual_stages: int = 1) -> None:
         super().__init__()
-        platform = get_platform()
-        if not platform.is_initialized():
-            platform.init_process_group()
-        world, rank = platform.world_size(), platform.rank()
         layers = list(layers)
-        if num_stages is None:
-            num_stages = world
-        if num_stages != world:
-            raise ValueError(
-                f"PipelineModule: num_stages={num_stages} but the world has {world} ranks; on "
-                f"MindSpore a pipeline has one stage per rank over the whole world (data "
-                f"parallelism across pipelines is not supported yet): use num_stages={world}")
+        if not layers:
+            raise ValueError("PipelineModule: the layer list is empty")
         for i, layer in enumerate(layers):
             if not (isinstance(layer, LayerSpec | nn.Cell) or callable(layer)):
                 raise TypeError(f"PipelineModule: layer {i} is a {type(layer).__name__}; give "
                                 f"LayerSpec/TiedLayerSpec, Cells or callables")
-        self.parts = partition_layers(layers, num_stages, partition_method)
-        self.num_stages = self.total_stages = num_stages
-        self.virtual_stages = 1
-        self.stage_id = rank
-        self.local_stages = [rank]
-        self.stage_ranks = list(range(world))
-        self.group = None
+        layout = resolve_stages(num_stages, group=group, mesh=mesh, mesh_dim=mesh_dim,
+                                topology=topology, virtual_stages=virtual_stages)
+        self.mesh = layout.mesh
+        self.group, self.stage_ranks = layout.group, layout.stage_ranks
+        self.dp_group, self.dp_size = layout.dp_group, layout.dp_size
+        self.num_stages, self.virtual_stages = layout.num_stages, layout.virtual_stages
+        self.total_stages = layout.total_stages
+        self.stage_id, self.local_stages = layout.stage_id, layout.local_stages
+        self.parts = partition_layers(layers, self.total_stages, partition_method)
         self.loss_fn = loss_fn
-        # tied keys: which stages hold a position with the key (every rank computes it alike)
+        # tied keys: which pipeline ranks hold a position with the key (every rank alike)
         self.tied_owners: dict[str, list[int]] = {}
         self._tied_attrs: dict[str, list[str]] = {}
-        for s in range(num_stages):
+        for s in range(self.total_stages):
             for layer in layers[self.parts[s]:self.parts[s + 1]]:
                 if isinstance(layer, TiedLayerSpec):
                     owners = self.tied_owners.setdefault(layer.key, [])
-                    if s not in owners:
-                        owners.append(s)
+                    if self.stage_owner(s) not in owners:
+                        owners.append(self.stage_owner(s))
                     self._tied_attrs[layer.key] = layer.tied_weight_attr
         cells: list[nn.Cell] = []
         self.tied_modules: dict[str, nn.Cell] = {}
-        self._positions: list[_Position] = []
-        for layer in layers[self.parts[rank]:self.parts[rank + 1]]:
-            self._positions.append(self._build(layer, cells))
+        self._stage_positions: dict[int, list[_Position]] = {}
+        for stage in self.local_stages:
+            self._stage_positions[stage] = [
+                self._build(layer, cells)
+                for layer in layers[self.parts[stage]:self.parts[stage + 1]]]
+        self._active = self.local_stages[0]
         self.stage_layers = nn.CellList(cells)
         self._tie()
+
+    @property
+    def _positions(self) -> list[_Position]:
+        """The entries of the active stage (see :meth:`select_stage`)."""
+        return self._stage_positions[self._active]
+
+    def select_stage(self, stage: int) -> None:
+        """Make ``construct`` run local stage ``stage`` (interleaved schedules hold several;
+        the Cell is still called as a whole, so hooks on it -- fully_shard's -- run)."""
+        if stage not in self._stage_positions:
+            raise ValueError(f"stage {stage} is not on this rank (local stages: "
+                             f"{self.local_stages})")
+        self._active = stage
+
+    def stage_owner(self, stage: int) -> int:
+        """Pipeline rank (index into :attr:`stage_ranks`) that holds ``stage``."""
+        return stage % self.num_stages
 
     def _build(self, layer: Any, cells: list[nn.Cell]) -> _Position:
         if isinstance(layer, TiedLayerSpec):
@@ -116,7 +142,7 @@ class PipelineModule(nn.Cell):
 
     def tied_group(self, key: str) -> Any:
         """The platform group of the stages owning ``key`` (every rank calls it alike)."""
-        return get_platform().new_group([self.stage_ranks[s] for s in self.tied_owners[key]])
+        return get_platform().new_group([self.stage_ranks[r] for r in self.tied_owners[key]])
 
     def _tie(self) -> None:
         """Start every tied weight from its first owning stage's values."""
@@ -137,7 +163,8 @@ class PipelineModule(nn.Cell):
             x = pos.fn(x)
         return x
 
-    def __repr__(self) -> str:   # Cell's repr lists children; say where the stage sits
-        return (f"PipelineModule(stage {self.stage_id} of {self.num_stages}, layers "
-                f"{self.parts[self.stage_id]}:{self.parts[self.stage_id + 1]}, tied "
-                f"{sorted(self.tied_owners)})")
+    def __repr__(self) -> str:   # Cell's repr lists children; say where the stages sit
+        layers = ", ".join(f"{self.parts[s]}:{self.parts[s + 1]}" for s in self.local_stages)
+        return (f"PipelineModule(stages {self.local_stages} of {self.total_stages} on pipeline "
+                f"rank {self.stage_id} of {self.num_stages}, dp {self.dp_size}, layers "
+                f"{layers}, tied {sorted(self.tied_owners)})")

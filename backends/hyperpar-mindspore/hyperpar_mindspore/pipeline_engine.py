@@ -1,16 +1,19 @@
 """Run hyperpar's pipeline schedules on MindSpore Cells, and the DeepSpeed-style engine.
 
 What runs when is hyperpar's, shared with torch: the plan (:mod:`hyperpar.pipeline.schedules`:
-``gpipe_plan``, ``one_f_one_b_plan``), its lowering to batches of sends and receives
-(``rank_program``), and the instruction loop (:func:`hyperpar.pipeline.runner.run_program`).
-This module supplies the MindSpore mechanics of one action:
+``gpipe_plan``, ``one_f_one_b_plan``, ``interleaved_1f1b_plan``), its lowering to batches of
+sends and receives (``rank_program``), and the instruction loop
+(:func:`hyperpar.pipeline.runner.run_program`). This module supplies the MindSpore mechanics
+of one action:
 
 * forward of microbatch ``mb``: run the stage Cell on its input (no gradient graph) and send the
   output on; the stage input is kept for the backward;
 * backward of ``mb``: ``mindspore.vjp`` of the stage (of ``loss * weight`` on the last stage)
   with respect to the stage's float inputs and its trainable parameters, applied to the output
   gradient received from the next stage; the input gradient is sent back and the weight
-  gradients accumulate over the microbatches.
+  gradients accumulate over the microbatches;
+* after the step: tied gradients summed over their owning stages, then every gradient averaged
+  over the stage's data-parallel replicas (fully_shard shards excepted: already averaged).
 
 MindSpore's PyNative mode keeps one gradient graph at a time (a second ``vjp`` before the first
 one's backward left the first unusable on MindSpore 2.10), so the backward recomputes the stage
@@ -40,6 +43,7 @@ from hyperpar.pipeline.schedules import (
     choose_lowering,
     forward_only_program,
     gpipe_plan,
+    interleaved_1f1b_plan,
     one_f_one_b_plan,
     rank_program,
 )
@@ -49,7 +53,7 @@ from .pipeline import PipelineModule
 from .pipeline_p2p import MindSporeP2P
 
 __all__ = ["PipelineEngine", "PipelineSchedule", "Schedule1F1B", "ScheduleGPipe",
-           "get_schedule_class", "initialize"]
+           "ScheduleInterleaved1F1B", "get_schedule_class", "initialize"]
 
 
 def _flatten(value: Any, where: str) -> tuple[list[Any], bool]:
@@ -90,7 +94,9 @@ class PipelineSchedule:
         if self.loss_fn is None:
             raise ValueError(f"{type(self).__name__}: no loss function; pass loss_fn= to "
                              f"PipelineModule")
-        self.n_stages = self.n_ranks = module.num_stages
+        # stages over pipeline ranks: stage s on pipeline rank s % n_ranks (several per rank
+        # under virtual_stages); the plans and their lowering are hyperpar's neutral ones
+        self.n_stages, self.n_ranks = module.total_stages, module.num_stages
         plan_fn = type(self).plan_fn
         fuse = choose_lowering(plan_fn, self.n_stages, n_microbatches, self.n_ranks)
         self._plan = plan_fn(self.n_stages, n_microbatches, module.stage_id, self.n_ranks)
@@ -121,9 +127,10 @@ class PipelineSchedule:
                 f"job")
         mod, m, last = self.module, self.n_microbatches, self.n_stages - 1
         self._inputs, self._targets = inputs, targets
-        self._saved: dict[int, Any] = {}
-        self._act_in: dict[int, Any] = {}
-        self._grad_in: dict[int, Any] = {}
+        # keyed by (stage receiving it, microbatch): a rank may hold several stages
+        self._saved: dict[tuple[int, int], Any] = {}
+        self._act_in: dict[tuple[int, int], Any] = {}
+        self._grad_in: dict[tuple[int, int], Any] = {}
         self._outbox: dict[Comm, tuple[list[Any], bool]] = {}
         self._losses: list[Any] = [None] * m
         self._train = train
@@ -135,10 +142,10 @@ class PipelineSchedule:
         try:
             if data_error is not None:
                 raise ValueError(data_error)
-            if mod.stage_id == 0 and (inputs is None or len(inputs) != m):
+            if 0 in mod.local_stages and (inputs is None or len(inputs) != m):
                 raise ValueError(f"the rank holding stage 0 needs {m} microbatch inputs, got "
                                  f"{None if inputs is None else len(inputs)}")
-            if mod.stage_id == last and (targets is None or len(targets) != m):
+            if last in mod.local_stages and (targets is None or len(targets) != m):
                 raise ValueError(f"the rank holding the last stage ({last}) needs {m} "
                                  f"microbatch targets, got "
                                  f"{None if targets is None else len(targets)}")
@@ -151,7 +158,7 @@ class PipelineSchedule:
             raise
         timings.step_s = time.perf_counter() - start
         self.last_timings = timings
-        return list(self._losses) if mod.stage_id == last else None
+        return list(self._losses) if last in mod.local_stages else None
 
     def _forward_program(self) -> list[Step]:
         # Built on first use: the forward-only plan of eval_batch, lowered like the train plan.
@@ -204,10 +211,10 @@ class PipelineSchedule:
         for c in comms:
             if c.kind == "recv":
                 bufs, single = self.p2p.recv(c.peer)
-                if c.what == "act":
-                    self._act_in[c.mb] = bufs[0] if single else tuple(bufs)
-                else:
-                    self._grad_in[c.mb] = bufs
+                if c.what == "act":   # the output of stage c.stage, for stage c.stage + 1
+                    self._act_in[c.stage + 1, c.mb] = bufs[0] if single else tuple(bufs)
+                else:                 # the input gradient of stage c.stage, for c.stage - 1
+                    self._grad_in[c.stage - 1, c.mb] = bufs
 
     # ------------------------------------------------------------------ compute
     def _run(self, action: Action) -> None:
@@ -219,19 +226,27 @@ class PipelineSchedule:
             raise NotImplementedError(f"{type(self).__name__}: {type(action).__name__} actions "
                                       f"(zero-bubble) are not supported on MindSpore yet")
 
+    def _local(self, stage: int) -> bool:
+        return self.module.stage_owner(stage) == self.module.stage_id
+
     def _forward(self, stage: int, mb: int) -> None:
-        x = self._inputs[mb] if stage == 0 else self._act_in.pop(mb)
+        x = self._inputs[mb] if stage == 0 else self._act_in.pop((stage, mb))
         if self._train:
-            self._saved[mb] = x
+            self._saved[stage, mb] = x
+        self.module.select_stage(stage)
         out = self.module(x)
         if stage == self.n_stages - 1:
             self._losses[mb] = self.loss_fn(out, self._targets[mb])
             return
+        if self._local(stage + 1):   # the next stage is on this rank too: no message
+            self._act_in[stage + 1, mb] = out
+            return
         tensors, single = _flatten(out, f"output of stage {stage}")
-        self._outbox[Comm("send", "act", mb, stage, stage + 1)] = (tensors, single)
+        peer = self.module.stage_owner(stage + 1)
+        self._outbox[Comm("send", "act", mb, stage, peer)] = (tensors, single)
 
     def _backward(self, stage: int, mb: int) -> None:
-        x = self._saved.pop(mb)
+        x = self._saved.pop((stage, mb))
         last = stage == self.n_stages - 1
         if isinstance(x, ms.Tensor):
             parts, single = [x], True
@@ -247,6 +262,7 @@ class PipelineSchedule:
             vals = list(parts)
             for i, t in zip(floats, diff, strict=True):
                 vals[i] = t
+            self.module.select_stage(stage)
             out = self.module(vals[0] if single else tuple(vals))
             return self.loss_fn(out, target) * weight if last else out
 
@@ -254,14 +270,18 @@ class PipelineSchedule:
         if last:
             sens: Any = ms.ops.ones_like(out)
         else:
-            got = self._grad_in.pop(mb)
+            got = self._grad_in.pop((stage, mb))
             sens = got[0] if isinstance(out, ms.Tensor) else tuple(got)
         in_grads, w_grads = vjp_fn(sens)
         for i, g in enumerate(w_grads):
             self.grads[i] = self.grads[i] + g
         if stage > 0:
             in_grads = in_grads if isinstance(in_grads, tuple | list) else (in_grads,)
-            self._outbox[Comm("send", "grad", mb, stage, stage - 1)] = (list(in_grads), False)
+            if self._local(stage - 1):
+                self._grad_in[stage - 1, mb] = list(in_grads)
+                return
+            peer = self.module.stage_owner(stage - 1)
+            self._outbox[Comm("send", "grad", mb, stage, peer)] = (list(in_grads), False)
 
     def _reduce_tied(self) -> None:
         """Sum each tied weight's gradient over the stages that own a copy."""
@@ -292,14 +312,22 @@ class Schedule1F1B(PipelineSchedule):
     plan_fn = staticmethod(one_f_one_b_plan)
 
 
+class ScheduleInterleaved1F1B(PipelineSchedule):
+    """Interleaved 1F1B (Megatron-LM) over a ``PipelineModule(..., virtual_stages=v)``: each
+    rank runs ``v`` stages; the bubble shrinks by about ``v``."""
+
+    plan_fn = staticmethod(interleaved_1f1b_plan)
+
+
 def get_schedule_class(name: str) -> type[PipelineSchedule]:
-    """``"gpipe"`` or ``"1f1b"`` (case and ``_``/``-`` ignored); the interleaved and
+    """``"gpipe"``, ``"1f1b"`` or ``"interleaved1f1b"`` (case and ``_``/``-`` ignored); the
     zero-bubble schedules are torch-only for now."""
     key = name.lower().replace("_", "").replace("-", "").replace("schedule", "")
-    table = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-    if key in ("interleaved1f1b", "zerobubble", "zb", "zbh1"):
+    table = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+             "interleaved1f1b": ScheduleInterleaved1F1B}
+    if key in ("zerobubble", "zb", "zbh1", "zbv", "interleavedzerobubble"):
         raise NotImplementedError(f"pipeline schedule {name!r} is not supported on MindSpore "
-                                  f"yet; use 'gpipe' or '1f1b'")
+                                  f"yet; use 'gpipe', '1f1b' or 'interleaved1f1b'")
     if key not in table:
         raise ValueError(f"unknown pipeline schedule {name!r}; known on MindSpore: "
                          f"{sorted(table)}")
@@ -325,11 +353,18 @@ def _agree_or_raise(error: Exception | None) -> None:
 
 
 class PipelineEngine:
-    """``PipelineEngine(model, optimizer, config, *, schedule="1f1b")`` on MindSpore: DeepSpeed's
+    """``PipelineEngine(model, optimizer, config, *, schedule=None)`` on MindSpore: DeepSpeed's
     ``train_batch`` over a :class:`PipelineModule`. ``optimizer`` is a ``mindspore.nn.Optimizer``
     over ``model.trainable_params()``; ``config`` takes ``train_micro_batch_size_per_gpu``,
     ``gradient_accumulation_steps`` and ``train_batch_size`` (other sections -- fp16, bf16,
-    optimizer, gradient_clipping -- are torch-only for now and refused)."""
+    optimizer, gradient_clipping -- are torch-only for now and refused). ``schedule``: a class
+    or a name (default ``"1f1b"``, ``"interleaved1f1b"`` for ``virtual_stages > 1``).
+
+    With data-parallel replicas (``model.dp_size > 1``) each replica draws its own
+    microbatches; after the pipeline step the gradients are averaged over ``model.dp_group``
+    (one bucketed all-reduce; the shards of Cells prepared by ``fully_shard(cell,
+    mesh=mesh["dp"])`` come out of their reduce-scatter averaged already) and the returned
+    loss is the mean over the replicas, as torch's engine does."""
 
     @staticmethod
     def _check(model: Any, optimizer: Any, cfg: dict[str, Any]) -> tuple[int, int]:
@@ -355,6 +390,7 @@ class PipelineEngine:
         if gas < 1 or micro < 1:
             raise ValueError(f"PipelineEngine: micro batch size and gradient_accumulation_steps "
                              f"must be >= 1, got {micro} and {gas}")
+        _check_fully_shard(model)
         if not isinstance(optimizer, nn.Optimizer):
             raise TypeError(f"PipelineEngine: optimizer must be a mindspore.nn.Optimizer over "
                             f"model.trainable_params(), got {type(optimizer).__name__}")
@@ -368,7 +404,7 @@ class PipelineEngine:
 
     def __init__(self, model: PipelineModule, optimizer: nn.Optimizer,
                  config: Mapping[str, Any] | None = None, *,
-                 schedule: type[PipelineSchedule] | str = "1f1b") -> None:
+                 schedule: type[PipelineSchedule] | str | None = None) -> None:
         cfg = dict(config or {})
         # Checked here, then agreed with every peer: a rank whose optimizer (say) is wrong must
         # not leave the others waiting at their first receive until the transport times out.
@@ -380,16 +416,19 @@ class PipelineEngine:
         _agree_or_raise(error)
         self.module, self.optimizer = model, optimizer
         self.micro_batch_size, self.gradient_accumulation_steps = micro, gas
+        if schedule is None:
+            schedule = "interleaved1f1b" if model.virtual_stages > 1 else "1f1b"
         cls = get_schedule_class(schedule) if isinstance(schedule, str) else schedule
         self.schedule = cls(model, self.gradient_accumulation_steps)
+        self._dp = _DataParallelGrads(model, self.schedule.weights)
         self.global_steps = 0
         self.platform = get_platform()
 
     def is_first_stage(self) -> bool:
-        return self.module.stage_id == 0
+        return 0 in self.module.local_stages
 
     def is_last_stage(self) -> bool:
-        return self.module.stage_id == self.module.num_stages - 1
+        return self.module.total_stages - 1 in self.module.local_stages
 
     def _draw(self, data_iter: Iterator[Any], where: str
               ) -> tuple[list[Any] | None, list[Any] | None, str | None]:
@@ -421,11 +460,17 @@ class PipelineEngine:
         return inputs, targets, error
 
     def _mean_loss(self, losses: list[Any] | None) -> ms.Tensor:
-        # The last stage's mean microbatch loss, broadcast so every rank returns it.
+        # The last stage's mean microbatch loss, averaged over the replicas, broadcast over
+        # the pipeline so every rank returns it.
+        mod = self.module
         buf = ms.ops.zeros((1,), ms.float32)
         if self.is_last_stage():
             buf = ms.ops.stack([x.astype(ms.float32) for x in losses]).mean().reshape(1)
-        self.platform.broadcast(buf, src=self.module.stage_ranks[-1])
+            if mod.dp_size > 1:
+                self.platform.all_reduce(buf, "avg", group=mod.dp_group)
+        if mod.num_stages > 1:
+            src = mod.stage_ranks[mod.stage_owner(mod.total_stages - 1)]
+            self.platform.broadcast(buf, src=src, group=mod.group)
         return buf[0]
 
     def train_batch(self, data_iter: Iterator[Any]) -> ms.Tensor:
@@ -434,8 +479,8 @@ class PipelineEngine:
         microbatch loss (a float32 scalar) on every rank."""
         inputs, targets, error = self._draw(data_iter, "train_batch")
         losses = self.schedule.run_microbatches(inputs, targets, data_error=error)
-        grads = dict(zip([id(p) for p in self.schedule.weights], self.schedule.grads,
-                         strict=True))
+        grads = dict(zip([id(p) for p in self.schedule.weights],
+                         self._dp.average(self.schedule.grads), strict=True))
         self.optimizer(tuple(grads[id(p)] for p in self.optimizer.parameters))
         self.global_steps += 1
         return self._mean_loss(losses)
@@ -454,6 +499,53 @@ class PipelineEngine:
         finally:
             self.module.set_train(was_training)
         return self._mean_loss(losses)
+
+def _units(model: PipelineModule) -> list[Any]:
+    """The fully_shard units (:mod:`.fully_shard`) among ``model``'s Cells."""
+    return [unit for _name, cell in model.cells_and_names()
+            if (unit := cell.__dict__.get("_hp_fsdp_unit")) is not None]
+
+
+def _check_fully_shard(model: PipelineModule) -> None:
+    """A fully_shard unit inside a pipeline must shard over the stage's replicas (its
+    reduce-scatter is then the data-parallel averaging): refused otherwise, locally."""
+    platform = get_platform()
+    want = sorted(platform.group_ranks(model.dp_group)) if model.dp_size > 1 else \
+        [platform.rank()]
+    for unit in _units(model):
+        ranks = set(platform.group_ranks(unit.shard_group))
+        if unit.plan.replicate > 1:
+            ranks |= set(platform.group_ranks(unit.gather.replicate_group))
+        if sorted(ranks) != want:
+            raise ValueError(
+                f"PipelineEngine: {type(unit.cell).__name__} is fully_shard-ed over ranks "
+                f"{sorted(ranks)}, but the replicas of this pipeline stage are ranks {want}; "
+                f"shard each stage's Cells over the data-parallel dimension of the pipeline's "
+                f"mesh: fully_shard(cell, mesh=mesh['dp'])")
+
+
+class _DataParallelGrads:
+    """Averages a stage's gradients over its replicas (``model.dp_group``), bucketed, as
+    :func:`~hyperpar_mindspore.data_parallel.data_parallel` does; the shards of fully_shard
+    units are left alone (their reduce-scatter averaged them)."""
+
+    def __init__(self, model: PipelineModule, weights: list[Any]) -> None:
+        from .data_parallel import _Reducer
+
+        sharded = {id(p) for unit in _units(model) for p in unit.shards}
+        self.index = [i for i, p in enumerate(weights) if id(p) not in sharded]
+        self.reducer = (_Reducer([weights[i] for i in self.index], model.dp_group, 25 << 20)
+                        if model.dp_size > 1 and self.index else None)
+
+    def average(self, grads: list[Any]) -> list[Any]:
+        if self.reducer is None:
+            return grads
+        out = list(grads)
+        reduced = self.reducer.reduce([grads[i] for i in self.index])
+        for i, g in zip(self.index, reduced, strict=True):
+            out[i] = g
+        return out
+
 
 def initialize(args: Any = None, model: PipelineModule | None = None, optimizer: Any = None,
                config: Mapping[str, Any] | None = None,
