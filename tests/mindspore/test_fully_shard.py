@@ -417,7 +417,8 @@ def _check_dp_tp(results: list[dict], ref: dict, plan: dict[str, str], rtol: flo
 
 
 # CI time: the transformer adds 9-14 s to this worker call (measured at load average 10-16 on
-# 2 cores; the MLP alone 2-3 s), under the ~15 s a default test may cost. Tolerance TFM_RTOL:
+# 2 cores; the MLP alone 2-3 s; the whole test 2.6-3.2 s at load ~3), under the ~15 s a default
+# test may cost. Tolerance TFM_RTOL:
 # tp adds one 2-term sum per row-parallel output to the orders counted above.
 def test_dp2_x_tp2_fully_shard_over_dp_matches_one_process(pool4) -> None:
     """Tensor parallelism over "tp", then fully_shard of the tp-local pieces over "dp", each dp
