@@ -169,6 +169,9 @@ NOT_RUNNABLE: dict[tuple[str, str], str] = {
     ("docs/mindspore.md", "from hyperpar_mindspore.dtensor import value_and_grad"):
         "MindSpore code (this venv has torch, not MindSpore): tests/mindspore/test_dtensor.py "
         "runs the same calls on real ranks",
+    ("docs/mindspore.md", "def _heads(self, t):"):
+        "a MindSpore fragment (this venv has torch, not MindSpore): tests/mindspore/"
+        "test_fully_shard.py trains the same block and plan (dp2 x tp2) on real ranks",
     ("docs/mindspore.md", "step = ms.jit(step_fn)"):
         "a MindSpore fragment (this venv has torch, not MindSpore): tests/mindspore/"
         "test_graph_mode.py compiles the same fully_shard step on real ranks",

@@ -63,15 +63,21 @@ class InputProjection(nn.Cell):
 
 class TransformerBlock(nn.Cell):
     """Pre-LayerNorm block: ``x + attn(ln1(x))``, then ``+ mlp(ln2(.))``; causal multi-head
-    self-attention from one qkv Dense, matmuls and a softmax; a GELU MLP of width 4h."""
+    self-attention from wq/wk/wv Denses, matmuls and a softmax; a GELU MLP of width 4h.
+    Tensor-parallel as torchtitan's Llama: :data:`TFM_TP_PLAN`."""
 
     def __init__(self, seed: int, hidden: int = TFM_HIDDEN, heads: int = TFM_HEADS) -> None:
         super().__init__()
         self.heads, self.head_dim = heads, hidden // heads
         self.ln1 = nn.LayerNorm((hidden,))
-        # no qkv bias: a key bias adds q . b_k to a whole row of scores, which softmax cancels,
-        # so its gradient is 0 up to rounding -- and Adam turns that rounding into +-lr steps
-        self.qkv = nn.Dense(hidden, 3 * hidden, has_bias=False)
+        # q, k and v as separate Denses (torchtitan's wq/wk/wv), so ColwiseParallel on each
+        # splits whole heads and the attention sees heads / tp local heads (see _attention).
+        # No q/k/v bias: a key bias adds q . b_k to a whole row of scores, which softmax
+        # cancels, so its gradient is 0 up to rounding -- and Adam turns that rounding into
+        # +-lr steps
+        self.wq = nn.Dense(hidden, hidden, has_bias=False)
+        self.wk = nn.Dense(hidden, hidden, has_bias=False)
+        self.wv = nn.Dense(hidden, hidden, has_bias=False)
         self.attn_out = nn.Dense(hidden, hidden)
         self.ln2 = nn.LayerNorm((hidden,))
         self.fc1 = nn.Dense(hidden, 4 * hidden)
@@ -80,13 +86,20 @@ class TransformerBlock(nn.Cell):
         # 0 on and below the diagonal, -1e9 above it: softmax gives future positions exactly 0
         self.mask = ms.Tensor(np.triu(np.full((TFM_SEQ, TFM_SEQ), -1e9, np.float32), 1))
 
+    def _heads(self, t):
+        """``(b, s, width) -> (b, local heads, s, head_dim)``: the head count comes from the
+        width, so the same code runs whole (``heads``) and under tensor parallelism, where a
+        column-parallel wq/wk/wv gives this rank ``heads / tp`` whole heads."""
+        b, s, _ = t.shape
+        return t.reshape(b, s, -1, self.head_dim).transpose(0, 2, 1, 3)
+
     def _attention(self, x):
-        b, s, h = x.shape
-        qkv = self.qkv(x).reshape(b, s, 3, self.heads, self.head_dim).transpose(2, 0, 3, 1, 4)
-        q, k, v = qkv[0], qkv[1], qkv[2]                     # (b, heads, s, head_dim)
+        b, s, _ = x.shape
+        q, k, v = self._heads(self.wq(x)), self._heads(self.wk(x)), self._heads(self.wv(x))
         scores = ops.matmul(q, k.swapaxes(-1, -2)) / float(np.sqrt(self.head_dim))
         weights = ops.softmax(scores + self.mask[:s, :s], axis=-1)
-        out = ops.matmul(weights, v).transpose(0, 2, 1, 3).reshape(b, s, h)
+        # (b, s, local heads * head_dim): the row-parallel attn_out's input shard
+        out = ops.matmul(weights, v).transpose(0, 2, 1, 3).reshape(b, s, -1)
         return self.attn_out(out)
 
     def construct(self, x):
@@ -122,6 +135,13 @@ class TinyTransformer(nn.Cell):
         for block in self.blocks:
             h = block(h)
         return self.head(h)
+
+
+#: the Megatron plan of a TransformerBlock (under a TinyTransformer: keys prefixed
+#: ``blocks.*.``): heads split by the column-parallel q/k/v, attn_out row-parallel, the MLP
+#: column- then row-parallel -- one all-reduce each for attention and MLP, forward and back.
+TFM_TP_PLAN = {"wq": "colwise", "wk": "colwise", "wv": "colwise", "attn_out": "rowwise",
+               "fc1": "colwise", "fc2": "rowwise"}
 
 
 def transformer_data(rows: int, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:

@@ -300,39 +300,135 @@ def test_tp2_checkpoint_loads_as_fsdp2_and_an_fsdp2_checkpoint_loads_in_one_proc
     _close(loaded["loss"], trained[0]["loss"], "loss, fsdp2 -> one process")
 
 
-def _save_dp1_tp2(folder: str) -> str:
-    """fully_shard over mesh["dp"] of a (1, 2) (dp, tp) mesh: the shards are of tp pieces."""
+def _dp_tp_net(seed: int):
+    """The Cell with weights from ``seed`` on a (dp, tp) = (2, 2) mesh: tensor-parallel over
+    "tp" (fc1's 7 rows split 4 + 3, fc2's 7 columns), then fully_shard over "dp" (fc1, fc2, the
+    root): each shard is rows of a tp piece -- tp rank 1's 3 rows of fc1 split 2 + 1, so its dp
+    rank 1 holds a padding row; fc2.bias and the norm are whole over tp, rows over dp."""
     from hyperpar import (
         ColwiseParallel,
         RowwiseParallel,
-        checkpoint,
         fully_shard,
         init_device_mesh,
+        parallelize_module,
     )
-    from hyperpar import parallelize_module as parallelize
 
-    mesh = init_device_mesh((1, 2), mesh_dim_names=("dp", "tp"))
-    net, names, _ = _net(0, 1)
-    parallelize(net, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    mesh = init_device_mesh((2, 2), mesh_dim_names=("dp", "tp"))
+    net, names, _ = _net(seed, 1)
+    parallelize_module(net, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
     for cell in (net.fc1, net.fc2, net):
         fully_shard(cell, mesh=mesh["dp"])
-    try:
-        checkpoint.save(net, folder, name_map=names)
-    except NotImplementedError as exc:
-        return str(exc)
-    return "saved"
+    return net, names, mesh
 
 
-def test_fully_shard_on_a_sub_mesh_is_refused_on_every_rank_not_saved_wrong(
-        pool2, tmp_path) -> None:
-    """dp x tp: each shard is a piece of a tp piece, a layout the checkpoint cannot place yet;
-    saving it as if fully_shard covered every rank would write wrong tensors."""
-    for rank, msg in enumerate(pool2.run(_save_dp1_tp2, str(tmp_path / "dp-tp"))):
-        assert "fully sharded over 1 of the 2 ranks" in msg and "not supported" in msg, (
-            rank, msg)
-    assert not (tmp_path / "dp-tp").exists()
+def _dp_tp_report(net, names, mesh, opt) -> dict:
+    """Loss on the fixed batch, every parameter whole (gathered over dp, then tp), and this
+    rank's shards of the parameters and Adam moments as stored (padded)."""
+    import mindspore as ms
+
+    from hyperpar import DTensor, Shard
+    from tests.mindspore._ckpt_model import batch
+
+    x, y = (ms.Tensor(a) for a in batch())
+    loss = float(((net(x) - y) ** 2).mean().asnumpy())
+    params = {}
+    for name, value in net.full_parameters().items():
+        key = names.get(name, name)
+        if key in TP_LAYOUT:
+            placement, shape = TP_LAYOUT[key]
+            value = DTensor.from_local(value, mesh["tp"], [Shard(int(placement[-1]))],
+                                       shape=shape).full_tensor()
+        params[key] = value.asnumpy()
+    stored = {names.get(k, k): p.asnumpy() for k, p in net.parameters_and_names()}
+    stored.update({s.name: s.asnumpy() for s in list(opt.moment1) + list(opt.moment2)})
+    return {"loss": loss, "params": params, "stored": stored,
+            "beta1_power": float(opt.beta1_power.asnumpy())}
 
 
+def _train_save_dp_tp(folder: str, seed: int) -> dict:
+    """Two Adam steps on dp x tp, each dp replica on its own data (the tp pair on the same),
+    then save with the optimizer."""
+    import mindspore as ms
+    from mindspore import nn
+
+    from hyperpar import checkpoint
+
+    net, names, mesh = _dp_tp_net(seed)
+    opt = nn.Adam(net.trainable_params(), learning_rate=0.01)
+    step = ms.value_and_grad(lambda a, b: ((net(a) - b) ** 2).mean(), None, opt.parameters)
+    rng = np.random.default_rng(100 + mesh["dp"].get_local_rank())
+    x, y = (ms.Tensor(rng.standard_normal((4, 8)).astype(np.float32)) for _ in range(2))
+    for _ in range(2):
+        _loss, grads = step(x, y)
+        opt(grads)
+    checkpoint.save(net, folder, name_map=names, optimizer=opt)
+    return {**_dp_tp_report(net, names, mesh, opt), "dp": mesh["dp"].get_local_rank(),
+            "tp": mesh["tp"].get_local_rank()}
+
+
+def _load_dp_tp(folder: str, seed: int) -> dict:
+    from mindspore import nn
+
+    from hyperpar import checkpoint
+
+    net, names, mesh = _dp_tp_net(seed)
+    opt = nn.Adam(net.trainable_params(), learning_rate=0.01)
+    result = checkpoint.load(net, folder, name_map=names, optimizer=opt)
+    assert tuple(result) == ([], []), result
+    return _dp_tp_report(net, names, mesh, opt)
+
+
+def _load_save_one_process(src: str, dst: str, seed: int) -> dict:
+    """One process: load ``src`` with an Adam over the whole Cell, then save it to ``dst``."""
+    from mindspore import nn
+
+    from hyperpar import checkpoint
+
+    net, names, _mesh = _net(seed, 1)
+    opt = nn.Adam(net.trainable_params(), learning_rate=0.01)
+    result = checkpoint.load(net, src, name_map=names, optimizer=opt)
+    assert tuple(result) == ([], []), result
+    checkpoint.save(net, dst, name_map=names, optimizer=opt)
+    return {**_report(net, names, None), "beta1_power": float(opt.beta1_power.asnumpy())}
+
+
+def test_dp2_x_tp2_checkpoint_loads_in_one_process_and_back(pool1, pool4, tmp_path) -> None:
+    """fully_shard over mesh["dp"] of a tensor-parallel Cell: each parameter's box is its tp
+    box composed with the dp rows. Trained 2 Adam steps on (dp, tp) = (2, 2) and saved with the
+    optimizer; loaded in one process (every parameter bit-equal to the 4 ranks' gathered
+    values), saved there, loaded back on (2, 2) into a Cell of other weights: every rank's
+    stored shards of the parameters and both Adam moments bit-equal to those saved, padding
+    rows zero."""
+    dp_tp, one = str(tmp_path / "dp2-tp2"), str(tmp_path / "one")
+    trained = pool4.run(_train_save_dp_tp, dp_tp, 5)
+    for res in trained[1:]:  # one model: every rank gathers the same
+        _same_params(res["params"], trained[0]["params"], "dp x tp ranks agree")
+    assert not any(np.array_equal(trained[0]["params"][k], v) for k, v in weights(5).items())
+    index = json.loads((tmp_path / "dp2-tp2" / "index.json").read_text())
+    fc1 = index["tensors"]["fc1.weight"]   # 7 rows: tp 4 + 3, each split over dp 2 + 2, 2 + 1
+    assert fc1["shape"] == [7, 8] and fc1["mesh_shape"] == [2, 2], fc1
+    assert index["tensors"]["fc2.weight"]["placements"] == ["Shard(dim=1)", "Shard(dim=0)"]
+    assert sorted((c["offset"][0], c["shape"][0]) for c in fc1["chunks"]) == [
+        (0, 2), (2, 2), (4, 2), (6, 1)], fc1
+    fc2 = index["tensors"]["fc2.weight"]   # (8, 7): tp columns 4 + 3, dp rows 4 + 4
+    assert sorted((tuple(c["offset"]), tuple(c["shape"])) for c in fc2["chunks"]) == [
+        ((0, 0), (4, 4)), ((0, 4), (4, 3)), ((4, 0), (4, 4)), ((4, 4), (4, 3))], fc2
+    # whole over tp: the tp pair's identical rows are written once
+    assert len(index["tensors"]["fc2.bias"]["chunks"]) == 2, index["tensors"]["fc2.bias"]
+
+    loaded = pool1.run(_load_save_one_process, dp_tp, one, 3)[0]
+    _same_params(loaded["params"], trained[0]["params"], "dp x tp -> one process")
+    _close(loaded["loss"], trained[0]["loss"], "loss, dp x tp -> one process")
+    assert loaded["beta1_power"] == trained[0]["beta1_power"] != 1.0
+
+    back = pool4.run(_load_dp_tp, one, 7)
+    for rank, (got, want) in enumerate(zip(back, trained, strict=True)):
+        _same_params(got["params"], want["params"], f"rank {rank}: one process -> dp x tp")
+        assert sorted(got["stored"]) == sorted(want["stored"]), rank
+        for key, arr in want["stored"].items():   # padded shards: padding zero on both sides
+            assert np.array_equal(got["stored"][key], arr), (rank, key)
+        assert any(k.startswith("moment1.") and v.any() for k, v in got["stored"].items())
+        _close(got["loss"], want["loss"], f"rank {rank}: loss, one process -> dp x tp")
 @pytest.fixture
 def pool4(ms_pools):
     return _pool(ms_pools, 4)

@@ -339,49 +339,99 @@ def test_bad_input_is_refused_on_every_rank_before_any_collective(pool2) -> None
         assert "PyNative mode only" in res["mp_jit"], (rank, res["mp_jit"])
 
 
-def _dp_tp_rank() -> dict:
-    from hyperpar import (
-        ColwiseParallel,
-        RowwiseParallel,
-        fully_shard,
-        init_device_mesh,
-        parallelize_module,
-    )
+def _dp_tp_rank(tfm: bool = True) -> dict:
+    """The MLP, then (``tfm``) the tiny transformer, each tensor-parallel over "tp" then fully
+    sharded over "dp" (per layer / block, then the root); each dp replica on its own rows."""
+    from hyperpar import fully_shard, init_device_mesh, parallelize_module
+    from tests.mindspore._cells import TFM_TP_PLAN, TinyTransformer, transformer_data
 
     mesh = init_device_mesh((2, 2), mesh_dim_names=("dp", "tp"))
+    dp, tp = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
+    rows = slice(dp * PER_RANK, (dp + 1) * PER_RANK)
     net = _net()
-    parallelize_module(net, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    parallelize_module(net, mesh["tp"], _tp_plan({"fc1": "colwise", "fc2": "rowwise"}))
     for cell in (net.fc1, net.fc2, net):
         fully_shard(cell, mesh=mesh["dp"])
-    dp = mesh["dp"].get_local_rank()
     x, y = _data(2)
-    rows = slice(dp * PER_RANK, (dp + 1) * PER_RANK)
     losses, _first, _opt = _train(net, "adam", x[rows], y[rows])
-    return {"dp": dp, "tp": mesh["tp"].get_local_rank(), "losses": losses,
-            "full": {name: v.asnumpy() for name, v in net.full_parameters().items()}}
+    out = {"dp": dp, "tp": tp, "losses": losses,
+           "full": {name: v.asnumpy() for name, v in net.full_parameters().items()}}
+    if tfm:
+        model = TinyTransformer()
+        parallelize_module(model, mesh["tp"],
+                           _tp_plan({f"blocks.*.{k}": v for k, v in TFM_TP_PLAN.items()}))
+        for cell in (*model.blocks, model):
+            fully_shard(cell, mesh=mesh["dp"])
+        x, y = transformer_data(2 * PER_RANK)
+        losses, _first, _opt = _train(model, "adam", x[rows], y[rows])
+        out["tfm"] = {"losses": losses, "full": {
+            name: v.asnumpy() for name, v in model.full_parameters().items()}}
+    return out
 
 
-# the dim tensor parallelism splits each parameter on (None: whole), written out here
-_TP_SPLITS = {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1, "fc2.bias": None,
-              "out.weight": None, "out.bias": None}
+def _tp_plan(plan: dict[str, str]) -> dict:
+    from hyperpar import ColwiseParallel, RowwiseParallel
+
+    return {key: ColwiseParallel() if style == "colwise" else RowwiseParallel()
+            for key, style in plan.items()}
 
 
-def test_dp2_x_tp2_fully_shard_over_dp_matches_one_process(pool4) -> None:
-    """Tensor parallelism over "tp" (fc1 colwise, fc2 rowwise; 7 rows split 4 + 3), then
-    fully_shard of the tp-local pieces over "dp": each (dp, tp) rank's gathered pieces equal
-    the one-process parameters' tp slice after 3 Adam steps."""
-    results = pool4.run(_dp_tp_rank)
-    ref = _reference("adam", 2)
-    by_dp = {r["dp"]: r["losses"] for r in results}
-    _close(np.mean([by_dp[0], by_dp[1]], axis=0), np.array(ref["losses"]), "mean loss")
+def _tp_split(name: str, plan: dict[str, str]) -> int | None:
+    """The dim tensor parallelism splits parameter ``name`` on under ``plan`` (``None``:
+    whole): colwise weight and bias dim 0, rowwise weight dim 1 (its bias stays whole)."""
+    cell, _, attr = name.rpartition(".")
+    style = next((v for k, v in plan.items() if cell == k or cell.endswith(f".{k}")), None)
+    if style == "colwise":
+        return 0
+    return 1 if style == "rowwise" and attr == "weight" else None
+
+
+def _check_dp_tp(results: list[dict], ref: dict, plan: dict[str, str], rtol: float,
+                 what: str) -> None:
+    """Every (dp, tp) rank's loss (the same on both tp ranks of a replica; the replicas' mean
+    against the reference) and each parameter's tp piece, gathered over dp, against the
+    reference parameter's tp slice -- and the tp pieces put together against the whole."""
+    by_dp = {}
     for res in results:
-        for name, want in ref["full"].items():
-            dim = _TP_SPLITS[name]
+        by_dp.setdefault(res["dp"], []).append(np.array(res["losses"]))
+    for dp, losses in by_dp.items():
+        _close(losses[0], losses[1], f"{what}: dp {dp} loss on both tp ranks", rtol)
+    _close(np.mean([v[0] for v in by_dp.values()], axis=0), np.array(ref["losses"]),
+           f"{what}: mean loss per step", rtol)
+    for name, want in ref["full"].items():
+        dim = _tp_split(name, plan)
+        for dp in (0, 1):
+            pieces = [r["full"][name] for r in sorted(results, key=lambda r: r["tp"])
+                      if r["dp"] == dp]
+            got = pieces[0] if dim is None else np.concatenate(pieces, axis=dim)
+            _close(got, want, f"{what}: dp {dp} {name} (tp pieces together)", rtol)
+        for res in results:
+            want_piece = want
             if dim is not None:
                 step = -(-want.shape[dim] // 2)
-                want = np.take(want, range(res["tp"] * step,
-                                           min(want.shape[dim], (res["tp"] + 1) * step)), dim)
-            _close(res["full"][name], want, f"dp {res['dp']} tp {res['tp']} {name}")
+                want_piece = np.take(want, range(res["tp"] * step,
+                                                 min(want.shape[dim], (res["tp"] + 1) * step)),
+                                     dim)
+            _close(res["full"][name], want_piece,
+                   f"{what}: dp {res['dp']} tp {res['tp']} {name}", rtol)
+
+
+# CI time: the transformer adds 9-14 s to this worker call (measured at load average 10-16 on
+# 2 cores; the MLP alone 2-3 s; the whole test 2.6-3.2 s at load ~3), under the ~15 s a default
+# test may cost. Tolerance TFM_RTOL:
+# tp adds one 2-term sum per row-parallel output to the orders counted above.
+def test_dp2_x_tp2_fully_shard_over_dp_matches_one_process(pool4) -> None:
+    """Tensor parallelism over "tp", then fully_shard of the tp-local pieces over "dp", each dp
+    replica on its own rows, 3 Adam steps, against one process on the whole batch: the MLP (fc1
+    colwise, fc2 rowwise; 7 rows split 4 + 3) and the tiny transformer (Megatron plan: heads
+    split by column-parallel wq/wk/wv, attn_out and fc2 row-parallel)."""
+    from tests.mindspore._cells import TFM_TP_PLAN
+
+    results = pool4.run(_dp_tp_rank)
+    _check_dp_tp(results, _reference("adam", 2), {"fc1": "colwise", "fc2": "rowwise"}, RTOL,
+                 "MLP")
+    _check_dp_tp([{**r["tfm"], "dp": r["dp"], "tp": r["tp"]} for r in results],
+                 _tfm_reference("adam", 2), TFM_TP_PLAN, TFM_RTOL, "transformer")
 
 
 # ------------------------------------------------------------------ MixedPrecisionPolicy

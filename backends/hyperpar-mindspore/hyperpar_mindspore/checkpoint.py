@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import mindspore as ms
 import numpy as np
@@ -69,10 +69,10 @@ def _key(name: str, name_map: NameMap) -> str:
 
 def _layout(model: nn.Cell, name_map: NameMap) -> dict[str, tuple[Any, ArrayBox | Want]]:
     """key -> (parameter, its box): where this rank's piece of each parameter sits in the
-    global tensor. One collective (every rank's shard lengths)."""
+    global tensor. One collective (every rank's tensor-parallel shard lengths)."""
     if not isinstance(model, nn.Cell):
         raise TypeError(f"checkpoint: expected a mindspore.nn.Cell, got {type(model).__name__}")
-    fsdp = _fsdp_boxes(model)
+    fsdp = _fsdp_pieces(model)
     platform = get_platform()
     params = list(model.parameters_and_names())
     keys: dict[str, str] = {}
@@ -82,11 +82,18 @@ def _layout(model: nn.Cell, name_map: NameMap) -> dict[str, tuple[Any, ArrayBox 
             raise ValueError(f"checkpoint: name_map sends both {keys[key]!r} and {name!r} to "
                              f"{key!r}; give every parameter its own checkpoint name")
         keys[key] = name
+    # key -> (dim, this rank's tp-local length along it, the tp group's ranks): a parameter
+    # parallelize_module split, as it is or under fully_shard's rows (dp x tp)
     sharded = {}
     for name, p in params:
         placements = getattr(p, SHARD_PLACEMENTS, None)
         group = getattr(p, SHARD_GROUP, None)
-        if placements and isinstance(placements[0], Shard) and group is not None and (
+        piece = fsdp.get(id(p))
+        if piece is not None:
+            if piece.tp is not None:
+                d, group = piece.tp
+                sharded[_key(name, name_map)] = (d, piece.shape[d], tuple(group.ranks))
+        elif placements and isinstance(placements[0], Shard) and group is not None and (
                 platform.world_size(group) > 1):
             d = placements[0].dim % len(p.shape)
             sharded[_key(name, name_map)] = (d, int(p.shape[d]), tuple(group.ranks))
@@ -95,56 +102,64 @@ def _layout(model: nn.Cell, name_map: NameMap) -> dict[str, tuple[Any, ArrayBox 
     out: dict[str, tuple[Any, Any]] = {}
     for name, p in params:
         key = _key(name, name_map)
-        if id(p) in fsdp:
-            out[key] = (p, fsdp[id(p)])
-            continue
-        local = tuple(int(s) for s in p.shape)
+        piece = fsdp.get(id(p))
+        local = piece.shape if piece is not None else tuple(int(s) for s in p.shape)
         shape, offset = list(local), [0] * len(local)
         placements: list[str] = []
         mesh_shape: list[int] = []
-        if key in sharded:
+        if key in sharded:   # the tp piece's box in the global tensor
             d, _, ranks = sharded[key]
             lengths = [everyone[r][key][1] for r in ranks]
             shape[d] = sum(lengths)
             offset[d] = sum(lengths[:ranks.index(me)])
             placements, mesh_shape = [repr(Shard(d))], [len(ranks)]
-        out[key] = (p, ArrayBox(tuple(shape), tuple(offset), p.asnumpy(), placements,
-                                mesh_shape))
+        if piece is None:
+            out[key] = (p, ArrayBox(tuple(shape), tuple(offset), p.asnumpy(), placements,
+                                    mesh_shape))
+            continue
+        # fully_shard's rows of that (tp) piece: dim 0 moves by the first row held. Recorded
+        # tp first: by distribute_tensor's rule (mesh dim 0 splits first) that reads "the tp
+        # split, then dp rows within each piece", the layout held
+        offset[0] += piece.start
+        out[key] = (p, ArrayBox(tuple(shape), tuple(offset), piece.array,
+                                placements + piece.placements, mesh_shape + piece.mesh_shape))
     return out
 
 
-def _fsdp_boxes(model: nn.Cell) -> dict[int, ArrayBox]:
-    """id of each fully_shard shard ``Parameter`` -> its box of the global tensor: the
-    unpadded ``torch.chunk`` rows this rank holds (torch FSDP2's layout, so the index records
-    what torch's records: ``Shard(dim=0)``, HSDP ``Replicate(), Shard(dim=0)``). Raises, on
-    every rank alike and before any collective, where the global tensor is not known here."""
+class _FsdpPiece(NamedTuple):
+    """This rank's rows of a fully_shard unit's parameter: ``array`` (unpadded) starts at row
+    ``start`` of the tensor the unit sharded, whose shape is ``shape`` -- the global tensor, or
+    a tensor-parallel piece of it when ``tp`` = ``(dim, group)`` (dp x tp)."""
+
+    shape: tuple[int, ...]
+    start: int
+    array: np.ndarray
+    placements: list[str]
+    mesh_shape: list[int]
+    tp: tuple[int, Any] | None
+
+
+def _fsdp_pieces(model: nn.Cell) -> dict[int, _FsdpPiece]:
+    """id of each fully_shard shard ``Parameter`` -> this rank's piece: the unpadded
+    ``torch.chunk`` rows it holds (torch FSDP2's layout, so the index records what torch's
+    records: ``Shard(dim=0)``, HSDP ``Replicate(), Shard(dim=0)``; under dp x tp the rows are
+    taken within the tp piece, and :func:`_layout` puts the tp placement first)."""
     platform = get_platform()
-    world = platform.world_size()
-    out: dict[int, ArrayBox] = {}
-    for name, cell in model.cells_and_names():
+    out: dict[int, _FsdpPiece] = {}
+    for _name, cell in model.cells_and_names():
         unit = cell.__dict__.get("_hp_fsdp_unit")
         if unit is None:
             continue
         plan = unit.plan
         n, rep = plan.shard_size, plan.replicate
-        if n * rep != world:
-            # the unit's parameters were already split by another dim of the mesh (tensor
-            # parallelism on (dp, tp)) or live on a pipeline stage: their global shape is not
-            # the shard's, and this Cell does not record how
-            raise NotImplementedError(
-                f"checkpoint: {name or type(model).__name__!r} is fully sharded over {n * rep} "
-                f"of the {world} ranks (fully_shard on a sub-mesh, e.g. mesh['dp'] of a "
-                f"(dp, tp) mesh); checkpoints of such Cells are not supported on MindSpore "
-                f"yet -- fully_shard over every rank (1-D or HSDP mesh), or save the values of "
-                f"cell.full_parameters() instead")
         me = platform.rank(unit.shard_group) if n > 1 else 0
         placements = ([repr(Replicate())] if rep > 1 else []) + [repr(Shard(0))]
         mesh_shape = ([rep] if rep > 1 else []) + [n]
-        for shard, slot in zip(unit.shards, plan.slots, strict=True):
+        for shard, slot, tp in zip(unit.shards, plan.slots, unit.tp_layouts, strict=True):
             start, length = slot.starts[me], slot.lengths[me]
-            offset = (start,) + (0,) * (len(slot.shape) - 1)
             array = shard.asnumpy()[:length]  # the padding rows are not part of the tensor
-            out[id(shard)] = ArrayBox(slot.shape, offset, array, placements, mesh_shape)
+            out[id(shard)] = _FsdpPiece(tuple(slot.shape), start, array, placements,
+                                        mesh_shape, tp)
     return out
 
 

@@ -50,11 +50,14 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, mint, nn, ops
 
+from hyperpar.dtensor.placement import Shard
 from hyperpar.fsdp.policy import MixedPrecisionPolicy
 from hyperpar.parallel.shard_plan import UnitPlan, plan_unit, reshard_after
 from hyperpar.platform import get_platform
 
 from .fsdp_graph import install_graph_reads
+from .parallel import SHARD_GROUP
+from .platform import SHARD_PLACEMENTS
 
 __all__ = ["FullyShardedCell", "fully_shard"]
 
@@ -174,6 +177,9 @@ class _Unit:
                              else _GatherFlat(plan, shard_group, replicate_group))
         self.reshard = reshard
         self.originals: set[int] = set()  # ids of the Parameters the shards replaced
+        # per parameter, (dim, group) when tensor parallelism had split it before (dp x tp):
+        # the shard is then rows of a tp piece, which checkpoints place in the global tensor
+        self.tp_layouts: list[tuple[int, Any] | None] = [None] * len(shards)
 
     def unshard(self, exact: bool = False) -> list[Any]:
         """The whole value of every parameter (differentiable w.r.t. the shards), in the
@@ -302,6 +308,17 @@ def _own_params(cell: nn.Cell, ignored: set[int]) -> tuple[list[Parameter],
     return params, slots
 
 
+def _tp_layout(param: Parameter) -> tuple[int, Any] | None:
+    """``(dim, group)`` of a tensor-parallel shard (a ``Parameter`` ``parallelize_module``
+    split over more than one rank), else ``None``."""
+    placements = getattr(param, SHARD_PLACEMENTS, None)
+    group = getattr(param, SHARD_GROUP, None)
+    if not placements or not isinstance(placements[0], Shard) or group is None or (
+            get_platform().world_size(group) == 1):
+        return None
+    return placements[0].dim % len(param.shape), group
+
+
 def fully_shard(cell: nn.Cell, *, mesh: Any = None,
                 reshard_after_forward: bool | int | None = None,
                 ignored_params: Iterable[Parameter] | None = None,
@@ -356,6 +373,7 @@ def fully_shard(cell: nn.Cell, *, mesh: Any = None,
         shards.append(Parameter(Tensor(piece), name=p.name, requires_grad=p.requires_grad))
     unit = _Unit(cell, plan, slots, shards, shard_group, replicate_group, reshard, mp)
     unit.originals = {id(p) for p in params}
+    unit.tp_layouts = [_tp_layout(p) for p in params]
     unit.restore()  # the shards take the parameters' places
     unit.settle_owners()
     cls = type(cell)
