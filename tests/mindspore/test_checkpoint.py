@@ -429,6 +429,31 @@ def test_dp2_x_tp2_checkpoint_loads_in_one_process_and_back(pool1, pool4, tmp_pa
             assert np.array_equal(got["stored"][key], arr), (rank, key)
         assert any(k.startswith("moment1.") and v.any() for k, v in got["stored"].items())
         _close(got["loss"], want["loss"], f"rank {rank}: loss, one process -> dp x tp")
+
+    # tp rank 1's copy of a parameter whole over tp (fc2.bias: rows over dp) made to differ,
+    # as a hand split or diverged replicas would: refused on every rank, nothing written
+    refused = pool4.run(_save_with_one_replica_changed, str(tmp_path / "differ"))
+    for msg in refused:
+        assert msg.startswith("CheckpointError") and "'fc2.bias' (ranks 0 vs 1)" in msg and (
+            "'fc2.bias' (ranks 2 vs 3)" in msg), msg
+    assert not (tmp_path / "differ" / "index.json").exists()
+
+
+def _save_with_one_replica_changed(folder: str) -> str:
+    from hyperpar import checkpoint
+
+    net, names, mesh = _dp_tp_net(5)
+    changed = [p for p in net.trainable_params() if p.name.endswith("fc2.bias")]
+    assert len(changed) == 1, [p.name for p in net.trainable_params()]
+    if mesh["tp"].get_local_rank() == 1:
+        changed[0].set_data(changed[0] + 1)
+    try:
+        checkpoint.save(net, folder, name_map=names)
+    except Exception as exc:  # noqa: BLE001 -- the message is what the test checks
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
 @pytest.fixture
 def pool4(ms_pools):
     return _pool(ms_pools, 4)
