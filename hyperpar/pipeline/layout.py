@@ -47,6 +47,13 @@ class StageLayout:
     def total_stages(self) -> int:
         return self.num_stages * self.virtual_stages
 
+    def apply_to(self, module: Any) -> None:
+        """Set every field (and ``total_stages``) as an attribute of ``module``: both
+        frameworks' ``PipelineModule`` expose the layout this way."""
+        for name in self.__dataclass_fields__:
+            setattr(module, name, getattr(self, name))
+        module.total_stages = self.total_stages
+
 
 def check_layout_arguments(num_stages: int | None, topology: Any, group: Any, mesh: Any,
                            virtual_stages: int) -> None:

@@ -96,12 +96,7 @@ class PipelineModule(nn.Module):
         (:func:`hyperpar.pipeline.layout.resolve_stages`, shared with MindSpore)."""
         layout = resolve_stages(num_stages, group=group, mesh=mesh, mesh_dim=mesh_dim,
                                 topology=topology, virtual_stages=virtual_stages)
-        self.mesh = layout.mesh
-        self.group, self.stage_ranks = layout.group, layout.stage_ranks
-        self.dp_group, self.dp_size = layout.dp_group, layout.dp_size
-        self.num_stages, self.virtual_stages = layout.num_stages, layout.virtual_stages
-        self.total_stages = layout.total_stages
-        self.stage_id, self.local_stages = layout.stage_id, layout.local_stages
+        layout.apply_to(self)
 
     def _seed(self, index: int) -> None:
         if self.seed_fn is not None:

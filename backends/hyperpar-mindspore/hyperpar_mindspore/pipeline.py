@@ -73,12 +73,7 @@ class PipelineModule(nn.Cell):
                                 f"LayerSpec/TiedLayerSpec, Cells or callables")
         layout = resolve_stages(num_stages, group=group, mesh=mesh, mesh_dim=mesh_dim,
                                 topology=topology, virtual_stages=virtual_stages)
-        self.mesh = layout.mesh
-        self.group, self.stage_ranks = layout.group, layout.stage_ranks
-        self.dp_group, self.dp_size = layout.dp_group, layout.dp_size
-        self.num_stages, self.virtual_stages = layout.num_stages, layout.virtual_stages
-        self.total_stages = layout.total_stages
-        self.stage_id, self.local_stages = layout.stage_id, layout.local_stages
+        layout.apply_to(self)
         self.parts = partition_layers(layers, self.total_stages, partition_method)
         self.loss_fn = loss_fn
         # tied keys: which pipeline ranks hold a position with the key (every rank alike)
