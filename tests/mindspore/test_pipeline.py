@@ -230,20 +230,27 @@ def test_four_stages_1f1b_tied_match_one_process(pool4) -> None:
 PP, DP = 2, 2
 
 
+def _attempter(out: dict[str, str], errors: tuple[type[Exception], ...]):
+    """``attempt(key, fn)``: run ``fn``; record "accepted" or the message of one of ``errors``."""
+
+    def attempt(key: str, fn) -> None:
+        try:
+            fn()
+            out[key] = "accepted"
+        except errors as exc:
+            out[key] = str(exc)
+
+    return attempt
+
+
 def _refused_layouts() -> dict[str, str]:
     """Bad layouts: each refused on every rank before any collective (no rank waits)."""
     from hyperpar import fully_shard, init_device_mesh
     from hyperpar.pipeline import PipelineEngine, PipelineModule
 
     _ms, nn, _ops, _a, _e = _cells()
-    out = {}
-
-    def attempt(key: str, fn) -> None:
-        try:
-            fn()
-            out[key] = "accepted"
-        except (TypeError, ValueError, KeyError) as exc:
-            out[key] = str(exc)
+    out: dict[str, str] = {}
+    attempt = _attempter(out, (TypeError, ValueError, KeyError))
 
     layers = _layer_list(2, tied=False)
     attempt("divisible", lambda: PipelineModule(layers, 3, loss_fn=_mse))
@@ -469,14 +476,8 @@ def _refusals() -> dict:
     from hyperpar.pipeline import PipelineEngine, PipelineModule, get_schedule_class
 
     _ms, nn, _ops, _a, _e = _cells()
-    out = {}
-
-    def attempt(key: str, fn) -> None:
-        try:
-            fn()
-            out[key] = "accepted"
-        except (TypeError, ValueError, NotImplementedError) as exc:
-            out[key] = str(exc)
+    out: dict[str, str] = {}
+    attempt = _attempter(out, (TypeError, ValueError, NotImplementedError))
 
     layers = _layer_list(2, tied=False)
     attempt("stages", lambda: PipelineModule(layers, 4, loss_fn=_mse))
