@@ -21,7 +21,7 @@ from typing import Any
 import mindspore as ms
 from mindspore import Tensor
 
-from hyperpar.dtensor.layout import shard_shape_and_offset
+from hyperpar.dtensor.layout import even_global_shape, shard_shape_and_offset
 from hyperpar.dtensor.placement import (
     REPLICATE,
     Partial,
@@ -147,7 +147,7 @@ class DTensor(Tensor):
                                   "from_local placements")
         if shape is None:
             shape = (_global_shape_from_ranks(local_tensor, mesh, pl) if run_check
-                     else _even_global_shape(local_tensor, mesh, pl))
+                     else even_global_shape(tuple(local_tensor.shape), pl, tuple(mesh.shape)))
         shape = tuple(int(s) for s in shape)
         want, _ = shard_shape_and_offset(shape, pl, tuple(mesh.shape), mesh_coordinate(mesh))
         if tuple(local_tensor.shape) != want:
@@ -184,14 +184,6 @@ def _check_partial_target(p: Partial) -> None:
     if p.reduce_op == "product":
         raise ValueError(f"cannot redistribute to {p!r}: a replicated value has no exact split "
                          "into per-rank factors; use Partial('sum')")
-
-
-def _even_global_shape(local: Tensor, mesh: Any, pl: Placements) -> tuple[int, ...]:
-    size = list(local.shape)
-    for m, p in enumerate(pl):
-        if type(p) is Shard:
-            size[p.dim] *= mesh.size(m)
-    return tuple(size)
 
 
 def _global_shape_from_ranks(local: Tensor, mesh: Any, pl: Placements) -> tuple[int, ...]:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from hyperpar.dtensor.layout import even_global_shape
 from hyperpar.dtensor.mesh import DeviceMesh, _require_mesh
 from hyperpar.dtensor.placement import (
     REPLICATE,
@@ -286,11 +287,8 @@ class DTensor(torch.Tensor):
                 _check_same_local_shape(local_tensor, mesh, placements)
                 shape = _global_shape_from_ranks(local_tensor, mesh, placements)
             else:
-                size = list(local_tensor.shape)
-                for m, p in enumerate(placements):
-                    if type(p) is Shard:
-                        size[p.dim] *= mesh.shape[m]
-                shape = size
+                shape = even_global_shape(tuple(local_tensor.shape), placements,
+                                          tuple(mesh.shape))
         spec = DTensorSpec(mesh, placements, torch.Size(shape))
         if run_check:
             want, _ = spec.local_shape_and_offset()
