@@ -17,6 +17,7 @@ LAYERS: dict[str, list[str]] = {
              "hyperpar/dtensor/mesh.py", "hyperpar/dtensor/placement.py",
              "hyperpar/dtensor/rules/*.py", "hyperpar/parallel/spec.py",
              "hyperpar/parallel/driver.py", "hyperpar/parallel/styles.py",
+             "hyperpar/parallel/loss_plan.py",
              "hyperpar/platform/dim_collectives.py"],
     "torch": ["hyperpar/torch/**/*.py"],
     "mindspore": [f"{MS}/{n}.py" for n in ("dtensor", "dispatch", "opnames", "redistribute",

@@ -23,6 +23,7 @@ placement tuples. Each framework's platform executes the steps with its own coll
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from .placement import REPLICATE, Partial, Placement, Replicate, Shard, chunk_bounds
@@ -149,3 +150,56 @@ def local_shape_and_offset(shape: tuple[int, ...], placements: tuple[Placement, 
 def _sizes(full: int, n: int) -> list[int]:
     """Every rank's piece length when ``full`` elements are ``Shard``-ed over ``n`` ranks."""
     return [chunk_bounds(full, n, k)[1] for k in range(n)]
+
+
+def even_global_shape(local_shape: tuple[int, ...], placements: tuple[Placement, ...],
+                      mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The global shape ``from_local`` infers without ``shape=``: the local size times the mesh
+    size along every sharded dim (even shards, as torch assumes)."""
+    size = list(local_shape)
+    for m, p in enumerate(placements):
+        if type(p) is Shard:
+            size[p.dim] *= mesh_shape[m]
+    return tuple(size)
+
+
+def some_rank_empty(shape: tuple[int, ...], placements: tuple[Placement, ...],
+                    mesh_shape: tuple[int, ...]) -> bool:
+    """Whether some rank's piece of ``shape`` laid out as ``placements`` is empty while others
+    are not (the same answer on every rank: it depends only on shapes and placements)."""
+    if 0 in shape:
+        return False  # empty on every rank: they all skip alike
+    return any(0 in shard_shape_and_offset(shape, placements, mesh_shape, c)[0]
+               for c in itertools.product(*(range(n) for n in mesh_shape)))
+
+
+def check_chunk_split(lengths: list[int] | tuple[int, ...], dim: int, what: str = "") -> int:
+    """The global length of pieces whose per-rank ``lengths`` along ``dim`` were exchanged;
+    raises (the same error on every rank, as every rank holds the same ``lengths``) unless they
+    are ``torch.chunk``'s split of their sum -- what ``Shard(dim)`` means."""
+    full, n = sum(lengths), len(lengths)
+    want = _sizes(full, n)
+    if list(lengths) != want:
+        at = f"{what}: " if what else ""
+        raise ValueError(
+            f"{at}the local pieces laid out as Shard({dim}) have lengths {list(lengths)} across "
+            f"the {n} ranks, but Shard({dim}) of a dim of size {full} means torch.chunk's "
+            f"pieces {want}; split the full tensor with torch.chunk (earlier ranks hold the "
+            f"longer pieces: ceil(size / {n}), the tail shorter) or pass a DTensor")
+    return full
+
+
+def global_shape_from_ranks(local_shape: tuple[int, ...], placements: tuple[Placement, ...],
+                            mesh: Any) -> tuple[int, ...]:
+    """The global shape of pieces of ``local_shape`` laid out as ``placements`` on ``mesh``,
+    learnt from every rank (``from_local(run_check=True)`` without ``shape=``): the local sizes
+    of each sharded dim are summed over the ranks (one object all-gather per sharded mesh dim),
+    innermost mesh dim first (nested shards: the inner sum is the outer rank's piece)."""
+    from hyperpar.platform import get_platform  # the platform's collectives, any framework
+
+    shape = [int(s) for s in local_shape]
+    for m in reversed(range(len(placements))):
+        p = placements[m]
+        if type(p) is Shard and mesh.size(m) > 1:
+            shape[p.dim] = sum(get_platform().all_gather_object(shape[p.dim], mesh.get_group(m)))
+    return tuple(shape)

@@ -36,6 +36,7 @@ __all__ = [
     "StyleSpec",
     "boundary",
     "check_divisible",
+    "param_placement",
     "prepare_comm",
     "resolve_plan",
     "sequence_parallel",
@@ -126,6 +127,13 @@ class StyleSpec:
         """Forward/backward communication at the output of a ``kind`` module."""
         dst = self.default_output if wanted is None else wanted
         return boundary(self.local_output[kind], dst, "replicate")
+
+
+def param_placement(spec: StyleSpec, kind: str, name: str) -> Placement:
+    """The placement of parameter ``name`` of a ``kind`` module under ``spec`` on the style's
+    1-D mesh: ``Shard`` of its split dim, ``Replicate`` when kept whole."""
+    dim = spec.param_dims[kind][name]
+    return Replicate() if dim is None else Shard(dim)
 
 
 #: Column-wise: the output features (linear) / the embedding dim (embedding) are split. The input

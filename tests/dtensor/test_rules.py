@@ -301,3 +301,61 @@ def test_a_reduction_dim_out_of_range_raises_naming_it():
     with pytest.raises(IndexError, match=r"Dimension out of range \(expected to be in range "
                                          r"of \[-2, 1\], but got 2\)"):
         propagate("sum", (TensorMeta((S0,), (5, 6)),), (2,), dim=2)
+
+
+def test_view_shapes_match_numpy_and_refuse_dims_out_of_range():
+    from hyperpar.dtensor.rules.view import flattened_shape, squeezed_shape, unsqueezed_shape
+
+    a = np.zeros((2, 1, 3, 1))
+    for start, end in [(0, -1), (1, 2), (-2, -1), (2, 2)]:
+        want = a.reshape(a.shape[:start % 4] + (-1,) + a.shape[end % 4 + 1:]).shape
+        assert flattened_shape(a.shape, start, end) == want
+    assert flattened_shape((), 0, -1) == (1,)  # a 0-d tensor flattens to one element
+    assert [unsqueezed_shape((2, 3), d) for d in (0, 2, -1, -3)] == \
+        [np.expand_dims(np.zeros((2, 3)), d).shape for d in (0, 2, -1, -3)]
+    assert squeezed_shape(a.shape) == (2, 3) and squeezed_shape(a.shape, (1, 2)) == (2, 3, 1)
+    assert squeezed_shape(a.shape, -1) == (2, 1, 3)
+    for bad in (lambda: flattened_shape((2, 3), 0, 2), lambda: unsqueezed_shape((2, 3), 3),
+                lambda: unsqueezed_shape((2, 3), -4), lambda: squeezed_shape((2, 3), 2)):
+        with pytest.raises(IndexError, match=r"Dimension out of range"):
+            bad()
+    with pytest.raises(ValueError, match="start_dim 1 cannot come after end_dim 0"):
+        flattened_shape((2, 3), 1, 0)
+
+
+def test_layout_helpers_both_frameworks_share():
+    from hyperpar.dtensor.layout import check_chunk_split, even_global_shape, some_rank_empty
+
+    assert even_global_shape((3, 2), (S0, S1), (2, 4)) == (6, 8)
+    assert even_global_shape((3, 2), (R, Partial()), (2, 2)) == (3, 2)
+    assert check_chunk_split([2, 2, 1, 0], 1) == 5
+    with pytest.raises(ValueError, match=r"lengths \[2, 3\].*torch.chunk's pieces \[3, 2\]"):
+        check_chunk_split([2, 3], 0, "boundary")
+    assert some_rank_empty((5, 6), (S0,), (4,))  # 2, 2, 1, 0
+    assert some_rank_empty((6, 6), (S0,), (4,))  # 2, 2, 2, 0
+    assert not some_rank_empty((8, 6), (S0,), (4,)) and not some_rank_empty((0, 6), (S0,), (4,))
+    assert some_rank_empty((4, 3), (S0, S1), (2, 4))  # 3 columns over 4: 1, 1, 1, 0
+
+
+def test_loss_parallel_plan():
+    from hyperpar.parallel.loss_plan import (
+        check_loss_args,
+        class_shard,
+        flatten_outside_shard,
+    )
+
+    # 10 classes over 4 ranks: torch.chunk gives 3, 3, 3, 1 -> rank 3 holds [9, 10)
+    assert class_shard((S1,), (8, 10), (4,), (3,), class_dim=1) == (0, 1, 9, 1)
+    assert class_shard((R, Shard(-1)), (8, 10), (2, 4), (1, 2), class_dim=1) == (1, 1, 6, 3)
+    assert class_shard((S0,), (8, 10), (4,), (0,), class_dim=1) is None  # rows, not classes
+    assert class_shard((S1, S0), (8, 10), (2, 2), (0, 0)) is None  # two shards
+    assert class_shard((S1, P_SUM), (8, 10), (2, 2), (0, 0)) is None  # a pending sum
+    assert class_shard((Shard(-1),), (2, 3, 10), (2,), (1,)) == (0, 2, 5, 5)
+    for bad, match in (("avg", "reduction"), ("mean", "label_smoothing")):
+        with pytest.raises(ValueError, match=match):
+            check_loss_args(bad, 1.5 if bad == "mean" else 0.0)
+    # logits [B, S, V] sharded on V, flattened over (B, S): the shard moves to dim 1
+    assert flatten_outside_shard((S2,), (2, 3, 10), 0, 1) == ((S1,), (6, 10))
+    assert flatten_outside_shard((S0,), (2, 3, 10), 1, 2) == ((S0,), (2, 30))
+    assert flatten_outside_shard((S1,), (2, 3, 10), 0, 1) is None  # the shard is flattened
+    assert flatten_outside_shard((S2, R), (2, 3, 10), 0, 1) is None  # 2-D mesh: no plan

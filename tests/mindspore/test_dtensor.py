@@ -465,6 +465,15 @@ def _errors_and_recovery() -> dict:
         mint.cumsum(x, 0)
     except ShardingError as exc:
         out["no_rule"] = str(exc)
+    # dims out of range raise torch's IndexError (they used to wrap round silently: flatten
+    # (0, 2) of a 2-D tensor flattened dims 0..0, unsqueeze(3) inserted at 0)
+    out["bad_dims"] = []
+    for call in (lambda: mint.flatten(x, 0, 2), lambda: x.unsqueeze(3),
+                 lambda: mint.unsqueeze(x, -4), lambda: x.squeeze(2)):
+        try:
+            call()
+        except IndexError as exc:
+            out["bad_dims"].append(str(exc))
 
     # MindSpore's executor is left broken by an exception inside a gradient call that
     # recorded a Cell with weights (the next call fails in LayerNormGrad) unless it is reset
@@ -508,6 +517,9 @@ def test_an_op_without_a_rule_raises_and_the_next_gradient_call_works(pool2):
     for res in pool2.run(_errors_and_recovery):
         for key in ("no_rule", "in_grad"):
             assert "CumsumExt" in res[key] and "[Shard(dim=0)]" in res[key], res[key]
+        assert len(res["bad_dims"]) == 4, res["bad_dims"]
+        for msg, got in zip(res["bad_dims"], (2, 3, -4, 2), strict=True):
+            assert "Dimension out of range" in msg and f"but got {got})" in msg, msg
         assert res["grad_type"] == "DTensor" and res["grad_pl"] == (Shard(0),)
         # d/dx of sum(x^2) + sum(layernorm(x)): 2x + (d/dx sum(layernorm), from plain MindSpore)
         np.testing.assert_allclose(res["grad"], 2 * arr + res["norm_grad"], rtol=0, atol=1e-5)

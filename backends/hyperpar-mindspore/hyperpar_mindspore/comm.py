@@ -14,15 +14,11 @@ from typing import Any
 
 from mindspore import mint, nn
 
+from hyperpar.dtensor.layout import check_chunk_split
 from hyperpar.parallel.spec import Comm
 from hyperpar.platform.dim_collectives import chunk_sizes
 
 from .platform import MindSporePlatform, MSGroup
-
-
-def chunk_lengths(size: int, n: int) -> list[int]:
-    """The lengths of ``torch.chunk``'s ``n`` pieces of ``size`` (the tail shorter or empty)."""
-    return chunk_sizes(size, n)
 
 
 def lengths_along(platform: MindSporePlatform, x: Any, dim: int, group: MSGroup,
@@ -34,13 +30,7 @@ def lengths_along(platform: MindSporePlatform, x: Any, dim: int, group: MSGroup,
     if n == 1:
         return [mine]
     lengths = platform.all_gather_sizes(mine, group)
-    if lengths != chunk_lengths(sum(lengths), n):
-        at = f"{what}: " if what else ""
-        raise ValueError(
-            f"{at}the ranks' pieces along dim {dim} have lengths {lengths}, which is not how "
-            f"torch.chunk splits {sum(lengths)} over {n} ranks ({chunk_lengths(sum(lengths), n)});"
-            f" give each rank its torch.chunk piece (pieces of ceil(size / {n}), the tail shorter)"
-        )
+    check_chunk_split(lengths, dim, what)
     return lengths
 
 
@@ -61,10 +51,10 @@ def check_no_empty_piece(size: int, n: int, dim: int, shape: tuple[int, ...],
     """Raise when ``torch.chunk`` would leave a rank an empty piece of ``size`` (``6`` over
     ``4``: ``[2, 2, 2, 0]``): MindSpore's kernels refuse empty tensors (LayerNorm, MatMul). Every
     rank sees the same sizes, so every rank raises, before any collective."""
-    lengths = chunk_lengths(size, n)
+    lengths = chunk_sizes(size, n)
     if 0 in lengths:
         at = f"{what}: " if what else ""
-        fits = [s for s in range(max(1, size - n), size + n + 1) if 0 not in chunk_lengths(s, n)]
+        fits = [s for s in range(max(1, size - n), size + n + 1) if 0 not in chunk_sizes(s, n)]
         raise ValueError(
             f"{at}cannot split dim {dim} of size {size} (shape {tuple(shape)}) over {n} "
             f"tensor-parallel ranks: torch.chunk's pieces {lengths} leave a rank an empty "
@@ -114,7 +104,7 @@ def run_op(platform: MindSporePlatform, op: str, x: Any, comm: Comm, group: MSGr
     if op == "all_reduce":
         return all_reduce_copy(platform, x, group)
     if op == "all_gather":
-        sizes = chunk_lengths(full, n) if full is not None else None
+        sizes = chunk_sizes(full, n) if full is not None else None
         return all_gather_along(platform, x, dim, group, sizes, what)
     if op == "chunk":
         return piece_along(platform, x, dim, group, what)
@@ -157,5 +147,5 @@ def zeros(shape: tuple[int, ...], dtype: Any) -> Any:
 
 
 __all__ = ["Boundary", "all_gather_along", "all_reduce_copy", "all_to_all_along",
-           "check_no_empty_piece", "chunk_lengths", "lengths_along", "piece_along", "run_op",
+           "check_no_empty_piece", "lengths_along", "piece_along", "run_op",
            "zeros"]

@@ -4,13 +4,12 @@ inputs redistributed (differentiably), and run on the local tensors under ``NoFa
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 from mindspore import Tensor, mint
 from mindspore._c_expression import NoFallbackGuard
 
-from hyperpar.dtensor.layout import shard_shape_and_offset
+from hyperpar.dtensor.layout import shard_shape_and_offset, some_rank_empty
 from hyperpar.dtensor.placement import REPLICATE, Shard
 from hyperpar.dtensor.rules import OpSharding, ShardingError, TensorMeta, propagate
 
@@ -99,23 +98,13 @@ EMPTY_SAFE = frozenset({"add", "sub", "neg", "identity", "mul", "div", "elementw
                         "reshape", "transpose", "permute"})
 
 
-def _some_rank_empty(shape: tuple[int, ...], placements: tuple, mesh_shape: tuple[int, ...]
-                     ) -> bool:
-    """Whether some rank's piece is empty while others are not (the same answer on every rank:
-    it depends only on shapes and placements)."""
-    if 0 in shape:
-        return False  # empty on every rank: they all skip alike
-    return any(0 in shard_shape_and_offset(shape, placements, mesh_shape, c)[0]
-               for c in itertools.product(*(range(n) for n in mesh_shape)))
-
-
 def _without_empty_pieces(call: Call, metas: tuple[TensorMeta, ...], sharding: OpSharding,
                           mesh_shape: tuple[int, ...]) -> OpSharding:
     """Re-plan with the inputs replicated over every mesh dim where an input or output piece
     would be empty on some rank."""
     layouts = [(m.shape, t) for m, t in zip(metas, sharding.inputs, strict=True)]
     layouts += list(zip(sharding.shapes, sharding.outputs, strict=False))
-    bad = {m for shape, pl in layouts if _some_rank_empty(shape, pl, mesh_shape)
+    bad = {m for shape, pl in layouts if some_rank_empty(shape, pl, mesh_shape)
            for m in range(len(mesh_shape)) if type(pl[m]) is Shard}
     if not bad:
         return sharding

@@ -21,7 +21,11 @@ from typing import Any
 import mindspore as ms
 from mindspore import Tensor
 
-from hyperpar.dtensor.layout import shard_shape_and_offset
+from hyperpar.dtensor.layout import (
+    even_global_shape,
+    global_shape_from_ranks,
+    shard_shape_and_offset,
+)
 from hyperpar.dtensor.placement import (
     REPLICATE,
     Partial,
@@ -146,8 +150,8 @@ class DTensor(Tensor):
                                   else (REPLICATE,) * mesh.ndim, mesh.ndim, local_tensor.ndim,
                                   "from_local placements")
         if shape is None:
-            shape = (_global_shape_from_ranks(local_tensor, mesh, pl) if run_check
-                     else _even_global_shape(local_tensor, mesh, pl))
+            shape = (global_shape_from_ranks(tuple(local_tensor.shape), pl, mesh) if run_check
+                     else even_global_shape(tuple(local_tensor.shape), pl, tuple(mesh.shape)))
         shape = tuple(int(s) for s in shape)
         want, _ = shard_shape_and_offset(shape, pl, tuple(mesh.shape), mesh_coordinate(mesh))
         if tuple(local_tensor.shape) != want:
@@ -184,26 +188,6 @@ def _check_partial_target(p: Partial) -> None:
     if p.reduce_op == "product":
         raise ValueError(f"cannot redistribute to {p!r}: a replicated value has no exact split "
                          "into per-rank factors; use Partial('sum')")
-
-
-def _even_global_shape(local: Tensor, mesh: Any, pl: Placements) -> tuple[int, ...]:
-    size = list(local.shape)
-    for m, p in enumerate(pl):
-        if type(p) is Shard:
-            size[p.dim] *= mesh.size(m)
-    return tuple(size)
-
-
-def _global_shape_from_ranks(local: Tensor, mesh: Any, pl: Placements) -> tuple[int, ...]:
-    """Sum the local sizes of sharded dims over the ranks, innermost mesh dim first (nested
-    shards: the inner sum is the outer rank's piece)."""
-    size = list(local.shape)
-    platform = get_platform()
-    for m in reversed(range(len(pl))):
-        p = pl[m]
-        if type(p) is Shard and mesh.size(m) > 1:
-            size[p.dim] = sum(platform.all_gather_object(size[p.dim], mesh.get_group(m)))
-    return tuple(size)
 
 
 def distribute_tensor(tensor: Tensor, device_mesh: Any, placements: Sequence[Placement], *,

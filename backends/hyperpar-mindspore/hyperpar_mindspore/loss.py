@@ -18,11 +18,12 @@ from typing import Any
 
 from mindspore import Tensor, ops
 
-from hyperpar.dtensor.placement import Shard, chunk_bounds
+from hyperpar.parallel.loss_plan import check_loss_args, class_shard
 from hyperpar.parallel.spec import Comm
 from hyperpar.platform import get_platform
 
 from .comm import Boundary
+from .redistribute import mesh_coordinate
 
 __all__ = ["loss_parallel", "vocab_parallel_cross_entropy"]
 
@@ -41,15 +42,15 @@ def vocab_parallel_cross_entropy(logits: Any, target: Any, weight: Any = None,
             "loss_parallel on MindSpore computes plain cross-entropy: class weights and "
             "label_smoothing are not supported yet; drop them, or gather the logits "
             "(.full_tensor()) and call ops.cross_entropy outside loss_parallel")
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    placements = logits.placements
-    if len(placements) != 1 or not isinstance(placements[0], Shard):
+    check_loss_args(reduction, label_smoothing)
+    mesh = logits.device_mesh
+    shape = tuple(logits.shape)
+    found = class_shard(logits.placements, shape, tuple(mesh.shape), mesh_coordinate(mesh))
+    if found is None or mesh.ndim != 1:
         raise ValueError(f"loss_parallel needs logits sharded on the class dim of a 1-D mesh "
                          f"(Shard(-1) from ColwiseParallel(use_local_output=False)), got "
-                         f"placements {placements}")
-    shape = tuple(logits.shape)
-    c = placements[0].dim % len(shape)
+                         f"placements {logits.placements}")
+    c, start, length = found.dim, found.start, found.length
     if isinstance(target, DTensor):
         target = target.full_tensor()
     want = shape[:c] + shape[c + 1:]
@@ -57,9 +58,7 @@ def vocab_parallel_cross_entropy(logits: Any, target: Any, weight: Any = None,
         raise ValueError(f"loss_parallel: target shape {tuple(target.shape)} must be the logits' "
                          f"global shape {shape} without its sharded class dim {c}: {want}")
     platform = get_platform()
-    group = logits.device_mesh.get_group(0)
-    n, me = platform.world_size(group), platform.rank(group)
-    start, length = chunk_bounds(shape[c], n, me)
+    group = mesh.get_group(0)
     local = logits.to_local()
 
     # the global max over the classes, for a stable exp (no gradient: softmax ignores a shift)

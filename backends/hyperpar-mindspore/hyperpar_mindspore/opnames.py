@@ -24,6 +24,8 @@ from typing import Any
 
 from mindspore import Tensor
 
+from hyperpar.dtensor.rules.view import flattened_shape, squeezed_shape, unsqueezed_shape
+
 
 @dataclass
 class Call:
@@ -96,34 +98,19 @@ def _reshape(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
 
 
 def _flatten(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
-    shape = tuple(args[0].shape)
-    nd = len(shape)
-    start = _arg(args, kwargs, 1, "start_dim", 0) % max(nd, 1)
-    end = _arg(args, kwargs, 2, "end_dim", -1) % max(nd, 1)
-    merged = 1
-    for s in shape[start:end + 1]:
-        merged *= s
-    return Call("reshape", (0,), {"shape": (*shape[:start], merged, *shape[end + 1:])},
-                reshape=True)
+    shape = flattened_shape(tuple(args[0].shape), int(_arg(args, kwargs, 1, "start_dim", 0)),
+                            int(_arg(args, kwargs, 2, "end_dim", -1)))
+    return Call("reshape", (0,), {"shape": shape}, reshape=True)
 
 
 def _expand_dims(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
-    shape = list(args[0].shape)
-    axis = int(_arg(args, kwargs, 1, "axis", 0))
-    shape.insert(axis % (len(shape) + 1), 1)
-    return Call("reshape", (0,), {"shape": tuple(shape)}, reshape=True)
+    shape = unsqueezed_shape(tuple(args[0].shape), int(_arg(args, kwargs, 1, "axis", 0)))
+    return Call("reshape", (0,), {"shape": shape}, reshape=True)
 
 
 def _squeeze(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
-    shape = tuple(args[0].shape)
-    axis = _arg(args, kwargs, 1, "axis", None)
-    if axis is None or axis == ():
-        drop = {i for i, s in enumerate(shape) if s == 1}
-    else:
-        axes = (axis,) if isinstance(axis, int) else tuple(axis)
-        drop = {a % len(shape) for a in axes if shape[a % len(shape)] == 1}
-    return Call("reshape", (0,), {"shape": tuple(s for i, s in enumerate(shape)
-                                                 if i not in drop)}, reshape=True)
+    shape = squeezed_shape(tuple(args[0].shape), _arg(args, kwargs, 1, "axis", None))
+    return Call("reshape", (0,), {"shape": shape}, reshape=True)
 
 
 def _transpose(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:

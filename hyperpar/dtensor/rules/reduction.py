@@ -24,10 +24,27 @@ def reduced_dims(dim: Any, ndim: int) -> tuple[int, ...]:
     return tuple(sorted({norm_dim(d, ndim) for d in dims}))
 
 
-def _out_shape(shape: Shape, dims: tuple[int, ...], keepdim: bool) -> Shape:
+def reduced_shape(shape: Shape, dims: tuple[int, ...], keepdim: bool) -> Shape:
+    """``shape`` reduced over ``dims`` (kept as 1 with ``keepdim``)."""
     if keepdim:
         return tuple(1 if i in dims else s for i, s in enumerate(shape))
     return tuple(s for i, s in enumerate(shape) if i not in dims)
+
+
+def reduced_placements(placements: tuple[Placement, ...], dims: tuple[int, ...], keepdim: bool,
+                       op: str) -> tuple[Placement, ...]:
+    """The output placements of a reduction over ``dims`` computed on the local shards: a shard
+    of a reduced dim becomes ``Partial(op)``, other shards are renumbered unless ``keepdim``."""
+    out: list[Placement] = []
+    for p in placements:
+        if type(p) is Shard:
+            if p.dim in dims:
+                out.append(Partial(op))
+            else:
+                out.append(p if keepdim else Shard(p.dim - sum(d < p.dim for d in dims)))
+        else:
+            out.append(p)
+    return tuple(out)
 
 
 def _some_piece_empty(size: int, n: int) -> bool:
@@ -77,7 +94,7 @@ def _reduce(op: str, metas: tuple[TensorMeta, ...], mesh_shape: tuple[int, ...],
         else:
             target.append(REPLICATE)
             outs.append(REPLICATE)
-    shape = _out_shape(x.shape, dims, keepdim)
+    shape = reduced_shape(x.shape, dims, keepdim)
     divide_by = None
     if op == "mean" and sharded_reduced:
         divide_by = math.prod(x.shape[d] for d in dims)

@@ -25,6 +25,35 @@ def infer_shape(numel: int, shape: Any) -> Shape:
     return shape
 
 
+def flattened_shape(shape: Shape, start_dim: int = 0, end_dim: int = -1) -> Shape:
+    """``shape`` after ``flatten(start_dim, end_dim)`` (a 0-d tensor becomes ``(1,)``); dims
+    out of range raise torch's IndexError."""
+    start, end = norm_dim(start_dim, len(shape)), norm_dim(end_dim, len(shape))
+    if start > end:
+        raise ValueError(f"flatten: start_dim {start_dim} cannot come after end_dim {end_dim} "
+                         f"for a tensor of shape {tuple(shape)}")
+    return (*shape[:start], math.prod(shape[start:end + 1]), *shape[end + 1:])
+
+
+def unsqueezed_shape(shape: Shape, dim: int) -> Shape:
+    """``shape`` after ``unsqueeze(dim)`` (``dim`` in ``[-ndim - 1, ndim]``, else torch's
+    IndexError)."""
+    d = norm_dim(dim, len(shape) + 1)
+    return (*shape[:d], 1, *shape[d:])
+
+
+def squeezed_shape(shape: Shape, dims: Any = None) -> Shape:
+    """``shape`` after ``squeeze(dims)``: every size-1 dim when ``dims`` is None or empty, else
+    the listed ones that have size 1 (out of range: torch's IndexError)."""
+    if dims is None or dims == ():
+        drop = {i for i, s in enumerate(shape) if s == 1}
+    else:
+        listed = (dims,) if isinstance(dims, int) else tuple(dims)
+        drop = {d for d in (norm_dim(a, len(shape)) for a in listed)
+                if len(shape) and shape[d] == 1}
+    return tuple(s for i, s in enumerate(shape) if i not in drop)
+
+
 def _blocks(src: Shape, dst: Shape) -> list[tuple[list[int], list[int]]]:
     """Groups of consecutive dims of ``src`` and ``dst`` with equal products."""
     out, i, j = [], 0, 0

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from hyperpar.dtensor.layout import even_global_shape, global_shape_from_ranks
 from hyperpar.dtensor.mesh import DeviceMesh, _require_mesh
 from hyperpar.dtensor.placement import (
     REPLICATE,
@@ -284,13 +285,10 @@ class DTensor(torch.Tensor):
         if shape is None:
             if run_check:
                 _check_same_local_shape(local_tensor, mesh, placements)
-                shape = _global_shape_from_ranks(local_tensor, mesh, placements)
+                shape = global_shape_from_ranks(tuple(local_tensor.shape), placements, mesh)
             else:
-                size = list(local_tensor.shape)
-                for m, p in enumerate(placements):
-                    if type(p) is Shard:
-                        size[p.dim] *= mesh.shape[m]
-                shape = size
+                shape = even_global_shape(tuple(local_tensor.shape), placements,
+                                          tuple(mesh.shape))
         spec = DTensorSpec(mesh, placements, torch.Size(shape))
         if run_check:
             want, _ = spec.local_shape_and_offset()
@@ -517,17 +515,6 @@ class _BroadcastReplicas(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         return grad, None, None
-
-
-def _global_shape_from_ranks(local: torch.Tensor, mesh: DeviceMesh,
-                             placements: tuple[Placement, ...]) -> list[int]:
-    shape = list(local.shape)
-    for m in reversed(range(mesh.ndim)):  # innermost first: nested shards add up level by level
-        p = placements[m]
-        if type(p) is Shard and mesh.shape[m] > 1:
-            sizes = get_platform().all_gather_object(int(shape[p.dim]), mesh.get_group(m))
-            shape[p.dim] = sum(sizes)
-    return shape
 
 
 def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = None,

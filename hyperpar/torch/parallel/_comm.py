@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from hyperpar.dtensor.layout import check_chunk_split
 from hyperpar.dtensor.placement import Placement, Shard, chunk_bounds
 from hyperpar.platform import get_platform
 from hyperpar.torch.dtensor.redistribute import plan_redistribute
@@ -66,15 +67,7 @@ def full_length(local: torch.Tensor, dim: int, mesh: Mesh) -> int:
     if torch.compiler.is_compiling():
         return _even_full_length_checked(local, dim, n, mesh)
     lengths = get_platform().all_gather_sizes(local.shape[dim], mesh.get_group(0))
-    full = sum(lengths)
-    if tuple(lengths) != _sizes(full, n):
-        raise ValueError(
-            f"tensor-parallel boundary: the local pieces laid out as Shard({dim}) have lengths "
-            f"{lengths} across the {n} ranks, but Shard({dim}) of a dim of size {full} means "
-            f"torch.chunk's pieces {list(_sizes(full, n))}; split the full tensor with "
-            f"torch.chunk (earlier ranks hold the longer pieces) or pass a DTensor"
-        )
-    return full
+    return check_chunk_split(lengths, dim, "tensor-parallel boundary")
 
 
 def _even_full_length_checked(local: torch.Tensor, dim: int, n: int, mesh: Mesh) -> int:

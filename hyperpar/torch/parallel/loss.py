@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hyperpar.parallel.loss_plan import check_loss_args, class_shard, flatten_outside_shard
 from hyperpar.platform import get_platform
 from hyperpar.torch.dtensor._ops import OpEntry, OpOverlay, register_op
 from hyperpar.torch.dtensor._ops.dispatch import call_entry
@@ -103,10 +104,7 @@ def vocab_parallel_cross_entropy(
     they mean in ``F.cross_entropy``. Returns the same value on every rank; the gradient
     w.r.t. ``local_logits`` is this rank's slice of the full gradient.
     """
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    check_loss_args(reduction, label_smoothing)
     if local_logits.dim() < 2:
         raise ValueError(
             f"vocab-parallel cross-entropy needs logits with a class dim 1, got shape "
@@ -148,25 +146,19 @@ def vocab_parallel_cross_entropy(
 
 def _sharded_class_dim(logits: Any) -> tuple[int, Group, int] | None:
     """``(mesh_dim, group, vocab_start)`` if ``logits`` is a DTensor sharded on dim 1 over
-    exactly one mesh dimension (replicated elsewhere); else ``None``."""
-    from hyperpar.dtensor import DTensor, Shard
-    from hyperpar.dtensor.placement import chunk_bounds
+    exactly one mesh dimension (replicated elsewhere); else ``None`` (the plan:
+    :func:`hyperpar.parallel.loss_plan.class_shard`)."""
+    from hyperpar.dtensor import DTensor
 
     if not isinstance(logits, DTensor):
         return None
-    ndim = logits.dim()
-    shard_dims = [(i, p) for i, p in enumerate(logits.placements) if isinstance(p, Shard)]
-    others_ok = all(p.is_replicate() for p in logits.placements if not isinstance(p, Shard))
-    if len(shard_dims) != 1 or not others_ok:
-        return None
-    mesh_dim, placement = shard_dims[0]
-    if placement.dim % ndim != 1 % ndim:
-        return None
     mesh = logits.device_mesh
-    group = mesh.get_group(mesh_dim)
-    rank = get_platform().rank(group)
-    start, _ = chunk_bounds(logits.shape[1], mesh.size(mesh_dim), rank)
-    return mesh_dim, group, start
+    coord = mesh.get_coordinate()
+    found = None if coord is None else class_shard(logits.placements, tuple(logits.shape),
+                                                   tuple(mesh.shape), coord, class_dim=1)
+    if found is None:
+        return None
+    return found.mesh_dim, mesh.get_group(found.mesh_dim), found.start
 
 
 #: The rules ``loss_parallel`` swaps into the DTensor op table while it is entered.
@@ -199,22 +191,18 @@ def flatten_outside_shard_rule(func: Any, args: tuple, kwargs: dict,
 
 def _flatten_outside_shard(x: Any, start_dim: int = 0, end_dim: int = -1) -> Any:
     """``logits.flatten(0, 1)`` on a DTensor sharded on a dim outside the flattened range
-    (the vocabulary): flatten the local shard and keep the shard on the renumbered dim."""
-    from hyperpar.dtensor import DTensor, Shard
+    (the vocabulary): flatten the local shard and keep the shard on the renumbered dim (the
+    plan: :func:`hyperpar.parallel.loss_plan.flatten_outside_shard`)."""
+    from hyperpar.dtensor import DTensor
 
     if not isinstance(x, DTensor) or x.device_mesh.ndim != 1:
         return None
-    (placement,) = x.placements
-    ndim = x.dim()
-    start, end = start_dim % ndim, end_dim % ndim
-    if not isinstance(placement, Shard) or start <= placement.dim % ndim <= end:
+    plan = flatten_outside_shard(x.placements, tuple(x.shape), start_dim, end_dim)
+    if plan is None:
         return None
-    dim = placement.dim % ndim
-    new_dim = dim if dim < start else dim - (end - start)
-    shape = list(x.shape)
-    shape[start:end + 1] = [int(torch.Size(shape[start:end + 1]).numel())]
-    return DTensor.from_local(x.to_local().flatten(start, end), x.device_mesh,
-                              (Shard(new_dim),), shape=shape)
+    placements, shape = plan
+    local = x.to_local().flatten(start_dim % x.dim(), end_dim % x.dim())
+    return DTensor.from_local(local, x.device_mesh, placements, shape=shape)
 
 
 def _cross_entropy_on_dtensor(found: tuple[int, Group, int], input: Any, target: Any,

@@ -20,8 +20,9 @@ import torch
 from torch import nn
 
 from hyperpar.dtensor.errors import AlreadyParallelizedError
-from hyperpar.dtensor.placement import Partial, Placement, Replicate, Shard, chunk_bounds
+from hyperpar.dtensor.placement import Placement, Replicate, Shard, chunk_bounds
 from hyperpar.parallel.driver import UnsupportedModuleError
+from hyperpar.parallel.spec import StyleSpec, param_placement
 from hyperpar.parallel.styles import (
     ColwiseParallel,
     ParallelStyle,
@@ -54,7 +55,6 @@ __all__ = [
 ]
 
 # ---------------------------------------------------------------------------------- helpers
-_LAST, _PARTIAL = Shard(-1), Partial()
 _DTENSOR: list[type] = []
 
 
@@ -113,6 +113,13 @@ def _distribute_param(module: nn.Module, name: str, mesh: Any,
     placements = placement if isinstance(placement, tuple) else (placement,)
     dt = distribute_tensor(param.detach(), mesh, placements, src_data_rank=src_data_rank)
     get_platform().set_parameter(module, name, dt)
+
+
+def _distribute_params(module: nn.Module, spec: StyleSpec, kind: str, mesh: Any,
+                       src_data_rank: int | None) -> None:
+    """Lay out each parameter of a ``kind`` module as ``spec`` says (split dim or whole)."""
+    for name in spec.param_dims[kind]:
+        _distribute_param(module, name, mesh, param_placement(spec, kind, name), src_data_rank)
 
 
 def replicate_params(module: nn.Module, mesh: Any, src_data_rank: int | None = 0, *,
@@ -211,10 +218,11 @@ def _colwise(style: Any, module: nn.Module, mesh: Any) -> nn.Module:
     src_default, dst = style.input_layouts[0], style.output_layouts[0]
     use_local = style.use_local_output
 
+    spec = style.spec  # which dim of each parameter is split, what the local compute makes
     if platform.is_linear(module):
-        for name in ("weight", "bias"):
-            _distribute_param(module, name, mesh, Shard(0), style.src_data_rank)
-        out_full = module.weight.shape[0]  # the DTensor's global shape
+        kind = "linear"
+        _distribute_params(module, spec, kind, mesh, style.src_data_rank)
+        out_full = module.weight.shape[spec.param_dims[kind]["weight"]]  # the global shape
 
         def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             x = args[0]
@@ -227,8 +235,9 @@ def _colwise(style: Any, module: nn.Module, mesh: Any) -> nn.Module:
             return (hit, *args[1:]), kwargs
 
     elif platform.is_embedding(module):
-        _distribute_param(module, "weight", mesh, Shard(1), style.src_data_rank)
-        out_full = module.weight.shape[1]
+        kind = "embedding"
+        _distribute_params(module, spec, kind, mesh, style.src_data_rank)
+        out_full = module.weight.shape[spec.param_dims[kind]["weight"]]
 
         def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             local, src, full = _local_and_layout(args[0], src_default)
@@ -240,9 +249,11 @@ def _colwise(style: Any, module: nn.Module, mesh: Any) -> nn.Module:
             f"{platform.name} platform), got {type(module).__name__}"
         )
 
+    local_out = spec.local_output[kind]
+
     def after(mod: nn.Module, y: torch.Tensor, saved: dict) -> Any:
         shape = None if use_local else (*y.shape[:-1], out_full)
-        y = redistribute_boundary(y, _LAST, dst, mesh, full=out_full)
+        y = redistribute_boundary(y, local_out, dst, mesh, full=out_full)
         return _wrap(y, mesh, dst, use_local, shape)
 
     names = ("weight", "bias") if platform.is_linear(module) else ("weight",)
@@ -258,14 +269,16 @@ def _rowwise(style: Any, module: nn.Module, mesh: Any) -> nn.Module:
     use_local = style.use_local_output
     state: dict[str, Any] = {}
 
+    spec = style.spec
     if platform.is_linear(module):
-        _distribute_param(module, "weight", mesh, Shard(1), style.src_data_rank)
-        _distribute_param(module, "bias", mesh, Replicate(), style.src_data_rank)
+        kind = "linear"
+        _distribute_params(module, spec, kind, mesh, style.src_data_rank)
         params = [(module, "weight", _identity), (module, "bias", _hide)]
+        wanted = spec.desired_input[kind]
 
         def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             local, src, full = _local_and_layout(args[0], src_default)
-            local = redistribute_boundary(local, src, _LAST, mesh, full=full)
+            local = redistribute_boundary(local, src, wanted, mesh, full=full)
             return (local, *args[1:]), kwargs
 
         def finish(mod: nn.Module, y: torch.Tensor, saved: dict) -> torch.Tensor:
@@ -278,9 +291,10 @@ def _rowwise(style: Any, module: nn.Module, mesh: Any) -> nn.Module:
             return y + local_bias
 
     elif platform.is_embedding(module):
-        _distribute_param(module, "weight", mesh, Shard(0), style.src_data_rank)
+        kind = "embedding"
+        _distribute_params(module, spec, kind, mesh, style.src_data_rank)
         params = [(module, "weight", _identity)]
-        vocab = module.weight.shape[0]
+        vocab = module.weight.shape[spec.param_dims[kind]["weight"]]
         n, rank = mesh.size(0), mesh.get_local_rank(0)
         start, length = chunk_bounds(vocab, n, rank)
 
@@ -300,12 +314,14 @@ def _rowwise(style: Any, module: nn.Module, mesh: Any) -> nn.Module:
             f"{platform.name} platform), got {type(module).__name__}"
         )
 
+    local_out = spec.local_output[kind]
+
     def after(mod: nn.Module, y: torch.Tensor, saved: dict) -> Any:
         outside = state.pop("outside", None)
         if outside is not None:
             y = y.masked_fill(outside.unsqueeze(-1), 0.0)
         shape = None if use_local else tuple(y.shape)
-        y = redistribute_boundary(y, _PARTIAL, dst, mesh)
+        y = redistribute_boundary(y, local_out, dst, mesh)
         return _wrap(finish(mod, y, saved), mesh, dst, use_local, shape)
 
     _LocalForward(params, before, after).install(module)

@@ -7,13 +7,12 @@ from __future__ import annotations
 import torch
 
 from hyperpar.dtensor.placement import REPLICATE, Partial, Shard
-from hyperpar.dtensor.rules.reduction import reduced_dims
+from hyperpar.dtensor.rules.reduction import reduced_dims, reduced_placements, reduced_shape
 from hyperpar.torch.dtensor._ops.dispatch import infer_shapes, localize
 from hyperpar.torch.dtensor._ops.neutral import decide, neutral_sharding, to_sharding
 from hyperpar.torch.dtensor._ops.pointwise import pointwise_sharding
 from hyperpar.torch.dtensor._ops.registry import (
     OpCall,
-    Placements,
     Sharding,
     dims_arg,
     register_op,
@@ -26,25 +25,6 @@ R = REPLICATE
 
 
 # ---------------------------------------------------------------------------- reductions
-def _reduced_placements(pl: Placements, dims: tuple[int, ...], keepdim: bool, op: str
-                        ) -> Placements:
-    out = []
-    for p in pl:
-        if type(p) is Shard:
-            if p.dim in dims:
-                out.append(Partial(op))
-            else:
-                out.append(p if keepdim else Shard(p.dim - sum(d < p.dim for d in dims)))
-        else:
-            out.append(p)
-    return tuple(out)
-
-
-def _reduced_shape(shape: tuple, dims: tuple[int, ...], keepdim: bool) -> tuple:
-    return tuple((1 if keepdim else None) if d in dims else s
-                 for d, s in enumerate(shape) if keepdim or d not in dims)
-
-
 @register_op(torch.sum, torch.Tensor.sum, torch.mean, torch.Tensor.mean)
 def sum_mean_rule(call: OpCall) -> Sharding:
     """``sum``/``mean``: the neutral rule (sharded reduced dims give Partial(sum); ``mean``
@@ -102,7 +82,7 @@ def max_rule(call: OpCall) -> Sharding:
 def _gather_reduction(call: OpCall, dims: tuple[int, ...], keepdim: bool) -> Sharding:
     x = call.args[0]
     pl = unshard(x._spec.placements, dims)
-    out = _reduced_placements(pl, dims, keepdim, "sum")
+    out = reduced_placements(pl, dims, keepdim, "sum")
     shapes = infer_shapes(call.func, call.args, call.kwargs)
     if isinstance(shapes, list):
         return Sharding([pl], [out] * len(shapes), shapes)
@@ -149,13 +129,13 @@ def _vector_norm(func, args, kwargs):
         local = local.to(dtype)
     mesh = spec.mesh
     partial = [m for m, p in enumerate(pl) if type(p) is Shard and p.dim in dims]
-    out_shape = _reduced_shape(tuple(spec.shape), dims, bool(keepdim))
+    out_shape = reduced_shape(tuple(spec.shape), dims, bool(keepdim))
     if not partial:
         out = torch.linalg.vector_norm(local, ord_, dims, bool(keepdim))
-        return _wrap(out, DTensorSpec(mesh, _reduced_placements(pl, dims, bool(keepdim), "sum"),
+        return _wrap(out, DTensorSpec(mesh, reduced_placements(pl, dims, bool(keepdim), "sum"),
                                       out_shape))
     powered = local.abs().pow(ord_).sum(dims, keepdim=bool(keepdim))
-    src = _reduced_placements(pl, dims, bool(keepdim), "sum")
+    src = reduced_placements(pl, dims, bool(keepdim), "sum")
     dst = tuple(R if type(p) is Partial else p for p in src)
     total = redistribute_autograd(powered, mesh, src, dst, out_shape)
     return _wrap(total.pow(1.0 / ord_), DTensorSpec(mesh, dst, out_shape))
