@@ -22,70 +22,17 @@ update. We allow 2e-5 * max(1, max|want|); a missing or doubled average is O(1) 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import numpy as np
 import pytest
 
 from hyperpar import Replicate, Shard
-from tests.both._frameworks import Framework, get
+from tests.both._frameworks import get
 from tests.both._numpy_layout import close
+from tests.both._training import PER_RANK, STEPS, D, H, data, mlp, trainer, weights
 
 pytestmark = pytest.mark.timeout(900)
 
 RTOL = 2e-5
-STEPS = 3
-LR = {"sgd": 0.1, "adam": 0.01}
-D, H, PER_RANK = 8, 7, 3  # 3 rows per replica: the whole batch is 3 * dp rows
-
-
-def _weights() -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    shapes = {"w1": (H, D), "b1": (H,), "w2": (D, H), "b2": (D,)}
-    return {k: (rng.standard_normal(s) * 0.5).astype(np.float32) for k, s in shapes.items()}
-
-
-def _mlp(fw: Framework, w: dict[str, np.ndarray]) -> Any:
-    return fw.container(lambda m, x: m.fc2(fw.relu(m.fc1(x))),
-                        fc1=fw.linear(w["w1"], w["b1"]), fc2=fw.linear(w["w2"], w["b2"]))
-
-
-def _trainer(fw: Framework, model: Any, opt: str, dp: bool) -> Callable[[Any, Any], float]:
-    """``step(x, y)``: one optimizer step on the mean squared error; gradients averaged over
-    the dp group when ``dp`` (torch: in backward; MindSpore: ``model.reduce_gradients``)."""
-    lr = LR[opt]
-    if fw.name == "torch":
-        torch = fw.torch
-        params = list(model.parameters())
-        optim = (torch.optim.SGD(params, lr=lr) if opt == "sgd"
-                 else torch.optim.Adam(params, lr=lr))
-
-        def torch_step(x: Any, y: Any) -> float:
-            optim.zero_grad()
-            loss = ((model(x) - y) ** 2).mean()
-            loss.backward()
-            optim.step()
-            return float(loss.detach())
-
-        return torch_step
-    ms, nn = fw.ms, fw.nn
-    optim = (nn.SGD(model.trainable_params(), learning_rate=lr) if opt == "sgd"
-             else nn.Adam(model.trainable_params(), learning_rate=lr))
-
-    def loss_fn(x: Any, y: Any) -> Any:
-        return ((model(x) - y) ** 2).mean()
-
-    grad_fn = ms.value_and_grad(loss_fn, None, optim.parameters)
-
-    def ms_step(x: Any, y: Any) -> float:
-        loss, grads = grad_fn(x, y)
-        optim(model.reduce_gradients(grads) if dp else grads)
-        return float(loss.asnumpy())
-
-    return ms_step
-
-
 def _run(framework: str, n: int, opt: str, tp: int) -> dict:
     from hyperpar import (
         ColwiseParallel,
@@ -100,22 +47,20 @@ def _run(framework: str, n: int, opt: str, tp: int) -> dict:
     dp = n // tp
     mesh = init_device_mesh((dp, tp), mesh_dim_names=("dp", "tp"))
     me = get_platform().rank(mesh.get_group("dp"))
-    w = _weights()
-    rng = np.random.default_rng(1)
-    x_all = rng.standard_normal((PER_RANK * dp, D)).astype(np.float32)
-    y_all = rng.standard_normal((PER_RANK * dp, D)).astype(np.float32)
+    w = weights()
+    x_all, y_all = data(PER_RANK * dp)
     mine = slice(me * PER_RANK, (me + 1) * PER_RANK)
 
-    model = _mlp(fw, w)
+    model = mlp(fw, w)
     if tp > 1:
         parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(),
                                                "fc2": RowwiseParallel()})
     model = data_parallel(model, mesh, "dp")
-    step = _trainer(fw, model, opt, dp=True)
+    step, _ = trainer(fw, model, opt, reduce_gradients=True)
     losses = [step(fw.tensor(x_all[mine]), fw.tensor(y_all[mine])) for _ in range(STEPS)]
 
-    ref = _mlp(fw, w)
-    ref_step = _trainer(fw, ref, opt, dp=False)
+    ref = mlp(fw, w)
+    ref_step, _ = trainer(fw, ref, opt)
     ref_losses = [ref_step(fw.tensor(x_all), fw.tensor(y_all)) for _ in range(STEPS)]
 
     layout = {("fc1", "weight"): (Shard(0), (H, D)), ("fc1", "bias"): (Shard(0), (H,)),
@@ -142,7 +87,7 @@ def _check(results: list[dict], dp: int) -> None:
         for name, want in res["ref_params"].items():
             close(f"rank {rank}: {name}", res["params"][name], want, RTOL)
         # training moved the weights: a model that trained nothing would fail the check above
-        assert not np.array_equal(res["params"]["fc1.weight"], _weights()["w1"])
+        assert not np.array_equal(res["params"]["fc1.weight"], weights()["w1"])
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adam"])

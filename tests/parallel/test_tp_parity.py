@@ -120,6 +120,10 @@ def _no_dtensor_dispatch_in_tp_forward_backward() -> int:
     parallelize_module(model, init_device_mesh((n,), mesh_dim_names=("tp",)), plans.tp_plan())
     tokens, labels = llama.batch(args)
     calls = []
+    # the classmethod object itself: restoring the bound method read through the class would
+    # leave DTensor with an overridden __torch_function__ that torch.compile refuses to trace
+    # (a later compile test in this worker process would fail)
+    descriptor = DTensor.__dict__["__torch_function__"]
     original = DTensor.__torch_function__
 
     def counting(cls, func, types, args=(), kwargs=None):
@@ -130,7 +134,7 @@ def _no_dtensor_dispatch_in_tp_forward_backward() -> int:
     try:
         F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten()).backward()
     finally:
-        DTensor.__torch_function__ = original
+        DTensor.__torch_function__ = descriptor
     del ops
     assert calls == [], f"per-op DTensor dispatch inside the TP forward/backward: {calls[:10]}"
     return len(calls)
