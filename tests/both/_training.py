@@ -77,3 +77,16 @@ def trainer(fw: Framework, model: Any, opt: str, reduce_gradients: bool = False
         return float(loss.asnumpy())
 
     return ms_step, optim
+
+
+def full_params(fw: Framework, model: Any, sharded: bool) -> dict[str, np.ndarray]:
+    """Every parameter whole, by name, as numpy copies (a CPU tensor's numpy() shares the
+    parameter's memory, which later steps change). ``sharded``: a ``fully_shard`` model, read
+    back with a collective -- torch: each DTensor parameter's ``full_tensor()``; MindSpore:
+    ``model.full_parameters()`` (its Parameters are the shards themselves)."""
+    if fw.name == "torch":
+        return {name: fw.numpy(p.full_tensor() if sharded else p.detach()).copy()
+                for name, p in model.named_parameters()}
+    if sharded:
+        return {name: fw.numpy(v).copy() for name, v in model.full_parameters().items()}
+    return {p.name: fw.numpy(p).copy() for p in model.trainable_params()}

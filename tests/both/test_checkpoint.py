@@ -26,23 +26,12 @@ import pytest
 
 from tests.both._frameworks import Framework, get
 from tests.both._numpy_layout import close
-from tests.both._training import PER_RANK, H, data, mlp, trainer, weights
+from tests.both._training import PER_RANK, H, data, full_params, mlp, trainer, weights
 
 pytestmark = pytest.mark.timeout(900)
 
 RTOL = 2e-5
 ROWS = 2 * PER_RANK  # the whole batch; fully_shard's 2 ranks take half each
-
-
-def _full(fw: Framework, model: Any, sharded: bool) -> dict[str, np.ndarray]:
-    """Every parameter whole, by name (a collective on sharded models); copies, since a CPU
-    tensor's numpy() shares the parameter's memory and later steps would change it."""
-    if fw.name == "torch":
-        return {name: fw.numpy(p.full_tensor() if sharded else p.detach()).copy()
-                for name, p in model.named_parameters()}
-    if sharded and hasattr(model, "full_parameters"):
-        return {name: fw.numpy(v) for name, v in model.full_parameters().items()}
-    return {p.name: fw.numpy(p).copy() for p in model.trainable_params()}
 
 
 def _tp_full(fw: Framework, model: Any, mesh: Any) -> dict[str, np.ndarray]:
@@ -96,11 +85,11 @@ def _load_and_continue(framework: str, path: str, sharded: bool) -> dict:
         rows = slice(me * PER_RANK, (me + 1) * PER_RANK)
     step, optim = trainer(fw, model, "adam")
     checkpoint.load(model, path, optimizer=optim)
-    loaded = _full(fw, model, sharded)
+    loaded = full_params(fw, model, sharded)
     x, y = data(ROWS)
     for _ in range(2):
         step(fw.tensor(x[rows]), fw.tensor(y[rows]))
-    return {"loaded": loaded, "trained": _full(fw, model, sharded)}
+    return {"loaded": loaded, "trained": full_params(fw, model, sharded)}
 
 
 def _reference(framework: str) -> dict[str, np.ndarray]:
@@ -110,7 +99,7 @@ def _reference(framework: str) -> dict[str, np.ndarray]:
     x, y = data(ROWS)
     for _ in range(4):
         step(fw.tensor(x), fw.tensor(y))
-    return _full(fw, model, False)
+    return full_params(fw, model, False)
 
 
 def test_tp2_checkpoint_resumes_under_fully_shard_and_in_one_process(

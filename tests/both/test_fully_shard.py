@@ -32,7 +32,7 @@ import pytest
 
 from tests.both._frameworks import Framework, get
 from tests.both._numpy_layout import close
-from tests.both._training import PER_RANK, STEPS, data, mlp, trainer, weights
+from tests.both._training import PER_RANK, STEPS, data, full_params, mlp, trainer, weights
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -60,12 +60,6 @@ def _held(fw: Framework, model: Any, optim: Any) -> tuple[dict[str, int], int, i
     return rows, sum(int(t.nbytes) for t in local.values()), int(state)
 
 
-def _full(fw: Framework, model: Any) -> dict[str, np.ndarray]:
-    if fw.name == "torch":
-        return {name: fw.numpy(p.full_tensor()) for name, p in model.named_parameters()}
-    return {name: fw.numpy(v) for name, v in model.full_parameters().items()}
-
-
 def _run(framework: str, n: int, opt: str, mesh_shape: tuple[int, ...]) -> dict:
     from hyperpar import fully_shard, init_device_mesh
     from hyperpar.platform import get_platform
@@ -89,16 +83,10 @@ def _run(framework: str, n: int, opt: str, mesh_shape: tuple[int, ...]) -> dict:
     ref_step, _ = trainer(fw, ref, opt)
     ref_losses = [ref_step(fw.tensor(x_all), fw.tensor(y_all)) for _ in range(STEPS)]
     shard_rank = mesh["shard"].get_local_rank() if len(mesh_shape) == 2 else rank
-    return {"losses": losses, "ref_losses": ref_losses, "full": _full(fw, model),
-            "ref_full": {k: fw.numpy(v) for k, v in _named(fw, ref).items()},
+    return {"losses": losses, "ref_losses": ref_losses, "full": full_params(fw, model, True),
+            "ref_full": full_params(fw, ref, False),
             "rows": rows, "param_bytes": param_bytes, "state_bytes": state_bytes,
             "shard_rank": shard_rank}
-
-
-def _named(fw: Framework, model: Any) -> dict[str, Any]:
-    if fw.name == "torch":
-        return {name: p.detach() for name, p in model.named_parameters()}
-    return {p.name: p for p in model.trainable_params()}
 
 
 def _check(framework: str, results: list[dict], n_shard: int, opt: str) -> None:
