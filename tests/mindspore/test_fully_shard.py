@@ -230,6 +230,101 @@ def test_hsdp_replicate_2_shard_2_matches_one_process(pool4) -> None:
     _check([r["tfm"] for r in results], _tfm_reference("adam", 4), 2, 2, TFM_RTOL)
 
 
+def _accumulate_rank() -> dict:
+    """Two microbatches per step: the first backward without gradient sync, the second with.
+    Counts the reduce-scatters (the platform's, wrapped to count, not replaced)."""
+    import mindspore as ms
+
+    from hyperpar import fully_shard
+    from hyperpar.platform import get_platform
+
+    platform = get_platform()
+    n, rank = platform.world_size(), platform.rank()
+    net = _net()
+    for block in (net.fc1, net.fc2):
+        fully_shard(block)
+    fully_shard(net)
+    x, y = _data(2 * n)  # microbatch k, rank r: rows (k * n + r) * PER_RANK ...
+    opt = _optimizer("sgd", net.trainable_params())
+
+    def loss_fn(inp, target):
+        return ((net(inp) - target) ** 2).mean()
+
+    grad_fn = ms.value_and_grad(loss_fn, None, opt.parameters)
+    calls = []
+    real = platform.reduce_scatter_tensor
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    platform.reduce_scatter_tensor = counted
+    try:
+        returned = []
+        for k, sync in ((0, False), (1, True)):
+            net.set_requires_gradient_sync(sync)
+            rows = slice((k * n + rank) * PER_RANK, (k * n + rank + 1) * PER_RANK)
+            _loss, grads = grad_fn(ms.Tensor(x[rows]), ms.Tensor(y[rows]))
+            returned.append([g.asnumpy() for g in grads])
+            if k == 0:
+                calls_without_sync = len(calls)
+    finally:
+        platform.reduce_scatter_tensor = real
+    names = [p.name for p in net.trainable_params()]
+    layout = {}
+    for cell in (net.fc1, net.fc2, net):
+        layout.update(cell.shard_layout())
+    try:
+        net.set_requires_gradient_sync(1)
+        bad = ""
+    except TypeError as e:
+        bad = str(e)
+    return {"first": dict(zip(names, returned[0], strict=True)),
+            "second": dict(zip(names, returned[1], strict=True)), "layout": layout,
+            "calls_without_sync": calls_without_sync, "calls": len(calls), "bad": bad}
+
+
+def _accumulate_reference(n: int) -> dict:
+    """One process: the gradient of the mean loss over each microbatch's n * PER_RANK rows,
+    summed over the 2 microbatches (what n ranks' averaged gradients add up to)."""
+    import mindspore as ms
+
+    net = _net()
+    x, y = _data(2 * n)
+
+    def loss_fn(inp, target):
+        return ((net(inp) - target) ** 2).mean()
+
+    params = net.trainable_params()
+    grad_fn = ms.grad(loss_fn, None, params)
+    total = None
+    for k in range(2):
+        rows = slice(k * n * PER_RANK, (k + 1) * n * PER_RANK)
+        g = [t.asnumpy() for t in grad_fn(ms.Tensor(x[rows]), ms.Tensor(y[rows]))]
+        total = g if total is None else [a + b for a, b in zip(total, g, strict=True)]
+    return {p.name: t for p, t in zip(params, total, strict=True)}
+
+
+def test_gradient_accumulation_without_sync_reduces_once_and_equals_the_whole_batch(
+        pool2) -> None:
+    """set_requires_gradient_sync(False) (torch FSDP2's gradient accumulation): no
+    reduce-scatter in the first backward, one per unit in the second, and the second returns
+    this rank's rows of the summed gradient (the first returns zeros, so summing the two, as
+    MindSpore users accumulate, gives the same). Tolerance as the module's: sums of <= 16
+    terms in another order."""
+    want = _accumulate_reference(2)
+    for rank, res in enumerate(pool2.run(_accumulate_rank)):
+        assert res["calls_without_sync"] == 0, rank
+        assert res["calls"] == 3, (rank, res["calls"])  # fc1, fc2, the root (its own: none)
+        for name, (start, length, rows) in res["layout"].items():
+            assert not np.any(res["first"][name]), (rank, name)
+            got = res["second"][name]
+            assert got.shape[0] == rows, (rank, name, got.shape)
+            _close(got[:length], want[name][start:start + length], f"rank {rank} {name}")
+            assert not np.any(got[length:]), (rank, name)
+        assert "expected a bool" in res["bad"], res["bad"]
+
+
 def _errors_rank() -> dict:
     import mindspore as ms
     from mindspore import Parameter, nn

@@ -133,6 +133,9 @@ class _GatherFlat(nn.Cell):
         self.plan = plan
         self.shard_group, self.replicate_group = shard_group, replicate_group
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        # set_requires_gradient_sync(False): backward keeps the unsharded gradient here (a dict,
+        # not a Cell attribute, so MindSpore's Cell bookkeeping never sees the tensor)
+        self.accumulate = {"sync": True, "grad": None}
 
     def construct(self, flat: Any) -> Any:
         if self.param_dtype is not None and flat.dtype != self.param_dtype:
@@ -145,6 +148,15 @@ class _GatherFlat(nn.Cell):
         numel = self.plan.flat_numel
         if self.reduce_dtype is not None and dout.dtype != self.reduce_dtype:
             dout = dout.astype(self.reduce_dtype)
+        acc = self.accumulate
+        if acc["grad"] is not None:
+            dout = dout + acc["grad"]
+            acc["grad"] = None
+        if not acc["sync"]:
+            # no reduction now: the unsharded sum waits for the next backward with sync on;
+            # this backward's gradient for the shards is zero (see set_requires_gradient_sync)
+            acc["grad"] = dout.copy()
+            return (ops.zeros(flat.shape, flat.dtype),)
         if self.plan.shard_size > 1:
             # the platform's reduce-scatter (on CPU a point-to-point ring for large buffers,
             # which moves (n - 1)/n of the bytes an all-reduce would)
@@ -253,6 +265,29 @@ class FullyShardedCell(nn.Cell):
                 for shard, value in zip(unit.shards, unit.unshard(exact=True), strict=True):
                     whole[id(shard)] = value.copy()
         return {name: whole.get(id(p), p) for name, p in self.parameters_and_names()}
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
+                                   recurse: bool = True) -> None:
+        """``False``: backward passes keep each unit's unsharded gradient locally, without the
+        reduce-scatter (gradient accumulation, as torch FSDP2); the next backward with ``True``
+        reduces the accumulated sum once. MindSpore has no ``.grad`` to accumulate into, so a
+        backward without sync returns zero gradients for the shards and the synced one returns
+        the reduced sum of all: summing the returned gradients (MindSpore's habit) and using
+        the last ones (torch's) both give the accumulated gradient. ``recurse``: also the
+        fully-sharded Cells below. PyNative only: a compiled step reduces every backward."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise TypeError(f"set_requires_gradient_sync: expected a bool, got "
+                            f"{type(requires_gradient_sync).__name__}")
+        if not requires_gradient_sync and ms.get_context("mode") == ms.GRAPH_MODE:
+            raise NotImplementedError(
+                "set_requires_gradient_sync(False) on MindSpore runs in PyNative mode only: a "
+                "compiled graph reduces the gradient in every backward -- run the accumulation "
+                "steps in PyNative, or keep sync on and sum the returned gradients")
+        cells = (cell for _n, cell in self.cells_and_names()) if recurse else (self,)
+        for cell in cells:
+            unit = cell.__dict__.get("_hp_fsdp_unit")
+            if unit is not None:
+                unit.gather.accumulate["sync"] = requires_gradient_sync
 
     def shard_layout(self) -> dict[str, tuple[int, int, int]]:
         """``name -> (first global row, rows held, padded rows stored)`` for this unit's own
