@@ -7,8 +7,8 @@ a DeepSpeed-style engine (``initialize`` / ``PipelineEngine.train_batch``).
 >>> loss = Schedule1F1B(module, n_microbatches=4).step(x, target=y)
 
 Where torch is not installed (a MindSpore venv), ``PipelineModule``, ``PipelineEngine``,
-``initialize``, ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` and
-``get_schedule_class`` are MindSpore's
+``initialize``, ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
+``ScheduleZeroBubble`` and ``get_schedule_class`` are MindSpore's
 (:mod:`hyperpar_mindspore.pipeline`, :mod:`hyperpar_mindspore.pipeline_engine`); the specs,
 partitioners, plans and the instruction loop are the same framework-neutral code. In a venv
 with both frameworks import the MindSpore ones from ``hyperpar_mindspore`` directly.
@@ -67,7 +67,7 @@ if _torch_installed():
 else:   # no torch: the platform's implementations (MindSpore's), imported on first use
     _FRAMEWORK_BOUND = frozenset({"PipelineModule", "PipelineEngine", "PipelineSchedule",
                                   "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
-                                  "get_schedule_class", "initialize"})
+                                  "ScheduleZeroBubble", "get_schedule_class", "initialize"})
 
     def __getattr__(name: str) -> _Any:
         if name not in _FRAMEWORK_BOUND:

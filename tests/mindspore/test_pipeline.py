@@ -1,5 +1,6 @@
 """Pipelines of MindSpore Cells on real ranks: ``hyperpar.pipeline``'s ``PipelineModule`` /
-``initialize`` / ``train_batch`` (GPipe, 1F1B and interleaved 1F1B; ``LayerSpec`` and a
+``initialize`` / ``train_batch`` (GPipe, 1F1B, interleaved 1F1B, zero-bubble (ZB-H1) and
+interleaved zero-bubble, whose split backward must show up as I and W actions; ``LayerSpec`` and a
 ``TiedLayerSpec`` whose gradient is summed over the two stages that hold it; on 4 ranks pp x dp,
 pp x fully_shard and pp x tp) against the same model built in plain MindSpore in one process and
 trained on the whole batch, over several SGD steps: the loss on every rank and every parameter
@@ -116,7 +117,7 @@ def _pipeline(schedule: str, n_layers: int, tied: bool, m: int) -> dict:
     from hyperpar.pipeline import PipelineEngine, PipelineModule, initialize
 
     _ms, nn, _ops, _a, _e = _cells()
-    virtual = 2 if schedule == "interleaved1f1b" else 1
+    virtual = 2 if schedule.startswith("interleaved") else 1
     model = PipelineModule(_layer_list(n_layers, tied), loss_fn=_mse, partition_method="uniform",
                            virtual_stages=virtual)
     optimizer = nn.SGD(model.trainable_params(), learning_rate=LR)
@@ -127,11 +128,12 @@ def _pipeline(schedule: str, n_layers: int, tied: bool, m: int) -> dict:
         engine = PipelineEngine(model, optimizer, config, schedule=schedule)
     it = iter([(_ms.Tensor(x), _ms.Tensor(y)) for x, y in _data(m, STEPS + 1)])
     losses = [float(engine.train_batch(it).asnumpy()) for _ in range(STEPS)]
+    kinds = "".join(sorted({a.kind for a in engine.schedule.last_actions}))   # what ran
     # then one forward-only batch: its loss on every rank, the parameters left as they were
     eval_loss = float(engine.eval_batch(it).asnumpy())
     return {"losses": losses, "eval_loss": eval_loss, "params": _stage_params(model),
             "stage": model.stage_id, "parts": model.parts, "local": model.local_stages,
-            "schedule": type(engine.schedule).__name__}
+            "schedule": type(engine.schedule).__name__, "kinds": kinds}
 
 
 def _reference(n_layers: int, tied: bool, m: int) -> dict:
@@ -194,24 +196,35 @@ def _check(results: list[dict], ref: dict) -> None:
     assert abs(ref["losses"][-1] - ref["losses"][0]) > 1e-3
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("tied", [False, True], ids=["layers", "tied"])
+# the compute actions each schedule must have run: the zero-bubble ones split every backward
+# into I (input gradient) and W (parameter gradient), so a silent 1F1B fallback fails here
+_KINDS = {"gpipe": "BF", "1f1b": "BF", "zerobubble": "FIW", "interleaved1f1b": "BF",
+          "interleavedzerobubble": "FIW"}
+
+
+@pytest.mark.parametrize(("schedule", "tied"), [
+    ("gpipe", False), ("gpipe", True), ("1f1b", False), ("1f1b", True), ("zerobubble", True)])
 def test_two_stages_match_one_process(pool2, schedule: str, tied: bool) -> None:
     m, n_layers = 4, 3
     results = pool2.run(_pipeline, schedule, n_layers, tied, m)
     assert [r["stage"] for r in results] == [0, 1]
+    assert [r["kinds"] for r in results] == [_KINDS[schedule]] * 2, results
     ref = pool2.run(_reference, n_layers, tied, m)[0]
     _check(results, ref)
 
 
-def test_interleaved_1f1b_two_stages_per_rank_matches_one_process(pool2) -> None:
-    # 4 stages on 2 ranks (rank 0: stages 0 and 2), the tied embedding on stages 0 and 3
+def test_interleaved_two_stages_per_rank_match_one_process(pool2) -> None:
+    # 4 stages on 2 ranks (rank 0: stages 0 and 2), the tied embedding on stages 0 and 3;
+    # interleaved 1F1B and interleaved zero-bubble on the same spawn
     m, n_layers = 4, 3
-    results = pool2.run(_pipeline, "interleaved1f1b", n_layers, True, m)
-    assert [r["local"] for r in results] == [[0, 2], [1, 3]]
-    assert {r["schedule"] for r in results} == {"ScheduleInterleaved1F1B"}
     ref = pool2.run(_reference, n_layers, True, m)[0]
-    _check(results, ref)
+    for schedule, cls in (("interleaved1f1b", "ScheduleInterleaved1F1B"),
+                          ("interleavedzerobubble", "ScheduleInterleavedZeroBubble")):
+        results = pool2.run(_pipeline, schedule, n_layers, True, m)
+        assert [r["local"] for r in results] == [[0, 2], [1, 3]]
+        assert {r["schedule"] for r in results} == {cls}
+        assert [r["kinds"] for r in results] == [_KINDS[schedule]] * 2, results
+        _check(results, ref)
 
 
 def test_four_stages_1f1b_tied_match_one_process(pool4) -> None:
@@ -490,7 +503,12 @@ def _refusals() -> dict:
     attempt("sizes", lambda: PipelineEngine(model, mine, {
         "train_batch_size": 5, "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 2}))
-    attempt("zero_bubble", lambda: get_schedule_class("zero_bubble"))
+    attempt("zbv", lambda: get_schedule_class("ZBV"))
+    attempt("unknown", lambda: get_schedule_class("zero_bubble_v2"))
+    model = PipelineModule(_layer_list(4, tied=False), loss_fn=_mse, partition_method="uniform",
+                           virtual_stages=2)
+    attempt("zb_virtual", lambda: PipelineEngine(
+        model, nn.SGD(model.trainable_params(), learning_rate=LR), {}, schedule="zerobubble"))
     return out
 
 
@@ -501,7 +519,12 @@ def test_bad_input_is_refused_on_every_rank(pool2) -> None:
         assert "not this stage's trainable parameters" in res["optimizer"], (rank, res)
         assert "['fp16'] are not supported yet" in res["config"], (rank, res)
         assert "train_batch_size=5 must equal" in res["sizes"], (rank, res)
-        assert "not supported on MindSpore yet" in res["zero_bubble"], (rank, res)
+        assert "(ZB-V) is not supported on MindSpore" in res["zbv"], (rank, res)
+        assert "'interleavedzerobubble'" in res["zbv"], (rank, res)
+        assert "unknown pipeline schedule 'zero_bubble_v2'" in res["unknown"], (rank, res)
+        for name in ("'1f1b'", "'zerobubble'", "'interleavedzerobubble'"):
+            assert name in res["unknown"], (rank, res)
+        assert "zero-bubble runs one stage per rank" in res["zb_virtual"], (rank, res)
 
 
 def _one_rank_refused() -> str:

@@ -54,6 +54,8 @@ _EXPORTS = {
     "ScheduleGPipe": ".pipeline_engine",
     "Schedule1F1B": ".pipeline_engine",
     "ScheduleInterleaved1F1B": ".pipeline_engine",
+    "ScheduleZeroBubble": ".pipeline_engine",
+    "ScheduleInterleavedZeroBubble": ".pipeline_engine",
     "get_schedule_class": ".pipeline_engine",
     "initialize": ".pipeline_engine",
 }

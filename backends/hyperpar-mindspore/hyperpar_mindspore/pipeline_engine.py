@@ -1,7 +1,8 @@
 """Run hyperpar's pipeline schedules on MindSpore Cells, and the DeepSpeed-style engine.
 
 What runs when is hyperpar's, shared with torch: the plan (:mod:`hyperpar.pipeline.schedules`:
-``gpipe_plan``, ``one_f_one_b_plan``, ``interleaved_1f1b_plan``), its lowering to batches of
+``gpipe_plan``, ``one_f_one_b_plan``, ``interleaved_1f1b_plan``, ``zero_bubble_plan``,
+``interleaved_zero_bubble_plan``), its lowering to batches of
 sends and receives (``rank_program``), and the instruction loop
 (:func:`hyperpar.pipeline.runner.run_program`). This module supplies the MindSpore mechanics
 of one action:
@@ -12,6 +13,9 @@ of one action:
   with respect to the stage's float inputs and its trainable parameters, applied to the output
   gradient received from the next stage; the input gradient is sent back and the weight
   gradients accumulate over the microbatches;
+* zero-bubble split of that backward: ``I`` is the vjp with respect to the stage's float inputs
+  only (sent back at once), ``W`` later the vjp with respect to its parameters only, from the
+  same output gradient (kept, with the stage input, until ``W``);
 * after the step: tied gradients summed over their owning stages, then every gradient averaged
   over the stage's data-parallel replicas (fully_shard shards excepted: already averaged).
 
@@ -19,7 +23,9 @@ MindSpore's PyNative mode keeps one gradient graph at a time (a second ``vjp`` b
 one's backward left the first unusable on MindSpore 2.10), so the backward recomputes the stage
 forward, as activation checkpointing does: about one extra forward per microbatch and stage, and
 only the stage inputs are held between forward and backward. A stage must therefore be
-deterministic (no dropout).
+deterministic (no dropout). For the same reason the zero-bubble ``I`` and ``W`` each recompute
+the forward: a zero-bubble schedule costs one more forward per microbatch and stage than 1F1B,
+trading compute for bubble.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from hyperpar.pipeline.runner import StepTimings, run_program
 from hyperpar.pipeline.schedules import (
     Action,
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Comm,
     Forward,
     PlanFn,
@@ -44,8 +52,10 @@ from hyperpar.pipeline.schedules import (
     forward_only_program,
     gpipe_plan,
     interleaved_1f1b_plan,
+    interleaved_zero_bubble_plan,
     one_f_one_b_plan,
     rank_program,
+    zero_bubble_plan,
 )
 from hyperpar.platform import get_platform
 
@@ -53,7 +63,8 @@ from .pipeline import PipelineModule
 from .pipeline_p2p import MindSporeP2P
 
 __all__ = ["PipelineEngine", "PipelineSchedule", "Schedule1F1B", "ScheduleGPipe",
-           "ScheduleInterleaved1F1B", "get_schedule_class", "initialize"]
+           "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZeroBubble",
+           "get_schedule_class", "initialize"]
 
 
 def _flatten(value: Any, where: str) -> tuple[list[Any], bool]:
@@ -77,6 +88,7 @@ class PipelineSchedule:
     accumulated gradients of ``module.trainable_params()`` (each microbatch loss weighs
     ``1 / n_microbatches``) and the method returns the microbatch losses on the last stage
     (``None`` elsewhere). Tied gradients are summed over their owning stages.
+    :attr:`last_actions` lists the compute actions this rank ran in the last step, in order.
     """
 
     plan_fn: ClassVar[PlanFn]
@@ -106,6 +118,7 @@ class PipelineSchedule:
         self.weights = module.trainable_params()
         self.grads: list[Any] = []
         self.last_timings = StepTimings()
+        self.last_actions: list[Action] = []
         self._broken: str | None = None
         self._train = True
         self._eval_program: list[Step] | None = None
@@ -129,6 +142,8 @@ class PipelineSchedule:
         self._inputs, self._targets = inputs, targets
         # keyed by (stage receiving it, microbatch): a rank may hold several stages
         self._saved: dict[tuple[int, int], Any] = {}
+        # zero-bubble: (stage input, output gradient or None on the last stage), from I to W
+        self._held: dict[tuple[int, int], tuple[Any, Any]] = {}
         self._act_in: dict[tuple[int, int], Any] = {}
         self._grad_in: dict[tuple[int, int], Any] = {}
         self._outbox: dict[Comm, tuple[list[Any], bool]] = {}
@@ -136,6 +151,7 @@ class PipelineSchedule:
         self._train = train
         self.grads = [ms.ops.zeros(p.shape, p.dtype) for p in self.weights] if train else []
         self._pc, self._sent_upto = 0, 0
+        self.last_actions = []
         self._stage: int | None = None
         timings = StepTimings()
         start = time.perf_counter()
@@ -218,13 +234,18 @@ class PipelineSchedule:
 
     # ------------------------------------------------------------------ compute
     def _run(self, action: Action) -> None:
+        self.last_actions.append(action)
         if isinstance(action, Forward):
             self._forward(action.stage, action.mb)
         elif isinstance(action, Backward):
-            self._backward(action.stage, action.mb)
+            self._backward(action.stage, action.mb, "B")
+        elif isinstance(action, BackwardInput):
+            self._backward(action.stage, action.mb, "I")
+        elif isinstance(action, BackwardWeight):
+            self._backward(action.stage, action.mb, "W")
         else:
             raise NotImplementedError(f"{type(self).__name__}: {type(action).__name__} actions "
-                                      f"(zero-bubble) are not supported on MindSpore yet")
+                                      f"are not supported on MindSpore")
 
     def _local(self, stage: int) -> bool:
         return self.module.stage_owner(stage) == self.module.stage_id
@@ -245,16 +266,28 @@ class PipelineSchedule:
         peer = self.module.stage_owner(stage + 1)
         self._outbox[Comm("send", "act", mb, stage, peer)] = (tensors, single)
 
-    def _backward(self, stage: int, mb: int) -> None:
-        x = self._saved.pop((stage, mb))
+    def _backward(self, stage: int, mb: int, part: str) -> None:
+        """``part`` "B": input and parameter gradients from one vjp; "I": the input gradient
+        only (the stage input and output gradient are held for W); "W": the parameter
+        gradients only, from what I held. Each part re-runs the stage forward (see the module
+        docstring)."""
         last = stage == self.n_stages - 1
+        if part == "W":
+            x, got = self._held.pop((stage, mb))
+        else:
+            x = self._saved.pop((stage, mb))
+            got = None if last else self._grad_in.pop((stage, mb))
         if isinstance(x, ms.Tensor):
             parts, single = [x], True
         else:
             parts, single = list(x), False
         floats = [i for i, t in enumerate(parts) if isinstance(t, ms.Tensor) and _is_float(t)]
-        if stage == 0:
-            floats = []   # the model inputs: no gradient to send anywhere
+        if stage == 0 or part == "W":
+            floats = []   # model inputs (no gradient to send anywhere), or W: parameters only
+        if part == "I":
+            self._held[stage, mb] = (x, got)
+            if not floats:   # stage 0: nothing to send back; W does all the work
+                return
         weight = 1.0 / self.n_microbatches
         target = self._targets[mb] if last else None
 
@@ -266,16 +299,19 @@ class PipelineSchedule:
             out = self.module(vals[0] if single else tuple(vals))
             return self.loss_fn(out, target) * weight if last else out
 
-        out, vjp_fn = ms.vjp(stage_fn, *[parts[i] for i in floats], weights=self.weights)
+        out, vjp_fn = ms.vjp(stage_fn, *[parts[i] for i in floats],
+                             weights=None if part == "I" else self.weights)
         if last:
             sens: Any = ms.ops.ones_like(out)
         else:
-            got = self._grad_in.pop((stage, mb))
             sens = got[0] if isinstance(out, ms.Tensor) else tuple(got)
-        in_grads, w_grads = vjp_fn(sens)
-        for i, g in enumerate(w_grads):
-            self.grads[i] = self.grads[i] + g
-        if stage > 0:
+        if part == "I":
+            in_grads = vjp_fn(sens)
+        else:
+            in_grads, w_grads = vjp_fn(sens)
+            for i, g in enumerate(w_grads):
+                self.grads[i] = self.grads[i] + g
+        if stage > 0 and part != "W":
             in_grads = in_grads if isinstance(in_grads, tuple | list) else (in_grads,)
             if self._local(stage - 1):
                 self._grad_in[stage - 1, mb] = list(in_grads)
@@ -319,15 +355,49 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
     plan_fn = staticmethod(interleaved_1f1b_plan)
 
 
+class ScheduleZeroBubble(PipelineSchedule):
+    """Zero-bubble (ZB-H1, :func:`~hyperpar.pipeline.schedules.zero_bubble_plan`): each
+    backward split into ``I``, the gradient with respect to the stage input only (sent
+    upstream at once), and ``W``, the gradient with respect to the stage's parameters only,
+    deferred into what would be 1F1B's bubble. Same activation budget as 1F1B.
+
+    On MindSpore PyNative ``I`` and ``W`` are two vjp calls and each re-runs the stage forward
+    (one gradient graph is kept at a time, so a vjp cannot be held from ``I`` to ``W``):
+    ``W`` costs one extra forward per microbatch and stage over 1F1B. Zero-bubble trades that
+    compute for the bubble; it pays only where the bubble (about ``(p - 1) / (m + p - 1)`` of
+    the step) outweighs a forward's share of the step."""
+
+    plan_fn = staticmethod(zero_bubble_plan)
+
+
+class ScheduleInterleavedZeroBubble(PipelineSchedule):
+    """Interleaved zero-bubble (:func:`~hyperpar.pipeline.schedules.
+    interleaved_zero_bubble_plan`) over ``PipelineModule(..., virtual_stages=v)``: interleaved
+    1F1B's order with each backward split into ``I`` and a deferred ``W`` as in
+    :class:`ScheduleZeroBubble`, with the same extra forward per microbatch and stage."""
+
+    plan_fn = staticmethod(interleaved_zero_bubble_plan)
+
+
+_SCHEDULES: dict[str, type[PipelineSchedule]] = {
+    "gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B,
+    "zerobubble": ScheduleZeroBubble, "zb": ScheduleZeroBubble, "zbh1": ScheduleZeroBubble,
+    "interleavedzerobubble": ScheduleInterleavedZeroBubble}
+
+
 def get_schedule_class(name: str) -> type[PipelineSchedule]:
-    """``"gpipe"``, ``"1f1b"`` or ``"interleaved1f1b"`` (case and ``_``/``-`` ignored); the
-    zero-bubble schedules are torch-only for now."""
+    """``"gpipe"``, ``"1f1b"``, ``"interleaved1f1b"``, ``"zerobubble"`` (or ``"zb"``,
+    ``"zbh1"``) or ``"interleavedzerobubble"`` (case and ``_``/``-`` ignored). ZB-V
+    (``"zbv"``) is torch-only: its V placement of stages is not in MindSpore's
+    ``PipelineModule``."""
     key = name.lower().replace("_", "").replace("-", "").replace("schedule", "")
-    table = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
-             "interleaved1f1b": ScheduleInterleaved1F1B}
-    if key in ("zerobubble", "zb", "zbh1", "zbv", "interleavedzerobubble"):
-        raise NotImplementedError(f"pipeline schedule {name!r} is not supported on MindSpore "
-                                  f"yet; use 'gpipe', '1f1b' or 'interleaved1f1b'")
+    table = _SCHEDULES
+    if key in ("zbv", "zbvzerobubble", "zerobubblev"):
+        raise NotImplementedError(
+            f"pipeline schedule {name!r} (ZB-V) is not supported on MindSpore: its V placement "
+            f"(rank r holding stages r and 2p-1-r) is not in MindSpore's PipelineModule; use "
+            f"'zerobubble' (one stage per rank) or 'interleavedzerobubble' "
+            f"(virtual_stages=2), or run ZB-V on torch")
     if key not in table:
         raise ValueError(f"unknown pipeline schedule {name!r}; known on MindSpore: "
                          f"{sorted(table)}")
