@@ -284,7 +284,12 @@ def _pp_dp(n_layers: int, m: int) -> dict:
     """Both variants on one spawn: "dp" (a PipeDataParallelTopology, a tied embedding) and
     "fsdp" (a mesh, every stage Cell fully_shard-ed over mesh["dp"])."""
     from hyperpar import fully_shard, init_device_mesh
-    from hyperpar.pipeline import PipeDataParallelTopology, PipelineModule, initialize
+    from hyperpar.pipeline import (
+        PipeDataParallelTopology,
+        PipelineEngine,
+        PipelineModule,
+        initialize,
+    )
 
     ms, nn, _ops, _a, _e = _cells()
     out: dict = {"refused": _refused_layouts()}
@@ -293,7 +298,7 @@ def _pp_dp(n_layers: int, m: int) -> dict:
     data = _data(DP * m, STEPS + 1)
     mine = [data[s * DP * m + dp_rank * m:s * DP * m + (dp_rank + 1) * m]
             for s in range(STEPS + 1)]
-    for variant in ("dp", "fsdp"):
+    for variant in ("dp", "fsdp", "fsdp_zb"):
         tied = variant == "dp"
         layers = _layer_list(n_layers, tied)
         if variant == "dp":
@@ -308,17 +313,46 @@ def _pp_dp(n_layers: int, m: int) -> dict:
             fully_shard(model, mesh=mesh["dp"])
             held = sum(p.asnumpy().nbytes for p in model.trainable_params())
             out["bytes"] = (held, whole)
-        engine, *_ = initialize(model=model,
-                                optimizer=nn.SGD(model.trainable_params(), learning_rate=LR),
-                                config={"train_micro_batch_size_per_gpu": MICRO,
-                                        "gradient_accumulation_steps": m})
+        optimizer = nn.SGD(model.trainable_params(), learning_rate=LR)
+        config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": m}
+        if variant == "fsdp_zb":   # I discards the units' gradients, W reduces them
+            engine = PipelineEngine(model, optimizer, config, schedule="zerobubble")
+        else:
+            engine, *_ = initialize(model=model, optimizer=optimizer, config=config)
         it = iter([(ms.Tensor(x), ms.Tensor(y)) for batch in mine for x, y in batch])
-        losses = [float(engine.train_batch(it).asnumpy()) for _ in range(STEPS)]
+        losses, reductions = _count_reduce_scatters(
+            lambda: float(engine.train_batch(it).asnumpy()))  # noqa: B023 (called right here)
         out[variant] = {"losses": losses, "eval_loss": float(engine.eval_batch(it).asnumpy()),
                         "params": _stage_params(model), "stage": model.stage_id,
-                        "dp_size": model.dp_size}
+                        "dp_size": model.dp_size, "reductions": reductions,
+                        "units": sum(1 for _n, c in model.cells_and_names()
+                                     if (u := c.__dict__.get("_hp_fsdp_unit")) and u.shards)}
     out["tp"] = _pp_tp(m)
     return out
+
+
+def _count_reduce_scatters(step) -> tuple[list, list[int]]:
+    """``STEPS`` results of ``step()`` and the platform's reduce-scatters in each (the
+    platform's own method, wrapped to count)."""
+    from hyperpar.platform import get_platform
+
+    platform, calls = get_platform(), []
+    real = platform.reduce_scatter_tensor
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    platform.reduce_scatter_tensor = counted
+    results, per_step = [], []
+    try:
+        for _ in range(STEPS):
+            before = len(calls)
+            results.append(step())
+            per_step.append(len(calls) - before)
+    finally:
+        platform.reduce_scatter_tensor = real
+    return results, per_step
 
 
 # pp x tp: a ("pp", "tp") = (2, 2) mesh, one MLP block per stage (Dense D -> 2D, tanh,
@@ -421,12 +455,19 @@ def test_pp_x_dp_fully_shard_and_tp_match_one_process(pool4) -> None:
         assert "mesh=mesh['dp']" in refused["shard_group"], (rank, refused)
         held, whole = res["bytes"]
         assert held * DP == whole, (rank, held, whole)   # 1/dp of the stage's bytes
-    for variant, tied in (("dp", True), ("fsdp", False)):
+    for variant, tied in (("dp", True), ("fsdp", False), ("fsdp_zb", False)):
         got = [res[variant] for res in results]
         # ("pp", "dp") row-major: ranks 0, 1 hold stage 0; ranks 2, 3 stage 1
         assert [r["stage"] for r in got] == [0, 0, 1, 1], variant
         assert {r["dp_size"] for r in got} == {DP}, variant
         _check(got, _reference(n_layers, tied, DP * m))
+    for rank, res in enumerate(results):
+        # fully_shard inside the pipeline reduces once per step (the stage's last backward),
+        # not once per microbatch (m = 2); plain dp uses all-reduces
+        for fsdp in (res["fsdp"], res["fsdp_zb"]):
+            assert fsdp["units"] > 0 and fsdp["reductions"] == [fsdp["units"]] * STEPS, \
+                (rank, fsdp)
+        assert res["dp"]["reductions"] == [0] * STEPS, (rank, res["dp"]["reductions"])
     tp = [res["tp"] for res in results]
     assert [r["stage"] for r in tp] == [0, 0, 1, 1] and [r["tp_rank"] for r in tp] == [0, 1] * 2
     assert {r["dp_size"] for r in tp} == {1}

@@ -16,6 +16,8 @@ MindSpore.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
 _EXPORTS = {
@@ -61,6 +63,21 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
+
+
+class _Package(types.ModuleType):
+    """This package's module type: two exports share their submodule's name (``fully_shard``,
+    ``data_parallel``), and importing such a submodule (``from .fully_shard import ...``
+    anywhere) would otherwise replace the exported function on the package with the module,
+    so ``from hyperpar import fully_shard`` would hand a user the module."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == f".{name}":
+            return  # the submodule stays in sys.modules; the export keeps the name
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:

@@ -133,9 +133,10 @@ class _GatherFlat(nn.Cell):
         self.plan = plan
         self.shard_group, self.replicate_group = shard_group, replicate_group
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
-        # set_requires_gradient_sync(False): backward keeps the unsharded gradient here (a dict,
-        # not a Cell attribute, so MindSpore's Cell bookkeeping never sees the tensor)
-        self.accumulate = {"sync": True, "grad": None}
+        # what backward does with the gradient (see BACKWARD_MODES); "accumulate" keeps the
+        # unsharded sum here (a dict, not a Cell attribute: MindSpore's Cell bookkeeping never
+        # sees the tensor)
+        self.accumulate: dict[str, Any] = {"mode": "sync", "grad": None}
 
     def construct(self, flat: Any) -> Any:
         if self.param_dtype is not None and flat.dtype != self.param_dtype:
@@ -149,12 +150,14 @@ class _GatherFlat(nn.Cell):
         if self.reduce_dtype is not None and dout.dtype != self.reduce_dtype:
             dout = dout.astype(self.reduce_dtype)
         acc = self.accumulate
+        if acc["mode"] == "discard":   # a backward whose parameter gradients nobody reads
+            return (ops.zeros(flat.shape, flat.dtype),)
         if acc["grad"] is not None:
             dout = dout + acc["grad"]
             acc["grad"] = None
-        if not acc["sync"]:
-            # no reduction now: the unsharded sum waits for the next backward with sync on;
-            # this backward's gradient for the shards is zero (see set_requires_gradient_sync)
+        if acc["mode"] == "accumulate":
+            # no reduction now: the unsharded sum waits for the next synced backward; this
+            # backward's gradient for the shards is zero (see set_requires_gradient_sync)
             acc["grad"] = dout.copy()
             return (ops.zeros(flat.shape, flat.dtype),)
         if self.plan.shard_size > 1:
@@ -234,6 +237,32 @@ class _Unit:
                 sub._self_check()
 
 
+#: what a unit's backward does with its gathered parameters' gradient: "sync" reduce-scatters
+#: it (plus what was accumulated); "accumulate" adds it to a local unsharded sum and returns
+#: zeros; "discard" returns zeros and keeps nothing (a backward for input gradients only)
+BACKWARD_MODES = ("sync", "accumulate", "discard")
+
+
+def set_backward_mode(units: Iterable[_Unit], mode: str) -> None:
+    """Set each unit's backward mode (:data:`BACKWARD_MODES`); a pipeline engine uses it to
+    reduce once per step."""
+    if mode not in BACKWARD_MODES:
+        raise ValueError(f"unknown backward mode {mode!r}; expected one of {BACKWARD_MODES}")
+    for unit in units:
+        unit.gather.accumulate["mode"] = mode
+
+
+def reset_backward(units: Iterable[_Unit]) -> None:
+    """Every unit back to "sync", dropping any accumulated gradient (after a failed step)."""
+    for unit in units:
+        unit.gather.accumulate.update(mode="sync", grad=None)
+
+
+def pending_gradients(units: Iterable[_Unit]) -> list[str]:
+    """Class names of the units holding an accumulated gradient no synced backward reduced."""
+    return [type(u.cell).__name__ for u in units if u.gather.accumulate["grad"] is not None]
+
+
 def _group_name(group: Any, size: int) -> str | None:
     """MindSpore's name of ``group`` (``None``: the world) for the graph's primitives."""
     if size == 1:
@@ -287,7 +316,7 @@ class FullyShardedCell(nn.Cell):
         for cell in cells:
             unit = cell.__dict__.get("_hp_fsdp_unit")
             if unit is not None:
-                unit.gather.accumulate["sync"] = requires_gradient_sync
+                set_backward_mode([unit], "sync" if requires_gradient_sync else "accumulate")
 
     def shard_layout(self) -> dict[str, tuple[int, int, int]]:
         """``name -> (first global row, rows held, padded rows stored)`` for this unit's own

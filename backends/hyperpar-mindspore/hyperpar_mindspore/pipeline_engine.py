@@ -59,6 +59,7 @@ from hyperpar.pipeline.schedules import (
 )
 from hyperpar.platform import get_platform
 
+from .fully_shard import pending_gradients, reset_backward, set_backward_mode
 from .pipeline import PipelineModule
 from .pipeline_p2p import MindSporeP2P
 
@@ -151,6 +152,10 @@ class PipelineSchedule:
         self._train = train
         self.grads = [ms.ops.zeros(p.shape, p.dtype) for p in self.weights] if train else []
         self._pc, self._sent_upto = 0, 0
+        # fully_shard units of the stages: reduce-scattered once per step, in each stage's
+        # last backward (the others accumulate), as torch's FSDP2 does under accumulation
+        self._fsdp_units = _units(mod) if train else []
+        self._backwards_done: dict[int, int] = {}
         self.last_actions = []
         self._stage: int | None = None
         timings = StepTimings()
@@ -168,10 +173,13 @@ class PipelineSchedule:
             run_program(self._counted(), self._communicate, self._run, timings, self._blame)
             self.p2p.wait_sends()
             if train:
+                self._check_reduced()
                 self._reduce_tied()
         except Exception as exc:
             self._fail(exc)
             raise
+        finally:
+            reset_backward(self._fsdp_units)
         timings.step_s = time.perf_counter() - start
         self.last_timings = timings
         return list(self._losses) if last in mod.local_stages else None
@@ -235,6 +243,8 @@ class PipelineSchedule:
     # ------------------------------------------------------------------ compute
     def _run(self, action: Action) -> None:
         self.last_actions.append(action)
+        if self._fsdp_units and isinstance(action, Backward | BackwardInput | BackwardWeight):
+            set_backward_mode(self._fsdp_units, self._backward_mode(action))
         if isinstance(action, Forward):
             self._forward(action.stage, action.mb)
         elif isinstance(action, Backward):
@@ -246,6 +256,24 @@ class PipelineSchedule:
         else:
             raise NotImplementedError(f"{type(self).__name__}: {type(action).__name__} actions "
                                       f"are not supported on MindSpore")
+
+    def _backward_mode(self, action: Action) -> str:
+        """What the fully_shard units do with this backward's parameter gradients: nothing
+        for I (input gradients only), reduce in the stage's last B or W of the step (each
+        microbatch has one per stage), accumulate before it. Only the running stage's units
+        take part in a backward, so setting every unit's mode is enough."""
+        if isinstance(action, BackwardInput):
+            return "discard"
+        done = self._backwards_done.get(action.stage, 0) + 1
+        self._backwards_done[action.stage] = done
+        return "sync" if done == self.n_microbatches else "accumulate"
+
+    def _check_reduced(self) -> None:
+        """A gradient accumulated but never reduced would be lost silently: refuse."""
+        left = pending_gradients(self._fsdp_units)
+        if left:
+            raise RuntimeError(f"internal error: fully_shard units {left} hold gradients this "
+                               f"step never reduced; please report it")
 
     def _local(self, stage: int) -> bool:
         return self.module.stage_owner(stage) == self.module.stage_id
