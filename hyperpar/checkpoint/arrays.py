@@ -37,6 +37,7 @@ from ._format import (
     shard_name,
 )
 from ._lock import release
+from ._replicas import check_replicas_agree
 from ._validate import check_files, confined_file
 
 __all__ = ["ArrayBox", "load_arrays", "save_arrays"]
@@ -55,6 +56,9 @@ class ArrayBox:
     array: np.ndarray
     placements: list[str] = field(default_factory=list)
     mesh_shape: list[int] = field(default_factory=list)
+
+    def box(self, key: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+        return key, tuple(self.offset), tuple(self.array.shape)
 
     def meta(self, key: str) -> dict[str, Any]:
         return {"key": key, "shape": list(self.shape), "dtype": dtype_name(self.array.dtype),
@@ -86,9 +90,10 @@ def _save_locked(state: dict[str, ArrayBox], path: str, save_id: str,
     platform = get_platform()
     rank, world = platform.rank(), platform.world_size()
     metas = platform.all_gather_object([box.meta(key) for key, box in state.items()])
+    check_replicas_agree(metas, {box.box(key): (lambda b=box: np.ascontiguousarray(b.array))
+                                 for key, box in state.items()})
     owner = owners(metas)
-    mine = {key: box for key, box in state.items()
-            if owner[(key, tuple(box.offset), tuple(box.array.shape))] == rank}
+    mine = {key: box for key, box in state.items() if owner[box.box(key)] == rank}
     written = _write_shard(path, shard_name(rank, world, save_id, "safetensors"), mine)
     commit(path, written, metas, "safetensors", save_id, extend_index)
     return os.path.join(path, INDEX_FILE)

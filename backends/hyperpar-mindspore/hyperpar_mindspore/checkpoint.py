@@ -15,7 +15,6 @@ parameter paths (``parameters_and_names()``), or what ``name_map`` makes of them
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -238,7 +237,6 @@ def save(model: nn.Cell, path: str | os.PathLike, *, name_map: NameMap = None,
                      _optimizer_layout(optimizer, layout).items())
     # a rank holding no rows of a tensor (fully_shard of fewer rows than ranks) writes nothing
     state = {key: box for key, box in boxes.items() if box.array.size or not box.array.ndim}
-    _check_replicas_agree(state)
     extend = None
     if optimizer is not None:
         cls = _class_name(optimizer)
@@ -249,33 +247,6 @@ def save(model: nn.Cell, path: str | os.PathLike, *, name_map: NameMap = None,
                                   "tensors": keys}
 
     return save_arrays(state, path, force=force, extend_index=extend)
-
-
-def _check_replicas_agree(state: dict[str, ArrayBox]) -> None:
-    """Refuse, on every rank before any file is written, a box that several ranks claim with
-    different bytes. The writer keeps one copy of each box (the lowest rank's), so replicas that
-    differ -- data-parallel replicas that diverged, or a parameter split by hand (not by
-    ``parallelize_module``) under fully_shard on a sub-mesh, which looks whole to hyperpar --
-    would otherwise be saved silently as one of them. Costs one hash of this rank's bytes and
-    one small all-gather."""
-    platform = get_platform()
-    mine = {(key, box.offset, box.array.shape):
-            hashlib.blake2b(np.ascontiguousarray(box.array).tobytes(), digest_size=16).digest()
-            for key, box in state.items()}
-    seen: dict[Any, dict[bytes, list[int]]] = {}
-    for rank, claims in enumerate(platform.all_gather_object(mine)):
-        for box, digest in claims.items():
-            seen.setdefault(box, {}).setdefault(digest, []).append(rank)
-    differ = sorted((box[0], sorted(ranks for ranks in by.values()))
-                    for box, by in seen.items() if len(by) > 1)
-    if differ:
-        shown = "; ".join(f"{key!r} (ranks {' vs '.join(','.join(map(str, g)) for g in groups)})"
-                          for key, groups in differ[:4])
-        raise CheckpointError(
-            f"checkpoint.save: ranks that hold the same box of a tensor hold different values: "
-            f"{shown}{' ...' if len(differ) > 4 else ''}. Replicas must agree (were gradients "
-            "averaged over every replica?); a parameter split by hand must be split with "
-            "parallelize_module so its layout is known")
 
 
 def _class_name(optimizer: Any) -> str:
