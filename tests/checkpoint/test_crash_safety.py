@@ -72,8 +72,11 @@ def _save_and_die_mid_write(path: str, seed: int, notes: str) -> None:
     if rank == 0:
         def write_then_mark(tensors, filename, metadata=None):
             real(tensors, filename, metadata=metadata)
-            with open(rank0_done, "w") as f:
+            # write the mark under another name, then rename: rank 1 polls for the name, and
+            # must never see it created but still empty (that race failed this test once)
+            with open(rank0_done + ".tmp", "w") as f:
                 f.write(os.path.basename(filename))
+            os.replace(rank0_done + ".tmp", rank0_done)
 
         st.save_file = write_then_mark
     else:
