@@ -18,7 +18,7 @@ from hyperpar.dtensor.layout import check_chunk_split
 from hyperpar.parallel.spec import Comm
 from hyperpar.platform.dim_collectives import chunk_sizes
 
-from .platform import MindSporePlatform, MSGroup
+from .platform import MindSporePlatform, MSGroup, copy_tensor
 
 
 def lengths_along(platform: MindSporePlatform, x: Any, dim: int, group: MSGroup,
@@ -71,12 +71,12 @@ def piece_along(platform: MindSporePlatform, x: Any, dim: int, group: MSGroup,
     check_no_empty_piece(int(x.shape[dim]), n, dim, tuple(x.shape), what)
     piece = platform.piece_along(x, dim, group)
     # a view would keep the whole buffer alive and MindSpore slices are copies anyway
-    return piece if piece is x else piece.copy()
+    return piece if piece is x else copy_tensor(piece)
 
 
 def all_reduce_copy(platform: MindSporePlatform, x: Any, group: MSGroup) -> Any:
     """The sum over ranks of ``x``, out of place."""
-    y = x.copy()
+    y = copy_tensor(x)
     platform.all_reduce(y, "sum", group)
     return y
 

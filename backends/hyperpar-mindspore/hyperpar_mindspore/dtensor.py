@@ -37,6 +37,7 @@ from hyperpar.dtensor.placement import (
 )
 from hyperpar.platform import get_platform
 
+from .platform import copy_tensor
 from .redistribute import mesh_coordinate, redistribute
 
 Placements = tuple[Placement, ...]
@@ -222,7 +223,7 @@ def _broadcast_from(tensor: Tensor, mesh: Any, src: int) -> Tensor:
             raise ValueError(f"distribute_tensor: src_data_rank={src} is not a rank of mesh dim "
                              f"{m} (size {len(ranks)})")
         if out is tensor:
-            out = tensor.copy()
+            out = copy_tensor(tensor)
         platform.broadcast(out, ranks[src], group)
     return out
 

@@ -23,6 +23,7 @@ from hyperpar.parallel.spec import Comm
 from hyperpar.platform import get_platform
 
 from .comm import Boundary
+from .platform import copy_tensor
 from .redistribute import mesh_coordinate
 
 __all__ = ["loss_parallel", "vocab_parallel_cross_entropy"]
@@ -62,7 +63,7 @@ def vocab_parallel_cross_entropy(logits: Any, target: Any, weight: Any = None,
     local = logits.to_local()
 
     # the global max over the classes, for a stable exp (no gradient: softmax ignores a shift)
-    top = ops.stop_gradient(local.max(axis=c, keepdims=True)).copy()
+    top = copy_tensor(ops.stop_gradient(local.max(axis=c, keepdims=True)))
     platform.all_reduce(top, "max", group)
     shifted = local - top
     # each rank's sum is a partial sum of the one the loss needs; the loss is replicated, so the

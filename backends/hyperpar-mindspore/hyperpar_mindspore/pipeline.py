@@ -26,6 +26,8 @@ from hyperpar.pipeline.partition import partition_layers
 from hyperpar.pipeline.spec import LayerSpec, TiedLayerSpec, get_dotted
 from hyperpar.platform import get_platform
 
+from .platform import copy_tensor
+
 __all__ = ["PipelineModule"]
 
 
@@ -149,7 +151,7 @@ class PipelineModule(nn.Cell):
             if self.stage_id not in owners:
                 continue
             for param in self.tied_parameters(key):
-                buf = param.value().copy()
+                buf = copy_tensor(param.value())
                 platform.broadcast(buf, src=self.stage_ranks[owners[0]], group=group)
                 param.set_data(buf)
 

@@ -62,6 +62,7 @@ from hyperpar.platform import get_platform
 from .fully_shard import pending_gradients, reset_backward, set_backward_mode
 from .pipeline import PipelineModule
 from .pipeline_p2p import MindSporeP2P
+from .platform import copy_tensor
 
 __all__ = ["PipelineEngine", "PipelineSchedule", "Schedule1F1B", "ScheduleGPipe",
            "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZeroBubble",
@@ -359,7 +360,7 @@ class PipelineSchedule:
                 continue
             for param in mod.tied_parameters(key):
                 i = index[id(param)]
-                grad = self.grads[i].copy()
+                grad = copy_tensor(self.grads[i])
                 platform.all_reduce(grad, "sum", group=group)
                 self.grads[i] = grad
 

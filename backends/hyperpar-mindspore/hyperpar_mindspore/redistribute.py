@@ -20,6 +20,8 @@ from hyperpar.dtensor.layout import Step, _plan, _size_at, _sizes
 from hyperpar.dtensor.placement import Placement, chunk_bounds, grad_placements_of
 from hyperpar.platform import get_platform
 
+from .platform import copy_tensor
+
 Placements = tuple[Placement, ...]
 
 
@@ -129,7 +131,7 @@ def run_plan(x: Tensor, plan: Sequence[Step], mesh: Any, shape: tuple[int, ...])
             x = _gather(x, a, _sizes(_size_at(shape, before, list(coord), mshape, m, a), n),
                         group)
         elif kind == "allreduce":
-            x = x.copy()
+            x = copy_tensor(x)
             if _numel(x):  # an empty piece is empty on every rank of the group: skip together
                 platform.all_reduce(x, a, group)
         elif kind == "chunk":
@@ -192,7 +194,7 @@ class _SumGrad(_Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple:
         mesh, dims = ctx.args
-        g = grad.copy()
+        g = copy_tensor(grad)
         if _numel(g):  # replicated over these dims: empty on every rank of each group
             for m in dims:
                 get_platform().all_reduce(g, "sum", mesh.get_group(m))
