@@ -230,20 +230,24 @@ def test_hsdp_replicate_2_shard_2_matches_one_process(pool4) -> None:
     _check([r["tfm"] for r in results], _tfm_reference("adam", 4), 2, 2, TFM_RTOL)
 
 
-def _accumulate_rank() -> dict:
-    """Two microbatches per step: the first backward without gradient sync, the second with.
-    Counts the reduce-scatters (the platform's, wrapped to count, not replaced)."""
+def _accumulate_rank(switch: str = "set_requires_gradient_sync",
+                     mesh_shape: tuple[int, ...] | None = None) -> dict:
+    """Two microbatches per step: the first backward with ``switch`` off, the second with it
+    on. Counts the reduce-scatters and all-reduces (the platform's, wrapped to count, not
+    replaced)."""
     import mindspore as ms
 
-    from hyperpar import fully_shard
+    from hyperpar import fully_shard, init_device_mesh
     from hyperpar.platform import get_platform
 
     platform = get_platform()
     n, rank = platform.world_size(), platform.rank()
+    mesh = (None if mesh_shape is None
+            else init_device_mesh(mesh_shape, mesh_dim_names=("replicate", "shard")))
     net = _net()
     for block in (net.fc1, net.fc2):
-        fully_shard(block)
-    fully_shard(net)
+        fully_shard(block, mesh=mesh)
+    fully_shard(net, mesh=mesh)
     x, y = _data(2 * n)  # microbatch k, rank r: rows (k * n + r) * PER_RANK ...
     opt = _optimizer("sgd", net.trainable_params())
 
@@ -251,37 +255,50 @@ def _accumulate_rank() -> dict:
         return ((net(inp) - target) ** 2).mean()
 
     grad_fn = ms.value_and_grad(loss_fn, None, opt.parameters)
-    calls = []
-    real = platform.reduce_scatter_tensor
+    calls, all_reduces = [], []
+    real, real_all_reduce = platform.reduce_scatter_tensor, platform.all_reduce
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
+    replicas = None if mesh is None else mesh.get_group(0)
+
+    def counted_all_reduce(tensor, op="sum", group=None, **kwargs):
+        # only those over the replicas (a small reduce-scatter is an all-reduce over the shard
+        # group on CPU)
+        if replicas is not None and group is replicas:
+            all_reduces.append(1)
+        return real_all_reduce(tensor, op, group, **kwargs)
+
     platform.reduce_scatter_tensor = counted
+    platform.all_reduce = counted_all_reduce
     try:
         returned = []
         for k, sync in ((0, False), (1, True)):
-            net.set_requires_gradient_sync(sync)
+            getattr(net, switch)(sync)
             rows = slice((k * n + rank) * PER_RANK, (k * n + rank + 1) * PER_RANK)
             _loss, grads = grad_fn(ms.Tensor(x[rows]), ms.Tensor(y[rows]))
             returned.append([g.asnumpy() for g in grads])
             if k == 0:
                 calls_without_sync = len(calls)
+                all_reduces_first = len(all_reduces)
     finally:
         platform.reduce_scatter_tensor = real
+        platform.all_reduce = real_all_reduce
     names = [p.name for p in net.trainable_params()]
     layout = {}
     for cell in (net.fc1, net.fc2, net):
         layout.update(cell.shard_layout())
     try:
-        net.set_requires_gradient_sync(1)
+        getattr(net, switch)(1)
         bad = ""
     except TypeError as e:
         bad = str(e)
     return {"first": dict(zip(names, returned[0], strict=True)),
             "second": dict(zip(names, returned[1], strict=True)), "layout": layout,
-            "calls_without_sync": calls_without_sync, "calls": len(calls), "bad": bad}
+            "calls_without_sync": calls_without_sync, "calls": len(calls), "bad": bad,
+            "all_reduces_first": all_reduces_first, "all_reduces": len(all_reduces)}
 
 
 def _accumulate_reference(n: int) -> dict:
@@ -316,12 +333,35 @@ def test_gradient_accumulation_without_sync_reduces_once_and_equals_the_whole_ba
     for rank, res in enumerate(pool2.run(_accumulate_rank)):
         assert res["calls_without_sync"] == 0, rank
         assert res["calls"] == 3, (rank, res["calls"])  # fc1, fc2, the root (its own: none)
-        for name, (start, length, rows) in res["layout"].items():
-            assert not np.any(res["first"][name]), (rank, name)
-            got = res["second"][name]
-            assert got.shape[0] == rows, (rank, name, got.shape)
-            _close(got[:length], want[name][start:start + length], f"rank {rank} {name}")
-            assert not np.any(got[length:]), (rank, name)
+        _check_accumulated(res, want, rank)
+        assert "expected a bool" in res["bad"], res["bad"]
+
+
+def _check_accumulated(res: dict, want: dict, rank: int) -> None:
+    """The first backward returned zeros, the second this rank's rows of ``want``."""
+    for name, (start, length, rows) in res["layout"].items():
+        assert not np.any(res["first"][name]), (rank, name)
+        got = res["second"][name]
+        assert got.shape[0] == rows, (rank, name, got.shape)
+        _close(got[:length], want[name][start:start + length], f"rank {rank} {name}")
+        assert not np.any(got[length:]), (rank, name)
+
+
+def test_hsdp_without_all_reduce_reduce_scatters_each_backward_and_all_reduces_once(
+        pool4) -> None:
+    """set_requires_all_reduce(False) on HSDP (replicate 2 x shard 2): the first backward
+    reduce-scatters over the shard pair (one per unit) but does not all-reduce over the
+    replicas; the second reduce-scatters and all-reduces the sum of both once per unit, and
+    returns this rank's rows of the gradient summed over both microbatches of all 4 ranks (the
+    first returns zeros). Tolerance as the module's."""
+    want = _accumulate_reference(4)
+    results = pool4.run(_accumulate_rank, "set_requires_all_reduce", (2, 2))
+    for rank, res in enumerate(results):
+        assert res["calls_without_sync"] == 3, (rank, res["calls_without_sync"])
+        assert res["all_reduces_first"] == 0, (rank, res["all_reduces_first"])
+        assert res["calls"] == 6, (rank, res["calls"])
+        assert res["all_reduces"] == 3, (rank, res["all_reduces"])
+        _check_accumulated(res, want, rank)
         assert "expected a bool" in res["bad"], res["bad"]
 
 

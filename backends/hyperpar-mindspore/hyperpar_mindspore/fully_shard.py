@@ -136,7 +136,10 @@ class _GatherFlat(nn.Cell):
         # what backward does with the gradient (see BACKWARD_MODES); "accumulate" keeps the
         # unsharded sum here (a dict, not a Cell attribute: MindSpore's Cell bookkeeping never
         # sees the tensor)
-        self.accumulate: dict[str, Any] = {"mode": "sync", "grad": None}
+        # "all_reduce": False (HSDP, set_requires_all_reduce) keeps the reduce-scattered shard
+        # gradients summed in "partial" instead of all-reducing them over the replicas
+        self.accumulate: dict[str, Any] = {"mode": "sync", "grad": None, "all_reduce": True,
+                                           "partial": None}
 
     def construct(self, flat: Any) -> tuple[Any, ...]:
         if self.param_dtype is not None and flat.dtype != self.param_dtype:
@@ -198,6 +201,14 @@ class _GatherFlat(nn.Cell):
         else:  # a copy: the replicate all-reduce below works in place
             grad = copy_tensor(dout)
         if self.plan.replicate > 1:
+            if acc["partial"] is not None:
+                grad = grad + acc["partial"]
+                acc["partial"] = None
+            if not acc["all_reduce"]:
+                # reduce-scattered but not all-reduced: summed here until the next backward
+                # that all-reduces (torch FSDP2's partial reduce output); zeros returned
+                acc["partial"] = grad
+                return (ops.zeros(flat.shape, flat.dtype),)
             self.platform.all_reduce(grad, "sum", self.replicate_group)
         grad = grad * self.plan.grad_scale()
         if grad.dtype != flat.dtype:  # the sharded parameter's gradient, in its dtype (fp32)
@@ -275,12 +286,14 @@ def set_backward_mode(units: Iterable[_Unit], mode: str) -> None:
 def reset_backward(units: Iterable[_Unit]) -> None:
     """Every unit back to "sync", dropping any accumulated gradient (after a failed step)."""
     for unit in units:
-        unit.gather.accumulate.update(mode="sync", grad=None)
+        unit.gather.accumulate.update(mode="sync", grad=None, partial=None)
 
 
 def pending_gradients(units: Iterable[_Unit]) -> list[str]:
     """Class names of the units holding an accumulated gradient no synced backward reduced."""
-    return [type(u.cell).__name__ for u in units if u.gather.accumulate["grad"] is not None]
+    return [type(u.cell).__name__ for u in units
+            if u.gather.accumulate["grad"] is not None
+            or u.gather.accumulate["partial"] is not None]
 
 
 def _group_name(group: Any, size: int) -> str | None:
@@ -337,6 +350,27 @@ class FullyShardedCell(nn.Cell):
             unit = cell.__dict__.get("_hp_fsdp_unit")
             if unit is not None:
                 set_backward_mode([unit], "sync" if requires_gradient_sync else "accumulate")
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *,
+                                recurse: bool = True) -> None:
+        """HSDP: ``False`` reduce-scatters each backward's gradient over the shard group but
+        keeps the result summed locally instead of all-reducing it over the replicas; the next
+        backward with ``True`` all-reduces the sum once (torch FSDP2's gradient accumulation
+        with reduce-scatter only). As for :meth:`set_requires_gradient_sync`, a backward
+        without the all-reduce returns zeros and the next one the whole sum. Without a
+        replicate dimension there is no all-reduce and this changes nothing. PyNative only."""
+        if not isinstance(requires_all_reduce, bool):
+            raise TypeError(f"set_requires_all_reduce: expected a bool, got "
+                            f"{type(requires_all_reduce).__name__}")
+        if not requires_all_reduce and ms.get_context("mode") == ms.GRAPH_MODE:
+            raise NotImplementedError(
+                "set_requires_all_reduce(False) on MindSpore runs in PyNative mode only: a "
+                "compiled graph all-reduces the gradient in every backward")
+        cells = (cell for _n, cell in self.cells_and_names()) if recurse else (self,)
+        for cell in cells:
+            unit = cell.__dict__.get("_hp_fsdp_unit")
+            if unit is not None:
+                unit.gather.accumulate["all_reduce"] = requires_all_reduce
 
     def shard_layout(self) -> dict[str, tuple[int, int, int]]:
         """``name -> (first global row, rows held, padded rows stored)`` for this unit's own
