@@ -295,10 +295,19 @@ def _accumulate_rank(switch: str = "set_requires_gradient_sync",
         bad = ""
     except TypeError as e:
         bad = str(e)
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        getattr(net, switch)(False)
+        graph = ""
+    except NotImplementedError as e:
+        graph = str(e)
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
     return {"first": dict(zip(names, returned[0], strict=True)),
             "second": dict(zip(names, returned[1], strict=True)), "layout": layout,
             "calls_without_sync": calls_without_sync, "calls": len(calls), "bad": bad,
-            "all_reduces_first": all_reduces_first, "all_reduces": len(all_reduces)}
+            "all_reduces_first": all_reduces_first, "all_reduces": len(all_reduces),
+            "graph": graph}
 
 
 def _accumulate_reference(n: int) -> dict:
@@ -335,6 +344,7 @@ def test_gradient_accumulation_without_sync_reduces_once_and_equals_the_whole_ba
         assert res["calls"] == 3, (rank, res["calls"])  # fc1, fc2, the root (its own: none)
         _check_accumulated(res, want, rank)
         assert "expected a bool" in res["bad"], res["bad"]
+        assert "PyNative mode only" in res["graph"], res["graph"]
 
 
 def _check_accumulated(res: dict, want: dict, rank: int) -> None:
@@ -363,6 +373,7 @@ def test_hsdp_without_all_reduce_reduce_scatters_each_backward_and_all_reduces_o
         assert res["all_reduces"] == 3, (rank, res["all_reduces"])
         _check_accumulated(res, want, rank)
         assert "expected a bool" in res["bad"], res["bad"]
+        assert "PyNative mode only" in res["graph"], res["graph"]
 
 
 def _errors_rank() -> dict:

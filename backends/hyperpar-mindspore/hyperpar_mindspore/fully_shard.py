@@ -337,19 +337,11 @@ class FullyShardedCell(nn.Cell):
         the reduced sum of all: summing the returned gradients (MindSpore's habit) and using
         the last ones (torch's) both give the accumulated gradient. ``recurse``: also the
         fully-sharded Cells below. PyNative only: a compiled step reduces every backward."""
-        if not isinstance(requires_gradient_sync, bool):
-            raise TypeError(f"set_requires_gradient_sync: expected a bool, got "
-                            f"{type(requires_gradient_sync).__name__}")
-        if not requires_gradient_sync and ms.get_context("mode") == ms.GRAPH_MODE:
-            raise NotImplementedError(
-                "set_requires_gradient_sync(False) on MindSpore runs in PyNative mode only: a "
-                "compiled graph reduces the gradient in every backward -- run the accumulation "
-                "steps in PyNative, or keep sync on and sum the returned gradients")
-        cells = (cell for _n, cell in self.cells_and_names()) if recurse else (self,)
-        for cell in cells:
-            unit = cell.__dict__.get("_hp_fsdp_unit")
-            if unit is not None:
-                set_backward_mode([unit], "sync" if requires_gradient_sync else "accumulate")
+        for unit in self._units_to_switch("set_requires_gradient_sync", requires_gradient_sync,
+                                          recurse, "reduces the gradient in every backward -- "
+                                          "run the accumulation steps in PyNative, or keep "
+                                          "sync on and sum the returned gradients"):
+            set_backward_mode([unit], "sync" if requires_gradient_sync else "accumulate")
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *,
                                 recurse: bool = True) -> None:
@@ -359,18 +351,22 @@ class FullyShardedCell(nn.Cell):
         with reduce-scatter only). As for :meth:`set_requires_gradient_sync`, a backward
         without the all-reduce returns zeros and the next one the whole sum. Without a
         replicate dimension there is no all-reduce and this changes nothing. PyNative only."""
-        if not isinstance(requires_all_reduce, bool):
-            raise TypeError(f"set_requires_all_reduce: expected a bool, got "
-                            f"{type(requires_all_reduce).__name__}")
-        if not requires_all_reduce and ms.get_context("mode") == ms.GRAPH_MODE:
-            raise NotImplementedError(
-                "set_requires_all_reduce(False) on MindSpore runs in PyNative mode only: a "
-                "compiled graph all-reduces the gradient in every backward")
+        for unit in self._units_to_switch("set_requires_all_reduce", requires_all_reduce,
+                                          recurse, "all-reduces the gradient in every "
+                                          "backward"):
+            unit.gather.accumulate["all_reduce"] = requires_all_reduce
+
+    def _units_to_switch(self, what: str, value: bool, recurse: bool,
+                         graph_does: str) -> list[_Unit]:
+        """The units a ``set_requires_*`` call switches, after checking its argument: a bool,
+        and ``False`` only in PyNative (a compiled graph ``graph_does`` regardless)."""
+        if not isinstance(value, bool):
+            raise TypeError(f"{what}: expected a bool, got {type(value).__name__}")
+        if not value and ms.get_context("mode") == ms.GRAPH_MODE:
+            raise NotImplementedError(f"{what}(False) on MindSpore runs in PyNative mode only: "
+                                      f"a compiled graph {graph_does}")
         cells = (cell for _n, cell in self.cells_and_names()) if recurse else (self,)
-        for cell in cells:
-            unit = cell.__dict__.get("_hp_fsdp_unit")
-            if unit is not None:
-                unit.gather.accumulate["all_reduce"] = requires_all_reduce
+        return [c.__dict__["_hp_fsdp_unit"] for c in cells if "_hp_fsdp_unit" in c.__dict__]
 
     def shard_layout(self) -> dict[str, tuple[int, int, int]]:
         """``name -> (first global row, rows held, padded rows stored)`` for this unit's own
