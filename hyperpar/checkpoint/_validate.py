@@ -201,6 +201,11 @@ def _check_optimizer(file: str, optimizer: Any) -> None:
             isinstance(g, list) and all(isinstance(n, str) for n in g) for g in params)):
         raise _malformed(file, '"optimizer".params', "a list of lists of parameter names",
                          params)
+    hyper = optimizer.get("hyperparameters")   # a MindSpore optimizer's (optim_map names)
+    if hyper is not None and not (isinstance(hyper, dict) and all(
+            isinstance(v, (bool, int, float)) for v in hyper.values())):
+        raise _malformed(file, '"optimizer".hyperparameters', "an object of numbers and "
+                         "booleans", hyper)
 
 
 # ------------------------------------------------------------------ files and headers

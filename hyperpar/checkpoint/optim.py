@@ -12,6 +12,7 @@ from torch import nn
 from ._boxes import is_dtensor
 from ._format import CheckpointError
 from ._read import Reader, assemble
+from .optim_map import is_mindspore
 
 OPTIM_PREFIX = "optimizer."
 
@@ -83,14 +84,20 @@ def merge_extras(extras: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, index: dict[str, Any], path: str) -> None:
-    """Refuse state saved by another optimizer type, with another number of parameter groups,
-    or keeping other per-parameter state than ``optimizer`` already keeps."""
+    """Refuse state saved by another optimizer type (a MindSpore optimizer's is checked by
+    :func:`.optim_cross.check_translated`), with another number of parameter groups, or
+    keeping other per-parameter state than ``optimizer`` already keeps."""
     extra = index.get("optimizer")
     if extra is None:
         raise CheckpointError(f"load(optimizer=...): {path} holds no optimizer state (save it "
                               "with save(model, path, optimizer=optimizer))")
     mine = class_name(optimizer)
     saved = extra.get("class")  # absent in checkpoints written before it was recorded
+    if saved is not None and saved != mine and is_mindspore(saved):
+        from .optim_cross import check_translated
+
+        check_translated(optimizer, extra, path)   # a pair of the table, or refused
+        return
     if saved is not None and saved != mine:
         raise CheckpointError(
             f"load(optimizer=...): {path} holds the state of a {saved} but the optimizer given "
@@ -120,9 +127,28 @@ def optimizer_keys(index: dict[str, Any]) -> set[str]:
     return {k for k in index["tensors"] if k.startswith(OPTIM_PREFIX)}  # format version 1
 
 
+def read_like(param: torch.Tensor, entry: dict[str, Any], key: str, reader: Reader
+              ) -> torch.Tensor:
+    """Saved tensor ``key``: this rank's box of it as a DTensor laid out like ``param`` when it
+    has ``param``'s global shape (per-parameter state), else the whole tensor."""
+    if is_dtensor(param) and entry["shape"] == list(param.shape) and param.ndim:
+        local_shape, offset = param._spec.local_shape_and_offset()
+        box = assemble(entry, key, list(offset), list(local_shape), reader)
+        return type(param).from_local(box.to(param.device), param.device_mesh,
+                                      param.placements, shape=param.shape)
+    shape = entry["shape"]
+    return assemble(entry, key, [0] * len(shape), shape, reader)
+
+
 def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, index: dict[str, Any],
                    reader: Reader, path: str) -> None:
-    """Restore ``optimizer``'s state from the checkpoint, resharded like its parameters."""
+    """Restore ``optimizer``'s state from the checkpoint, resharded like its parameters (a
+    MindSpore optimizer's state translated: :mod:`.optim_cross`)."""
+    if is_mindspore(index["optimizer"].get("class")):
+        from .optim_cross import load_translated
+
+        load_translated(model, optimizer, index, reader, path)
+        return
     saved = index["tensors"]
     extra = index["optimizer"]
     state: dict[int, dict[str, Any]] = {}
@@ -132,16 +158,7 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, index: di
         for key, entry in saved.items():
             if not key.startswith(prefix) or "." in key[len(prefix):]:
                 continue
-            k = key[len(prefix):]
-            if is_dtensor(param) and entry["shape"] == list(param.shape) and param.ndim:
-                local_shape, offset = param._spec.local_shape_and_offset()
-                box = assemble(entry, key, list(offset), list(local_shape), reader)
-                entry_state[k] = type(param).from_local(
-                    box.to(param.device), param.device_mesh, param.placements,
-                    shape=param.shape)
-            else:
-                shape = entry["shape"]
-                entry_state[k] = assemble(entry, key, [0] * len(shape), shape, reader)
+            entry_state[key[len(prefix):]] = read_like(param, entry, key, reader)
         for key, value in extra["scalars"].items():
             if key.startswith(prefix) and "." not in key[len(prefix):]:
                 entry_state[key[len(prefix):]] = value

@@ -23,3 +23,10 @@ def batch() -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(7)
     return (rng.standard_normal((4, D)).astype(np.float32),
             rng.standard_normal((4, D)).astype(np.float32))
+
+
+def train_batch(step: int) -> tuple[np.ndarray, np.ndarray]:
+    """The batch of training step ``step`` (0, 1, 2, ...) of the optimizer tests."""
+    rng = np.random.default_rng(100 + step)
+    return (rng.standard_normal((4, D)).astype(np.float32),
+            rng.standard_normal((4, D)).astype(np.float32))

@@ -152,6 +152,15 @@ def _torch_python() -> Path:
 
 
 def _torch_side(mode: str, folder: str, out: Path, seed: int) -> dict:
+    report = _torch_side_raw(mode, folder, out, seed)
+    report["params"] = {k: np.frombuffer(bytes.fromhex(v), np.float32).reshape(SHAPES[k])
+                        for k, v in report["params"].items()}
+    return report
+
+
+def _torch_side_raw(mode: str, folder: str, out: Path, seed: int) -> dict:
+    """Run tests/mindspore/_torch_side.py ``mode`` in the torch venv (one process); its
+    report."""
     python = _torch_python()
     env = {**os.environ, "HYPERPAR_BACKEND": "cpu",
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "backends" / "hyperpar-cpu")])}
@@ -160,10 +169,7 @@ def _torch_side(mode: str, folder: str, out: Path, seed: int) -> dict:
          str(ROOT / "tests" / "mindspore" / "_torch_side.py"), mode, folder, str(out),
          str(seed)], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads(out.read_text())
-    report["params"] = {k: np.frombuffer(bytes.fromhex(v), np.float32).reshape(SHAPES[k])
-                        for k, v in report["params"].items()}
-    return report
+    return json.loads(out.read_text())
 
 
 def test_torch_checkpoint_loads_into_the_mindspore_cell_and_back(pool2, tmp_path) -> None:
@@ -546,3 +552,180 @@ def test_adam_state_saved_on_fsdp2_resumes_in_one_process(pool1, pool2, tmp_path
     assert loaded["beta1_power"] == trained[0]["beta1_power"] != 1.0
     assert loaded["refused"].startswith("CheckpointError: load(optimizer=...)"), loaded["refused"]
     assert "mindspore.nn.optim.sgd.SGD" in loaded["refused"], loaded["refused"]
+
+
+# ------------------------------------------------ optimizer state, torch <-> MindSpore
+#: the MindSpore half of each optimizer pair (tests/mindspore/_torch_side.py has torch's):
+#: torch Adam <-> nn.Adam, SGD(momentum) <-> nn.Momentum, SGD(momentum, nesterov) <-> nn.SGD
+OPTIM_KINDS = ("adam", "momentum", "sgd")
+#: A resumed step starts from the same weights and optimizer state (bytes of the checkpoint,
+#: the bias-correction powers recomputed in float32: relative 1e-7) and differs only by the
+#: gradient, summed by other kernels in float32 (relative ~1e-6 of <= 32 O(1) products), and
+#: for Adam by MindSpore adding eps to sqrt(v) before the bias correction (eps / sqrt(1 -
+#: beta2**3) = 1.8e-7 next to sqrt(v_hat) ~ 0.1: relative 2e-6 of the update). An update is
+#: <= lr = 0.1 per element, so the parameters agree to ~1e-7 absolute; allowed 1e-6 + 1e-5 |w|.
+#: A lost buffer or a wrong step count moves them by O(lr) = 1e-3..1e-1.
+OPTIM_ATOL, OPTIM_RTOL = 1e-6, 1e-5
+
+
+def _ms_optimizer(kind: str, params, lr: float | None = None):
+    from mindspore import nn
+
+    if kind == "adam":
+        return nn.Adam(params, learning_rate=lr or 0.01)
+    if kind == "momentum":
+        return nn.Momentum(params, learning_rate=lr or 0.1, momentum=0.9)
+    return nn.SGD(params, learning_rate=lr or 0.1, momentum=0.9, nesterov=True)
+
+
+def _ms_steps(net, opt, steps: tuple[int, ...]) -> None:
+    """The training steps of _torch_side.py: mean squared error on train_batch(i), every rank
+    on the same batch (so fully_shard's averaged gradient is one process's)."""
+    import mindspore as ms
+
+    from tests.mindspore._ckpt_model import train_batch
+
+    grad = ms.value_and_grad(lambda a, b: ((net(a) - b) ** 2).mean(), None, opt.parameters)
+    for i in steps:
+        x, y = (ms.Tensor(a) for a in train_batch(i))
+        _loss, grads = grad(x, y)
+        opt(grads)
+
+
+def _whole(net, names, fsdp: bool) -> dict:
+    if fsdp:
+        return {names.get(k, k): v.asnumpy() for k, v in net.full_parameters().items()}
+    return {names.get(k, k): p.asnumpy() for k, p in net.parameters_and_names()}
+
+
+def _ms_optim_train_save(folder: str) -> dict:
+    """fsdp2, every pair: 2 steps from weights(0), saved with the optimizer to ms-<kind>, then
+    the 3rd step (what torch, resuming from that folder, must reach)."""
+    from hyperpar import checkpoint
+
+    out = {}
+    for kind in OPTIM_KINDS:
+        net, names = _fsdp_net(0)
+        opt = _ms_optimizer(kind, net.trainable_params())
+        _ms_steps(net, opt, (0, 1))
+        checkpoint.save(net, os.path.join(folder, f"ms-{kind}"), name_map=names, optimizer=opt)
+        _ms_steps(net, opt, (2,))
+        out[kind] = _whole(net, names, True)
+    return out
+
+
+def _ms_optim_resume(folder: str, fsdp: bool) -> dict:
+    """Each torch optimizer's checkpoint (torch-<kind>) loaded into the Cell of other weights
+    with its MindSpore pair (fully_shard on every rank, or one process), then the 3rd step."""
+    from hyperpar import checkpoint
+
+    out = {}
+    for kind in OPTIM_KINDS:
+        net, names = _fsdp_net(3) if fsdp else _net(3, 1)[:2]
+        opt = _ms_optimizer(kind, net.trainable_params())
+        result = checkpoint.load(net, os.path.join(folder, f"torch-{kind}"), name_map=names,
+                                 optimizer=opt)
+        assert tuple(result) == ([], []), result
+        if kind == "adam":
+            out["powers"] = [float(opt.beta1_power.asnumpy()), float(opt.beta2_power.asnumpy()),
+                             int(opt.global_step.asnumpy()[0])]
+        _ms_steps(net, opt, (2,))
+        out[kind] = _whole(net, names, fsdp)
+    return out
+
+
+def _ms_optim_refusals(folder: str) -> dict:
+    """Loads that must not translate, each refused before a tensor is read; and a learning
+    rate set differently from the saved run's: kept, with a warning."""
+    import warnings
+
+    from mindspore import nn
+
+    from hyperpar import checkpoint
+
+    net, names, _mesh = _net(3, 1)
+    out = {}
+    for label, src, make in (
+            ("adamw", "torch-adamw", lambda ps: nn.AdamWeightDecay(ps, learning_rate=0.01)),
+            ("unknown", "torch-adam", lambda ps: nn.SGD(ps, momentum=0.9)),
+            ("nesterov", "torch-sgd", lambda ps: nn.Momentum(ps, 0.1, 0.9))):
+        try:
+            checkpoint.load(net, os.path.join(folder, src), name_map=names,
+                            optimizer=make(net.trainable_params()))
+            out[label] = "loaded"
+        except Exception as exc:  # noqa: BLE001 -- the message is what the test checks
+            out[label] = f"{type(exc).__name__}: {exc}"
+    opt = _ms_optimizer("adam", net.trainable_params(), lr=0.02)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpoint.load(net, os.path.join(folder, "torch-adam"), name_map=names, optimizer=opt)
+    out["warnings"] = [str(w.message) for w in caught]
+    out["lr"] = float(opt.learning_rate.asnumpy())
+    return out
+
+
+def _near(got: dict, want: dict, what: str) -> float:
+    """Every parameter within OPTIM_ATOL + OPTIM_RTOL |want|; returns the largest error."""
+    assert sorted(got) == sorted(want), (what, sorted(got), sorted(want))
+    worst = 0.0
+    for key, w in want.items():
+        err = np.abs(got[key] - w)
+        assert np.all(err <= OPTIM_ATOL + OPTIM_RTOL * np.abs(w)), (
+            f"{what}: {key} differs by up to {err.max():.2e}")
+        worst = max(worst, float(err.max()))
+    return worst
+
+
+def _decode(params: dict) -> dict:
+    return {k: np.frombuffer(bytes.fromhex(v), np.float32).reshape(SHAPES[k])
+            for k, v in params.items()}
+
+
+def test_optimizer_state_moves_between_torch_and_mindspore_mid_training(
+        pool1, pool2, tmp_path) -> None:
+    """★ A run moves frameworks mid-training: torch Adam / SGD(momentum) / SGD(nesterov)
+    trained 2 steps and saved with the optimizer; MindSpore (fully_shard on 2 ranks, and one
+    process) loads it into nn.Adam / nn.Momentum / nn.SGD and takes the 3rd step: the same
+    parameters as torch's own 3rd step. And back: the MindSpore optimizers trained 2 steps on
+    fsdp2 and saved; torch loads (one process) and its 3rd step equals MindSpore's. AdamW ->
+    AdamWeightDecay (no bias correction), an unknown pair and Momentum's other Nesterov are
+    refused on every rank; a differing learning rate is kept, with a warning."""
+    if not _torch_python().exists():
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"no torch venv at {_torch_python()} under CI (set HYPERPAR_TORCH_PYTHON)")
+        pytest.skip(f"no torch venv at {_torch_python()} (set HYPERPAR_TORCH_PYTHON)")
+    folder = str(tmp_path)
+    ms_ref = pool2.run(_ms_optim_train_save, folder)
+    for res in ms_ref[1:]:
+        for kind in OPTIM_KINDS:
+            _same_params(res[kind], ms_ref[0][kind], "fsdp2 ranks agree")
+    torch_report = _torch_side_raw("optim", folder, tmp_path / "optim.json", 0)
+    worst = {}
+    for kind in OPTIM_KINDS:   # MindSpore -> torch
+        got = _decode(torch_report[f"from-ms-{kind}"])
+        worst[f"ms->torch {kind}"] = _near(got, ms_ref[0][kind], f"MindSpore {kind} -> torch")
+        assert not np.allclose(got["fc1.weight"], weights(3)["fc1.weight"])
+    assert torch_report["refused"].startswith("CheckpointError"), torch_report["refused"]
+    assert "mindspore.nn.optim.adam.Adam" in torch_report["refused"] and (
+        "torch.optim.sgd.SGD" in torch_report["refused"]), torch_report["refused"]
+
+    for fsdp, pool in ((True, pool2), (False, pool1)):   # torch -> MindSpore
+        for rank, res in enumerate(pool.run(_ms_optim_resume, folder, fsdp)):
+            assert res["powers"][2] == 2, res["powers"]   # torch's step, as global_step
+            assert np.isclose(res["powers"][0], 0.9 ** 2, rtol=1e-6), res["powers"]
+            for kind in OPTIM_KINDS:
+                want = _decode(torch_report[f"torch-{kind}"])
+                worst[f"torch->ms {kind} {'fsdp2' if fsdp else '1 process'} r{rank}"] = _near(
+                    res[kind], want, f"torch {kind} -> MindSpore (fsdp={fsdp}, rank {rank})")
+
+    for rank, res in enumerate(pool2.run(_ms_optim_refusals, folder)):
+        assert "no bias correction" in res["adamw"] and "AdamWeightDecay" in res["adamw"], res
+        assert "torch.optim.adam.Adam" in res["unknown"] and (
+            "mindspore.nn.optim.sgd.SGD" in res["unknown"]) and (
+            "torch.optim.sgd.SGD <-> mindspore.nn.optim.momentum.Momentum" in res["unknown"]), res
+        assert "nesterov=True" in res["nesterov"] and "Momentum" in res["nesterov"], res
+        assert all(res[k].startswith("CheckpointError") for k in ("adamw", "unknown",
+                                                                   "nesterov")), (rank, res)
+        assert res["lr"] == np.float32(0.02), res["lr"]
+        assert any("lr: saved 0.01" in w for w in res["warnings"]), res["warnings"]
+    print("largest |difference| per direction:", worst)

@@ -29,6 +29,7 @@ from hyperpar.checkpoint.arrays import ArrayBox, Want, load_arrays, save_arrays
 from hyperpar.dtensor.placement import Replicate, Shard
 from hyperpar.platform import get_platform
 
+from . import optim_cross
 from .parallel import SHARD_GROUP
 from .platform import SHARD_PLACEMENTS
 
@@ -240,11 +241,12 @@ def save(model: nn.Cell, path: str | os.PathLike, *, name_map: NameMap = None,
     extend = None
     if optimizer is not None:
         cls = _class_name(optimizer)
+        hyper = optim_cross.hyperparameters(optimizer)   # a torch load checks them
 
         def extend(index: dict[str, Any]) -> None:
             keys = sorted(k for k in index["tensors"] if k.startswith("optimizer."))
             index["optimizer"] = {"class": cls, "param_groups": [{}], "scalars": {},
-                                  "tensors": keys}
+                                  "tensors": keys, "hyperparameters": hyper}
 
     return save_arrays(state, path, force=force, extend_index=extend)
 
@@ -254,26 +256,29 @@ def _class_name(optimizer: Any) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _check_optimizer_section(optimizer: Any, path: str | os.PathLike) -> None:
+def _check_optimizer_section(optimizer: Any, opt_layout: dict[str, tuple[Any, Any]],
+                             path: str | os.PathLike) -> optim_cross.Translation | None:
     """Refuse (on every rank, before reading any tensor) a checkpoint without optimizer
-    state or with another optimizer's -- a PyTorch optimizer's included: its state has other
-    names and meanings (``exp_avg`` vs ``moment1``), so it is not translated."""
+    state or with another optimizer's; a torch optimizer's state is accepted when the two
+    are a pair of ``hyperpar.checkpoint.optim_map`` (the same update), and the translation
+    is returned (else None: the same class)."""
     error: Exception | None = None
+    translation = None
     try:
-        section = read_index(os.fspath(path)).get("optimizer")
+        index = read_index(os.fspath(path))
+        section = index.get("optimizer")
         mine = _class_name(optimizer)
         if section is None:
             raise CheckpointError(f"load(optimizer=...): {os.fspath(path)} holds no optimizer "
                                   f"state (save it with save(model, path, optimizer=opt))")
         if section.get("class") != mine:
-            raise CheckpointError(
-                f"load(optimizer=...): {os.fspath(path)} holds the state of a "
-                f"{section.get('class')} but the optimizer given is a {mine}; build the "
-                f"optimizer type that saved it, or load without optimizer= and start its state "
-                f"afresh")
+            pair = optim_cross.check_translated(optimizer, section, mine, os.fspath(path))
+            translation = optim_cross.Translation(pair, optimizer, opt_layout, index,
+                                                  os.fspath(path))
     except Exception as exc:   # shared: no rank reads tensors the others refused
         error = exc
     agree_or_raise(error)
+    return translation
 
 
 def load(model: nn.Cell, path: str | os.PathLike, *, name_map: NameMap = None,
@@ -282,17 +287,26 @@ def load(model: nn.Cell, path: str | os.PathLike, *, name_map: NameMap = None,
     ``model``'s current layout: each rank reads its box of every parameter. ``strict`` and the
     result are ``hyperpar.checkpoint.load``'s; values are cast to each parameter's dtype.
     ``optimizer``: restore the state :func:`save` wrote for an optimizer of the same class
-    (build it over the model's parameters first), resharded like the parameters."""
+    (build it over the model's parameters first), resharded like the parameters -- or a torch
+    optimizer's state, translated, when the two are a pair of
+    ``hyperpar.checkpoint.optim_map`` (torch Adam -> ``nn.Adam``, SGD -> ``nn.Momentum`` /
+    ``nn.SGD``); the hyperparameters stay ``optimizer``'s."""
     _check_optimizer_type(optimizer)
     layout = _layout(model, name_map)
     targets: dict[str, tuple[Any, Any]] = dict(layout)
+    translation = None
     if optimizer is not None:
-        targets.update(_optimizer_layout(optimizer, layout))
+        opt_layout = _optimizer_layout(optimizer, layout)
+        translation = _check_optimizer_section(optimizer, opt_layout, path)
+        # a torch optimizer's state: its entries, read into the MindSpore state's boxes
+        targets.update(opt_layout if translation is None else translation.targets)
     wanted = {key: Want(box.shape, box.offset, tuple(box.array.shape))
               for key, (_p, box) in targets.items()}
-    if optimizer is not None:
-        _check_optimizer_section(optimizer, path)
+    if translation is not None:
+        wanted.update(translation.steps)
     arrays, result = load_arrays(wanted, path, strict=strict, verify=verify)
+    if translation is not None:
+        steps = {key: arrays.pop(key) for key in translation.steps if key in arrays}
     for key, arr in arrays.items():
         param, box = targets[key]
         want = ms.dtype_to_nptype(param.dtype)
@@ -305,4 +319,6 @@ def load(model: nn.Cell, path: str | os.PathLike, *, name_map: NameMap = None,
             raise CheckpointError(f"load: {key!r}: read {arr.shape}, parameter holds "
                                   f"{tuple(param.shape)}")
         param.set_data(ms.Tensor(np.ascontiguousarray(arr.astype(want, copy=False))))
+    if translation is not None:
+        translation.apply(steps)
     return result
