@@ -1,19 +1,20 @@
-"""The PyTorch half of the cross-framework checkpoint test, run by the torch venv's
-``hyperpar run -n 1`` (the MindSpore venv has no torch). The model is the MindSpore test's Cell
-written in torch (:mod:`tests.mindspore._ckpt_model`).
+"""The PyTorch half of the cross-framework checkpoint tests, run once per test session by the
+torch venv's ``hyperpar run -n 1`` (the MindSpore venv has no torch; starting torch costs ~10 s
+on a loaded 2-core box, so every torch step of the tests happens in this one process). The
+model is the MindSpore test's Cell written in torch (:mod:`tests.mindspore._ckpt_model`).
 
-    save <folder> <out.json> <seed>: weights from ``seed``, saved to ``folder``
-    load <folder> <out.json> <seed>: a model with weights from ``seed`` loads ``folder``
+    _torch_side.py <folder> <out.json>
 
-Either way ``out.json`` gets the loss on the fixed batch and every parameter's float32 bytes
-(hex), read back from the model.
+after the MindSpore side wrote ``<folder>/ms`` (a Cell of weights(9) on 2 tp ranks) and
+``<folder>/ms-<kind>`` (each optimizer pair trained 2 steps), writes to ``out.json``:
 
-    optim <folder> <out.json> <seed>: optimizer state across frameworks, for each optimizer
-    of :data:`OPTIMIZERS`: weights from ``seed``, 2 steps, saved with the optimizer to
-    ``<folder>/torch-<kind>``, then a 3rd step (the reference MindSpore's resumed step is
-    compared with); and a model of other weights loads ``<folder>/ms-<kind>`` (MindSpore's
-    optimizer state) and takes that 3rd step. Also saves an AdamW (``torch-adamw``, refused by
-    MindSpore) and reports torch's refusal of a MindSpore Adam's state into an SGD.
+* ``save``: weights(0), saved to ``<folder>/torch``; ``load``: a model of weights(3) loads
+  ``<folder>/ms`` -- each the loss on the fixed batch and every parameter's float32 bytes (hex);
+* ``optim``: for each optimizer of :data:`OPTIMIZERS`, weights(0) trained 2 steps and saved
+  with the optimizer to ``<folder>/torch-<kind>``, then a 3rd step (``torch-<kind>``: what
+  MindSpore's resumed step must reach); a model of weights(3) loads ``<folder>/ms-<kind>``
+  and takes that 3rd step (``from-ms-<kind>``); AdamW is saved only (MindSpore refuses it);
+  ``refused``: torch's refusal of a MindSpore Adam's state into an SGD.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def _hex(net: Net) -> dict[str, str]:
     return {n: p.detach().numpy().tobytes().hex() for n, p in net.named_parameters()}
 
 
-def optim(folder: str, out: str, seed: int) -> None:
+def optim(folder: str, seed: int) -> dict:
     report: dict = {}
     for kind, make in OPTIMIZERS.items():
         net = _net(seed)
@@ -94,27 +95,28 @@ def optim(folder: str, out: str, seed: int) -> None:
         report["refused"] = "loaded"
     except Exception as exc:  # noqa: BLE001 -- the message is what the test checks
         report["refused"] = f"{type(exc).__name__}: {exc}"
+    return report
+
+
+def _report(net: Net) -> dict:
+    x, y = (torch.from_numpy(a) for a in batch())
+    with torch.no_grad():
+        loss = float(((net(x) - y) ** 2).mean())
+    return {"loss": loss, "params": _hex(net)}
+
+
+def main(folder: str, out: str) -> None:
+    get_platform().init_process_group()
+    net = _net(0)
+    checkpoint.save(net, os.path.join(folder, "torch"), file_format="safetensors")
+    report = {"save": _report(net)}
+    net = _net(3)
+    checkpoint.load(net, os.path.join(folder, "ms"))
+    report["load"] = _report(net)
+    report["optim"] = optim(folder, 0)
     with open(out, "w") as f:
         json.dump(report, f)
 
 
-def main(mode: str, folder: str, out: str, seed: str) -> None:
-    get_platform().init_process_group()
-    if mode == "optim":
-        optim(folder, out, int(seed))
-        return
-    net = _net(int(seed))
-    if mode == "save":
-        checkpoint.save(net, folder, file_format="safetensors")
-    else:
-        checkpoint.load(net, folder)
-    x, y = (torch.from_numpy(a) for a in batch())
-    with torch.no_grad():
-        loss = float(((net(x) - y) ** 2).mean())
-    params = {n: p.detach().numpy().tobytes().hex() for n, p in net.named_parameters()}
-    with open(out, "w") as f:
-        json.dump({"loss": loss, "params": params}, f)
-
-
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:3])

@@ -5,7 +5,10 @@
 * ★ cross-framework: a checkpoint saved by a PyTorch model (the torch venv, as a subprocess)
   loads into the same architecture written as a MindSpore Cell through
   ``name_map=torch_name_map(cell)``, and a Cell's checkpoint (saved on 2 tp ranks) loads into
-  the torch model.
+  the torch model;
+* ★ optimizer state across frameworks: torch Adam / SGD trained, saved, resumed by
+  nn.Adam / nn.Momentum / nn.SGD (and back) -- the resumed step equals the other framework's.
+  Every torch step runs in one torch-venv process (the ``torch_runs`` fixture).
 
 The model: LayerNorm(8) -> Dense(8, 7) -> ReLU -> Dense(7, 8), tp plan
 ``{"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}`` (7 rows: 4 + 3 on 2 ranks). A checkpoint
@@ -151,42 +154,50 @@ def _torch_python() -> Path:
     return Path(given) if given else ROOT / ".venv" / "bin" / "python"
 
 
-def _torch_side(mode: str, folder: str, out: Path, seed: int) -> dict:
-    report = _torch_side_raw(mode, folder, out, seed)
-    report["params"] = {k: np.frombuffer(bytes.fromhex(v), np.float32).reshape(SHAPES[k])
-                        for k, v in report["params"].items()}
-    return report
+def _decode(params: dict) -> dict:
+    return {k: np.frombuffer(bytes.fromhex(v), np.float32).reshape(SHAPES[k])
+            for k, v in params.items()}
 
 
-def _torch_side_raw(mode: str, folder: str, out: Path, seed: int) -> dict:
-    """Run tests/mindspore/_torch_side.py ``mode`` in the torch venv (one process); its
-    report."""
-    python = _torch_python()
-    env = {**os.environ, "HYPERPAR_BACKEND": "cpu",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "backends" / "hyperpar-cpu")])}
-    done = subprocess.run(
-        [str(python), "-m", "hyperpar.cli", "run", "-n", "1",
-         str(ROOT / "tests" / "mindspore" / "_torch_side.py"), mode, folder, str(out),
-         str(seed)], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return json.loads(out.read_text())
-
-
-def test_torch_checkpoint_loads_into_the_mindspore_cell_and_back(pool2, tmp_path) -> None:
+@pytest.fixture(scope="module")
+def torch_runs(ms_pools, tmp_path_factory) -> dict:
+    """Every torch step of the cross-framework tests in ONE torch-venv process
+    (tests/mindspore/_torch_side.py; torch's start-up is ~10 s here): MindSpore saves first --
+    the Cell of weights(9) on 2 tp ranks, each optimizer pair trained 2 steps on fsdp2 --
+    then torch saves, loads those and trains. The tests check what each side got."""
     if not _torch_python().exists():
         if os.environ.get("CI") == "true":  # CI builds the torch venv first: its absence is a bug
             pytest.fail(f"no torch venv at {_torch_python()} under CI (set HYPERPAR_TORCH_PYTHON)")
         pytest.skip(f"no torch venv at {_torch_python()} (set HYPERPAR_TORCH_PYTHON): the "
                     "torch side of this test runs there")
+    folder = tmp_path_factory.mktemp("cross")
+    pool2 = _pool(ms_pools, 2)
+    ms_model = pool2.run(_save, str(folder / "ms"), 2, 9)[0]
+    ms_optim = pool2.run(_ms_optim_train_save, str(folder))
+    env = {**os.environ, "HYPERPAR_BACKEND": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "backends" / "hyperpar-cpu")])}
+    done = subprocess.run(
+        [str(_torch_python()), "-m", "hyperpar.cli", "run", "-n", "1",
+         str(ROOT / "tests" / "mindspore" / "_torch_side.py"), str(folder),
+         str(folder / "torch.json")], env=env, capture_output=True, text=True, timeout=600,
+        cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((folder / "torch.json").read_text())
+    for part in ("save", "load"):
+        report[part]["params"] = _decode(report[part]["params"])
+    return {"folder": folder, "ms_model": ms_model, "ms_optim": ms_optim, **report}
+
+
+def test_torch_checkpoint_loads_into_the_mindspore_cell_and_back(pool2, torch_runs) -> None:
+    folder = torch_runs["folder"]
     # torch (one process) -> MindSpore (2 tp ranks: resharded on the way)
-    from_torch = _torch_side("save", str(tmp_path / "torch"), tmp_path / "t.json", 0)
+    from_torch = torch_runs["save"]
     _same_params(from_torch["params"], weights(0), "torch model before saving")
-    for rank, res in enumerate(pool2.run(_load, str(tmp_path / "torch"), 2, 3)):
+    for rank, res in enumerate(pool2.run(_load, str(folder / "torch"), 2, 3)):
         _same_params(res["params"], weights(0), f"rank {rank}: torch -> MindSpore")
         _close(res["loss"], from_torch["loss"], f"rank {rank}: loss, torch -> MindSpore")
     # MindSpore (2 tp ranks) -> torch (one process)
-    from_ms = pool2.run(_save, str(tmp_path / "ms"), 2, 9)[0]
-    in_torch = _torch_side("load", str(tmp_path / "ms"), tmp_path / "m.json", 3)
+    from_ms, in_torch = torch_runs["ms_model"], torch_runs["load"]
     _same_params(in_torch["params"], weights(9), "MindSpore -> torch")
     _close(in_torch["loss"], from_ms["loss"], "loss, MindSpore -> torch")
     assert sys.modules.get("torch") is None  # this process stayed torch-free
@@ -614,13 +625,13 @@ def _ms_optim_train_save(folder: str) -> dict:
     return out
 
 
-def _ms_optim_resume(folder: str, fsdp: bool) -> dict:
+def _ms_optim_resume(folder: str, fsdp: bool, kinds: tuple[str, ...]) -> dict:
     """Each torch optimizer's checkpoint (torch-<kind>) loaded into the Cell of other weights
     with its MindSpore pair (fully_shard on every rank, or one process), then the 3rd step."""
     from hyperpar import checkpoint
 
     out = {}
-    for kind in OPTIM_KINDS:
+    for kind in kinds:
         net, names = _fsdp_net(3) if fsdp else _net(3, 1)[:2]
         opt = _ms_optimizer(kind, net.trainable_params())
         result = checkpoint.load(net, os.path.join(folder, f"torch-{kind}"), name_map=names,
@@ -676,30 +687,20 @@ def _near(got: dict, want: dict, what: str) -> float:
     return worst
 
 
-def _decode(params: dict) -> dict:
-    return {k: np.frombuffer(bytes.fromhex(v), np.float32).reshape(SHAPES[k])
-            for k, v in params.items()}
-
-
 def test_optimizer_state_moves_between_torch_and_mindspore_mid_training(
-        pool1, pool2, tmp_path) -> None:
+        pool1, pool2, torch_runs) -> None:
     """★ A run moves frameworks mid-training: torch Adam / SGD(momentum) / SGD(nesterov)
-    trained 2 steps and saved with the optimizer; MindSpore (fully_shard on 2 ranks, and one
-    process) loads it into nn.Adam / nn.Momentum / nn.SGD and takes the 3rd step: the same
-    parameters as torch's own 3rd step. And back: the MindSpore optimizers trained 2 steps on
-    fsdp2 and saved; torch loads (one process) and its 3rd step equals MindSpore's. AdamW ->
+    trained 2 steps and saved with the optimizer; MindSpore (fully_shard on 2 ranks; Adam also
+    in one process) loads it into nn.Adam / nn.Momentum / nn.SGD and takes the 3rd step: the
+    same parameters as torch's own 3rd step. And back: the MindSpore optimizers trained 2 steps
+    on fsdp2 and saved; torch loads (one process) and its 3rd step equals MindSpore's. AdamW ->
     AdamWeightDecay (no bias correction), an unknown pair and Momentum's other Nesterov are
     refused on every rank; a differing learning rate is kept, with a warning."""
-    if not _torch_python().exists():
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"no torch venv at {_torch_python()} under CI (set HYPERPAR_TORCH_PYTHON)")
-        pytest.skip(f"no torch venv at {_torch_python()} (set HYPERPAR_TORCH_PYTHON)")
-    folder = str(tmp_path)
-    ms_ref = pool2.run(_ms_optim_train_save, folder)
+    folder = str(torch_runs["folder"])
+    ms_ref, torch_report = torch_runs["ms_optim"], torch_runs["optim"]
     for res in ms_ref[1:]:
         for kind in OPTIM_KINDS:
             _same_params(res[kind], ms_ref[0][kind], "fsdp2 ranks agree")
-    torch_report = _torch_side_raw("optim", folder, tmp_path / "optim.json", 0)
     worst = {}
     for kind in OPTIM_KINDS:   # MindSpore -> torch
         got = _decode(torch_report[f"from-ms-{kind}"])
@@ -709,11 +710,13 @@ def test_optimizer_state_moves_between_torch_and_mindspore_mid_training(
     assert "mindspore.nn.optim.adam.Adam" in torch_report["refused"] and (
         "torch.optim.sgd.SGD" in torch_report["refused"]), torch_report["refused"]
 
-    for fsdp, pool in ((True, pool2), (False, pool1)):   # torch -> MindSpore
-        for rank, res in enumerate(pool.run(_ms_optim_resume, folder, fsdp)):
+    # torch -> MindSpore: every pair on fsdp2, Adam also in one process (a compile per
+    # optimizer: each costs ~1 s here)
+    for fsdp, pool, kinds in ((True, pool2, OPTIM_KINDS), (False, pool1, ("adam",))):
+        for rank, res in enumerate(pool.run(_ms_optim_resume, folder, fsdp, kinds)):
             assert res["powers"][2] == 2, res["powers"]   # torch's step, as global_step
             assert np.isclose(res["powers"][0], 0.9 ** 2, rtol=1e-6), res["powers"]
-            for kind in OPTIM_KINDS:
+            for kind in kinds:
                 want = _decode(torch_report[f"torch-{kind}"])
                 worst[f"torch->ms {kind} {'fsdp2' if fsdp else '1 process'} r{rank}"] = _near(
                     res[kind], want, f"torch {kind} -> MindSpore (fsdp={fsdp}, rank {rank})")

@@ -26,6 +26,7 @@ from mindspore import nn
 from hyperpar.checkpoint._commit import agree_or_raise
 from hyperpar.checkpoint._format import CheckpointError, LoadResult, read_index
 from hyperpar.checkpoint.arrays import ArrayBox, Want, load_arrays, save_arrays
+from hyperpar.checkpoint.optim_map import is_torch
 from hyperpar.dtensor.placement import Replicate, Shard
 from hyperpar.platform import get_platform
 
@@ -271,10 +272,16 @@ def _check_optimizer_section(optimizer: Any, opt_layout: dict[str, tuple[Any, An
         if section is None:
             raise CheckpointError(f"load(optimizer=...): {os.fspath(path)} holds no optimizer "
                                   f"state (save it with save(model, path, optimizer=opt))")
-        if section.get("class") != mine:
+        if section.get("class") != mine and is_torch(section.get("class")):
             pair = optim_cross.check_translated(optimizer, section, mine, os.fspath(path))
             translation = optim_cross.Translation(pair, optimizer, opt_layout, index,
                                                   os.fspath(path))
+        elif section.get("class") != mine:
+            raise CheckpointError(
+                f"load(optimizer=...): {os.fspath(path)} holds the state of a "
+                f"{section.get('class')} but the optimizer given is a {mine}; build the "
+                f"optimizer type that saved it, or load without optimizer= and start its state "
+                f"afresh")
     except Exception as exc:   # shared: no rank reads tensors the others refused
         error = exc
     agree_or_raise(error)
