@@ -6,7 +6,6 @@ hyperpar's own (any saved layout into any current one)."""
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -18,8 +17,7 @@ from .optim import class_name, optimizer_params, read_like
 from .optim_map import (
     MS_SGD,
     Pair,
-    check_required,
-    compare_hyperparameters,
+    check_groups,
     find_pair,
     step_from_mindspore,
     torch_hyperparameters,
@@ -55,14 +53,9 @@ def check_translated(optimizer: torch.optim.Optimizer, extra: dict[str, Any], pa
     differently (the loading optimizer's are kept). Reads no tensor."""
     pair = find_pair(extra["class"], class_name(optimizer), path)
     saved = _saved_hyperparameters(extra, path)
-    check_required(pair, saved, f"the saved {pair.mindspore}", path)
-    for i, mine in enumerate(_hyperparameters(optimizer)):
-        check_required(pair, mine, f"param group {i} of this {pair.torch}", path)
-        diffs = compare_hyperparameters(pair, saved, mine)
-        if diffs:
-            warnings.warn(f"load(optimizer=...): {path}: param group {i} keeps this "
-                          f"optimizer's hyperparameters, which differ from the saved run's "
-                          f"({'; '.join(diffs)})", stacklevel=4)
+    groups = [(f"param group {i} of this {pair.torch}", mine)
+              for i, mine in enumerate(_hyperparameters(optimizer))]
+    check_groups(pair, [(f"the saved {pair.mindspore}", saved)], groups, path)
     return pair
 
 

@@ -20,7 +20,8 @@ Options the other framework's optimizer cannot run at all (amsgrad, maximize, ..
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,6 +158,25 @@ def compare_hyperparameters(pair: Pair, saved: Mapping[str, Any], loading: Mappi
     return [f"{k}: saved {saved[k]!r}, this optimizer {loading[k]!r}"
             for k in pair.compared if k in saved and k in loading
             and not _same(saved[k], loading[k])]
+
+
+Labelled = Sequence[tuple[str, Mapping[str, Any]]]
+
+
+def check_groups(pair: Pair, saved: Labelled, loading: Labelled, path: str) -> None:
+    """Refuse what ``pair`` cannot run in either side's hyperparameters, then warn, per param
+    group, where the loading optimizer's differ from the saved run's (the loading optimizer's
+    are kept). Each side is a list of ``(who, hyperparameters)``, one per param group; a side
+    with one entry (MindSpore's optimizer) is compared with every group of the other."""
+    for who, hyper in (*saved, *loading):
+        check_required(pair, hyper, who, path)
+    for i in range(max(len(saved), len(loading)) if saved and loading else 0):
+        diffs = compare_hyperparameters(pair, saved[min(i, len(saved) - 1)][1],
+                                        loading[min(i, len(loading) - 1)][1])
+        if diffs:
+            warnings.warn(f"load(optimizer=...): {path}: param group {i} keeps this "
+                          f"optimizer's hyperparameters, which differ from the saved run's "
+                          f"({'; '.join(diffs)})", stacklevel=5)
 
 
 def common_step(steps: Mapping[str, float], path: str) -> int:

@@ -4,6 +4,8 @@ loads themselves are tested across frameworks in tests/mindspore/test_checkpoint
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -18,6 +20,7 @@ from hyperpar.checkpoint.optim_map import (
     TORCH_ADAM,
     TORCH_ADAMW,
     TORCH_SGD,
+    check_groups,
     check_required,
     common_step,
     compare_hyperparameters,
@@ -69,6 +72,28 @@ def test_hyperparameters_compare_float32_values_as_equal() -> None:
     assert compare_hyperparameters(adam, saved, ms) == []
     assert compare_hyperparameters(adam, saved, {**ms, "lr": 0.02}) == [
         "lr: saved 0.01, this optimizer 0.02"]
+
+
+def test_groups_are_refused_before_any_warning_and_warned_per_group() -> None:
+    adam = find_pair(TORCH_ADAM, MS_ADAM, "p")
+    ms = [("this nn.Adam", {"lr": 0.01, "beta1": 0.9})]
+    torch_groups = [(f"param group {i} of the saved Adam", {"lr": lr, "beta1": 0.9})
+                    for i, lr in enumerate((0.01, 0.02, 0.03))]
+    # one MindSpore side is compared with each of torch's groups: groups 1 and 2 differ
+    with pytest.warns(UserWarning) as caught:
+        check_groups(adam, torch_groups, ms, "ckpt")
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2, messages
+    assert "param group 1 keeps" in messages[0] and "lr: saved 0.02, this optimizer 0.01" \
+        in messages[0]
+    assert "param group 2 keeps" in messages[1] and "lr: saved 0.03" in messages[1]
+    # a refused option in the last group raises before group 1's difference is warned about
+    bad = [*torch_groups[:2], ("param group 2 of the saved Adam", {"amsgrad": True})]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(CheckpointError, match="param group 2 of the saved Adam has amsgrad"):
+            check_groups(adam, bad, ms, "ckpt")
+    check_groups(adam, [], ms, "ckpt")  # a saved section without groups compares nothing
 
 
 def test_torch_steps_must_agree_for_mindspore_adams_one_count() -> None:

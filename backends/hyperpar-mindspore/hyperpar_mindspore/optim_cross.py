@@ -7,7 +7,6 @@ parameters), so any saved layout loads into any current one."""
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import mindspore as ms
@@ -19,9 +18,8 @@ from hyperpar.checkpoint.optim_map import (
     MS_SGD,
     Pair,
     beta_power,
-    check_required,
+    check_groups,
     common_step,
-    compare_hyperparameters,
     find_pair,
     torch_hyperparameters,
 )
@@ -58,16 +56,9 @@ def check_translated(optimizer: Any, section: dict[str, Any], mine: str, path: s
     ``optimizer``, after refusing what the pair cannot run; warns about hyperparameters set
     differently (the loading optimizer's are kept). Reads no tensor."""
     pair = find_pair(section.get("class"), mine, path)
-    hyper = hyperparameters(optimizer)
-    check_required(pair, hyper, f"this {pair.mindspore}", path)
-    for i, group in enumerate(section.get("param_groups", [])):
-        saved = torch_hyperparameters(group)
-        check_required(pair, saved, f"param group {i} of the saved {pair.torch}", path)
-        diffs = compare_hyperparameters(pair, saved, hyper)
-        if diffs:
-            warnings.warn(f"load(optimizer=...): {path}: this optimizer keeps its "
-                          f"hyperparameters, which differ from the saved run's (param group "
-                          f"{i}: {'; '.join(diffs)})", stacklevel=4)
+    saved = [(f"param group {i} of the saved {pair.torch}", torch_hyperparameters(group))
+             for i, group in enumerate(section.get("param_groups", []))]
+    check_groups(pair, saved, [(f"this {pair.mindspore}", hyperparameters(optimizer))], path)
     return pair
 
 
