@@ -1,6 +1,6 @@
 """Tensor-parallel MLP: train a 2-layer MLP sharded Megatron-style over every rank.
 
-    hyperpar run -n 2 examples/tp_mlp.py [--steps 20] [--quiet]
+    hyperpar run -n 2 examples/tp_mlp.py [--steps 20] [--dim 64] [--hidden 256] [--batch 32]
     HYPERPAR_BACKEND=cpu hyperpar run -n 2 examples/tp_mlp.py
 
 The model is plain PyTorch; the plan is data: ``up`` is split by output features
