@@ -15,9 +15,11 @@ MS = "backends/hyperpar-mindspore/hyperpar_mindspore"
 LAYERS: dict[str, list[str]] = {
     "core": ["hyperpar/dtensor/errors.py", "hyperpar/dtensor/layout.py",
              "hyperpar/dtensor/mesh.py", "hyperpar/dtensor/placement.py",
+             "hyperpar/dtensor/remesh.py",
              "hyperpar/dtensor/rules/*.py", "hyperpar/parallel/spec.py",
              "hyperpar/parallel/driver.py", "hyperpar/parallel/styles.py",
-             "hyperpar/parallel/loss_plan.py",
+             "hyperpar/parallel/loss_plan.py", "hyperpar/parallel/easydel.py",
+             "hyperpar/parallel/prepare_plan.py",
              "hyperpar/platform/dim_collectives.py"],
     "torch": ["hyperpar/torch/**/*.py"],
     "mindspore": [f"{MS}/{n}.py" for n in ("dtensor", "dispatch", "opnames", "redistribute",

@@ -15,6 +15,13 @@ from .driver import (
     UnsupportedModuleError,
     parallelize_module,
 )
+from .easydel import (
+    TensorParallelConfig,
+    get_matmul_output_sharding,
+    get_output_partition_spec,
+    get_sharding,
+    matmul_output_placements,
+)
 
 try:
     import torch as _torch  # noqa: F401
@@ -24,13 +31,6 @@ except ImportError:  # pragma: no cover - exercised by tests/test_layering.py
 if _torch is not None:
     from hyperpar.torch import alias_submodules as _alias
     from hyperpar.torch.parallel.api import distribute_module, from_torch_style
-    from hyperpar.torch.parallel.easydel import (
-        TensorParallelConfig,
-        get_matmul_output_sharding,
-        get_output_partition_spec,
-        get_sharding,
-        matmul_output_placements,
-    )
     from hyperpar.torch.parallel.layers import (
         ColumnParallelLinear,
         ParallelLinear,
@@ -57,7 +57,7 @@ if _torch is not None:
     _alias(
         "hyperpar.torch.parallel",
         __name__,
-        ("style", "prepare", "api", "_comm", "loss", "layers", "easydel", "_debug_checks"),
+        ("style", "prepare", "api", "_comm", "loss", "layers", "_debug_checks"),
     )
 
 __all__ = [

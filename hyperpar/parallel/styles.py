@@ -25,6 +25,7 @@ from hyperpar.dtensor.placement import Partial, Placement, Replicate, Shard
 from hyperpar.platform import BackendError, get_platform
 
 from .driver import UNKNOWN, StyleBase, UnsupportedModuleError
+from .prepare_plan import check_entries
 from .spec import COLWISE, ROWWISE, StyleSpec
 
 __all__ = [
@@ -319,6 +320,7 @@ class PrepareModuleInput(ParallelStyle):
         return None  # no parameter is touched
 
     def _apply(self, module: Any, device_mesh: Any) -> Any:
+        check_entries(self)
         get_platform().tp_mechanics().prepare_inputs(self, module, _one_d(device_mesh, self))
         return module
 
@@ -349,6 +351,7 @@ class PrepareModuleOutput(ParallelStyle):
         return None  # no parameter is touched
 
     def _apply(self, module: Any, device_mesh: Any) -> Any:
+        check_entries(self)
         get_platform().tp_mechanics().prepare_outputs(self, module, _one_d(device_mesh, self))
         return module
 
@@ -379,6 +382,7 @@ class PrepareModuleInputOutput(ParallelStyle):
         return None  # no parameter is touched
 
     def _apply(self, module: Any, device_mesh: Any) -> Any:
+        check_entries(self.prepare_module_output)  # both refused before either is installed
         self.prepare_module_input._apply(module, device_mesh)
         self.prepare_module_output._apply(module, device_mesh)
         return module

@@ -2,7 +2,8 @@
 on the whole tensors in one process of that framework.
 
 ``x`` (7 x 5: uneven rows over 2 and 4 ranks), ``w`` (5 x 3), ``b`` (5,) and a Partial ``p``
-(4 x 3, integer terms on each rank) go through ``x + b`` (broadcast), ``x @ w``, ``sum(0)``,
+(4 x 3, integer terms on each rank) go through ``x + b`` (broadcast), ``x @ w``, ``x @ b`` and
+``b @ w`` (matrix-vector, as torch.matmul), ``sum(0)``,
 ``transpose(0, 1)``, ``reshape``, softmax over a whole and over a sharded dim, and ops on the
 Partial DTensor (``p + p``, ``p * 2``, ``p @ v``, ``relu(p)``, which must reduce first). The loss
 is ``sum_k sum(full_tensor(out_k) * C_k)``; its gradients for all four inputs are compared with
@@ -48,6 +49,8 @@ def _ops(fw: Framework, x: Any, w: Any, b: Any, p: Any, v: Any) -> dict[str, Any
     return {
         "x + b": h,
         "x @ w": y,
+        "x @ b": x @ b,                        # matrix @ vector
+        "b @ w": b @ w,                        # vector @ matrix
         "sum(0)": y.sum(0),
         "transpose(0, 1)": y.transpose(0, 1),
         "reshape": y.reshape(7 * 3),
@@ -63,6 +66,7 @@ def _ops(fw: Framework, x: Any, w: Any, b: Any, p: Any, v: Any) -> dict[str, Any
 
 def _run(framework: str, mesh_shape: tuple[int, ...]) -> dict:
     from hyperpar import DTensor, distribute_tensor, init_device_mesh
+    from hyperpar.parallel import get_output_partition_spec, get_sharding
 
     fw = get(framework)
     mesh = init_device_mesh(mesh_shape)
@@ -106,6 +110,8 @@ def _run(framework: str, mesh_shape: tuple[int, ...]) -> dict:
         "grad_types": [type(g).__name__ for g in grads],
         "ref_grads": [fw.numpy(g) for g in ref_grads],
         "y_placements": tuple((x + b).__matmul__(w).placements),
+        # EasyDeL's helper predicts the layout the product really gets
+        "spec": (get_output_partition_spec(x + b, w), get_sharding((x + b) @ w)),
     }
 
 
@@ -118,6 +124,8 @@ def test_ops_values_and_gradients_match_one_process(framework, pool, mesh_shape)
         for name, got, want in zip("xwbp", res["grads"], res["ref_grads"], strict=True):
             close(f"rank {rank}: d loss / d {name}", got, want, RTOL)
         assert res["grad_types"] == ["DTensor"] * 4, res["grad_types"]
+        predicted, real = res["spec"]
+        assert predicted == real == ("0", None), res["spec"]
         if mesh_shape == (2, 2):
             # x sharded on the contraction dim 1 of x @ w: the product is a Partial sum there.
             assert res["y_placements"] == (Shard(0), Partial()), res["y_placements"]

@@ -253,8 +253,28 @@ def test_the_rules_keep_communication_low_where_they_can():
 def test_an_op_or_layout_without_a_rule_names_both():
     with pytest.raises(ShardingError, match=r"'cumsum'.*\[Shard\(dim=0\)\] shape \(5, 6\)"):
         propagate("cumsum", (TensorMeta((S0,), (5, 6)),), (2,))
-    with pytest.raises(ShardingError, match=r"'matmul'.*matrix-vector"):
-        propagate("matmul", (TensorMeta((S0,), (5, 6)), TensorMeta((R,), (6,))), (2,))
+    with pytest.raises(ShardingError, match=r"'matmul'.*0-dim operand"):
+        propagate("matmul", (TensorMeta((S0,), (5, 6)), TensorMeta((R,), ())), (2,))
+
+
+def test_matmul_follows_torch_matmul_for_vectors_and_broadcast_batch_dims():
+    # matrix @ vector: the row shard stays; a sharded vector makes the product Partial
+    r = propagate("matmul", (TensorMeta((S0,), (5, 6)), TensorMeta((R,), (6,))), (2,))
+    assert r.inputs == ((S0,), (R,)) and r.outputs == ((S0,),) and r.shapes == ((5,),)
+    r = propagate("matmul", (TensorMeta((R,), (6,)), TensorMeta((S0,), (6, 7))), (2,))
+    assert r.inputs == ((S0,), (S0,)) and r.outputs == ((P_SUM,),) and r.shapes == ((7,),)
+    r = propagate("matmul", (TensorMeta((S0,), (6,)), TensorMeta((S0,), (6,))), (2,))
+    assert r.outputs == ((P_SUM,),) and r.shapes == ((),)
+    # a batch dim of size 1 broadcast against 4: the larger side keeps its shard, the other
+    # side (one matrix for every batch) is not split along it
+    r = propagate("matmul", (TensorMeta((S0,), (4, 3, 5)), TensorMeta((R,), (1, 5, 2))), (2,))
+    assert r.inputs == ((S0,), (R,)) and r.outputs == ((S0,),) and r.shapes == ((4, 3, 2),)
+    r = propagate("matmul", (TensorMeta((R,), (1, 3, 5)), TensorMeta((S0,), (4, 5, 2))), (2,))
+    assert r.inputs == ((R,), (S0,)) and r.outputs == ((S0,),)
+    # batch dims of different counts align from the right
+    r = propagate("matmul", (TensorMeta((S0, S1), (2, 4, 3, 5)), TensorMeta((S0, R), (4, 5, 2))),
+                  (2, 2))
+    assert r.outputs == ((S0, S1),) and r.shapes == ((2, 4, 3, 2),)
 
 
 def test_broadcast_shapes_is_numpys():
@@ -359,3 +379,17 @@ def test_loss_parallel_plan():
     assert flatten_outside_shard((S0,), (2, 3, 10), 1, 2) == ((S0,), (2, 30))
     assert flatten_outside_shard((S1,), (2, 3, 10), 0, 1) is None  # the shard is flattened
     assert flatten_outside_shard((S2, R), (2, 3, 10), 0, 1) is None  # 2-D mesh: no plan
+
+
+def test_placements_move_to_a_transposed_mesh_only_where_the_layout_survives():
+    from hyperpar.dtensor.remesh import moved_placements
+
+    swap = (1, 0)
+    assert moved_placements((S0, S1), swap) == (S1, S0)
+    assert moved_placements((S0, R), swap) == (R, S0)
+    # one dim split by both mesh dims: moving them would swap the outer and inner split
+    assert moved_placements((S0, S0), swap) is None
+    assert moved_placements((S0, S0), (0, 1)) == (S0, S0)
+    # two different pending reductions may not be reordered; two sums may
+    assert moved_placements((Partial("sum"), Partial("max")), swap) is None
+    assert moved_placements((Partial("sum"), Partial("sum")), swap) == (Partial(), Partial())

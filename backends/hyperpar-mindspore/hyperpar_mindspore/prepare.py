@@ -26,7 +26,8 @@ from typing import Any
 from mindspore import Tensor, nn
 
 from hyperpar.dtensor.mesh import DeviceMesh
-from hyperpar.dtensor.placement import Replicate, Shard
+from hyperpar.dtensor.placement import Placement, Replicate, Shard
+from hyperpar.parallel.prepare_plan import Convert, entries, prepare_inputs, prepare_outputs
 from hyperpar.parallel.spec import REPLICATED_PARAM_GRAD, prepare_comm
 from hyperpar.parallel.styles import (
     PrepareModuleInput,
@@ -102,86 +103,35 @@ def _sequence_parallel(style: Any, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
     return cell
 
 
-class _Converter:
-    """Re-lay out a tuple of local tensors (one layout per entry; ``None`` passes through)."""
+def _convert(style: Any, mesh: DeviceMesh, use_local: bool) -> Convert:
+    """MindSpore's re-layout of one boundary tensor (the walk is :mod:`~hyperpar.parallel.
+    prepare_plan`'s): a boundary Cell per entry of ``style``, built once here. A DTensor is
+    first redistributed to the declared layout; a sequence length that is not a torch.chunk
+    split is caught by the boundary, on every rank, before it communicates."""
+    platform, group = get_platform(), mesh.get_group(0)
+    boundaries = {what: (f"{name} {what}", Boundary(platform, prepare_comm(src, dst), group,
+                                                    f"{name} {what} ({src} -> {dst})"))
+                  for name, what, src, dst in entries(style) if src is not None}
 
-    def __init__(self, style: str, what: str, layouts: tuple, desired: tuple,
-                 mesh: DeviceMesh, names: tuple[str, ...] | None = None,
-                 use_local: bool = True) -> None:
-        platform = get_platform()
-        group = mesh.get_group(0)
-        self.style, self.what, self.names = style, what, names
-        self.mesh, self.use_local = mesh, use_local
-        self.layouts, self.desired = layouts, desired
-        self.boundaries: list[Boundary | None] = []
-        for i, (src, dst) in enumerate(zip(layouts, desired, strict=True)):
-            if src is None:
-                self.boundaries.append(None)
-                continue
-            at = repr(names[i]) if names else i
-            if dst is None:
-                raise ValueError(f"{style} {what} {at}: layout {src} given but desired layout "
-                                 f"None; give both (or None for both to leave it as it is)")
-            self.boundaries.append(Boundary(platform, prepare_comm(src, dst), group,
-                                            f"{style} {what} {at} ({src} -> {dst})"))
+    def convert(x: Tensor, layout: Placement, desired: Placement, what: str) -> Any:
+        where, boundary = boundaries[what]
+        y = boundary(as_local(x, layout, where))
+        return y if use_local else wrap_output(y, mesh, desired, None, where)
 
-    def by_name(self, kwargs: dict) -> dict:
-        """The keyword inputs this converter has layouts for, converted (absent ones skipped)."""
-        out = {}
-        for name, boundary in zip(self.names or (), self.boundaries, strict=True):
-            if name not in kwargs or boundary is None:
-                continue
-            x = kwargs[name]
-            if not isinstance(x, Tensor):
-                raise TypeError(f"{self.style} {self.what} {name!r}: a layout is given but the "
-                                f"value is a {type(x).__name__}, not a Tensor")
-            i = self.names.index(name)
-            out[name] = self._convert(x, i, boundary, f"{self.what} {name!r}")
-        return out
+    return convert
 
-    def _convert(self, x: Any, i: int, boundary: Boundary, what: str) -> Any:
-        x = as_local(x, self.layouts[i], f"{self.style} {what}")  # a DTensor: to the layout
-        y = boundary(x)
-        if self.use_local:
-            return y
-        return wrap_output(y, self.mesh, self.desired[i], None, f"{self.style} {what}")
 
-    def __call__(self, values: tuple) -> tuple:
-        if len(values) != len(self.boundaries):
-            raise ValueError(f"{self.style}: {len(self.boundaries)} {self.what} layouts given "
-                             f"but the Cell has {len(values)} {self.what}s; give one layout per "
-                             f"{self.what} (None leaves one as it is)")
-        out = []
-        for i, (x, boundary) in enumerate(zip(values, self.boundaries, strict=True)):
-            if boundary is not None and not isinstance(x, Tensor):
-                raise TypeError(f"{self.style} {self.what} {i}: a layout is given but the value "
-                                f"is a {type(x).__name__}, not a Tensor; give None for it")
-            out.append(x if boundary is None else self._convert(x, i, boundary,
-                                                                 f"{self.what} {i}"))
-        return tuple(out)
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, Tensor)
 
 
 def _prepare_inputs(style: Any, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
     if style.input_layouts is None and not style.input_kwarg_layouts:
         return cell
-    # torch's rule: one layout per positional input. A sequence length that is not a
-    # torch.chunk split is caught by the boundary, on every rank, before it communicates.
-    convert = None if style.input_layouts is None else _Converter(
-        "PrepareModuleInput", "input", style.input_layouts, style.desired_input_layouts, mesh,
-        use_local=style.use_local_output)
-    keys = tuple(style.input_kwarg_layouts)
-    convert_kw = _Converter("PrepareModuleInput", "keyword input",
-                            tuple(style.input_kwarg_layouts[k] for k in keys),
-                            tuple(style.desired_input_kwarg_layouts[k] for k in keys), mesh,
-                            names=keys, use_local=style.use_local_output) if keys else None
+    convert = _convert(style, mesh, style.use_local_output)
 
     def before(_cell: nn.Cell, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if convert is not None:
-            args = convert(tuple(args))
-        if convert_kw is not None:
-            kwargs = dict(kwargs)
-            kwargs.update(convert_kw.by_name(kwargs))
-        return args, kwargs
+        return prepare_inputs(style, tuple(args), kwargs, convert, _is_tensor)
 
     get_platform().register_forward_pre_hook(cell, before, with_kwargs=True)
     refuse_graph_mode(cell, "PrepareModuleInput", "its re-layouts run in PyNative mode only")
@@ -189,13 +139,10 @@ def _prepare_inputs(style: Any, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
 
 
 def _prepare_outputs(style: Any, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
-    convert = _Converter("PrepareModuleOutput", "output", style.output_layouts,
-                         style.desired_output_layouts, mesh, use_local=style.use_local_output)
+    convert = _convert(style, mesh, style.use_local_output)
 
     def after(_cell: nn.Cell, args: tuple, out: Any) -> Any:
-        if isinstance(out, tuple):
-            return convert(out)
-        return convert((out,))[0]
+        return prepare_outputs(style, out, convert, _is_tensor)
 
     get_platform().register_forward_hook(cell, after)
     refuse_graph_mode(cell, "PrepareModuleOutput", "its re-layouts run in PyNative mode only")

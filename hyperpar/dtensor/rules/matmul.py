@@ -5,12 +5,10 @@ the cheapest of sharding a kept label (output sharded), sharding a contracted la
 from __future__ import annotations
 
 import math
-import string
 from typing import Any
 
 from ..placement import REPLICATE, Partial, Placement, Replicate, Shard
 from .base import P_SUM, OpSharding, Placements, Shape, TensorMeta, no_rule, rule
-from .elementwise import broadcast_shapes
 
 R = REPLICATE
 
@@ -57,34 +55,51 @@ def contraction(operands: list[tuple[Placements, str, Shape]], out: str, mesh_nd
     return [tuple(t) for t in targets], tuple(outs)
 
 
-def _batch_labels(a: Shape, b: Shape) -> tuple[str, str, str, str, Shape]:
-    """Labels of the batch dims of ``a`` and ``b`` (all but the last two), the output's and the
-    blocked ones (size-1 dims broadcast against a larger one)."""
+#: labels of the batch dims (at most 10); the matrix dims are 'm', 'k' (contracted) and 'n'
+BATCH_LABELS = "abcdefghij"
+
+
+def matmul_labels(a: Shape, b: Shape) -> tuple[str, str, str, str, Shape]:
+    """``torch.matmul``'s dims as einsum labels: ``(a's, b's, the output's, blocked, output
+    shape)``. A 1-D operand is a vector (its dim contracted, none in the output). Batch dims
+    broadcast; where one side's is 1 and the other's larger, the size-1 side gets an upper-case
+    label, which is ``blocked`` (never sharded), so the larger side may still be sharded there."""
+    la = "k" if len(a) == 1 else "mk"
+    lb = "k" if len(b) == 1 else "kn"
     ba, bb = a[:-2], b[:-2]
-    out = broadcast_shapes(ba, bb)
-    letters = string.ascii_lowercase[:len(out)]  # 'm', 'k', 'n' come after the batch letters
-    la = "".join(letters[len(out) - len(ba):])
-    lb = "".join(letters[len(out) - len(bb):])
-    blocked = "".join(letters[i] for i in range(len(out))
-                      if any(len(s) >= len(out) - i and s[i - len(out)] != out[i]
-                             for s in (ba, bb)))
-    return la, lb, letters, blocked, out
+    nb = max(len(ba), len(bb))
+    pa, pb, po, blocked = "", "", "", ""
+    batch: list[int] = []
+    for i in range(nb):
+        da = ba[i - (nb - len(ba))] if i >= nb - len(ba) else None
+        db = bb[i - (nb - len(bb))] if i >= nb - len(bb) else None
+        lab = BATCH_LABELS[i]
+        if da is not None and db is not None and da != db:
+            blocked += lab.upper()
+            pa += lab if da != 1 else lab.upper()
+            pb += lab if db != 1 else lab.upper()
+        else:
+            pa += lab if da is not None else ""
+            pb += lab if db is not None else ""
+        po += lab
+        batch.append(max(d for d in (da, db) if d is not None))
+    out = po + ("m" if len(a) > 1 else "") + ("n" if len(b) > 1 else "")
+    shape = (*batch, *a[-2:-1], *b[-1:]) if len(b) > 1 else (*batch, *a[-2:-1])
+    return pa + la, pb + lb, out, blocked, shape
 
 
 @rule("matmul", "bmm")
 def _matmul(op: str, metas: tuple[TensorMeta, ...], mesh_shape: tuple[int, ...],
             **_: Any) -> OpSharding:
+    """``torch.matmul``'s semantics (vectors, broadcast batch dims) as one einsum."""
     a, b = metas
-    if len(a.shape) < 2 or len(b.shape) < 2:
-        raise no_rule(op, metas, "matrix-vector products have no rule yet (unsqueeze the "
-                                 "vector)")
-    la, lb, lout, blocked, batch = _batch_labels(a.shape, b.shape)
-    if len(lout) > 20:
-        raise no_rule(op, metas, "too many batch dims")
-    targets, outs = contraction([(a.placements, la + "xy", a.shape),
-                                 (b.placements, lb + "yz", b.shape)], lout + "xz",
-                                len(mesh_shape), blocked)
-    shape = (*batch, a.shape[-2], b.shape[-1])
+    if not a.shape or not b.shape:
+        raise no_rule(op, metas, "a 0-dim operand has no matrix product")
+    if max(len(a.shape), len(b.shape)) - 2 > len(BATCH_LABELS):
+        raise no_rule(op, metas, f"more than {len(BATCH_LABELS)} batch dims")
+    la, lb, lout, blocked, shape = matmul_labels(a.shape, b.shape)
+    targets, outs = contraction([(a.placements, la, a.shape), (b.placements, lb, b.shape)],
+                                lout, len(mesh_shape), blocked)
     return OpSharding(tuple(targets), (outs,), (shape,))
 
 
@@ -93,7 +108,9 @@ def _linear(op: str, metas: tuple[TensorMeta, ...], mesh_shape: tuple[int, ...],
             **_: Any) -> OpSharding:
     """``x @ w.T + b``: x (..., k), w (n, k), optional bias (n,)."""
     x, w = metas[0], metas[1]
-    batch = "abcdefgh"[:len(x.shape) - 1]
+    if len(x.shape) - 1 > len(BATCH_LABELS):
+        raise no_rule(op, metas, f"more than {len(BATCH_LABELS)} batch dims")
+    batch = BATCH_LABELS[:len(x.shape) - 1]
     targets, outs = contraction([(x.placements, batch + "k", x.shape),
                                  (w.placements, "nk", w.shape)], batch + "n", len(mesh_shape))
     if len(metas) > 2:  # the bias follows the output: sharded with it, or added once if Partial
@@ -103,4 +120,4 @@ def _linear(op: str, metas: tuple[TensorMeta, ...], mesh_shape: tuple[int, ...],
     return OpSharding(tuple(targets), (outs,), ((*x.shape[:-1], w.shape[0]),))
 
 
-__all__ = ["Partial", "contraction"]
+__all__ = ["BATCH_LABELS", "Partial", "contraction", "matmul_labels"]

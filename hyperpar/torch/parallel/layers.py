@@ -33,7 +33,7 @@ from hyperpar.platform import get_platform
 from hyperpar.torch.parallel.style import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 if TYPE_CHECKING:
-    from hyperpar.torch.parallel.easydel import TensorParallelConfig
+    from hyperpar.parallel.easydel import TensorParallelConfig
 
 __all__ = ["ColumnParallelLinear", "ParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding"]

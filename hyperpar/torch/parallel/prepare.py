@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from hyperpar.dtensor.placement import Placement, Shard
+from hyperpar.parallel.prepare_plan import Convert, prepare_inputs, prepare_outputs
 from hyperpar.parallel.styles import (
     PrepareModuleInput,
     PrepareModuleInputOutput,
@@ -31,59 +32,24 @@ __all__ = ["MECHANICS", "PrepareModuleInput", "PrepareModuleInputOutput", "Prepa
            "TorchMechanics"]
 
 
-def _convert(x: Any, layout: Placement | None, desired: Placement | None, mesh: Any,
-             use_local: bool, what: str) -> Any:
-    if layout is None:
-        return x
-    if desired is None:
-        raise ValueError(f"{what}: a desired layout is required where a layout is given")
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{what}: expected a tensor for layout {layout!r}, got {type(x).__name__}")
-    local, src, full = _local_and_layout(x, layout)
-    if full is None and type(src) is Shard and (
-            not use_local or needs_full_length(src, desired, local.dim(), mesh)):
-        full = full_length(local, src.dim % local.dim(), mesh)
-    shape = None if use_local else _global_shape(local, src, full, mesh)
-    y = redistribute_boundary(local, src, desired, mesh, full=full)
-    return _wrap(y, mesh, desired, use_local, shape)
+def _convert(mesh: Any, use_local: bool) -> Convert:
+    """This stack's re-layout of one boundary tensor (the walk is :mod:`~hyperpar.parallel.
+    prepare_plan`'s): a DTensor or a local tensor declared ``layout``, to ``desired``."""
+
+    def convert(x: torch.Tensor, layout: Placement, desired: Placement, what: str) -> Any:
+        local, src, full = _local_and_layout(x, layout)
+        if full is None and type(src) is Shard and (
+                not use_local or needs_full_length(src, desired, local.dim(), mesh)):
+            full = full_length(local, src.dim % local.dim(), mesh)
+        shape = None if use_local else _global_shape(local, src, full, mesh)
+        y = redistribute_boundary(local, src, desired, mesh, full=full)
+        return _wrap(y, mesh, desired, use_local, shape)
+
+    return convert
 
 
-def _prepare_inputs(style: Any, args: tuple, kwargs: dict, mesh: Any) -> tuple[tuple, dict]:
-    if style.input_layouts is not None:
-        if len(args) != len(style.input_layouts):  # torch's rule: one layout per input
-            raise ValueError(
-                f"PrepareModuleInput: {len(style.input_layouts)} input layouts given but the "
-                f"module got {len(args)} positional inputs; give one layout per positional "
-                f"input (None leaves an input as it is)"
-            )
-        args = tuple(
-            _convert(a, lay, want, mesh, style.use_local_output, f"input {i}")
-            for i, (a, lay, want) in enumerate(
-                zip(args, style.input_layouts, style.desired_input_layouts, strict=False))
-        ) + tuple(args[len(style.input_layouts):])
-    if style.input_kwarg_layouts:
-        kwargs = dict(kwargs)
-        for key, lay in style.input_kwarg_layouts.items():
-            if key in kwargs:
-                kwargs[key] = _convert(kwargs[key], lay, style.desired_input_kwarg_layouts[key],
-                                       mesh, style.use_local_output, f"input {key!r}")
-    return args, kwargs
-
-
-def _prepare_outputs(style: Any, outputs: Any, mesh: Any) -> Any:
-    single = not isinstance(outputs, tuple)
-    items = (outputs,) if single else outputs
-    if len(items) != len(style.output_layouts):
-        raise ValueError(
-            f"PrepareModuleOutput: {len(style.output_layouts)} output layouts given but the "
-            f"module returned {len(items)} outputs"
-        )
-    out = tuple(
-        _convert(o, lay, want, mesh, style.use_local_output, f"output {i}")
-        for i, (o, lay, want) in enumerate(
-            zip(items, style.output_layouts, style.desired_output_layouts, strict=True))
-    )
-    return out[0] if single else out
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
 
 
 class TorchMechanics:
@@ -114,14 +80,18 @@ class TorchMechanics:
         return _sequence_parallel(style, module, mesh)
 
     def prepare_inputs(self, style: Any, module: nn.Module, mesh: Any) -> nn.Module:
+        convert = _convert(mesh, style.use_local_output)
         get_platform().register_forward_pre_hook(
-            module, lambda mod, args, kwargs: _prepare_inputs(style, args, kwargs, mesh),
+            module, lambda mod, args, kwargs: prepare_inputs(style, args, kwargs, convert,
+                                                             _is_tensor),
             with_kwargs=True)
         return module
 
     def prepare_outputs(self, style: Any, module: nn.Module, mesh: Any) -> nn.Module:
+        convert = _convert(mesh, style.use_local_output)
         get_platform().register_forward_hook(
-            module, lambda mod, args, outputs: _prepare_outputs(style, outputs, mesh))
+            module, lambda mod, args, outputs: prepare_outputs(style, outputs, convert,
+                                                               _is_tensor))
         return module
 
 

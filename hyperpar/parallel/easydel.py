@@ -1,4 +1,5 @@
-"""EasyDeL's tensor-parallel configuration and sharding helpers, in torch terms.
+"""EasyDeL's tensor-parallel configuration and sharding helpers, for either framework's DTensors
+(this module imports neither torch nor mindspore).
 
 * :class:`TensorParallelConfig` -- ``(mesh, axis_name="tp", matmul_method=None,
   reduce_output=False, reduce_scatter_output=False)``, a dataclass with EasyDeL's
@@ -7,7 +8,7 @@
 * "What sharding does this matmul's output get": :func:`get_sharding` (a DTensor's
   PartitionSpec-like tuple), :func:`get_matmul_output_sharding` (EasyDeL's rule on specs),
   :func:`get_output_partition_spec` and :func:`matmul_output_placements` (the answer of
-  hyperpar's own DTensor matmul rule, so it is what ``x @ w`` really produces).
+  the neutral DTensor matmul rule both frameworks run, so it is what ``x @ w`` really produces).
 
 A spec is a tuple with one entry per tensor dim: the mesh dimension name sharding it, a tuple of
 names (several mesh dims), or ``None`` (not sharded) -- JAX's ``PartitionSpec`` as a tuple.
@@ -20,10 +21,10 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from hyperpar.dtensor.mesh import DeviceMesh, current_mesh, init_device_mesh
 from hyperpar.dtensor.placement import Placement, Shard
+from hyperpar.dtensor.rules import TensorMeta, propagate
+from hyperpar.dtensor.rules.matmul import matmul_labels
 from hyperpar.platform import get_platform
 
 __all__ = ["TensorParallelConfig", "get_matmul_output_sharding", "get_output_partition_spec",
@@ -135,13 +136,16 @@ def _spec_of(placements: Sequence[Placement], ndim: int, names: Sequence[str] | 
     return tuple(None if not d else d[0] if len(d) == 1 else tuple(d) for d in per_dim)
 
 
-def get_sharding(tensor: torch.Tensor) -> Spec | None:
+def _is_dtensor(x: Any) -> bool:
+    return hasattr(x, "placements") and hasattr(x, "device_mesh")
+
+
+def get_sharding(tensor: Any) -> Spec | None:
     """The spec of a DTensor (``None`` for a plain tensor). Partial placements (pending sums)
     have no spec entry, as in JAX; check ``tensor.placements`` for them."""
-    placements = getattr(tensor, "placements", None)
-    if placements is None:
+    if not _is_dtensor(tensor):
         return None
-    return _spec_of(placements, tensor.dim(), tensor.device_mesh.mesh_dim_names)
+    return _spec_of(tensor.placements, len(tensor.shape), tensor.device_mesh.mesh_dim_names)
 
 
 def get_matmul_output_sharding(lhs_pspec: Spec | None, rhs_pspec: Spec | None) -> Spec:
@@ -161,23 +165,18 @@ def get_matmul_output_sharding(lhs_pspec: Spec | None, rhs_pspec: Spec | None) -
     return tuple(out)
 
 
-def matmul_output_placements(lhs: torch.Tensor, rhs: torch.Tensor) -> tuple[Placement, ...]:
+def matmul_output_placements(lhs: Any, rhs: Any) -> tuple[Placement, ...]:
     """The placements ``lhs @ rhs`` gets (``torch.matmul`` semantics; ``rhs`` is ``(in, out)``)
     for two DTensors on one mesh, from the DTensor matmul rule itself: ``Shard`` where a kept
     dim is sharded, ``Partial("sum")`` where the contracted dim is, else ``Replicate``."""
-    from hyperpar.torch.dtensor._ops.matmul import _matmul_labels, einsum_sharding
-    from hyperpar.torch.dtensor.api import DTensor
-
-    if not (isinstance(lhs, DTensor) and isinstance(rhs, DTensor)):
+    if not (_is_dtensor(lhs) and _is_dtensor(rhs)):
         raise TypeError("matmul_output_placements: both operands must be DTensors")
-    sa, sb = tuple(lhs.shape), tuple(rhs.shape)
-    la, lb, lo, blocked, _ = _matmul_labels(sa, sb)
-    _, out = einsum_sharding(lhs.device_mesh, [(lhs.placements, la, sa),
-                                               (rhs.placements, lb, sb)], lo, blocked)
-    return tuple(out)
+    metas = (TensorMeta(tuple(lhs.placements), tuple(lhs.shape)),
+             TensorMeta(tuple(rhs.placements), tuple(rhs.shape)))
+    return tuple(propagate("matmul", metas, tuple(lhs.device_mesh.shape)).outputs[0])
 
 
-def get_output_partition_spec(lhs: torch.Tensor, rhs: torch.Tensor, method: Any = None,
+def get_output_partition_spec(lhs: Any, rhs: Any, method: Any = None,
                               axis_name: str = "tp") -> Spec | None:
     """The spec of ``lhs @ rhs`` for two DTensors (``None`` if either is a plain tensor), from
     :func:`matmul_output_placements`. ``method`` must be ``None`` and ``axis_name`` is accepted
@@ -187,8 +186,6 @@ def get_output_partition_spec(lhs: torch.Tensor, rhs: torch.Tensor, method: Any 
         raise NotImplementedError("get_output_partition_spec: only method=None is supported")
     if get_sharding(lhs) is None or get_sharding(rhs) is None:
         return None
-    from hyperpar.torch.dtensor._ops.matmul import _matmul_labels
-
     out = matmul_output_placements(lhs, rhs)
-    ndim = len(_matmul_labels(tuple(lhs.shape), tuple(rhs.shape))[2])
+    ndim = len(matmul_labels(tuple(lhs.shape), tuple(rhs.shape))[2])
     return _spec_of(out, ndim, lhs.device_mesh.mesh_dim_names)
