@@ -4,7 +4,7 @@ inputs, keyword inputs and outputs, and its checks and messages.
 
 A framework supplies the tensor mechanics only: ``convert(value, layout, desired, what)``
 re-lays out one tensor (its boundary collectives, a DTensor or a local result), and
-``is_tensor(value)`` says whether a value is one of its tensors. :func:`entries` lists every
+``tensor`` is its tensor type. :func:`entries` lists every
 ``(what, layout, desired)`` a style converts, so a framework can build its boundaries once when
 the style is applied; :func:`check_entries` refuses a layout without a desired layout then, on
 every rank, before any forward runs.
@@ -62,17 +62,17 @@ def check_entries(style: Any) -> None:
 
 
 def _one(name: str, x: Any, layout: Placement | None, desired: Placement | None, what: str,
-         convert: Convert, is_tensor: Callable[[Any], bool]) -> Any:
+         convert: Convert, tensor: type | tuple[type, ...]) -> Any:
     if layout is None:
         return x
-    if not is_tensor(x):
+    if not isinstance(x, tensor):
         raise TypeError(f"{name} {what}: a layout ({layout}) is given but the value is a "
                         f"{type(x).__name__}, not a tensor; give None for it")
     return convert(x, layout, desired, what)  # type: ignore[arg-type]
 
 
 def prepare_inputs(style: Any, args: tuple, kwargs: dict, convert: Convert,
-                   is_tensor: Callable[[Any], bool]) -> tuple[tuple, dict]:
+                   tensor: type | tuple[type, ...]) -> tuple[tuple, dict]:
     """``args`` and ``kwargs`` with each input that has a layout converted to its desired one
     (torch's rule: one positional layout per positional input; an absent keyword is skipped)."""
     if style.input_layouts is not None:
@@ -81,7 +81,8 @@ def prepare_inputs(style: Any, args: tuple, kwargs: dict, convert: Convert,
                 f"{INPUT}: {len(style.input_layouts)} input layouts given but the module got "
                 f"{len(args)} positional inputs; give one layout per positional input (None "
                 f"leaves an input as it is)")
-        args = tuple(_one(INPUT, a, lay, want, _what_input(i), convert, is_tensor)
+        args = tuple(a if lay is None else _one(INPUT, a, lay, want, f"input {i}", convert,
+                                                tensor)
                      for i, (a, lay, want) in enumerate(
                          zip(args, style.input_layouts, style.desired_input_layouts,
                              strict=True)))
@@ -91,12 +92,12 @@ def prepare_inputs(style: Any, args: tuple, kwargs: dict, convert: Convert,
             if key in kwargs:
                 kwargs[key] = _one(INPUT, kwargs[key], lay,
                                    style.desired_input_kwarg_layouts[key], _what_kwarg(key),
-                                   convert, is_tensor)
+                                   convert, tensor)
     return args, kwargs
 
 
 def prepare_outputs(style: Any, outputs: Any, convert: Convert,
-                    is_tensor: Callable[[Any], bool]) -> Any:
+                    tensor: type | tuple[type, ...]) -> Any:
     """``outputs`` (one value or a tuple) with each output that has a layout converted."""
     single = not isinstance(outputs, tuple)
     items = (outputs,) if single else outputs
@@ -104,7 +105,8 @@ def prepare_outputs(style: Any, outputs: Any, convert: Convert,
         raise ValueError(f"{OUTPUT}: {len(style.output_layouts)} output layouts given but the "
                          f"module returned {len(items)} outputs; give one layout per output "
                          f"(None leaves an output as it is)")
-    out = tuple(_one(OUTPUT, o, lay, want, _what_output(i), convert, is_tensor)
+    out = tuple(o if lay is None else _one(OUTPUT, o, lay, want, f"output {i}", convert,
+                                           tensor)
                 for i, (o, lay, want) in enumerate(
                     zip(items, style.output_layouts, style.desired_output_layouts,
                         strict=True)))

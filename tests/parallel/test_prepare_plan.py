@@ -22,14 +22,10 @@ R, S0, S1 = Replicate(), Shard(0), Shard(1)
 
 
 class Value:
-    """A stand-in tensor: the walk only asks ``is_tensor`` and hands it to ``convert``."""
+    """A stand-in tensor: the walk only checks its type and hands it to ``convert``."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-
-
-def _is_value(x: Any) -> bool:
-    return isinstance(x, Value)
 
 
 def _recording() -> tuple[list, Any]:
@@ -49,22 +45,22 @@ def test_each_positional_and_keyword_layout_reaches_its_value_and_none_passes_th
     seen, convert = _recording()
     a, b, mask, other = Value("a"), Value("b"), Value("mask"), Value("other")
     args, kwargs = prepare_inputs(style, (a, b), {"mask": mask, "other": other}, convert,
-                                  _is_value)
+                                  Value)
     assert args == (f"a:{R}", b) and kwargs == {"mask": f"mask:{R}", "other": other}
     assert seen == [("a", S1, R, "input 0"), ("mask", S0, R, "keyword input 'mask'")]
     # an absent keyword input is skipped, a non-tensor without a layout is left alone
     seen.clear()
-    args, kwargs = prepare_inputs(style, (a, 3), {}, convert, _is_value)
+    args, kwargs = prepare_inputs(style, (a, 3), {}, convert, Value)
     assert args == (f"a:{R}", 3) and kwargs == {} and len(seen) == 1
 
 
 def test_outputs_one_value_or_a_tuple():
     seen, convert = _recording()
     one = PrepareModuleOutput(output_layouts=S0, desired_output_layouts=R)
-    assert prepare_outputs(one, Value("y"), convert, _is_value) == f"y:{R}"
+    assert prepare_outputs(one, Value("y"), convert, Value) == f"y:{R}"
     two = PrepareModuleOutput(output_layouts=(None, S1), desired_output_layouts=(None, R))
     y0 = Value("y0")
-    assert prepare_outputs(two, (y0, Value("y1")), convert, _is_value) == (y0, f"y1:{R}")
+    assert prepare_outputs(two, (y0, Value("y1")), convert, Value) == (y0, f"y1:{R}")
     assert [what for *_, what in seen] == ["output 0", "output 1"]
 
 
@@ -73,13 +69,13 @@ def test_mismatches_are_refused_with_the_fix():
     style = PrepareModuleInput(input_layouts=(S1,), desired_input_layouts=(R,))
     with pytest.raises(ValueError, match="1 input layouts given but the module got 2 "
                                          "positional inputs; give one layout per"):
-        prepare_inputs(style, (Value("a"), Value("b")), {}, convert, _is_value)
+        prepare_inputs(style, (Value("a"), Value("b")), {}, convert, Value)
     with pytest.raises(TypeError, match=r"input 0: a layout \(Shard\(dim=1\)\) is given but "
                                         r"the value is a int, not a tensor; give None"):
-        prepare_inputs(style, (3,), {}, convert, _is_value)
+        prepare_inputs(style, (3,), {}, convert, Value)
     out = PrepareModuleOutput(output_layouts=(S0, S0), desired_output_layouts=(R, R))
     with pytest.raises(ValueError, match="2 output layouts given but the module returned 1"):
-        prepare_outputs(out, Value("y"), convert, _is_value)
+        prepare_outputs(out, Value("y"), convert, Value)
 
 
 def test_a_layout_without_a_desired_layout_is_refused_when_the_style_is_applied():

@@ -121,17 +121,13 @@ def _convert(style: Any, mesh: DeviceMesh, use_local: bool) -> Convert:
     return convert
 
 
-def _is_tensor(x: Any) -> bool:
-    return isinstance(x, Tensor)
-
-
 def _prepare_inputs(style: Any, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
     if style.input_layouts is None and not style.input_kwarg_layouts:
         return cell
     convert = _convert(style, mesh, style.use_local_output)
 
     def before(_cell: nn.Cell, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return prepare_inputs(style, tuple(args), kwargs, convert, _is_tensor)
+        return prepare_inputs(style, tuple(args), kwargs, convert, Tensor)
 
     get_platform().register_forward_pre_hook(cell, before, with_kwargs=True)
     refuse_graph_mode(cell, "PrepareModuleInput", "its re-layouts run in PyNative mode only")
@@ -142,7 +138,7 @@ def _prepare_outputs(style: Any, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
     convert = _convert(style, mesh, style.use_local_output)
 
     def after(_cell: nn.Cell, args: tuple, out: Any) -> Any:
-        return prepare_outputs(style, out, convert, _is_tensor)
+        return prepare_outputs(style, out, convert, Tensor)
 
     get_platform().register_forward_hook(cell, after)
     refuse_graph_mode(cell, "PrepareModuleOutput", "its re-layouts run in PyNative mode only")

@@ -48,10 +48,6 @@ def _convert(mesh: Any, use_local: bool) -> Convert:
     return convert
 
 
-def _is_tensor(x: Any) -> bool:
-    return isinstance(x, torch.Tensor)
-
-
 class TorchMechanics:
     """What the neutral styles do to an ``nn.Module`` (the ``Mechanics`` protocol of
     :mod:`hyperpar.parallel.styles`)."""
@@ -83,7 +79,7 @@ class TorchMechanics:
         convert = _convert(mesh, style.use_local_output)
         get_platform().register_forward_pre_hook(
             module, lambda mod, args, kwargs: prepare_inputs(style, args, kwargs, convert,
-                                                             _is_tensor),
+                                                             torch.Tensor),
             with_kwargs=True)
         return module
 
@@ -91,7 +87,7 @@ class TorchMechanics:
         convert = _convert(mesh, style.use_local_output)
         get_platform().register_forward_hook(
             module, lambda mod, args, outputs: prepare_outputs(style, outputs, convert,
-                                                               _is_tensor))
+                                                               torch.Tensor))
         return module
 
 
