@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from hyperpar.dtensor.layout import _plan as plan_steps
 from hyperpar.dtensor.placement import Partial, Placement, Replicate, Shard
 
 __all__ = [
@@ -71,29 +72,39 @@ class Comm:
 def boundary(src: Placement, dst: Placement, grad: GradKind = "replicate") -> Comm:
     """The communication that turns an activation laid out as ``src`` into ``dst``.
 
-    ``grad`` says how the gradient of a *replicated* result arrives (see :data:`GradKind`): a
-    replicated input to a column-parallel layer gets partial gradients (all-reduced or
-    reduce-scattered in backward, Megatron's ``f``); a replicated output consumed by replicated
-    code gets the full gradient (only this rank's piece is kept, Megatron's gather/split).
+    The forward is the DTensor redistribution planner's one step on a 1-D mesh
+    (:mod:`hyperpar.dtensor.layout`: one table for DTensors and style boundaries, on every
+    framework); this adds the tensor-parallel backward. ``grad`` says how the gradient of a
+    *replicated* result arrives (see :data:`GradKind`): a replicated input to a column-parallel
+    layer gets partial gradients (all-reduced or reduce-scattered in backward, Megatron's
+    ``f``); a replicated output consumed by replicated code gets the full gradient (only this
+    rank's piece is kept, Megatron's gather/split).
     """
     if src == dst:
         if isinstance(dst, Replicate) and grad == "partial":
             return Comm("none", "all_reduce")
         return Comm("none", "none")
-    if isinstance(src, Shard) and isinstance(dst, Replicate):
-        return Comm("all_gather", "reduce_scatter" if grad == "partial" else "chunk", src.dim)
-    if isinstance(src, Replicate) and isinstance(dst, Shard):
-        return Comm("chunk", "all_gather", dst.dim)
-    if isinstance(src, Partial) and isinstance(dst, Replicate):
-        return Comm("all_reduce", "none")
-    if isinstance(src, Partial) and isinstance(dst, Shard):
-        return Comm("reduce_scatter", "all_gather", dst.dim)
-    if isinstance(src, Shard) and isinstance(dst, Shard):
-        return Comm("all_to_all", "all_to_all", src.dim, dst.dim)
-    raise ValueError(
-        f"no tensor-parallel boundary turns {src} into {dst}: a boundary may gather, reduce, "
-        f"scatter or re-shard an activation, not make one Partial; use Replicate() or Shard(d)"
-    )
+    steps = plan_steps((2,), (src,), (dst,))  # 2 ranks: any size > 1 plans alike
+    if len(steps) != 1 or steps[0][0] not in _BOUNDARY_STEPS:
+        raise ValueError(
+            f"no tensor-parallel boundary turns {src} into {dst}: a boundary may gather, "
+            f"reduce, scatter or re-shard an activation, not make one Partial; use Replicate() "
+            f"or Shard(d)")
+    kind, _, _, a, b = steps[0]
+    forward, backward = _BOUNDARY_STEPS[kind]
+    if kind == "gather" and grad == "partial":
+        backward = "reduce_scatter"
+    if kind == "allreduce":
+        return Comm(forward, backward)
+    return Comm(forward, backward, a, b if kind == "all_to_all" else None)
+
+
+#: the planner's step kind -> a boundary's forward op and its backward (a gather's backward is
+#: a reduce-scatter instead when the gradients arrive partial)
+_BOUNDARY_STEPS = {"gather": ("all_gather", "chunk"), "chunk": ("chunk", "all_gather"),
+                   "allreduce": ("all_reduce", "none"),
+                   "reduce_scatter": ("reduce_scatter", "all_gather"),
+                   "all_to_all": ("all_to_all", "all_to_all")}
 
 
 @dataclass(frozen=True)
