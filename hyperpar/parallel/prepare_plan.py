@@ -71,21 +71,24 @@ def _one(name: str, x: Any, layout: Placement | None, desired: Placement | None,
     return convert(x, layout, desired, what)  # type: ignore[arg-type]
 
 
+def _each(name: str, kind: str, values: tuple, layouts: tuple, desired: tuple, got: str,
+          per: str, convert: Convert, tensor: type | tuple[type, ...]) -> tuple:
+    """``values`` converted one layout each (torch's rule: as many layouts as values)."""
+    if len(values) != len(layouts):
+        raise ValueError(f"{name}: {len(layouts)} {kind} layouts given but the module {got} "
+                         f"{len(values)} {per}s; give one layout per {per} (None leaves an "
+                         f"{kind} as it is)")
+    return tuple(v if lay is None else _one(name, v, lay, want, f"{kind} {i}", convert, tensor)
+                 for i, (v, lay, want) in enumerate(zip(values, layouts, desired, strict=True)))
+
+
 def prepare_inputs(style: Any, args: tuple, kwargs: dict, convert: Convert,
                    tensor: type | tuple[type, ...]) -> tuple[tuple, dict]:
     """``args`` and ``kwargs`` with each input that has a layout converted to its desired one
-    (torch's rule: one positional layout per positional input; an absent keyword is skipped)."""
+    (one positional layout per positional input; an absent keyword input is skipped)."""
     if style.input_layouts is not None:
-        if len(args) != len(style.input_layouts):
-            raise ValueError(
-                f"{INPUT}: {len(style.input_layouts)} input layouts given but the module got "
-                f"{len(args)} positional inputs; give one layout per positional input (None "
-                f"leaves an input as it is)")
-        args = tuple(a if lay is None else _one(INPUT, a, lay, want, f"input {i}", convert,
-                                                tensor)
-                     for i, (a, lay, want) in enumerate(
-                         zip(args, style.input_layouts, style.desired_input_layouts,
-                             strict=True)))
+        args = _each(INPUT, "input", args, style.input_layouts, style.desired_input_layouts,
+                     "got", "positional input", convert, tensor)
     if style.input_kwarg_layouts:
         kwargs = dict(kwargs)
         for key, lay in style.input_kwarg_layouts.items():
@@ -100,14 +103,6 @@ def prepare_outputs(style: Any, outputs: Any, convert: Convert,
                     tensor: type | tuple[type, ...]) -> Any:
     """``outputs`` (one value or a tuple) with each output that has a layout converted."""
     single = not isinstance(outputs, tuple)
-    items = (outputs,) if single else outputs
-    if len(items) != len(style.output_layouts):
-        raise ValueError(f"{OUTPUT}: {len(style.output_layouts)} output layouts given but the "
-                         f"module returned {len(items)} outputs; give one layout per output "
-                         f"(None leaves an output as it is)")
-    out = tuple(o if lay is None else _one(OUTPUT, o, lay, want, f"output {i}", convert,
-                                           tensor)
-                for i, (o, lay, want) in enumerate(
-                    zip(items, style.output_layouts, style.desired_output_layouts,
-                        strict=True)))
+    out = _each(OUTPUT, "output", (outputs,) if single else outputs, style.output_layouts,
+                style.desired_output_layouts, "returned", "output", convert, tensor)
     return out[0] if single else out
