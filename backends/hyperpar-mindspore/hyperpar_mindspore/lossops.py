@@ -15,6 +15,7 @@ targets (:func:`.localops.global_mean`). Plain tensors go to MindSpore's own fun
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -59,6 +60,7 @@ def dtensor_loss(original: Callable[..., Any], name: str, input: Any, target: An
 
 
 def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)  # the name, module and docstring of MindSpore's own
     def loss(input: Any, target: Any, weight: Any = None, ignore_index: int = -100,
              reduction: str = "mean", label_smoothing: float = 0.0) -> Any:
         if isinstance(input, DTensor):
@@ -66,9 +68,6 @@ def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
                                 reduction, label_smoothing)
         return original(input, target, weight, ignore_index, reduction, label_smoothing)
 
-    loss.__name__ = loss.__qualname__ = name
-    loss.__doc__ = original.__doc__
-    loss.__wrapped__ = original  # type: ignore[attr-defined]
     return loss
 
 
