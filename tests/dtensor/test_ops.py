@@ -60,6 +60,7 @@ OPS = {
     "cross_entropy_weighted": lambda logits, t, w: F.cross_entropy(
         logits, t, w.to(logits.dtype) + 0.5, ignore_index=2),
     "nll_loss_ignore": lambda x, t: F.nll_loss(F.log_softmax(x, 1), t, ignore_index=1),
+    "cross_entropy_probs": lambda logits, p: F.cross_entropy(logits, p.softmax(-1)),
     "getitem": lambda x: x[:, 1:3] * 2,
     "expand": lambda x: x.unsqueeze(0).expand(3, -1, -1) * 2,
     "mlp": lambda x, w1, w2: F.linear(F.silu(F.linear(x, w1)), w2),
@@ -139,6 +140,7 @@ CASES = [
     ("cross_entropy_weighted", [((7, 5), [S0], [S0, S0], "f"), ((7,), [R], [R, R], "i5"),
                                 ((5,), [R], [R, R], "i4")]),
     ("nll_loss_ignore", [((7, 5), [S0], [R, S0], "f"), ((7,), [S0], [R, R], "i3")]),
+    ("cross_entropy_probs", [((8, 5), [S0], [S0, R], "f"), ((8, 5), [S0], [S0, R], "f")]),
     ("getitem", [((4, 6), [S0], [S0, S1], "f")]),
     ("expand", [((4, 6), [S1], [S0, S1], "f")]),
     ("vector_norm", [((5, 4), [S0], [S0, S1], "f")]),
@@ -211,7 +213,8 @@ def test_every_op_rule_matches_the_full_tensor_op_on_a_1d_mesh(run_on_ranks):
     assert results[0][0] == [], "\n".join(results[0][0])
     # a vocabulary-parallel lookup and a mean loss over a sharded batch stay Partial
     placements = dict(results[0][1])
-    for name in ("embedding_pad", "cross_entropy_weighted", "nll_loss_ignore"):
+    for name in ("embedding_pad", "cross_entropy_weighted", "nll_loss_ignore",
+                 "cross_entropy_probs"):
         assert placements[name] == (P,), (name, placements[name])
 
 

@@ -542,6 +542,13 @@ def _errors_and_recovery() -> dict:
     finally:
         listops.EXPRESSED["AddN"] = addn
     out["after_refusal"] = grad(lambda t: ops.addn([t, t * t]).sum(), 0)(x).full_tensor().asnumpy()
+    # a DTensor loss input with a plain target is refused before any collective
+    from hyperpar_mindspore.dispatch import MixedTensorError
+
+    try:
+        ops.cross_entropy(x, ms.Tensor(np.zeros(4, np.int32)))
+    except MixedTensorError as exc:
+        out["plain_target"] = str(exc)
     return out
 
 
@@ -559,3 +566,5 @@ def test_an_op_without_a_rule_raises_and_the_next_gradient_call_works(pool2):
         assert res["raw"] == "Tensor"
         assert "'AddN'" in res["list_refused"] and "full_tensor" in res["list_refused"]
         np.testing.assert_allclose(res["after_refusal"], 1 + 2 * arr, rtol=0, atol=1e-6)
+        assert "ops.cross_entropy" in res["plain_target"] and "distribute_tensor" in \
+            res["plain_target"], res["plain_target"]
