@@ -47,6 +47,8 @@ OPS = {
     "rms_norm": lambda x, w: F.rms_norm(x, (x.shape[-1],), w),
     "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
     "embedding": lambda ids, w: F.embedding(ids, w) * 1.0,
+    # the padding row is non-zero here: its value is looked up, it gets no gradient
+    "embedding_pad": lambda ids, w: F.embedding(ids, w, padding_idx=-7) * 1.0,
     "cat": lambda a, b: torch.cat([a, b], dim=1),
     "stack": lambda a, b: torch.stack([a, b], dim=0),
     "split": lambda x: x.split(2, dim=1)[1] * 2,
@@ -54,6 +56,11 @@ OPS = {
     "cross_entropy": lambda logits, t: F.cross_entropy(logits, t),
     "cross_entropy_ignore": lambda logits, t: F.cross_entropy(logits, t, ignore_index=0),
     "cross_entropy_none": lambda logits, t: F.cross_entropy(logits, t, reduction="none"),
+    # class weights 0.5..3.5, made from integers (no gradient: nll_loss has none for weight)
+    "cross_entropy_weighted": lambda logits, t, w: F.cross_entropy(
+        logits, t, w.to(logits.dtype) + 0.5, ignore_index=2),
+    "nll_loss_ignore": lambda x, t: F.nll_loss(F.log_softmax(x, 1), t, ignore_index=1),
+    "cross_entropy_probs": lambda logits, p: F.cross_entropy(logits, p.softmax(-1)),
     "getitem": lambda x: x[:, 1:3] * 2,
     "expand": lambda x: x.unsqueeze(0).expand(3, -1, -1) * 2,
     "mlp": lambda x, w1, w2: F.linear(F.silu(F.linear(x, w1)), w2),
@@ -129,6 +136,11 @@ CASES = [
     ("cross_entropy", [((7, 10), [S1], [S1, S0], "f"), ((7,), [R], [R, S0], "i10")]),
     ("cross_entropy_ignore", [((7, 10), [S0], [S0, S0], "f"), ((7,), [S0], [R, R], "i3")]),
     ("cross_entropy_none", [((8, 10), [S0], [S0, S1], "f"), ((8,), [S0], [S0, R], "i10")]),
+    ("embedding_pad", [((4, 6), [R], [R, R], "i10"), ((10, 8), [S0], [S0, S0], "f")]),
+    ("cross_entropy_weighted", [((7, 5), [S0], [S0, S0], "f"), ((7,), [R], [R, R], "i5"),
+                                ((5,), [R], [R, R], "i4")]),
+    ("nll_loss_ignore", [((7, 5), [S0], [R, S0], "f"), ((7,), [S0], [R, R], "i3")]),
+    ("cross_entropy_probs", [((8, 5), [S0], [S0, R], "f"), ((8, 5), [S0], [S0, R], "f")]),
     ("getitem", [((4, 6), [S0], [S0, S1], "f")]),
     ("expand", [((4, 6), [S1], [S0, S1], "f")]),
     ("vector_norm", [((5, 4), [S0], [S0, S1], "f")]),
@@ -199,11 +211,19 @@ def run_op_cases(mesh_shape, cases):
 def test_every_op_rule_matches_the_full_tensor_op_on_a_1d_mesh(run_on_ranks):
     results = run_on_ranks(2, run_op_cases, (2,), CASES)
     assert results[0][0] == [], "\n".join(results[0][0])
+    # a vocabulary-parallel lookup and a mean loss over a sharded batch stay Partial
+    placements = dict(results[0][1])
+    for name in ("embedding_pad", "cross_entropy_weighted", "nll_loss_ignore",
+                 "cross_entropy_probs"):
+        assert placements[name] == (P,), (name, placements[name])
 
 
 def test_every_op_rule_matches_the_full_tensor_op_on_a_2d_mesh(run_on_ranks):
     results = run_on_ranks(4, run_op_cases, (2, 2), CASES)
     assert results[0][0] == [], "\n".join(results[0][0])
+    placements = dict(results[0][1])
+    assert placements["embedding_pad"] == (P, P) and placements["nll_loss_ignore"] == (R, P)
+    assert placements["cross_entropy_weighted"] == (P, P)
 
 
 def test_matmul_keeps_megatron_layouts_without_communication(run_on_ranks):

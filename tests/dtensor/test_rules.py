@@ -19,6 +19,8 @@ from hyperpar.dtensor.layout import shard_shape_and_offset
 from hyperpar.dtensor.placement import Partial, Replicate, Shard
 from hyperpar.dtensor.rules import (
     P_SUM,
+    GlobalMean,
+    MaskedLookup,
     ShardingError,
     TensorMeta,
     broadcast_shapes,
@@ -43,10 +45,30 @@ def _softmax(x, dim):
     return e / e.sum(dim, keepdims=True)
 
 
-def _cross_entropy(logits, target, reduction):
+def _cross_entropy(logits, target, reduction, weight=None, ignore_index=-100):
+    """torch's cross entropy on (N, C) logits: ignored targets count 0 in the sum and the mean's
+    count; each sample is weighted by its class weight."""
     logp = np.log(_softmax(logits, 1))
-    loss = -logp[np.arange(len(target)), target]
-    return loss if reduction == "none" else loss.sum() if reduction == "sum" else loss.mean()
+    valid = target != ignore_index
+    t = np.where(valid, target, 0)
+    w = (np.ones(logits.shape[1]) if weight is None else weight)[t] * valid
+    loss = -logp[np.arange(len(target)), t] * w
+    return loss if reduction == "none" else loss.sum() if reduction == "sum" else \
+        loss.sum() / w.sum()
+
+
+def _ce_count(target, args, weight=None):
+    """The count a mean cross entropy divides by, on this rank's targets."""
+    valid = target != args.get("ignore_index", -100)
+    return float(((1.0 if weight is None else weight[np.where(valid, target, 0)]) * valid).sum())
+
+
+def _masked_lookup(how, w, ids, mesh_shape, coord):
+    """MaskedLookup on one rank: ids in [lo, hi) look up their row of this piece, others 0."""
+    lo, hi = how.rows(mesh_shape, coord)
+    assert w.shape[0] == hi - lo
+    inside = (ids >= lo) & (ids < hi)
+    return np.where(inside[..., None], w[np.where(inside, ids - lo, 0)], 0.0)
 
 
 # op -> numpy implementation on (arrays, args)
@@ -73,7 +95,9 @@ NUMPY = {
     "unbind": lambda xs, a: np.moveaxis(xs[0], a["dim"], 0)[a["_out"]],
     "embedding": lambda xs, a: xs[0][xs[1]],
     "gather_d": lambda xs, a: np.take_along_axis(xs[0], xs[1], a["dim"]),
-    "cross_entropy": lambda xs, a: _cross_entropy(xs[0], xs[1], a.get("reduction", "mean")),
+    "cross_entropy": lambda xs, a: _cross_entropy(xs[0], xs[1], a.get("reduction", "mean"),
+                                                  xs[2] if len(xs) > 2 else None,
+                                                  a.get("ignore_index", -100)),
 }
 
 
@@ -90,10 +114,23 @@ def _simulate(op, arrays, placements, mesh_shape, **args):
     out_pl, out_shape = rule.outputs[k], rule.shapes[k]
     assert out_shape == want.shape, (op, out_shape, want.shape)
     pieces = {}
-    for coord in itertools.product(*(range(n) for n in mesh_shape)):
-        local = [_piece(a, t, mesh_shape, coord) for a, t in zip(arrays, rule.inputs,
-                                                                  strict=True)]
-        if op == "reshape":
+    coords = list(itertools.product(*(range(n) for n in mesh_shape)))
+    locals_ = {c: [_piece(a, t, mesh_shape, c) for a, t in zip(arrays, rule.inputs, strict=True)]
+               for c in coords}
+    for coord in coords:
+        local = locals_[coord]
+        if isinstance(rule.local, MaskedLookup):
+            y = _masked_lookup(rule.local, local[0], local[1], mesh_shape, coord)
+        elif isinstance(rule.local, GlobalMean):
+            assert rule.local.weighted == (len(local) > 2)
+            w = local[2] if len(local) > 2 else None
+            total = np.asarray(NUMPY[op](local, {**args, "reduction": "sum"}))
+            # the all-reduce over rule.local.dims: ranks that differ only along those dims
+            count = sum(_ce_count(locals_[c][1], args, w) for c in coords
+                        if all(c[m] == coord[m] for m in range(len(mesh_shape))
+                               if m not in rule.local.dims))
+            y = total / count
+        elif op == "reshape":
             shape, _ = shard_shape_and_offset(out_shape, out_pl, mesh_shape, coord)
             y = local[0].reshape(shape)
         elif rule.divide_by is not None:
@@ -126,6 +163,9 @@ A56, A64, B6, B63 = (rng.standard_normal(s) for s in ((5, 6), (6, 4), (6,), (6, 
 A246, A463, A465 = (rng.standard_normal(s) for s in ((2, 4, 6), (4, 6, 3), (4, 6, 5)))
 IDS = rng.integers(0, 6, (3, 5))
 TARGET = rng.integers(0, 4, (5,))
+TARGET_IGN = np.array([3, -100, 0, 2, 2])  # one ignored target
+TARGET_IGN1 = np.array([1, 0, 3, 1, 3])     # ignore_index=1 drops two
+W4 = np.array([0.5, 2.0, 1.0, 3.0])        # class weights
 
 CASES = [
     ("add", [A56, B6], [(S0,), (R,)], (4,), {}),
@@ -200,10 +240,24 @@ CASES = [
     ("embedding", [A64, IDS], [(R,), (S1,)], (4,), {}),
     ("embedding", [A64, IDS], [(S1,), (R,)], (2,), {}),
     ("embedding", [A64, IDS], [(S0,), (S0,)], (2,), {}),
+    # vocabulary-parallel: a masked lookup of this rank's rows, Partial output
+    ("embedding", [A64, IDS], [(S0,), (R,)], (2,), {}),
+    ("embedding", [A64, IDS], [(S0,), (R,)], (3,), {"padding_idx": -1}),
+    ("embedding", [A64, IDS], [(S0,), (R,)], (4,), {}),   # 6 rows over 4: one rank has none
+    ("embedding", [A64, IDS], [(S0, S0), (R, R)], (2, 2), {"padding_idx": 2}),
+    ("embedding", [A64, IDS], [(S0, R), (R, S1)], (2, 2), {}),
+    ("embedding", [A64, IDS], [(S1, S0), (S0, R)], (2, 2), {}),
     ("gather_d", [A56, IDS[:, :5].repeat(2, 0)[:5, :4] % 6], [(S0,), (R,)], (2,), {"dim": 1}),
     ("cross_entropy", [A56[:, :4], TARGET], [(S0,), (S0,)], (2,), {"reduction": "sum"}),
     ("cross_entropy", [A56[:, :4], TARGET], [(S1,), (S0,)], (4,), {"reduction": "none"}),
     ("cross_entropy", [A56[:, :4], TARGET], [(S0,), (R,)], (2,), {"reduction": "mean"}),
+    # a mean over a sharded batch: local sum / global count of non-ignored (weighted) targets
+    ("cross_entropy", [A56[:, :4], TARGET_IGN], [(S0,), (S0,)], (4,), {}),
+    ("cross_entropy", [A56[:, :4], TARGET_IGN1, W4], [(S0,), (R,), (R,)], (2,),
+     {"ignore_index": 1}),
+    ("cross_entropy", [A56[:, :4], TARGET_IGN, W4], [(S0, S0), (R, R), (S0, R)], (2, 2), {}),
+    ("cross_entropy", [A56[:, :4], TARGET_IGN, W4], [(S0, S1), (S0, R), (R, R)], (2, 2),
+     {"reduction": "sum"}),
 ]
 
 
@@ -248,6 +302,39 @@ def test_the_rules_keep_communication_low_where_they_can():
     # a constant added to a Partial sum would be added once per rank: reduce first
     r = propagate("add", (TensorMeta((P_SUM,), (5, 6)),), (2,), has_scalar=True)
     assert r.inputs == ((R,),)
+
+
+def test_vocab_parallel_lookup_and_global_mean_describe_the_local_computation():
+    # the rows of each rank follow the table's Shard(0) pieces (torch.chunk), over two mesh dims
+    r = propagate("embedding", (TensorMeta((S0, S0), (7, 4)), TensorMeta((R, R), (3,))), (2, 2),
+                  padding_idx=-2)
+    how = r.local
+    assert isinstance(how, MaskedLookup) and how.dims == (0, 1) and how.padding_idx == 5
+    assert r.outputs == ((P_SUM, P_SUM),) and r.shapes == ((3, 4),)
+    ranges = [how.rows((2, 2), c) for c in itertools.product(range(2), range(2))]
+    assert ranges == [(0, 2), (2, 4), (4, 6), (6, 7)]
+    assert [how.local_padding(lo, hi) for lo, hi in ranges] == [None, None, 1, None]
+    with pytest.raises(ValueError, match="padding_idx 7 is outside the table's 7 rows"):
+        propagate("embedding", (TensorMeta((S0,), (7, 4)), TensorMeta((R,), (3,))), (2,),
+                  padding_idx=7)
+    # sharded ids win over a vocabulary-sharded table on the same mesh dim (no masked lookup)
+    r = propagate("embedding", (TensorMeta((S0,), (7, 4)), TensorMeta((S0,), (4,))), (2,))
+    assert r.local is None and r.inputs == ((R,), (S0,)) and r.outputs == ((S0,),)
+    # a mean cross entropy over a batch sharded on mesh dim 1 only all-reduces over dim 1
+    r = propagate("cross_entropy", (TensorMeta((R, S0), (8, 5)), TensorMeta((R, R), (8,)),
+                                    TensorMeta((R, R), (5,))), (2, 2), ignore_index=3)
+    assert r.local == GlobalMean((1,), 3, True) and r.outputs == ((R, P_SUM),)
+    assert r.inputs == ((R, S0), (R, S0), (R, R))
+    # K-dim logits (N, C, L) sharded on L: the target (N, L) follows on its dim 1
+    r = propagate("cross_entropy", (TensorMeta((S2,), (4, 5, 6)), TensorMeta((R,), (4, 6))),
+                  (2,), reduction="none")
+    assert r.inputs == ((S2,), (S1,)) and r.outputs == ((S1,),) and r.shapes == ((4, 6),)
+    # probability targets: the mean divides by the (known) number of samples, no all-reduce
+    r = propagate("cross_entropy", (TensorMeta((S0,), (8, 5)), TensorMeta((R,), (8, 5))), (2,))
+    assert r.local is None and r.divide_by == 8 and r.inputs == ((S0,), (S0,))
+    # the class dim is gathered; a mean over an unsharded batch is the op itself
+    r = propagate("cross_entropy", (TensorMeta((S1,), (8, 5)), TensorMeta((S0,), (8,))), (2,))
+    assert r.local is None and r.inputs == ((R,), (R,)) and r.outputs == ((R,),)
 
 
 def test_an_op_or_layout_without_a_rule_names_both():

@@ -313,6 +313,19 @@ def _f_cross_entropy(logits, target):
     return ops.cross_entropy(logits, target)
 
 
+def _f_cross_entropy_weighted(logits, target, weight):
+    from mindspore import ops
+
+    # MindSpore differentiates the class weight too (through the mean's count)
+    return ops.cross_entropy(logits, target, weight.abs() + 0.5, ignore_index=2)
+
+
+def _f_nll_loss(x, target):
+    from mindspore import ops
+
+    return ops.nll_loss(ops.log_softmax(x, 1), target, ignore_index=1)
+
+
 _INT = "int"
 # name -> (function, [(shape, {mesh shape: placements}, kind)])
 OP_CASES = {
@@ -356,10 +369,27 @@ OP_CASES = {
     "softmax": (_f_softmax, [((4, 6), {2: (S1,), 4: (S0,), (2, 2): (S0, S1)}, "")]),
     "embedding_ids": (_f_embedding, [((7, 4), {2: (R,), 4: (S1,), (2, 2): (S1, R)}, ""),
                                      ((3, 5), {2: (S0,), 4: (S0,), (2, 2): (R, S1)}, _INT)]),
-    "embedding_vocab": (_f_embedding, [((7, 4), {2: (S0,), 4: (S0,)}, ""),
-                                       ((3, 5), {2: (R,), 4: (S1,)}, _INT)]),
+    "embedding_vocab": (_f_embedding, [((7, 4), {2: (S0,), 4: (S0,), (2, 2): (S0, S0)}, ""),
+                                       ((3, 5), {2: (R,), 4: (R,), (2, 2): (R, R)}, _INT)]),
+    "embedding_vocab_ids": (_f_embedding, [((7, 4), {4: (S0,), (2, 2): (S0, R)}, ""),
+                                           ((3, 8), {4: (S1,), (2, 2): (R, S1)}, _INT)]),
     "cross_entropy": (_f_cross_entropy, [((6, 5), {2: (S0,), 4: (S1,), (2, 2): (S0, S1)}, ""),
                                          ((6,), {2: (S0,), 4: (R,), (2, 2): (S0, R)}, _INT)]),
+    "cross_entropy_weighted": (_f_cross_entropy_weighted, [
+        ((8, 5), {2: (S0,), 4: (S0,), (2, 2): (S0, S0)}, ""),
+        ((8,), {2: (R,), 4: (S0,), (2, 2): (R, R)}, _INT),
+        ((5,), {2: (R,), 4: (R,), (2, 2): (R, R)}, "")]),
+    "nll_loss_ignore": (_f_nll_loss, [((8, 5), {2: (S0,), 4: (S0,), (2, 2): (R, S0)}, ""),
+                                      ((8,), {2: (R,), 4: (R,), (2, 2): (S0, R)}, _INT)]),
+}
+
+# Output placements that must match torch's decision (one neutral rule): a vocabulary-sharded
+# table gives a Partial output (masked lookup), a mean loss over a sharded batch a Partial one.
+OUT_PLACEMENTS = {
+    "embedding_vocab": {2: (P,), 4: (P,), (2, 2): (P, P)},
+    "embedding_vocab_ids": {4: (S1,), (2, 2): (P, S1)},
+    "cross_entropy_weighted": {2: (P,), 4: (P,), (2, 2): (P, P)},
+    "nll_loss_ignore": {2: (P,), 4: (P,), (2, 2): (R, P)},
 }
 
 
@@ -368,7 +398,7 @@ def _inputs(name: str, key, seed: int) -> list[tuple[np.ndarray, tuple, str]]:
     out = []
     for shape, layouts, kind in OP_CASES[name][1]:
         if kind == _INT:
-            high = 5 if name == "cross_entropy" else 7
+            high = 5 if name.startswith(("cross_entropy", "nll")) else 7
             arr = rng.integers(0, high, shape).astype(np.int32)
         else:
             arr = rng.uniform(-2, 2, shape).astype(np.float32)
@@ -419,6 +449,9 @@ def _run_op(mesh, key, seed: int, name: str) -> dict:
     out = fn(*dts)
     _, grads = value_and_grad(loss, floats)(*dts)
     grads = grads if isinstance(grads, tuple) else (grads,)
+    want = OUT_PLACEMENTS.get(name, {}).get(key)
+    if want is not None:
+        assert tuple(out.placements) == want, (name, out.placements, want)
     return {
         "out": out.full_tensor().asnumpy(), "out_type": type(out).__name__,
         "out_shape": tuple(out.shape), "ref": ref_out.asnumpy(),
@@ -509,6 +542,13 @@ def _errors_and_recovery() -> dict:
     finally:
         listops.EXPRESSED["AddN"] = addn
     out["after_refusal"] = grad(lambda t: ops.addn([t, t * t]).sum(), 0)(x).full_tensor().asnumpy()
+    # a DTensor loss input with a plain target is refused before any collective
+    from hyperpar_mindspore.dispatch import MixedTensorError
+
+    try:
+        ops.cross_entropy(x, ms.Tensor(np.zeros(4, np.int32)))
+    except MixedTensorError as exc:
+        out["plain_target"] = str(exc)
     return out
 
 
@@ -526,3 +566,5 @@ def test_an_op_without_a_rule_raises_and_the_next_gradient_call_works(pool2):
         assert res["raw"] == "Tensor"
         assert "'AddN'" in res["list_refused"] and "full_tensor" in res["list_refused"]
         np.testing.assert_allclose(res["after_refusal"], 1 + 2 * arr, rtol=0, atol=1e-6)
+        assert "ops.cross_entropy" in res["plain_target"] and "distribute_tensor" in \
+            res["plain_target"], res["plain_target"]

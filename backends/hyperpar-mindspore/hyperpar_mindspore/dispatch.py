@@ -11,9 +11,17 @@ from mindspore._c_expression import NoFallbackGuard
 
 from hyperpar.dtensor.layout import shard_shape_and_offset, some_rank_empty
 from hyperpar.dtensor.placement import REPLICATE, Shard
-from hyperpar.dtensor.rules import OpSharding, ShardingError, TensorMeta, propagate
+from hyperpar.dtensor.rules import (
+    GlobalMean,
+    MaskedLookup,
+    OpSharding,
+    ShardingError,
+    TensorMeta,
+    propagate,
+)
 
 from .dtensor import DTensor, clear_grad_state
+from .localops import global_mean, masked_lookup, sum_over
 from .opnames import OPS, PASSTHROUGH, Call
 from .redistribute import mesh_coordinate, redistribute, sum_grad_over
 
@@ -121,6 +129,15 @@ def _call_local(func: Any, args: Any, local: list[Any], kwargs: dict[str, Any], 
         shape, _ = shard_shape_and_offset(sharding.shapes[0], sharding.outputs[0],
                                           tuple(mesh.shape), mesh_coordinate(mesh))
         return mint.reshape(x, shape)
+    if isinstance(sharding.local, MaskedLookup):  # a vocabulary-parallel lookup
+        def run(a: list[Any]) -> Any:
+            return func(args[0], args[1], tuple(a), **kwargs) if legacy else func(*a, **kwargs)
+
+        return masked_lookup(run, local, call.tensors, sharding.local, mesh, call.padding_at)
+    if isinstance(sharding.local, GlobalMean):  # a mean loss over a sharded batch
+        return global_mean(func, local, sharding.local, mesh)
+    if call.op == "cross_entropy" and sharding.divide_by is not None:
+        return sum_over(func, local, sharding.divide_by)
     if sharding.divide_by is not None:  # a mean over a sharded dim: local sum / global count
         dim = call.args["dim"]
         dim = tuple(dim) if isinstance(dim, list) else dim

@@ -295,3 +295,8 @@ __all__ = ["DTensor", "Partial", "Replicate", "Shard", "clear_grad_state", "dist
 from . import listops  # noqa: E402  (needs DTensor, defined above)
 
 listops.install()
+
+# ops.cross_entropy / ops.nll_loss are Python compositions: route DTensor calls whole (lossops).
+from . import lossops  # noqa: E402
+
+lossops.install()

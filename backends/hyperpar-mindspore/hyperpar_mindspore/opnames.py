@@ -31,8 +31,9 @@ from hyperpar.dtensor.rules.view import flattened_shape, squeezed_shape, unsquee
 class Call:
     """One op call read for the rules: the neutral ``op``, the argument positions of its tensor
     inputs (in the rule's order), the rule's keyword arguments, whether the local call is a
-    reshape to this rank's piece of the global output shape (``reshape``), and for ops taking a
-    list of tensors (``Concat``) the position of that list (``tensor_list``; ``tensors`` empty).
+    reshape to this rank's piece of the global output shape (``reshape``), for ops taking a
+    list of tensors (``Concat``) the position of that list (``tensor_list``; ``tensors`` empty),
+    and for a lookup the position of its padding index (``padding_at``).
     """
 
     op: str
@@ -40,6 +41,7 @@ class Call:
     args: dict[str, Any] = field(default_factory=dict)
     reshape: bool = False
     tensor_list: int | None = None
+    padding_at: int | None = None  # embedding: where the call takes its padding index
 
 
 Parser = Callable[[Sequence[Any], dict[str, Any]], Call]
@@ -178,7 +180,10 @@ def _gather(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
 
 
 def _embedding(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
-    return Call("embedding", (1, 0))  # mint's order is (indices, weight)
+    # mint's order is (indices, weight, padding_idx, ...); MindSpore 2.10 has no CPU kernel
+    padding = _arg(args, kwargs, 2, "padding_idx", None)
+    return Call("embedding", (1, 0), {"padding_idx": padding},
+                padding_at=2 if len(args) > 2 else None)
 
 
 def _gather_d(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:

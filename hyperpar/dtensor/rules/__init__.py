@@ -22,6 +22,8 @@ from . import cat, elementwise, matmul, nn, reduction, view  # noqa: F401  (fill
 from .base import (
     P_SUM,
     RULES,
+    GlobalMean,
+    MaskedLookup,
     OpSharding,
     ShardingError,
     TensorMeta,
@@ -33,5 +35,6 @@ from .base import (
 from .elementwise import broadcast_shapes, elementwise_plan
 from .view import infer_shape
 
-__all__ = ["P_SUM", "RULES", "OpSharding", "ShardingError", "TensorMeta", "broadcast_shapes",
-           "elementwise_plan", "grad_sum_dims", "infer_shape", "no_rule", "propagate", "rule"]
+__all__ = ["P_SUM", "RULES", "GlobalMean", "MaskedLookup", "OpSharding", "ShardingError",
+           "TensorMeta", "broadcast_shapes", "elementwise_plan", "grad_sum_dims", "infer_shape",
+           "no_rule", "propagate", "rule"]

@@ -4,10 +4,11 @@ placements and global shapes, and its non-tensor arguments. Imports no framework
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..placement import Partial, Placement, Replicate, Shard
+from ..layout import shard_shape_and_offset
+from ..placement import REPLICATE, Partial, Placement, Replicate, Shard
 
 Placements = tuple[Placement, ...]
 Shape = tuple[int, ...]
@@ -27,6 +28,45 @@ class TensorMeta:
 
 
 @dataclass(frozen=True)
+class MaskedLookup:
+    """The local computation of a vocabulary-parallel lookup (``embedding`` with a row-sharded
+    table): the rank holding rows ``[lo, hi)`` (:meth:`rows`) looks up ``id - lo`` for the ids
+    in that range and gives zeros for the others, so the output is Partial("sum") over the mesh
+    dims ``dims``. ``padding_idx`` (global, non-negative, or None) is the row whose lookups get
+    no gradient; only the rank holding it passes it (shifted by ``lo``) to its local lookup."""
+
+    dims: tuple[int, ...]
+    table: Placements
+    vocab: int
+    padding_idx: int | None = None
+
+    def rows(self, mesh_shape: tuple[int, ...], coord: tuple[int, ...] | list[int] | None
+             ) -> tuple[int, int]:
+        """This rank's row range ``[lo, hi)`` of the table (from its Shard(0) placements)."""
+        pl = tuple(p if type(p) is Shard and p.dim == 0 else REPLICATE for p in self.table)
+        (n,), (lo,) = shard_shape_and_offset((self.vocab,), pl, mesh_shape, coord)
+        return lo, lo + n
+
+    def local_padding(self, lo: int, hi: int) -> int | None:
+        """``padding_idx`` as a row of this rank's piece, or None where another rank holds it."""
+        p = self.padding_idx
+        return p - lo if p is not None and lo <= p < hi else None
+
+
+@dataclass(frozen=True)
+class GlobalMean:
+    """The local computation of a mean loss over a sharded batch (``cross_entropy`` with
+    ``reduction="mean"``): each rank computes its local *sum* of the per-sample losses and
+    divides it by the global count of targets not equal to ``ignore_index`` -- each counted as
+    its class weight when ``weighted`` -- summed (all-reduced) over the mesh dims ``dims``. The
+    output is Partial("sum") over ``dims``."""
+
+    dims: tuple[int, ...]
+    ignore_index: int = -100
+    weighted: bool = False
+
+
+@dataclass(frozen=True)
 class OpSharding:
     """A rule's answer.
 
@@ -35,13 +75,16 @@ class OpSharding:
     input, the mesh dims where its gradient must be summed (a replicated input that fed a sharded
     or Partial output holds only this rank's term of it); ``divide_by``: when set, the op runs
     as a sum on the local shard and the platform divides by this global count (a mean over a
-    sharded dim)."""
+    sharded dim); ``local``: when set, the local computation is not the op itself on the local
+    pieces but the one it describes (:class:`MaskedLookup`, :class:`GlobalMean`), which each
+    platform implements with its own ops."""
 
     inputs: tuple[Placements, ...]
     outputs: tuple[Placements, ...]
     shapes: tuple[Shape, ...]
     grad_sum: tuple[tuple[int, ...], ...] = field(default=())
     divide_by: int | None = None
+    local: MaskedLookup | GlobalMean | None = None
 
 
 Rule = Callable[..., OpSharding]
@@ -71,8 +114,7 @@ def propagate(op: str, metas: tuple[TensorMeta, ...], mesh_shape: tuple[int, ...
     result = fn(op, metas, mesh_shape, **args)
     if not result.grad_sum:
         sums = tuple(grad_sum_dims(t, result.outputs) for t in result.inputs)
-        result = OpSharding(result.inputs, result.outputs, result.shapes, sums,
-                            result.divide_by)
+        result = replace(result, grad_sum=sums)
     return result
 
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn import _reduction as _Reduction
 
 from hyperpar.dtensor.placement import REPLICATE, Shard
+from hyperpar.dtensor.rules import GlobalMean, MaskedLookup
 from hyperpar.platform import get_platform
 from hyperpar.torch.dtensor import random as _random
 from hyperpar.torch.dtensor._ops.dispatch import localize
-from hyperpar.torch.dtensor._ops.neutral import neutral_sharding
+from hyperpar.torch.dtensor._ops.neutral import decide, neutral_sharding, to_sharding
 from hyperpar.torch.dtensor._ops.registry import (
-    P_SUM,
     OpCall,
     Placements,
     Sharding,
@@ -100,45 +101,35 @@ def sdpa_rule(call: OpCall) -> Sharding:
 # ---------------------------------------------------------------------------- embedding
 @register_op(F.embedding)
 def embedding_rule(call: OpCall) -> Sharding:
-    """``F.embedding``: weight Shard(1) shards the output; Shard(0) is a vocab-parallel masked
-    lookup (Partial)."""
+    """``F.embedding``: the neutral rule; a vocabulary-sharded table is its masked lookup
+    (Partial output)."""
     ids, weight = call.args[0], call.args[1]
     if not (isinstance(ids, DTensor) and isinstance(weight, DTensor)):
         raise mixing_error(call.func, ids if not isinstance(ids, DTensor) else weight)
-    nd = ids.ndim
-    ti, tw, out = [], [], []
-    vocab_dims = []
-    for m in range(call.mesh.ndim):
-        pi, pw = ids._spec.placements[m], weight._spec.placements[m]
-        if pw == Shard(1):
-            ti.append(R)
-            tw.append(pw)
-            out.append(Shard(nd))
-        elif pw == Shard(0) and type(pi) is not Shard:
-            ti.append(R)
-            tw.append(pw)
-            out.append(P_SUM)
-            vocab_dims.append(m)
-        else:
-            pi = pi if type(pi) is Shard else R
-            ti.append(pi)
-            tw.append(R)
-            out.append(pi)
-    shape = tuple(ids._spec.shape) + (weight._spec.shape[1],)
+    res = decide("embedding", [weight._spec, ids._spec], padding_idx=call.arg(2, "padding_idx"))
+    tw, ti = res.inputs
     local = None
-    if vocab_dims:
-        wspec = DTensorSpec(call.mesh, tuple(tw), weight._spec.shape)
-        (rows, _), (offset, _) = wspec.local_shape_and_offset()
-        padding_idx = call.arg(2, "padding_idx")
+    if isinstance(res.local, MaskedLookup):
+        local = _masked_lookup(res.local, call)
+    return Sharding([ti, tw], res.outputs[0], res.shapes[0], local=local)
 
-        def local(idx, w, *a, **k):  # vocab-parallel lookup: rows outside this shard give 0
-            shifted = idx - offset
-            outside = (shifted < 0) | (shifted >= rows)
-            emb = F.embedding(shifted.masked_fill(outside, 0), w)
-            if padding_idx is not None:
-                outside = outside | (idx == padding_idx % weight._spec.shape[0])
-            return emb.masked_fill(outside.unsqueeze(-1), 0)
-    return Sharding([tuple(ti), tuple(tw)], tuple(out), shape, local=local)
+
+def _masked_lookup(how: MaskedLookup, call: OpCall):
+    """The torch local function of :class:`MaskedLookup`: ids outside this rank's rows look up
+    row 0 and are zeroed (no gradient reaches the table through them); the padding row, on the
+    rank holding it, is F.embedding's own ``padding_idx`` (its value looked up, no gradient)."""
+    lo, hi = how.rows(tuple(call.mesh.shape), call.mesh.get_coordinate())
+    pad = how.local_padding(lo, hi)
+
+    def local(idx, w, *a, **k):  # keyword arguments past padding_idx (max_norm, ...) kept
+        k = {**k, "padding_idx": pad}
+        a = a[1:]
+        shifted = idx - lo
+        outside = (shifted < 0) | (shifted >= hi - lo)
+        emb = F.embedding(shifted.masked_fill(outside, 0), w, *a, **k)
+        return emb.masked_fill(outside.unsqueeze(-1), 0)
+
+    return local
 
 
 # ---------------------------------------------------------------------------- dropout
@@ -173,54 +164,66 @@ def _dropout(func, args, kwargs):
 # ---------------------------------------------------------------------------- losses
 @register_op(F.cross_entropy, F.nll_loss)
 def cross_entropy_rule(call: OpCall) -> Sharding:
-    """``cross_entropy``/``nll_loss``: class dim gathered; a sharded batch gives Partial(sum) over
-    the global count."""
+    """``cross_entropy``/``nll_loss``: the neutral rule; a mean over a sharded batch is a local
+    sum over the global (all-reduced) count of non-ignored targets."""
     x, target = call.args[0], call.arg(1, "target")
     if not isinstance(target, DTensor):
         raise mixing_error(call.func, target)
     weight = call.arg(2, "weight")
-    ignore_index = call.kwargs.get("ignore_index", -100)
-    reduction = call.kwargs.get("reduction", "mean")
-    if len(call.args) > 5 and call.func is F.cross_entropy:
-        ignore_index = call.args[4]
-    class_dim = 1 if x.ndim > 1 else 0
-    tx, tt = [], []
-    for m in range(call.mesh.ndim):
-        p = x._spec.placements[m]
-        if type(p) is Shard and p.dim != class_dim:
-            tdim = p.dim if p.dim == 0 else p.dim - 1
-            tx.append(p)
-            tt.append(Shard(tdim))
-        else:
-            tx.append(R)
-            tt.append(R)
-    sharded = [m for m, p in enumerate(tx) if type(p) is Shard and call.mesh.shape[m] > 1]
-    targets: list[Placements | None] = [tuple(tx), tuple(tt)]
-    if isinstance(weight, DTensor):
-        targets.append((R,) * call.mesh.ndim)
-    tshape = tuple(target._spec.shape)
-    if reduction == "none":
-        out = tuple(p if type(p) is Shard else R for p in tt)
-        return Sharding(targets, out, tshape)
-    out = tuple(P_SUM if m in sharded else R for m in range(call.mesh.ndim))
-    if reduction == "sum" or not sharded:
-        return Sharding(targets, out, ())
-    func = call.func
-    mesh = call.mesh
+    ignore_index = call.arg(4, "ignore_index", -100)
+    reduction = call.arg(6, "reduction", "mean")
+    size_average, reduce = call.arg(3, "size_average"), call.arg(5, "reduce")
+    if size_average is not None or reduce is not None:  # torch's legacy arguments win
+        reduction = _Reduction.legacy_get_string(size_average, reduce)
+    specs = [x._spec, target._spec] + ([weight._spec] if isinstance(weight, DTensor) else [])
+    res = decide("cross_entropy", specs, reduction=reduction, ignore_index=ignore_index)
+    sh = to_sharding(res)
+    if isinstance(res.local, GlobalMean):
+        sh.local = _global_mean(res.local, call.func, call.mesh, ignore_index)
+    elif res.divide_by is not None:
+        sh.local = _sum_over(call.func, res.divide_by)
+    return sh
 
-    def local(inp, tgt, *a, **k):  # mean over a sharded batch: local sum / global count
-        k = dict(k)
-        k["reduction"] = "sum"
-        total = func(inp, tgt, *a, **k)
-        w = k.get("weight", a[0] if a else None)
+
+def _summed(func, a, k):
+    """``func``'s keyword arguments with the reduction made a sum (positional legacy
+    ``size_average``/``reduce``/``reduction`` dropped, they were read by the rule)."""
+    k = {**k, "reduction": "sum"}
+    for name in ("size_average", "reduce"):
+        k.pop(name, None)
+    names = ("weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+    for name, v in zip(names, a, strict=False):
+        if name not in ("size_average", "reduce", "reduction"):
+            k.setdefault(name, v)
+    return k
+
+
+def _global_mean(how: GlobalMean, func, mesh, ignore_index: int):
+    """The torch local function of :class:`GlobalMean`: the local sum divided by the count of
+    non-ignored targets (class-weighted) all-reduced over ``how.dims``."""
+
+    def local(inp, tgt, *a, **k):
+        k = _summed(func, a, k)
+        total = func(inp, tgt, **k)
+        w = k.get("weight")
         valid = tgt != ignore_index
         if w is not None:
             count = (w[tgt.masked_fill(~valid, 0)] * valid).sum()
         else:
             count = valid.sum().to(total.dtype)
         count = count.detach().clone()
-        for m in sharded:
+        for m in how.dims:
             get_platform().all_reduce(count, "sum", mesh.get_group(m))
         return total / count
 
-    return Sharding(targets, out, (), local=local)
+    return local
+
+
+def _sum_over(func, count: int):
+    """A mean over a sharded batch of probability targets: the local sum over the global
+    number of samples."""
+
+    def local(inp, tgt, *a, **k):
+        return func(inp, tgt, **_summed(func, a, k)) / count
+
+    return local
