@@ -23,6 +23,7 @@ LAYERS: dict[str, list[str]] = {
              "hyperpar/platform/dim_collectives.py"],
     "torch": ["hyperpar/torch/**/*.py"],
     "mindspore": [f"{MS}/{n}.py" for n in ("dtensor", "dispatch", "opnames", "redistribute",
+                                            "localops", "lossops", "listops",
                                             "loss", "parallel", "prepare", "comm", "graph")],
 }
 
