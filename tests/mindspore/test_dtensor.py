@@ -379,7 +379,10 @@ OP_CASES = {
     "embedding_vocab": (_f_embedding, [((7, 4), {2: (S0,), 4: (S0,)}, ""),
                                        ((3, 5), {2: (R,), 4: (S1,)}, _INT)]),
     # norms: gathered normalised dims and Partial inputs, uneven (6 over 4: 2, 2, 2, 0) and
-    # Partial weights, batch shards kept (the weight's gradient summed over them)
+    # Partial weights, batch shards kept (the weight's gradient summed over them). Each row is
+    # normalised whole on one rank by the same kernel as the reference; only the weight/bias
+    # gradients add rows across ranks (<= 12 terms) and a Partial input's terms are summed
+    # first: within TOL's derivation above.
     "layer_norm": (_f_layer_norm, [((4, 3, 6), {2: (S0,), 4: (P,), (2, 2): (S1, S0)}, ""),
                                    ((6,), {2: (R,), 4: (S0,), (2, 2): (R, R)}, ""),
                                    ((6,), {2: (P,), 4: (R,), (2, 2): (R, P)}, "")]),
