@@ -257,15 +257,25 @@ def _mixing():
 
     mesh = init_device_mesh((2,))
     x = distribute_tensor(torch.randn(4, 4), mesh, [S0])
-    try:
-        x + torch.ones(4, 4)
-    except RuntimeError as exc:
-        return str(exc)
-    return "no error"
+    out = []
+    for op in (lambda: x + torch.ones(4, 4),
+               # a trainable plain weight would get only this rank's rows' gradient
+               lambda: F.layer_norm(x, (4,), torch.ones(4, requires_grad=True))):
+        try:
+            op()
+            out.append("no error")
+        except RuntimeError as exc:
+            out.append(str(exc))
+    # a constant plain weight is used as it is (the same on every rank, no gradient)
+    out.append(str(F.layer_norm(x, (4,), torch.ones(4)).placements))
+    return out
 
 
 def test_mixing_a_dtensor_with_a_plain_tensor_is_an_error_that_says_how_to_fix_it(run_on_ranks):
-    assert "distribute_tensor or DTensor.from_local" in run_on_ranks(2, _mixing)[0]
+    plus, norm, constant = run_on_ranks(2, _mixing)[0]
+    assert "distribute_tensor or DTensor.from_local" in plus
+    assert "layer_norm" in norm and "distribute_tensor or DTensor.from_local" in norm
+    assert constant == "(Shard(dim=0),)"
 
 
 @st.composite

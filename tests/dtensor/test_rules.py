@@ -371,6 +371,112 @@ def test_broadcast_shapes_is_numpys():
         broadcast_shapes((2, 3), (4,))
 
 
+# ---------------------------------------------------------------------------- norms, attention
+def _normalised(x, axes, eps=1e-5):
+    mean = x.mean(axes, keepdims=True)
+    var = x.var(axes, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps), mean, var
+
+
+def _layer_norm(xs, a):
+    n = 1 if isinstance(a["normalized_shape"], int) else len(a["normalized_shape"])
+    x = xs[0]
+    y, mean, var = _normalised(x, tuple(range(x.ndim - n, x.ndim)))
+    if len(xs) > 1:
+        y = y * xs[1]  # the weight
+    if len(xs) > 2:
+        y = y + xs[2]  # the bias
+    return (y, mean, var)[a.get("_out", 0)]
+
+
+def _rms_norm(xs, a):
+    x = xs[0]
+    y = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6)
+    return y * xs[1] if len(xs) > 1 else y
+
+
+def _group_norm(xs, a):
+    x, g = xs[0], a["num_groups"]
+    grouped = x.reshape(x.shape[0], g, -1)
+    y, mean, var = _normalised(grouped, (2,))
+    y = y.reshape(x.shape)
+    if len(xs) > 1:  # per-channel weight and bias (dim 1)
+        y = y * xs[1].reshape(-1, *(1,) * (x.ndim - 2)) + xs[2].reshape(-1, *(1,) * (x.ndim - 2))
+    return (y, mean[..., 0], var[..., 0])[a.get("_out", 0)]
+
+
+def _sdpa(xs, a):
+    q, k, v = xs[:3]
+    group = q.shape[-3] // k.shape[-3]  # grouped key/value heads serve `group` query heads
+    k, v = np.repeat(k, group, -3), np.repeat(v, group, -3)
+    s = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
+    if len(xs) > 3:
+        s = s + xs[3]  # an additive mask
+    return _softmax(s, -1) @ v
+
+
+NUMPY.update({"layer_norm": _layer_norm, "rms_norm": _rms_norm, "group_norm": _group_norm,
+              "sdpa": _sdpa})
+W5, W6, Q, K, V, MASK = (rng.standard_normal(s) for s in ((5,), (6,), (2, 4, 3, 5), (2, 2, 6, 5),
+                                                            (2, 2, 6, 4), (3, 6)))
+NORM_ATTENTION_CASES = [
+    ("layer_norm", [A465, W5, W5], [(S0,), (S0,), (P_SUM,)], (2,), {"normalized_shape": (5,)}),
+    ("layer_norm", [A465], [(S2, S1)], (2, 2), {"normalized_shape": (6, 5)}),
+    # a Partial input is reduced first (the bias shows it: a normalised zero is not zero)
+    ("layer_norm", [A465, W5, W5], [(S1, P_SUM), (R, S0), (R, R)], (4, 2),  # 6 over 4: 2,2,2,0
+     {"normalized_shape": 5}),
+    # MindSpore's LayerNorm also returns the mean and variance, laid out like the output
+    ("layer_norm", [A465, W5, W5], [(S1, S2), (R, R), (R, R)], (2, 2),
+     {"normalized_shape": (5,), "stats": 2, "_out": 1}),
+    ("layer_norm", [A465], [(S0, S1)], (2, 2), {"normalized_shape": (6, 5), "stats": 2,
+                                                "_out": 2}),
+    ("rms_norm", [A465, W5], [(S1,), (P_SUM,)], (2,), {"normalized_shape": (5,)}),
+    ("rms_norm", [A465], [(S2, S0)], (2, 2), {"normalized_shape": [5]}),
+    ("group_norm", [A465, W6, W6], [(S0, S1), (S0, R), (R, R)], (2, 2), {"num_groups": 3}),
+    ("group_norm", [A465], [(S2,)], (4,), {"num_groups": 2, "stats": 2, "_out": 1}),
+    ("group_norm", [A465, W6, W6], [(S0, P_SUM), (R, R), (R, R)], (2, 2),
+     {"num_groups": 6, "stats": 2}),
+    ("sdpa", [Q, K, V], [(S0,), (R,), (S2,)], (2,), {}),   # batch (q's) kept
+    ("sdpa", [Q, K, V], [(S1,), (S1,), (S1,)], (2,), {}),  # heads: 4 and 2 over 2
+    ("sdpa", [Q, K, V], [(S1,), (S1,), (S1,)], (4,), {}),  # 2 kv heads over 4: gathered
+    ("sdpa", [Q, K, V, MASK], [(S1, S0), (R, P_SUM), (S3, R), (S0, S1)], (2, 2), {}),
+    ("sdpa", [Q, K, V, np.broadcast_to(MASK, (2, 1, 3, 6))], [(S2,), (S1,), (S0,), (S0,)],
+     (2,), {}),  # a heads shard; the mask broadcasts over heads: replicated
+]
+
+
+@pytest.mark.parametrize("op,arrays,placements,mesh_shape,args", NORM_ATTENTION_CASES,
+                         ids=[f"{c[0]}-{c[2]}-{c[3]}" for c in NORM_ATTENTION_CASES])
+def test_norm_and_attention_rules_assemble_to_the_whole_result(op, arrays, placements,
+                                                               mesh_shape, args):
+    _simulate(op, arrays, placements, mesh_shape, **args)
+
+
+def test_norm_and_attention_rules_keep_batch_and_head_shards():
+    # a batch-sharded layer norm moves nothing; the replicated weight's gradient is summed
+    r = propagate("layer_norm", (TensorMeta((S0,), (4, 6, 5)), TensorMeta((R,), (5,))), (2,),
+                  normalized_shape=(5,))
+    assert r.inputs == ((S0,), (R,)) and r.outputs == ((S0,),) and r.grad_sum == ((), (0,))
+    # the normalised dims and a Partial are gathered; a sharded weight too
+    r = propagate("rms_norm", (TensorMeta((S2, P_SUM), (4, 6, 5)), TensorMeta((S0, R), (5,))),
+                  (2, 2), normalized_shape=5)
+    assert r.inputs == ((R, R), (R, R)) and r.outputs == ((R, R),)
+    r = propagate("group_norm", (TensorMeta((S0, S1), (4, 6, 5)),), (2, 2), num_groups=2,
+                  stats=2)
+    assert r.outputs == ((S0, R),) * 3 and r.shapes == ((4, 6, 5), (4, 2), (4, 2))
+    # heads stay sharded with the mask following them; uneven heads are gathered
+    q, kv = TensorMeta((S1,), (2, 4, 3, 5)), TensorMeta((S1,), (2, 2, 6, 5))
+    r = propagate("sdpa", (q, kv, kv, TensorMeta((R,), (2, 4, 3, 6))), (2,))
+    assert r.inputs == ((S1,), (S1,), (S1,), (S1,)) and r.outputs == ((S1,),)
+    assert r.shapes == ((2, 4, 3, 5),)
+    r = propagate("sdpa", (q, kv, kv), (4,))
+    assert r.inputs == ((R,),) * 3 and r.outputs == ((R,),)
+    # a sequence shard is gathered (context parallelism is the styles' job)
+    kv = TensorMeta((R,), (2, 2, 6, 5))
+    r = propagate("sdpa", (TensorMeta((S2,), (2, 4, 3, 5)), kv, kv), (2,))
+    assert r.inputs == ((R,), (R,), (R,))
+
+
 def test_rules_and_layout_import_no_framework():
     code = ("import sys\n"
             "class Block:\n"

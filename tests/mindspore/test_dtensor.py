@@ -326,6 +326,26 @@ def _f_nll_loss(x, target):
     return ops.nll_loss(ops.log_softmax(x, 1), target, ignore_index=1)
 
 
+def _f_layer_norm(x, g, b):
+    from mindspore import ops
+
+    # the legacy primitive (what nn.LayerNorm runs) with its mean and variance outputs
+    y, mean, var = ops.LayerNorm(-1, -1, 1e-5)(x, g, b)
+    return y * 2 + mean - var
+
+
+def _f_layer_norm_2d(x, g, b):
+    from mindspore import ops
+
+    return ops.LayerNorm(1, 1, 1e-5)(x, g, b)[0]  # over the last two dims
+
+
+def _f_group_norm(x, w, b):
+    from mindspore import mint
+
+    return mint.nn.functional.group_norm(x, 3, w, b)
+
+
 _INT = "int"
 # name -> (function, [(shape, {mesh shape: placements}, kind)])
 OP_CASES = {
@@ -373,6 +393,20 @@ OP_CASES = {
                                        ((3, 5), {2: (R,), 4: (R,), (2, 2): (R, R)}, _INT)]),
     "embedding_vocab_ids": (_f_embedding, [((7, 4), {4: (S0,), (2, 2): (S0, R)}, ""),
                                            ((3, 8), {4: (S1,), (2, 2): (R, S1)}, _INT)]),
+    # norms: gathered normalised dims and Partial inputs, uneven (6 over 4: 2, 2, 2, 0) and
+    # Partial weights, batch shards kept (the weight's gradient summed over them). Each row is
+    # normalised whole on one rank by the same kernel as the reference; only the weight/bias
+    # gradients add rows across ranks (<= 12 terms) and a Partial input's terms are summed
+    # first: within TOL's derivation above.
+    "layer_norm": (_f_layer_norm, [((4, 3, 6), {2: (S0,), 4: (P,), (2, 2): (S1, S0)}, ""),
+                                   ((6,), {2: (R,), 4: (S0,), (2, 2): (R, R)}, ""),
+                                   ((6,), {2: (P,), 4: (R,), (2, 2): (R, P)}, "")]),
+    "layer_norm_2d": (_f_layer_norm_2d, [((4, 3, 6), {2: (S1,), 4: (S0,), (2, 2): (S0, S1)}, ""),
+                                         ((3, 6), {2: (R,), 4: (S1,), (2, 2): (R, R)}, ""),
+                                         ((3, 6), {2: (S0,), 4: (R,), (2, 2): (P, R)}, "")]),
+    "group_norm": (_f_group_norm, [((4, 6, 3), {2: (S0,), 4: (S1,), (2, 2): (S0, S2)}, ""),
+                                   ((6,), {2: (S0,), 4: (R,), (2, 2): (R, R)}, ""),
+                                   ((6,), {2: (R,), 4: (P,), (2, 2): (P, R)}, "")]),
     "cross_entropy": (_f_cross_entropy, [((6, 5), {2: (S0,), 4: (S1,), (2, 2): (S0, S1)}, ""),
                                          ((6,), {2: (S0,), 4: (R,), (2, 2): (S0, R)}, _INT)]),
     "cross_entropy_weighted": (_f_cross_entropy_weighted, [
@@ -511,6 +545,10 @@ def _errors_and_recovery() -> dict:
     # MindSpore's executor is left broken by an exception inside a gradient call that
     # recorded a Cell with weights (the next call fails in LayerNormGrad) unless it is reset
     norm = nn.LayerNorm((6,))
+    try:  # its gamma/beta are plain Parameters: refused (their gradient would miss rows)
+        norm(x)
+    except ValueError as exc:
+        out["norm_plain"] = str(exc)
 
     def bad(t):
         y = norm(t.to_local()).sum()  # recorded, then the DTensor op without a rule raises
@@ -564,6 +602,7 @@ def test_an_op_without_a_rule_raises_and_the_next_gradient_call_works(pool2):
         # d/dx of sum(x^2) + sum(layernorm(x)): 2x + (d/dx sum(layernorm), from plain MindSpore)
         np.testing.assert_allclose(res["grad"], 2 * arr + res["norm_grad"], rtol=0, atol=1e-5)
         assert res["raw"] == "Tensor"
+        assert "LayerNorm on a DTensor" in res["norm_plain"] and "(6,)" in res["norm_plain"]
         assert "'AddN'" in res["list_refused"] and "full_tensor" in res["list_refused"]
         np.testing.assert_allclose(res["after_refusal"], 1 + 2 * arr, rtol=0, atol=1e-6)
         assert "ops.cross_entropy" in res["plain_target"] and "distribute_tensor" in \

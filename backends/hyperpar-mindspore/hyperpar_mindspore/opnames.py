@@ -24,6 +24,7 @@ from typing import Any
 
 from mindspore import Tensor
 
+from hyperpar.dtensor.rules.base import norm_dim
 from hyperpar.dtensor.rules.view import flattened_shape, squeezed_shape, unsqueezed_shape
 
 
@@ -135,6 +136,57 @@ def softmax(op: str) -> Parser:
     return parse
 
 
+# Normalisation, read off __fallback__ in MindSpore 2.10 PyNative: nn.LayerNorm and
+# ops.LayerNorm run the legacy primitive ``LayerNorm`` (x, gamma, beta, begin_norm_axis,
+# begin_params_axis, epsilon) -> (y, mean, variance), CPU kernel present;
+# mint.nn.functional.layer_norm, mint.nn.LayerNorm and ops.layer_norm run ``LayerNormExt``
+# (x, normalized_shape, weight, bias, eps) -> (y, mean, rstd), no CPU kernel ("Create
+# kernelmod for op LayerNormExt failed", plain MindSpore too): mapped, run only where a kernel
+# exists; mint.nn.functional.group_norm and mint.nn.GroupNorm run ``GroupNorm`` (x,
+# num_groups, weight, bias, eps) -> (y, mean, rstd) of shape (N, num_groups), CPU kernel
+# present. Not mapped: ``RmsNorm`` (ops.rms_norm; "The kernel RmsNorm unregistered" on CPU,
+# mint has no rms_norm) and attention (mint has no scaled_dot_product_attention;
+# ``FlashAttentionScore`` is unregistered on CPU).
+def _dtensor_params(op: str, args: Sequence[Any], positions: Sequence[int]) -> tuple[int, ...]:
+    """The positions of a norm's weight and bias (None: left out). A plain Tensor there -- a
+    Cell's Parameter, or the ones/zeros mint makes when none is passed -- is refused: its
+    gradient would miss the other ranks' rows."""
+    out = []
+    for i in positions:
+        a = args[i] if len(args) > i else None
+        if a is None:
+            continue
+        if not hasattr(a, "placements"):
+            raise ValueError(
+                f"{op} on a DTensor: its weight/bias is a plain Tensor of shape "
+                f"{tuple(a.shape)} (a Cell's Parameter, or the ones/zeros mint makes when none "
+                "is passed); pass weight and bias as DTensors, e.g. distribute_tensor(w, mesh, "
+                "[Replicate()] * mesh.ndim), to ops.LayerNorm / mint.nn.functional.group_norm, "
+                "or apply the Cell to x.to_local() (or through SequenceParallel)")
+        out.append(i)
+    return tuple(out)
+
+
+def _layer_norm(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+    """Legacy ``LayerNorm``: normalised from ``begin_norm_axis`` on."""
+    x = args[0]
+    begin = norm_dim(int(_arg(args, kwargs, 3, "begin_norm_axis", -1)), x.ndim)
+    return Call("layer_norm", (0, *_dtensor_params("LayerNorm", args, (1, 2))),
+                {"normalized_shape": tuple(x.shape[begin:]), "stats": 2})
+
+
+def _layer_norm_ext(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+    shape = _arg(args, kwargs, 1, "normalized_shape", None)
+    shape = (int(shape),) if isinstance(shape, int) else tuple(int(s) for s in shape)
+    return Call("layer_norm", (0, *_dtensor_params("LayerNormExt", args, (2, 3))),
+                {"normalized_shape": shape, "stats": 2})
+
+
+def _group_norm(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+    return Call("group_norm", (0, *_dtensor_params("GroupNorm", args, (2, 3))),
+                {"num_groups": int(_arg(args, kwargs, 1, "num_groups", 1)), "stats": 2})
+
+
 def joined(op: str) -> Parser:
     """``Concat``/``StackExt``: a list of tensors, then the dim."""
 
@@ -220,6 +272,7 @@ OPS: dict[str, Parser] = {
     "TransposeExtView": _transpose, "Transpose": _permute, "TransposeView": _permute,
     "Softmax": softmax("softmax"), "LogSoftmax": softmax("log_softmax"),
     "LogSoftmaxExt": softmax("log_softmax"),
+    "LayerNorm": _layer_norm, "LayerNormExt": _layer_norm_ext, "GroupNorm": _group_norm,
     "Gather": _gather, "Embedding": _embedding, "GatherD": _gather_d,
     "Concat": joined("cat"), "StackExt": joined("stack"),
     "SplitTensor": split("size"),

@@ -39,3 +39,18 @@ def to_sharding(res: OpSharding) -> Sharding:
     outputs = res.outputs[0] if len(res.outputs) == 1 else list(res.outputs)
     shapes = res.shapes[0] if len(res.shapes) == 1 else list(res.shapes)
     return Sharding(list(res.inputs), outputs, shapes)
+
+
+def ordered_sharding(op: str, call: OpCall, tensors: list[Any], **args: Any) -> Sharding:
+    """:func:`neutral_sharding` with the rule's inputs given as ``tensors`` (DTensors of the
+    call, in the rule's order; the call may hold them in another, e.g. passed by keyword). Each
+    DTensor of the call takes the target of the first of ``tensors`` that is it (identity);
+    one not among them is left as it is."""
+    res = decide(op, [t._spec for t in tensors], **args)
+    inputs: list[Any] = []
+    for d in call.dtensors:
+        k = next((i for i, t in enumerate(tensors) if t is d), None)
+        inputs.append(None if k is None else res.inputs[k])
+    sh = to_sharding(res)
+    sh.inputs = inputs
+    return sh

@@ -6,15 +6,19 @@ import torch
 import torch.nn.functional as F
 from torch.nn import _reduction as _Reduction
 
-from hyperpar.dtensor.placement import REPLICATE, Shard
+from hyperpar.dtensor.placement import REPLICATE
 from hyperpar.dtensor.rules import GlobalMean, MaskedLookup
 from hyperpar.platform import get_platform
 from hyperpar.torch.dtensor import random as _random
 from hyperpar.torch.dtensor._ops.dispatch import localize
-from hyperpar.torch.dtensor._ops.neutral import decide, neutral_sharding, to_sharding
+from hyperpar.torch.dtensor._ops.neutral import (
+    decide,
+    neutral_sharding,
+    ordered_sharding,
+    to_sharding,
+)
 from hyperpar.torch.dtensor._ops.registry import (
     OpCall,
-    Placements,
     Sharding,
     ShardingError,
     mixing_error,
@@ -41,61 +45,38 @@ def softmax_rule(call: OpCall) -> Sharding:
 
 @register_op(F.layer_norm, F.rms_norm if hasattr(F, "rms_norm") else None, F.group_norm)
 def norm_rule(call: OpCall) -> Sharding:
-    """``layer_norm``/``rms_norm``/``group_norm``: normalised dims gathered; weight and bias
-    replicated."""
-    x = call.args[0]
+    """``layer_norm``/``rms_norm``/``group_norm``: the neutral rules (normalised dims gathered;
+    weight and bias replicated; a plain weight or bias that requires grad is refused, as
+    torch's DTensor refuses mixing, a constant one is used as it is)."""
+    x = call.arg(0, "input")
+    if not isinstance(x, DTensor):
+        raise mixing_error(call.func, x)
+    # rms_norm's argument 3 is eps: never a DTensor
+    affine = (call.arg(2, "weight"), call.arg(3, "bias"))
+    for t in affine:
+        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.requires_grad:
+            # its gradient would hold only this rank's rows (MindSpore refuses it too)
+            raise mixing_error(call.func, t)
+    tensors = [x] + [t for t in affine if isinstance(t, DTensor)]
     if call.func is F.group_norm:
-        norm_dims = range(1, x.ndim)
-    else:
-        ns = call.arg(1, "normalized_shape")
-        ns = (ns,) if isinstance(ns, int) else tuple(ns)
-        norm_dims = range(x.ndim - len(ns), x.ndim)
-    pl = unshard(x._spec.placements, norm_dims)
-    targets: list[Placements | None] = [pl]
-    targets += [(R,) * call.mesh.ndim] * (len(call.dtensors) - 1)
-    return Sharding(targets, pl, tuple(x._spec.shape))
+        return ordered_sharding("group_norm", call, tensors,
+                                num_groups=call.arg(1, "num_groups"))
+    name = "layer_norm" if call.func is F.layer_norm else "rms_norm"
+    return ordered_sharding(name, call, tensors,
+                            normalized_shape=call.arg(1, "normalized_shape"))
 
 
 # ---------------------------------------------------------------------------- attention
 @register_op(F.scaled_dot_product_attention)
 def sdpa_rule(call: OpCall) -> Sharding:
-    """``scaled_dot_product_attention``: sharded on batch or heads (the mask follows), else
-    replicated."""
-    q, k, v = call.args[0], call.arg(1, "key"), call.arg(2, "value")
+    """``scaled_dot_product_attention``: the neutral ``sdpa`` rule (sharded on batch or heads,
+    the mask follows, else replicated)."""
+    q, k, v = call.arg(0, "query"), call.arg(1, "key"), call.arg(2, "value")
     mask = call.arg(3, "attn_mask")
     for t in (q, k, v, mask):
         if t is not None and not isinstance(t, DTensor):
             raise mixing_error(call.func, t)
-    nd = q.ndim
-    tq, tk, tv, tm, out = [], [], [], [], []
-    for m in range(call.mesh.ndim):
-        choice = None
-        for t in (q, k, v):
-            p = t._spec.placements[m]
-            if type(p) is Shard and p.dim < nd - 2:
-                heads_ok = p.dim != nd - 3 or all(
-                    x._spec.shape[p.dim] % call.mesh.shape[m] == 0 for x in (q, k, v))
-                if heads_ok and all(x._spec.shape[p.dim] == q._spec.shape[p.dim] or
-                                    p.dim == nd - 3 for x in (k, v)):
-                    choice = p
-                    break
-        c = choice or R
-        tq.append(c)
-        tk.append(c)
-        tv.append(c)
-        out.append(c)
-        if mask is not None:
-            ms = mask._spec.shape
-            lead = nd - len(ms)
-            if type(c) is Shard and c.dim >= lead and ms[c.dim - lead] == q._spec.shape[c.dim]:
-                tm.append(Shard(c.dim - lead))
-            else:
-                tm.append(R)
-    targets = [tuple(tq), tuple(tk), tuple(tv)]
-    if mask is not None:
-        targets.append(tuple(tm))
-    shape = tuple(q._spec.shape[:-1]) + (v._spec.shape[-1],)
-    return Sharding(targets, tuple(out), shape)
+    return ordered_sharding("sdpa", call, [q, k, v] + ([mask] if mask is not None else []))
 
 
 # ---------------------------------------------------------------------------- embedding
