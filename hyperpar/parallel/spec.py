@@ -40,6 +40,7 @@ __all__ = [
     "param_placement",
     "prepare_comm",
     "resolve_plan",
+    "row_bias",
     "sequence_parallel",
 ]
 
@@ -173,6 +174,29 @@ ROWWISE = StyleSpec(
     default_output=Replicate(),
     input_grad={"linear": "replicate", "embedding": "replicate"},
 )
+
+
+@dataclass(frozen=True)
+class RowBias:
+    """How a row-wise linear adds its whole (replicated) bias once its partial sums are
+    reduced to the output layout. ``grad`` is the bias's boundary (nothing forward; an
+    all-reduce backward where each rank's gradient is only a part of it). ``one_rank``: the
+    output is still a ``Partial`` sum over the ranks, so only the mesh's rank 0 adds the bias
+    (every rank adding it would count it once per rank); the others add it times zero, which
+    keeps every rank in the backward all-reduce."""
+
+    grad: Comm
+    one_rank: bool
+
+
+def row_bias(output: Placement) -> RowBias:
+    """The :class:`RowBias` of a ``RowwiseParallel`` linear whose output is laid out as
+    ``output``: replicated -> each rank adds it, its gradient is whole already; ``Shard(d)``
+    -> each rank adds it to its rows (a partial gradient, all-reduced); ``Partial`` -> rank 0
+    adds it (rank 0's gradient, all-reduced so every rank steps alike)."""
+    if isinstance(output, Replicate):
+        return RowBias(Comm("none", "none"), one_rank=False)
+    return RowBias(Comm("none", "all_reduce"), one_rank=isinstance(output, Partial))
 
 
 def sequence_parallel(sequence_dim: int = 1) -> StyleSpec:

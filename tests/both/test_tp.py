@@ -2,7 +2,9 @@
 same model built independently in plain torch / plain MindSpore in one process.
 
 * an MLP (Linear -> ReLU -> Linear, hidden 7: uneven over 2 and 4 ranks) with
-  ``{"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}``;
+  ``{"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}``, and with fc2's output left a
+  ``Partial`` DTensor (``output_layouts=Partial(), use_local_output=False``, summed by
+  ``full_tensor()`` in the loss);
 * a TP + SP block (LayerNorm + MLP + residual, sequence 7: 2, 2, 2, 1 over 4 ranks) with
   ``SequenceParallel``, ``ColwiseParallel(input_layouts=Shard(1))``,
   ``RowwiseParallel(output_layouts=Shard(1))``, entered and left through
@@ -64,8 +66,14 @@ def _mlp(fw: Framework, w: dict[str, np.ndarray]) -> Any:
                         fc1=fw.linear(w["w1"], w["b1"]), fc2=fw.linear(w["w2"], w["b2"]))
 
 
-def _run_mlp(framework: str, n: int) -> dict:
-    from hyperpar import ColwiseParallel, RowwiseParallel, init_device_mesh, parallelize_module
+def _run_mlp(framework: str, n: int, output: str = "local") -> dict:
+    from hyperpar import (
+        ColwiseParallel,
+        Partial,
+        RowwiseParallel,
+        init_device_mesh,
+        parallelize_module,
+    )
 
     fw = get(framework)
     mesh = init_device_mesh((n,))
@@ -74,11 +82,20 @@ def _run_mlp(framework: str, n: int) -> dict:
     x = fw.tensor(rng.standard_normal((4, D)).astype(np.float32))
     y = fw.tensor(rng.standard_normal((4, D)).astype(np.float32))
 
-    def loss_of(model: Any) -> Any:
-        return ((model(x) - y) ** 2).mean()
+    def plain(out: Any) -> Any:  # a Partial DTensor output is summed over the ranks
+        return out.full_tensor() if hasattr(out, "full_tensor") else out
 
-    model = parallelize_module(_mlp(fw, w), mesh,
-                               {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    def loss_of(model: Any) -> Any:
+        return ((plain(model(x)) - y) ** 2).mean()
+
+    # output="partial": fc2 leaves its partial sums unreduced (a Partial DTensor); its whole
+    # bias must enter that sum once, not once per rank
+    fc2 = (RowwiseParallel(output_layouts=Partial(), use_local_output=False)
+           if output == "partial" else RowwiseParallel())
+    model = parallelize_module(_mlp(fw, w), mesh, {"fc1": ColwiseParallel(), "fc2": fc2})
+    if output == "partial":
+        out = model(x)
+        assert tuple(out.placements) == (Partial(),), out.placements
     losses = _train(fw, model, loss_of)
     ref = _mlp(fw, w)
     ref_losses = _train(fw, ref, loss_of)
@@ -92,7 +109,7 @@ def _run_mlp(framework: str, n: int) -> dict:
         params[f"{mod}.{kind}"] = fw.full_param(getter(getattr(model, mod)), mesh, placement,
                                                 shape)
         ref_params[f"{mod}.{kind}"] = fw.numpy(getter(getattr(ref, mod)))
-    return {"losses": losses, "ref_losses": ref_losses, "out": fw.numpy(model(x)),
+    return {"losses": losses, "ref_losses": ref_losses, "out": fw.numpy(plain(model(x))),
             "ref_out": fw.numpy(ref(x)), "params": params, "ref_params": ref_params}
 
 
@@ -230,9 +247,9 @@ def _check(results: list[dict]) -> None:
         assert res["losses"][0] != res["losses"][-1]
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_colwise_rowwise_mlp_trains_like_one_process(framework, pool, n) -> None:
-    _check(pool(n).run(_run_mlp, framework, n))
+@pytest.mark.parametrize("n, output", [(2, "local"), (4, "local"), (4, "partial")])
+def test_colwise_rowwise_mlp_trains_like_one_process(framework, pool, n, output) -> None:
+    _check(pool(n).run(_run_mlp, framework, n, output))
 
 
 @pytest.mark.parametrize("n, seq", [(2, 8), (4, 8), (4, 7)])

@@ -24,7 +24,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn
 
 from hyperpar.dtensor.mesh import DeviceMesh
-from hyperpar.dtensor.placement import Partial, Placement, Replicate, Shard, chunk_bounds
+from hyperpar.dtensor.placement import Placement, Replicate, Shard, chunk_bounds
 from hyperpar.parallel.driver import (
     AlreadyParallelizedError,
     PlanKeyError,
@@ -32,7 +32,7 @@ from hyperpar.parallel.driver import (
     UnsupportedModuleError,
     parallelize_module,
 )
-from hyperpar.parallel.spec import ROWWISE, Comm
+from hyperpar.parallel.spec import ROWWISE, Comm, row_bias
 from hyperpar.parallel.styles import ColwiseParallel, ParallelStyle, RowwiseParallel
 from hyperpar.platform import get_platform
 
@@ -241,11 +241,9 @@ def _graph_bias(style: Any, platform: MindSporePlatform, cell: nn.Cell, kind: st
     if cell._params.get("bias") is None:
         return None, 1.0
     n, rank = platform.world_size(group), platform.rank(group)
-    # as in PyNative: a sharded output's bias gets its gradient all-reduced, a Partial
-    # output's bias is added by rank 0 alone
-    grad = "all_reduce" if isinstance(style.output_layouts[0], (Shard, Partial)) else "none"
-    share = 1.0 if rank == 0 or not isinstance(style.output_layouts[0], Partial) else 0.0
-    return graph_boundary(Comm("none", grad), group.name, n, rank), share
+    plan = row_bias(style.output_layouts[0])  # as in PyNative
+    share = 0.0 if plan.one_rank and rank != 0 else 1.0
+    return graph_boundary(plan.grad, group.name, n, rank), share
 
 
 def _shard_params(style: Any, platform: MindSporePlatform, cell: nn.Cell, kind: str,
@@ -290,14 +288,10 @@ def _install_local_compute(style: Any, platform: MindSporePlatform, cell: nn.Cel
             return _install_output(style, platform, cell, kind, group, boundary_out, shape,
                                   finish)
         idle = zeros(bias.shape, bias.dtype)
-        # With a sharded output each rank adds the bias to its own rows only: its gradient
-        # is a partial sum, all-reduced in backward (Megatron's f) to stay replicated.
-        sharded_out = isinstance(style.output_layouts[0], Shard)
-        # A Partial output is a sum over ranks: rank 0 alone adds the bias (its gradient,
-        # rank 0's, is all-reduced so every rank steps the same).
-        partial_out = isinstance(style.output_layouts[0], Partial)
-        bias_share = 1.0 if platform.rank(group) == 0 else 0.0
-        bias_path = Boundary(platform, Comm("none", "all_reduce"), group)
+        plan = row_bias(style.output_layouts[0])  # who adds the bias, its gradient's sum
+        bias_share = 0.0 if plan.one_rank and platform.rank(group) != 0 else 1.0
+        bias_path = (Boundary(platform, plan.grad, group) if plan.grad.backward != "none"
+                     else None)
 
         saved: list[Any] = []
 
@@ -308,9 +302,11 @@ def _install_local_compute(style: Any, platform: MindSporePlatform, cell: nn.Cel
         def reduce_then_add_bias(_cell: nn.Cell, args: tuple, out: Any) -> Any:
             bias = saved.pop()
             _cell._params["bias"] = bias
-            if partial_out:
-                return finish(out, boundary_out(out) + bias_path(bias) * bias_share)
-            return finish(out, boundary_out(out) + (bias_path(bias) if sharded_out else bias))
+            if bias_path is not None:
+                bias = bias_path(bias)
+            if bias_share != 1.0:  # a Partial output: one rank's bias in the sum
+                bias = bias * bias_share
+            return finish(out, boundary_out(out) + bias)
 
         return [platform.register_forward_pre_hook(cell, swap_out_bias),
                 platform.register_forward_hook(cell, reduce_then_add_bias)]

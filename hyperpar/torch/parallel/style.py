@@ -22,7 +22,7 @@ from torch import nn
 from hyperpar.dtensor.errors import AlreadyParallelizedError
 from hyperpar.dtensor.placement import Placement, Replicate, Shard, chunk_bounds
 from hyperpar.parallel.driver import UnsupportedModuleError
-from hyperpar.parallel.spec import StyleSpec, param_placement
+from hyperpar.parallel.spec import StyleSpec, param_placement, row_bias
 from hyperpar.parallel.styles import (
     ColwiseParallel,
     ParallelStyle,
@@ -281,13 +281,18 @@ def _rowwise(style: Any, module: nn.Module, mesh: Any) -> nn.Module:
             local = redistribute_boundary(local, src, wanted, mesh, full=full)
             return (local, *args[1:]), kwargs
 
+        bias_plan = row_bias(dst)
+        bias_share = 1.0 if not bias_plan.one_rank or mesh.get_local_rank(0) == 0 else 0.0
+
         def finish(mod: nn.Module, y: torch.Tensor, saved: dict) -> torch.Tensor:
             bias = saved.get((id(mod), "bias"))
             if bias is None:
                 return y
             local_bias = bias.to_local() if isinstance(bias, _dtensor_cls()) else bias
-            if isinstance(dst, Shard):  # each rank adds it to its rows only: partial grad
+            if bias_plan.grad.backward == "all_reduce":
                 local_bias = copy_to_region(local_bias, group)
+            if bias_share != 1.0:  # a Partial output: one rank's bias in the sum
+                local_bias = local_bias * bias_share
             return y + local_bias
 
     elif platform.is_embedding(module):
