@@ -55,7 +55,8 @@ class Framework:
     def relu(self, x: Any) -> Any:
         raise NotImplementedError
 
-    def cross_entropy(self, logits: Any, target: Any) -> Any:
+    def cross_entropy(self, logits: Any, target: Any, **options: Any) -> Any:
+        """The framework's cross-entropy (``options``: weight, label_smoothing, ...)."""
         raise NotImplementedError
 
     # gradients ----------------------------------------------------------------------------
@@ -126,8 +127,8 @@ class Torch(Framework):
     def relu(self, x: Any) -> Any:
         return self.torch.relu(x)
 
-    def cross_entropy(self, logits: Any, target: Any) -> Any:
-        return self.F.cross_entropy(logits, target)
+    def cross_entropy(self, logits: Any, target: Any, **options: Any) -> Any:
+        return self.F.cross_entropy(logits, target, **options)
 
     def value_and_grad(self, fn: Callable[..., Any], inputs: Sequence[Any]
                        ) -> tuple[Any, list[Any]]:
@@ -226,8 +227,8 @@ class MindSpore(Framework):
     def relu(self, x: Any) -> Any:
         return self.ops.relu(x)
 
-    def cross_entropy(self, logits: Any, target: Any) -> Any:
-        return self.ops.cross_entropy(logits, target)
+    def cross_entropy(self, logits: Any, target: Any, **options: Any) -> Any:
+        return self.ops.cross_entropy(logits, target, **options)
 
     def value_and_grad(self, fn: Callable[..., Any], inputs: Sequence[Any]
                        ) -> tuple[Any, list[Any]]:

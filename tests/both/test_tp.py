@@ -11,7 +11,7 @@ same model built independently in plain torch / plain MindSpore in one process.
   ``PrepareModuleInput`` / ``PrepareModuleOutput``;
 * a small LM (vocabulary-parallel embedding, ``SequenceParallel`` norm, a column-wise head with
   ``use_local_output=False``) trained with ``loss_parallel`` cross-entropy on the vocabulary-
-  sharded logits DTensor.
+  sharded logits DTensor, plain and with class weights, label smoothing and ignored labels.
 
 Each trains 3 SGD steps (lr 0.1); the losses, the final output and every parameter (gathered
 with ``full_tensor()``) are compared with the one-process model.
@@ -182,7 +182,7 @@ def _lm(fw: Framework, w: dict[str, np.ndarray]) -> Any:
                         head=fw.linear(w["head"], None))
 
 
-def _run_lm(framework: str, n: int) -> dict:
+def _run_lm(framework: str, n: int, loss: str = "plain") -> dict:
     from hyperpar import (
         ColwiseParallel,
         DTensor,
@@ -200,10 +200,16 @@ def _run_lm(framework: str, n: int) -> dict:
     w["g"] += 1.0
     rng = np.random.default_rng(5)
     ids = fw.index(rng.integers(0, VOCAB, (B, seq)))
-    labels = fw.index(rng.integers(0, VOCAB, (B * seq,)))
+    label_ids = rng.integers(0, VOCAB, (B * seq,))
+    options: dict[str, Any] = {}
+    if loss == "weighted":  # class weights, label smoothing, two ignored positions
+        label_ids[[3, 11]] = -100
+        options = {"weight": fw.tensor(rng.uniform(0.5, 2.0, VOCAB).astype(np.float32)),
+                   "label_smoothing": 0.1}
+    labels = fw.index(label_ids)
 
     def loss_of(model: Any) -> Any:
-        return fw.cross_entropy(model(ids).reshape(B * seq, VOCAB), labels)
+        return fw.cross_entropy(model(ids).reshape(B * seq, VOCAB), labels, **options)
 
     plan = {
         "emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -257,9 +263,10 @@ def test_sequence_parallel_block_trains_like_one_process(framework, pool, n, seq
     _check(pool(n).run(_run_block, framework, n, seq))
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_dtensor_head_with_loss_parallel_trains_like_one_process(framework, pool, n) -> None:
-    results = pool(n).run(_run_lm, framework, n)
+@pytest.mark.parametrize("n, loss", [(2, "plain"), (4, "plain"), (4, "weighted")])
+def test_dtensor_head_with_loss_parallel_trains_like_one_process(framework, pool, n,
+                                                                 loss) -> None:
+    results = pool(n).run(_run_lm, framework, n, loss)
     _check(results)
     for res in results:
         assert res["is_dtensor"], "use_local_output=False must return a DTensor"

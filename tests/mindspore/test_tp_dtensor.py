@@ -180,11 +180,6 @@ def test_loss_parallel_cross_entropy_on_sharded_logits_trains_like_one_process(
                             "head.weight": 0, "head.bias": 0})
 
 
-def test_loss_parallel_refuses_what_it_does_not_compute():
-    from hyperpar_mindspore.loss import vocab_parallel_cross_entropy
-
-    with pytest.raises(NotImplementedError, match="label_smoothing are not supported"):
-        vocab_parallel_cross_entropy(None, None, label_smoothing=0.1)
 
 
 def _run_prepare_dtensor() -> dict:

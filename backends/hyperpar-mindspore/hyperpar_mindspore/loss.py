@@ -34,15 +34,13 @@ def vocab_parallel_cross_entropy(logits: Any, target: Any, weight: Any = None,
                                  label_smoothing: float = 0.0) -> Tensor:
     """``ops.cross_entropy(logits, target, ...)`` for a DTensor ``logits`` sharded on its class
     dim over a 1-D mesh (uneven pieces as ``torch.chunk`` cuts them); ``target`` holds class
-    ids, replicated, with the shape of ``logits`` without the class dim. Returns the loss, the
-    same on every rank."""
+    ids, replicated, with the shape of ``logits`` without the class dim; ``weight`` (one value
+    per class, whole), ``label_smoothing``, ``ignore_index`` and ``reduction`` mean what they
+    mean in ``ops.cross_entropy`` (torch's formula: a row's loss is
+    ``(1-eps) w_t (lse - x_t) + eps/C sum_c w_c (lse - x_c)``; a mean divides by the summed
+    ``w_t`` of the rows kept). Returns the loss, the same on every rank."""
     from .dtensor import DTensor
 
-    if weight is not None or label_smoothing:
-        raise NotImplementedError(
-            "loss_parallel on MindSpore computes plain cross-entropy: class weights and "
-            "label_smoothing are not supported yet; drop them, or gather the logits "
-            "(.full_tensor()) and call ops.cross_entropy outside loss_parallel")
     check_loss_args(reduction, label_smoothing)
     mesh = logits.device_mesh
     shape = tuple(logits.shape)
@@ -58,6 +56,11 @@ def vocab_parallel_cross_entropy(logits: Any, target: Any, weight: Any = None,
     if tuple(target.shape) != want:
         raise ValueError(f"loss_parallel: target shape {tuple(target.shape)} must be the logits' "
                          f"global shape {shape} without its sharded class dim {c}: {want}")
+    if isinstance(weight, DTensor):
+        weight = weight.full_tensor()
+    if weight is not None and tuple(weight.shape) != (shape[c],):
+        raise ValueError(f"loss_parallel: weight must hold one value per class ({shape[c]}), "
+                         f"got shape {tuple(weight.shape)}")
     platform = get_platform()
     group = mesh.get_group(0)
     local = logits.to_local()
@@ -78,12 +81,30 @@ def vocab_parallel_cross_entropy(logits: Any, target: Any, weight: Any = None,
     picked = picked * mine.astype(picked.dtype)  # only the rank holding the class adds it
     target_logit = Boundary(platform, Comm("all_reduce", "none"), group,
                             "loss_parallel target logit")(picked)
-    loss = (ops.log(sum_exp) - target_logit) * valid.astype(picked.dtype)
+    kept = valid.astype(picked.dtype)
+    lse = ops.log(sum_exp)
+    # w_t: the target's class weight (1 without weights), 0 on ignored rows
+    w_t = kept if weight is None else weight.astype(picked.dtype)[ids * valid.astype(
+        ids.dtype)] * kept
+    loss = (1.0 - label_smoothing) * w_t * (lse - target_logit)
+    if label_smoothing:
+        classes = shape[c]
+        local_w = None if weight is None else weight.astype(picked.dtype)[start:start + length]
+        weighted = shifted if local_w is None else shifted * _along(local_w, c, shifted.ndim)
+        smooth_sum = Boundary(platform, Comm("all_reduce", "none"), group,
+                              "loss_parallel smoothing sum")(weighted.sum(axis=c))
+        w_total = float(classes) if weight is None else weight.astype(picked.dtype).sum()
+        loss = loss + (label_smoothing / classes) * (lse * w_total - smooth_sum) * kept
     if reduction == "none":
         return loss
     if reduction == "sum":
         return loss.sum()
-    return loss.sum() / valid.astype(picked.dtype).sum()
+    return loss.sum() / w_t.sum()
+
+
+def _along(v: Any, dim: int, ndim: int) -> Any:
+    """The 1-D ``v`` shaped to broadcast along ``dim`` of an ``ndim``-D tensor."""
+    return v.reshape(tuple(-1 if d == dim else 1 for d in range(ndim)))
 
 
 def ms_int() -> Any:
