@@ -99,7 +99,7 @@ _FRAMEWORK_BOUND = frozenset({
     "DeviceMesh", "init_device_mesh", "DTensor", "distribute_tensor", "ParallelStyle",
     "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput",
     "PrepareModuleOutput", "PrepareModuleInputOutput", "loss_parallel", "data_parallel",
-    "fully_shard",
+    "fully_shard", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
 })
 
 #: subpackages reachable as attributes (``hyperpar.checkpoint.save``)

@@ -19,12 +19,13 @@ LAYERS: dict[str, list[str]] = {
              "hyperpar/dtensor/rules/*.py", "hyperpar/parallel/spec.py",
              "hyperpar/parallel/driver.py", "hyperpar/parallel/styles.py",
              "hyperpar/parallel/loss_plan.py", "hyperpar/parallel/easydel.py",
-             "hyperpar/parallel/prepare_plan.py",
+             "hyperpar/parallel/prepare_plan.py", "hyperpar/parallel/layer_plan.py",
              "hyperpar/platform/dim_collectives.py"],
     "torch": ["hyperpar/torch/**/*.py"],
     "mindspore": [f"{MS}/{n}.py" for n in ("dtensor", "dispatch", "opnames", "redistribute",
                                             "localops", "lossops", "listops",
-                                            "loss", "parallel", "prepare", "comm", "graph")],
+                                            "loss", "parallel", "prepare", "comm", "graph",
+                                            "layers")],
 }
 
 

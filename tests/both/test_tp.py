@@ -9,6 +9,9 @@ same model built independently in plain torch / plain MindSpore in one process.
   ``SequenceParallel``, ``ColwiseParallel(input_layouts=Shard(1))``,
   ``RowwiseParallel(output_layouts=Shard(1))``, entered and left through
   ``PrepareModuleInput`` / ``PrepareModuleOutput``;
+* Megatron's layers (``VocabParallelEmbedding``, ``ColumnParallelLinear``,
+  ``RowParallelLinear``: the same keywords on both frameworks, Cells on MindSpore), against a
+  plain model built from their gathered initial weights;
 * a small LM (vocabulary-parallel embedding, ``SequenceParallel`` norm, a column-wise head with
   ``use_local_output=False``) trained with ``loss_parallel`` cross-entropy on the vocabulary-
   sharded logits DTensor, plain and with class weights, label smoothing and ignored labels.
@@ -111,6 +114,54 @@ def _run_mlp(framework: str, n: int, output: str = "local") -> dict:
         ref_params[f"{mod}.{kind}"] = fw.numpy(getter(getattr(ref, mod)))
     return {"losses": losses, "ref_losses": ref_losses, "out": fw.numpy(plain(model(x))),
             "ref_out": fw.numpy(ref(x)), "params": params, "ref_params": ref_params}
+
+
+# -------------------------------------------------------------------------------- Megatron layers
+def _run_layers(framework: str, n: int) -> dict:
+    """``VocabParallelEmbedding -> ColumnParallelLinear -> relu -> RowParallelLinear``, built
+    as hyperpar's layers (each framework's own initialisation, scattered from rank 0); the
+    one-process reference is built from the gathered initial weights."""
+    from hyperpar import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        init_device_mesh,
+    )
+
+    fw = get(framework)
+    mesh = init_device_mesh((n,))
+    forward = lambda m, ids: m.fc2(fw.relu(m.fc1(m.emb(ids))))  # noqa: E731
+    model = fw.container(forward, emb=VocabParallelEmbedding(VOCAB, D),
+                         fc1=ColumnParallelLinear(D, H), fc2=RowParallelLinear(H, D))
+    layout = {  # (module, parameter) -> its placement and global shape
+        ("emb", "weight"): (Shard(0), (VOCAB, D)),
+        ("fc1", "weight"): (Shard(0), (H, D)), ("fc1", "bias"): (Shard(0), (H,)),
+        ("fc2", "weight"): (Shard(1), (D, H)), ("fc2", "bias"): (Replicate(), (D,)),
+    }
+
+    def gathered() -> dict[str, np.ndarray]:
+        return {f"{mod}.{kind}": fw.full_param(
+                    (fw.weight if kind == "weight" else fw.bias)(getattr(model, mod)), mesh,
+                    placement, shape)
+                for (mod, kind), (placement, shape) in layout.items()}
+
+    w0 = gathered()
+    ref = fw.container(forward, emb=fw.embedding(w0["emb.weight"]),
+                       fc1=fw.linear(w0["fc1.weight"], w0["fc1.bias"]),
+                       fc2=fw.linear(w0["fc2.weight"], w0["fc2.bias"]))
+    rng = np.random.default_rng(7)
+    ids = fw.index(rng.integers(0, VOCAB, (B, 6)))
+    y = fw.tensor(rng.standard_normal((B, 6, D)).astype(np.float32))
+
+    def loss_of(m: Any) -> Any:
+        return ((m(ids) - y) ** 2).mean()
+
+    losses, ref_losses = _train(fw, model, loss_of), _train(fw, ref, loss_of)
+    ref_params = {f"{mod}.{kind}": fw.numpy(
+                      (fw.weight if kind == "weight" else fw.bias)(getattr(ref, mod)))
+                  for mod, kind in layout}
+    return {"losses": losses, "ref_losses": ref_losses, "out": fw.numpy(model(ids)),
+            "ref_out": fw.numpy(ref(ids)), "params": gathered(), "ref_params": ref_params}
 
 
 # -------------------------------------------------------------------------------- TP + SP block
@@ -256,6 +307,11 @@ def _check(results: list[dict]) -> None:
 @pytest.mark.parametrize("n, output", [(2, "local"), (4, "local"), (4, "partial")])
 def test_colwise_rowwise_mlp_trains_like_one_process(framework, pool, n, output) -> None:
     _check(pool(n).run(_run_mlp, framework, n, output))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_megatron_layers_train_like_one_process(framework, pool, n) -> None:
+    _check(pool(n).run(_run_layers, framework, n))
 
 
 @pytest.mark.parametrize("n, seq", [(2, 8), (4, 8), (4, 7)])

@@ -27,25 +27,24 @@ from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.parameter import UninitializedParameter
 
-from hyperpar.dtensor.mesh import DeviceMesh, current_mesh, init_device_mesh
-from hyperpar.dtensor.placement import Replicate, Shard
+from hyperpar.dtensor.mesh import DeviceMesh
+from hyperpar.dtensor.placement import Replicate
+from hyperpar.parallel.layer_plan import (
+    column_style,
+    easydel_form,
+    easydel_style,
+    no_megatron,
+    row_style,
+    tp_mesh,
+    vocab_style,
+)
 from hyperpar.platform import get_platform
-from hyperpar.torch.parallel.style import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 if TYPE_CHECKING:
     from hyperpar.parallel.easydel import TensorParallelConfig
 
 __all__ = ["ColumnParallelLinear", "ParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding"]
-
-
-def _mesh(device_mesh: DeviceMesh | None) -> DeviceMesh:
-    """The tensor-parallel 1-D mesh: ``device_mesh`` (or the current mesh, else the whole world)
-    resolved like ``parallelize_module`` does: a 1-D mesh whole, an n-D mesh's ``"tp"`` dim."""
-    mesh = device_mesh if device_mesh is not None else current_mesh()
-    if mesh is None:
-        return init_device_mesh((get_platform().world_size(),), mesh_dim_names=("tp",))
-    return mesh.get_mesh(default="tp")
 
 
 class ParallelLinear(nn.Linear):
@@ -95,7 +94,7 @@ class ParallelLinear(nn.Linear):
             self._shard(parallel_config)
 
     def _shard(self, config: TensorParallelConfig) -> None:
-        style = _easydel_style(self._direction, config, self.in_features)
+        style = easydel_style(self._direction, config)
         mesh = config.resolve_mesh()
         if self._direction == "row":   # a full-width (replicated) input is accepted too
             get_platform().register_forward_pre_hook(
@@ -182,21 +181,18 @@ class ColumnParallelLinear(ParallelLinear):
                  sequence_dim: int = 1, device_mesh: DeviceMesh | None = None,
                  src_data_rank: int | None = 0, device: Any = None, dtype: Any = None,
                  **easydel: Any) -> None:
-        if _easydel_form(easydel):
-            _no_megatron(self, gather_output=gather_output, sequence_parallel=sequence_parallel,
-                         device_mesh=device_mesh, bias=bias)
+        if easydel_form(easydel):
+            no_megatron(type(self).__name__, gather_output=gather_output,
+                        sequence_parallel=sequence_parallel, device_mesh=device_mesh, bias=bias)
             super().__init__(in_features, out_features, dtype=dtype, device=device, **easydel)
             return
         nn.Linear.__init__(self, in_features, out_features, bias, device=device, dtype=dtype)
         self.use_bias, self.compute_dtype, self.param_dtype = bias, None, self.weight.dtype
         self.parallel_config = None
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
-        style = ColwiseParallel(
-            input_layouts=Shard(sequence_dim) if sequence_parallel else Replicate(),
-            output_layouts=Replicate() if gather_output else Shard(-1),
-        )
-        style.src_data_rank = src_data_rank
-        style._apply(self, _mesh(device_mesh))
+        style = column_style(gather_output=gather_output, sequence_parallel=sequence_parallel,
+                             sequence_dim=sequence_dim, src_data_rank=src_data_rank)
+        style._apply(self, tp_mesh(device_mesh))
 
 
 class RowParallelLinear(ParallelLinear):
@@ -220,52 +216,19 @@ class RowParallelLinear(ParallelLinear):
                  sequence_dim: int = 1, device_mesh: DeviceMesh | None = None,
                  src_data_rank: int | None = 0, device: Any = None, dtype: Any = None,
                  **easydel: Any) -> None:
-        if _easydel_form(easydel):
-            _no_megatron(self, input_is_parallel=not input_is_parallel,
-                         sequence_parallel=sequence_parallel, device_mesh=device_mesh,
-                         bias=bias)
+        if easydel_form(easydel):
+            no_megatron(type(self).__name__, input_is_parallel=not input_is_parallel,
+                        sequence_parallel=sequence_parallel, device_mesh=device_mesh, bias=bias)
             super().__init__(in_features, out_features, dtype=dtype, device=device, **easydel)
             return
         nn.Linear.__init__(self, in_features, out_features, bias, device=device, dtype=dtype)
         self.use_bias, self.compute_dtype, self.param_dtype = bias, None, self.weight.dtype
         self.parallel_config = None
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
-        style = RowwiseParallel(
-            input_layouts=Shard(-1) if input_is_parallel else Replicate(),
-            output_layouts=Shard(sequence_dim) if sequence_parallel else Replicate(),
-        )
-        style.src_data_rank = src_data_rank
-        style._apply(self, _mesh(device_mesh))
-
-
-_EASYDEL_KEYS = {"use_bias", "param_dtype", "kernel_init", "bias_init", "parallel_config",
-                 "precision"}
-
-
-def _easydel_form(kwargs: dict[str, Any]) -> bool:
-    unknown = sorted(set(kwargs) - _EASYDEL_KEYS)
-    if unknown:
-        raise TypeError(f"unexpected keyword arguments {unknown}; the EasyDeL form takes "
-                        f"{sorted(_EASYDEL_KEYS)}")
-    return bool(kwargs)
-
-
-def _no_megatron(layer: nn.Module, **given: Any) -> None:
-    """The two call forms do not mix: a Megatron keyword next to EasyDeL ones is an error."""
-    mixed = [k for k, v in given.items() if (v is not True if k == "bias" else bool(v))]
-    if mixed:
-        raise TypeError(f"{type(layer).__name__}: {mixed} belong to the Megatron form; with "
-                        f"EasyDeL keywords (use_bias=, parallel_config=, ...) configure the "
-                        f"layer through TensorParallelConfig and use_bias= instead")
-
-
-def _easydel_style(direction: str | None, config: TensorParallelConfig,
-                   in_features: int) -> ParallelStyle:
-    scatter = config.reduce_scatter_output and not config.reduce_output
-    if direction == "column":
-        return ColwiseParallel(output_layouts=Shard(-1) if scatter else Replicate())
-    return RowwiseParallel(input_layouts=Shard(-1),
-                           output_layouts=Shard(-1) if scatter else Replicate())
+        style = row_style(input_is_parallel=input_is_parallel,
+                          sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
+                          src_data_rank=src_data_rank)
+        style._apply(self, tp_mesh(device_mesh))
 
 
 def _full_input_as_replicated(mesh: DeviceMesh, in_features: int) -> Callable[..., Any]:
@@ -293,9 +256,6 @@ class VocabParallelEmbedding(nn.Embedding):
             raise NotImplementedError("VocabParallelEmbedding: padding_idx/max_norm not supported")
         super().__init__(num_embeddings, embedding_dim, **kwargs)
         self.sequence_parallel = sequence_parallel
-        style = RowwiseParallel(
-            input_layouts=Replicate(),
-            output_layouts=Shard(sequence_dim) if sequence_parallel else Replicate(),
-        )
-        style.src_data_rank = src_data_rank
-        style._apply(self, _mesh(device_mesh))
+        style = vocab_style(sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
+                            src_data_rank=src_data_rank)
+        style._apply(self, tp_mesh(device_mesh))
