@@ -192,9 +192,24 @@ def split_rule(call: OpCall) -> Sharding:
 _GETITEM = "getitem"  # key prefix in the shared plan cache
 
 
-def _index_key(items: tuple) -> tuple:
-    """Cache key of a basic index (slices are unhashable before Python 3.12)."""
-    return tuple((slice, i.start, i.stop, i.step) if type(i) is slice else i for i in items)
+def _plain(v: Any) -> bool:
+    return v is None or type(v) is int
+
+
+def _index_key(items: tuple) -> tuple | None:
+    """Cache key of a basic index (slices are unhashable before Python 3.12), or None when a
+    bound is not a plain int (a tensor would be keyed by identity, not value)."""
+    key = []
+    for i in items:
+        if type(i) is slice:
+            if not (_plain(i.start) and _plain(i.stop) and _plain(i.step)):
+                return None
+            key.append((slice, i.start, i.stop, i.step))
+        elif i is Ellipsis or _plain(i):
+            key.append(i)
+        else:
+            return None
+    return tuple(key)
 
 
 @register_op(torch.Tensor.__getitem__, raw=True)
@@ -211,15 +226,16 @@ def getitem_rule(func, args, kwargs):
         out = local[index]
         # advanced indexing copies in torch too: an in-place op on it is torch's semantics
         return _wrap(out, DTensorSpec(spec.mesh, (R,) * spec.mesh.ndim, out.shape))
-    compiling = _is_compiling()  # traced: plan afresh (a constant of the graph), no cache
-    key = (_GETITEM, spec, _index_key(items))
-    plan = None if compiling else PLAN_CACHE.get(key)
+    # traced: plan afresh (a constant of the graph), no cache
+    ikey = None if _is_compiling() else _index_key(items)
+    key = None if ikey is None else (_GETITEM, spec, ikey)
+    plan = None if key is None else PLAN_CACHE.get(key)
     if plan is None:
         res = decide("getitem", [spec], index=items)
         pl = res.inputs[0]
         plan = (pl, DTensorSpec(spec.mesh, res.outputs[0], torch.Size(res.shapes[0])),
                 None if pl == spec.placements else pl)
-        if not compiling:
+        if key is not None:
             PLAN_CACHE.put(key, plan)
     pl, out_spec, gathered = plan
     out_local = localize(x, pl, None, False)[index]
