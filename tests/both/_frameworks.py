@@ -55,6 +55,9 @@ class Framework:
     def relu(self, x: Any) -> Any:
         raise NotImplementedError
 
+    def broadcast_to(self, x: Any, shape: tuple[int, ...]) -> Any:
+        raise NotImplementedError
+
     def cross_entropy(self, logits: Any, target: Any, **options: Any) -> Any:
         """The framework's cross-entropy (``options``: weight, label_smoothing, ...)."""
         raise NotImplementedError
@@ -126,6 +129,9 @@ class Torch(Framework):
 
     def relu(self, x: Any) -> Any:
         return self.torch.relu(x)
+
+    def broadcast_to(self, x: Any, shape: tuple[int, ...]) -> Any:
+        return self.torch.broadcast_to(x, shape)
 
     def cross_entropy(self, logits: Any, target: Any, **options: Any) -> Any:
         return self.F.cross_entropy(logits, target, **options)
@@ -226,6 +232,9 @@ class MindSpore(Framework):
 
     def relu(self, x: Any) -> Any:
         return self.ops.relu(x)
+
+    def broadcast_to(self, x: Any, shape: tuple[int, ...]) -> Any:
+        return self.mint.broadcast_to(x, shape)
 
     def cross_entropy(self, logits: Any, target: Any, **options: Any) -> Any:
         return self.ops.cross_entropy(logits, target, **options)

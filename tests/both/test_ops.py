@@ -4,8 +4,9 @@ on the whole tensors in one process of that framework.
 ``x`` (7 x 5: uneven rows over 2 and 4 ranks), ``w`` (5 x 3), ``b`` (5,) and a Partial ``p``
 (4 x 3, integer terms on each rank) go through ``x + b`` (broadcast), ``x @ w``, ``x @ b`` and
 ``b @ w`` (matrix-vector, as torch.matmul), ``sum(0)``,
-``transpose(0, 1)``, ``reshape``, softmax over a whole and over a sharded dim, and ops on the
-Partial DTensor (``p + p``, ``p * 2``, ``p @ v``, ``relu(p)``, which must reduce first). The loss
+``transpose(0, 1)``, ``reshape``, softmax over a whole and over a sharded dim, ops on the
+Partial DTensor (``p + p``, ``p * 2``, ``p @ v``, ``relu(p)``, which must reduce first), basic
+indexing (ints, slices with steps, None, ``...``) and ``expand``/``broadcast_to``. The loss
 is ``sum_k sum(full_tensor(out_k) * C_k)``; its gradients for all four inputs are compared with
 the one-process gradients.
 
@@ -61,6 +62,16 @@ def _ops(fw: Framework, x: Any, w: Any, b: Any, p: Any, v: Any) -> dict[str, Any
         "p * 2": p * 2.0,
         "p @ v": p @ v,
         "relu(p)": fw.relu(p),                 # nonlinear: the Partial sum is reduced first
+        # view29b: basic indexing and expand/broadcast_to (rules/index.py)
+        "x[1:5]": x[1:5],                      # a sharded dim sliced: gathered
+        "x[:, 1:4:2]": x[:, 1:4:2],            # a step; (2, 2): dim 1 is sharded
+        "x[None, ..., 2]": x[None, ..., 2],    # the row shard moves to dim 1
+        "x[-1]": x[-1],
+        "y[..., 0]": y[..., 0],                # (2, 2): y is Partial, which passes through
+        "p[1:3, None]": p[1:3, None],
+        "expand": x.reshape(7, 1, 5).expand(2, 7, 3, 5),   # a new leading dim, a size-1 grown
+        "broadcast_to": fw.broadcast_to(b, (3, 5)),
+        "p expand": p[:, None].expand(4, 2, 3),            # Partial passes through
     }
 
 

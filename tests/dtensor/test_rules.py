@@ -87,6 +87,8 @@ NUMPY = {
     "softmax": lambda xs, a: _softmax(xs[0], a["dim"]),
     "log_softmax": lambda xs, a: np.log(_softmax(xs[0], a["dim"])),
     "reshape": lambda xs, a: xs[0].reshape(a["shape"]),
+    "getitem": lambda xs, a: xs[0][a["index"]],
+    "expand": lambda xs, a: np.broadcast_to(xs[0], a["shape"]),
     "transpose": lambda xs, a: np.swapaxes(xs[0], a["dim0"], a["dim1"]),
     "permute": lambda xs, a: np.transpose(xs[0], a["dims"]),
     "cat": lambda xs, a: np.concatenate(xs, a["dim"]),
@@ -130,9 +132,9 @@ def _simulate(op, arrays, placements, mesh_shape, **args):
                         if all(c[m] == coord[m] for m in range(len(mesh_shape))
                                if m not in rule.local.dims))
             y = total / count
-        elif op == "reshape":
+        elif op in ("reshape", "expand"):  # the local op makes this rank's output piece
             shape, _ = shard_shape_and_offset(out_shape, out_pl, mesh_shape, coord)
-            y = local[0].reshape(shape)
+            y = local[0].reshape(shape) if op == "reshape" else np.broadcast_to(local[0], shape)
         elif rule.divide_by is not None:
             y = np.sum(local[0], _axis(args), keepdims=args.get("keepdim", False)) \
                 / rule.divide_by
@@ -258,6 +260,17 @@ CASES = [
     ("cross_entropy", [A56[:, :4], TARGET_IGN, W4], [(S0, S0), (R, R), (S0, R)], (2, 2), {}),
     ("cross_entropy", [A56[:, :4], TARGET_IGN, W4], [(S0, S1), (S0, R), (R, R)], (2, 2),
      {"reduction": "sum"}),
+    # view29b: basic indexing (touched dims gathered, other shards move) and expand
+    ("getitem", [A246], [(S1,)], (2,), {"index": (slice(None), slice(1, 3))}),
+    ("getitem", [A246], [(S2, S0)], (2, 2), {"index": (None, Ellipsis, 0)}),
+    ("getitem", [A465], [(S1,)], (4,), {"index": (0, Ellipsis, slice(None, None, 2))}),
+    ("getitem", [A465], [(S2,)], (4,), {"index": (1, slice(None))}),  # 5 over 4: uneven kept
+    ("getitem", [A56], [(P_SUM, S1)], (2, 2), {"index": -1}),
+    ("getitem", [A56], [(S0,)], (4,), {"index": (slice(1, None, 2), None)}),
+    ("getitem", [A56], [(S1,)], (2,), {"index": Ellipsis}),
+    ("expand", [A56[:, None]], [(S0,)], (4,), {"shape": (3, 5, 2, 6)}),
+    ("expand", [A56[:, None]], [(S1,)], (2,), {"shape": (5, 4, 6)}),  # a sharded 1 grows
+    ("expand", [A56[:, None]], [(P_SUM, S2)], (2, 2), {"shape": (2, 5, 3, 6)}),
 ]
 
 
@@ -586,3 +599,29 @@ def test_placements_move_to_a_transposed_mesh_only_where_the_layout_survives():
     # two different pending reductions may not be reordered; two sums may
     assert moved_placements((Partial("sum"), Partial("max")), swap) is None
     assert moved_placements((Partial("sum"), Partial("sum")), swap) == (Partial(), Partial())
+
+
+def test_basic_index_and_expand_read_like_torch_and_refuse_the_rest():
+    from hyperpar.dtensor.rules.index import basic_index, expanded_shape
+
+    # the row shard of x[:, 1:3] stays; x[None, ..., 0] moves it to dim 1
+    r = propagate("getitem", (TensorMeta((S0,), (8, 6)),), (2,), index=(slice(None), slice(1, 3)))
+    assert r.inputs == ((S0,),) and r.outputs == ((S0,),) and r.shapes == ((8, 2),)
+    r = propagate("getitem", (TensorMeta((S0, S1), (8, 6)),), (2, 2), index=(None, Ellipsis, 0))
+    assert r.inputs == ((S0, R),) and r.outputs == ((S1, R),) and r.shapes == ((1, 8),)
+    assert basic_index((slice(2, None, 3), None), (8, 6)) == ({0}, {0: 0, 1: 2}, (2, 1, 6))
+    for bad, err in (((8,), IndexError), ((0, 0, 0), IndexError), ((Ellipsis, Ellipsis),
+                     IndexError), ((slice(None, None, -1),), ValueError)):
+        with pytest.raises(err):
+            propagate("getitem", (TensorMeta((S0,), (8, 6)),), (2,), index=bad)
+    # advanced indices (a list, a bool mask, an array) have no rule: never a guessed layout
+    for bad in ([0, 1], True, (slice(None), np.array([0]))):
+        with pytest.raises(ShardingError, match="basic indexing"):
+            propagate("getitem", (TensorMeta((S0,), (8, 6)),), (2,), index=bad)
+    # expand: -1 keeps a dim; a new leading dim is replicated; a size-1 shard that grows gathers
+    assert expanded_shape((5, 1, 6), (2, -1, 3, -1)) == (2, 5, 3, 6)
+    r = propagate("expand", (TensorMeta((S1, S0), (5, 1, 6)),), (2, 2), shape=(2, 5, 3, 6))
+    assert r.inputs == ((R, S0),) and r.outputs == ((R, S1),)
+    for bad in ((5, 2, 7), (-1, 5, 1, 6), (1, 6)):
+        with pytest.raises(ValueError, match="expand"):
+            propagate("expand", (TensorMeta((S0,), (5, 1, 6)),), (2,), shape=bad)

@@ -587,6 +587,13 @@ def _errors_and_recovery() -> dict:
         ops.cross_entropy(x, ms.Tensor(np.zeros(4, np.int32)))
     except MixedTensorError as exc:
         out["plain_target"] = str(exc)
+    # advanced indexing has no rule (MindSpore would run it on the local shard): refused
+    out["advanced_index"] = []
+    for index in ([0, 1], ms.Tensor(np.array([0, 1], np.int32)), True):
+        try:
+            x[index]
+        except ShardingError as exc:
+            out["advanced_index"].append(str(exc))
     return out
 
 
@@ -607,3 +614,6 @@ def test_an_op_without_a_rule_raises_and_the_next_gradient_call_works(pool2):
         np.testing.assert_allclose(res["after_refusal"], 1 + 2 * arr, rtol=0, atol=1e-6)
         assert "ops.cross_entropy" in res["plain_target"] and "distribute_tensor" in \
             res["plain_target"], res["plain_target"]
+        assert len(res["advanced_index"]) == 3, res["advanced_index"]
+        for msg in res["advanced_index"]:
+            assert "'getitem'" in msg and "basic indexing" in msg, msg

@@ -64,6 +64,24 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         raise
 
 
+def getitem(x: DTensor, index: Any) -> Any:
+    """``x[index]`` for a basic index (ints, slices, None, ``...``), laid out by the neutral
+    rule (rules/index.py); any other index raises "no sharding rule". MindSpore splits basic
+    indexing into several primitives, some of which never reach ``__fallback__``, so the index
+    is read here, before MindSpore sees it."""
+    items = index if type(index) is tuple else (index,)
+    call = Call("getitem", (0,), {"index": items})
+
+    def run(t: Tensor) -> Any:
+        return t[index]
+
+    try:
+        return _run(run, "getitem", (x,), [x], {}, call, False)
+    except (ShardingError, MixedTensorError, ValueError, IndexError):
+        clear_grad_state()
+        raise
+
+
 def _run(func: Any, name: str, args: Any, real: list[Any], kwargs: dict[str, Any], call: Call,
          legacy: bool) -> Any:
     listed = call.tensor_list
@@ -124,11 +142,11 @@ def _without_empty_pieces(call: Call, metas: tuple[TensorMeta, ...], sharding: O
 
 def _call_local(func: Any, args: Any, local: list[Any], kwargs: dict[str, Any], call: Call,
                 sharding: OpSharding, mesh: Any, legacy: bool) -> Any:
-    if call.reshape:
+    if call.reshape or call.expand:
         x = local[call.tensors[0]]
         shape, _ = shard_shape_and_offset(sharding.shapes[0], sharding.outputs[0],
                                           tuple(mesh.shape), mesh_coordinate(mesh))
-        return mint.reshape(x, shape)
+        return mint.reshape(x, shape) if call.reshape else mint.broadcast_to(x, shape)
     if isinstance(sharding.local, MaskedLookup):  # a vocabulary-parallel lookup
         def run(a: list[Any]) -> Any:
             return func(args[0], args[1], tuple(a), **kwargs) if legacy else func(*a, **kwargs)

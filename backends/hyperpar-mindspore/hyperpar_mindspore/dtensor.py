@@ -175,9 +175,11 @@ class DTensor(Tensor):
                         "the whole tensor")
 
     def __getitem__(self, index: Any) -> Any:
-        raise NotImplementedError(
-            f"indexing a DTensor ({self._placements}, shape {self._gshape}) has no sharding "
-            "rule on MindSpore yet; index .full_tensor() or .to_local() instead")
+        """Basic indexing (ints, slices, None, ``...``): indexed dims gathered, others keep
+        their shards. Other indices raise "no sharding rule"."""
+        from .dispatch import getitem
+
+        return getitem(self, index)
 
     def __fallback__(self, func: Any, args: Any = (), kwargs: Any = None) -> Any:
         from .dispatch import dispatch

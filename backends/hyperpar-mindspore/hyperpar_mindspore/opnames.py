@@ -9,7 +9,12 @@ The names were read off ``__fallback__`` in MindSpore 2.10 PyNative: ``x + y`` i
 ``Squeeze``, ``flatten`` ``FlattenExt``, ``x.transpose(a, b)`` ``TransposeExtView``, ``x.T`` and
 ``x.permute`` ``Transpose``, ``ops.gather`` (what ``nn.Embedding`` runs) the legacy primitive
 ``Gather``, ``mint.cat`` ``Concat``, ``mint.stack`` ``StackExt``, ``x.split`` ``SplitTensor``
-(with sizes ``SplitWithSize``), ``mint.chunk`` ``ChunkView``. Left out on purpose:
+(with sizes ``SplitWithSize``), ``mint.chunk`` ``ChunkView``, ``x.expand``/``x.broadcast_to``
+``BroadcastTo``, ``mint.broadcast_to`` ``BroadcastToView``, ``x.expand_as`` ``ExpandAs``.
+Basic indexing never
+reaches ``__fallback__`` whole (``x[0]``, ``x[:, 1:3]``, ``x[..., 0]`` run no OpCall there at
+all, ``x[1:]`` arrives as a legacy ``StridedSlice``, ``x[None]`` as ``ExpandDims``):
+``DTensor.__getitem__`` reads the index itself (:func:`.dispatch.getitem`). Left out on purpose:
 ``mint.unbind`` (``UnstackExtView``: plain MindSpore 2.10 cannot differentiate it) and
 ``mint.split`` (``SplitTensorView``, ``SplitWithSizeView``: plain MindSpore 2.10 gets their
 gradients wrong when an output is used twice), so they raise "no sharding rule is mapped". Add a
@@ -32,7 +37,8 @@ from hyperpar.dtensor.rules.view import flattened_shape, squeezed_shape, unsquee
 class Call:
     """One op call read for the rules: the neutral ``op``, the argument positions of its tensor
     inputs (in the rule's order), the rule's keyword arguments, whether the local call is a
-    reshape to this rank's piece of the global output shape (``reshape``), for ops taking a
+    reshape to this rank's piece of the global output shape (``reshape``) or a broadcast to it
+    (``expand``), for ops taking a
     list of tensors (``Concat``) the position of that list (``tensor_list``; ``tensors`` empty),
     and for a lookup the position of its padding index (``padding_at``).
     """
@@ -41,6 +47,7 @@ class Call:
     tensors: tuple[int, ...]
     args: dict[str, Any] = field(default_factory=dict)
     reshape: bool = False
+    expand: bool = False  # broadcast the local piece to this rank's piece of the output
     tensor_list: int | None = None
     padding_at: int | None = None  # embedding: where the call takes its padding index
 
@@ -114,6 +121,19 @@ def _expand_dims(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
 def _squeeze(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
     shape = squeezed_shape(tuple(args[0].shape), _arg(args, kwargs, 1, "axis", None))
     return Call("reshape", (0,), {"shape": shape}, reshape=True)
+
+
+def _broadcast_to(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+    """``BroadcastTo`` (``x.expand(*sizes)``, ``x.broadcast_to(shape)``) and
+    ``BroadcastToView`` (``mint.broadcast_to``): the sizes inline or as one tuple."""
+    shape = _dims(args) if len(args) > 1 else tuple(_arg(args, kwargs, 1, "shape", ()))
+    return Call("expand", (0,), {"shape": shape}, expand=True)
+
+
+def _expand_as(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+    """``ExpandAs`` (``x.expand_as(other)``): the shape of ``other`` (global for a DTensor)."""
+    return Call("expand", (0,), {"shape": tuple(_arg(args, kwargs, 1, "other", None).shape)},
+                expand=True)
 
 
 def _transpose(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
@@ -269,6 +289,7 @@ OPS: dict[str, Parser] = {
     "MaxDim": reduction("max_dim"),
     "Reshape": _reshape, "FlattenExt": _flatten, "ExpandDims": _expand_dims,
     "ExpandDimsView": _expand_dims, "Squeeze": _squeeze,
+    "BroadcastTo": _broadcast_to, "BroadcastToView": _broadcast_to, "ExpandAs": _expand_as,
     "TransposeExtView": _transpose, "Transpose": _permute, "TransposeView": _permute,
     "Softmax": softmax("softmax"), "LogSoftmax": softmax("log_softmax"),
     "LogSoftmaxExt": softmax("log_softmax"),

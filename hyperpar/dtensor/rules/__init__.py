@@ -12,7 +12,8 @@ shape(s), and the mesh dims where a replicated input's gradient must be summed.
 
 Ops with rules: ``add sub neg identity mul div elementwise`` (broadcasting, the Partial algebra),
 ``matmul bmm linear``, ``sum mean max max_dim``, ``softmax log_softmax``,
-``reshape transpose permute``, ``cat stack split unbind``,
+``reshape transpose permute``, ``getitem expand`` (basic indexing, broadcast_to),
+``cat stack split unbind``,
 ``layer_norm rms_norm group_norm`` (normalisation), ``sdpa`` (attention),
 ``embedding gather_d cross_entropy``. Each platform maps its own functions (torch functions,
 MindSpore OpCalls) to these names. An op or a layout without a rule raises
@@ -23,6 +24,7 @@ from . import (  # noqa: F401  (fill the table)
     attention,
     cat,
     elementwise,
+    index,
     matmul,
     nn,
     norm,

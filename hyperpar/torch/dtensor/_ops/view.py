@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from hyperpar.dtensor.placement import REPLICATE, Shard
+from hyperpar.dtensor.rules.index import is_basic
 from hyperpar.torch.dtensor._ops.dispatch import (
     PLAN_CACHE,
     Unhashable,
@@ -27,7 +28,6 @@ from hyperpar.torch.dtensor._ops.registry import (
     ShardingError,
     mixing_error,
     register_op,
-    unshard,
 )
 from hyperpar.torch.dtensor.api import DTensor, DTensorSpec, _wrap
 
@@ -143,21 +143,21 @@ def _permute_plan(func, args, kwargs):
 
 @register_op(torch.Tensor.expand, torch.Tensor.expand_as, torch.broadcast_to)
 def expand_rule(call: OpCall) -> Sharding:
-    """``expand``/``broadcast_to``: expanded dims must be replicated."""
+    """``expand``/``broadcast_to``: the neutral rule (rules/index.py): a sharded dim that grows
+    is gathered, new leading dims replicated."""
     x = call.args[0]
     spec = x._spec
-    shape = tuple(infer_shapes(call.func, call.args, call.kwargs))
-    lead = len(shape) - len(spec.shape)
-    pl = tuple(R if type(p) is Shard and spec.shape[p.dim] != shape[p.dim + lead] else p
-               for p in spec.placements)
-    out = tuple(Shard(p.dim + lead) if type(p) is Shard else p for p in pl)
+    shape = tuple(infer_shapes(call.func, call.args, call.kwargs))  # torch reads the spellings
+    res = decide("expand", [spec], shape=shape)
+    out = res.outputs[0]
     out_spec = DTensorSpec(spec.mesh, out, torch.Size(shape))
     local_shape, _ = out_spec.local_shape_and_offset()
 
     def local(t, *a, **k):
         return t.expand(local_shape)
 
-    return Sharding([pl] + [None] * (len(call.dtensors) - 1), out, shape, local=local)
+    return Sharding([res.inputs[0]] + [None] * (len(call.dtensors) - 1), out, shape,
+                    local=local)
 
 
 # ---------------------------------------------------------------------------- cat / split
@@ -189,53 +189,57 @@ def split_rule(call: OpCall) -> Sharding:
 
 
 # ---------------------------------------------------------------------------- indexing
+_GETITEM = "getitem"  # key prefix in the shared plan cache
+
+
+def _plain(v: Any) -> bool:
+    return v is None or type(v) is int
+
+
+def _index_key(items: tuple) -> tuple | None:
+    """Cache key of a basic index (slices are unhashable before Python 3.12), or None when a
+    bound is not a plain int (a tensor would be keyed by identity, not value)."""
+    key = []
+    for i in items:
+        if type(i) is slice:
+            if not (_plain(i.start) and _plain(i.stop) and _plain(i.step)):
+                return None
+            key.append((slice, i.start, i.stop, i.step))
+        elif i is Ellipsis or _plain(i):
+            key.append(i)
+        else:
+            return None
+    return tuple(key)
+
+
 @register_op(torch.Tensor.__getitem__, raw=True)
 def getitem_rule(func, args, kwargs):
-    """``x[...]``: basic indexing gathers the indexed dims only; advanced indexing gathers all."""
+    """``x[...]``: basic indexing gathers the indexed dims only (the neutral rule,
+    rules/index.py); advanced indexing gathers all."""
     x, index = args[0], args[1]
     spec = x._spec
-    items = index if isinstance(index, tuple) else (index,)
-    simple = all(i is None or i is Ellipsis or isinstance(i, int | slice) for i in items)
-    if not simple:
+    items = index if type(index) is tuple else (index,)
+    if not all(map(is_basic, items)):
         if any(isinstance(i, DTensor) for i in items):
             raise ShardingError("indexing a DTensor with a DTensor index is not supported")
         local = replicated_local(x)
         out = local[index]
         # advanced indexing copies in torch too: an in-place op on it is torch's semantics
         return _wrap(out, DTensorSpec(spec.mesh, (R,) * spec.mesh.ndim, out.shape))
-    # map input dims to output dims and find the dims the index touches
-    n_real = sum(1 for i in items if i is not None and i is not Ellipsis)
-    expanded: list[Any] = []
-    for i in items:
-        if i is Ellipsis:
-            expanded.extend([slice(None)] * (x.ndim - n_real))
-        else:
-            expanded.append(i)
-    touched, dim_map = set(), {}
-    d_in = d_out = 0
-    for i in expanded:
-        if i is None:
-            d_out += 1
-            continue
-        if isinstance(i, int):
-            touched.add(d_in)
-            d_in += 1
-            continue
-        if i != slice(None):
-            touched.add(d_in)
-        dim_map[d_in] = d_out
-        d_in += 1
-        d_out += 1
-    for d in range(d_in, x.ndim):
-        dim_map[d] = d_out
-        d_out += 1
-    pl = unshard(spec.placements, touched, partial_ok=True)
-    local = localize(x, pl, None, False)
-    out_local = local[index]
-    out_pl = tuple(Shard(dim_map[p.dim]) if type(p) is Shard else p for p in pl)
-    shape = infer_shapes(func, args, kwargs)
-    result = _wrap(out_local, DTensorSpec(spec.mesh, out_pl, torch.Size(shape)))
-    return _note_copy(result, x, None if pl == spec.placements else pl, func, index)
+    # traced: plan afresh (a constant of the graph), no cache
+    ikey = None if _is_compiling() else _index_key(items)
+    key = None if ikey is None else (_GETITEM, spec, ikey)
+    plan = None if key is None else PLAN_CACHE.get(key)
+    if plan is None:
+        res = decide("getitem", [spec], index=items)
+        pl = res.inputs[0]
+        plan = (pl, DTensorSpec(spec.mesh, res.outputs[0], torch.Size(res.shapes[0])),
+                None if pl == spec.placements else pl)
+        if key is not None:
+            PLAN_CACHE.put(key, plan)
+    pl, out_spec, gathered = plan
+    out_local = localize(x, pl, None, False)[index]
+    return _note_copy(_wrap(out_local, out_spec), x, gathered, func, index)
 
 
 def _note_copy(out: DTensor, x: DTensor, gathered_to: Placements | None, func: Any,
