@@ -58,6 +58,15 @@ class Framework:
     def cross_entropy(self, logits: Any, target: Any) -> Any:
         raise NotImplementedError
 
+    def var(self, x: Any, dim: int, correction: int, keepdim: bool = False) -> Any:
+        raise NotImplementedError
+
+    def std(self, x: Any, dim: int, correction: int, keepdim: bool = False) -> Any:
+        raise NotImplementedError
+
+    def argmax(self, x: Any, dim: int, keepdim: bool) -> Any:
+        raise NotImplementedError
+
     # gradients ----------------------------------------------------------------------------
     def value_and_grad(self, fn: Callable[..., Any], inputs: Sequence[Any]
                        ) -> tuple[Any, list[Any]]:
@@ -128,6 +137,15 @@ class Torch(Framework):
 
     def cross_entropy(self, logits: Any, target: Any) -> Any:
         return self.F.cross_entropy(logits, target)
+
+    def var(self, x: Any, dim: int, correction: int, keepdim: bool = False) -> Any:
+        return x.var(dim, correction=correction, keepdim=keepdim)
+
+    def std(self, x: Any, dim: int, correction: int, keepdim: bool = False) -> Any:
+        return x.std(dim, correction=correction, keepdim=keepdim)
+
+    def argmax(self, x: Any, dim: int, keepdim: bool) -> Any:
+        return x.argmax(dim, keepdim=keepdim)
 
     def value_and_grad(self, fn: Callable[..., Any], inputs: Sequence[Any]
                        ) -> tuple[Any, list[Any]]:
@@ -228,6 +246,15 @@ class MindSpore(Framework):
 
     def cross_entropy(self, logits: Any, target: Any) -> Any:
         return self.ops.cross_entropy(logits, target)
+
+    def var(self, x: Any, dim: int, correction: int, keepdim: bool = False) -> Any:
+        return x.var(dim, ddof=correction, keepdims=keepdim)      # DeprecatedVar
+
+    def std(self, x: Any, dim: int, correction: int, keepdim: bool = False) -> Any:
+        return x.std(dim, ddof=correction, keepdims=keepdim)      # DeprecatedStd
+
+    def argmax(self, x: Any, dim: int, keepdim: bool) -> Any:
+        return x.argmax(dim, keepdims=keepdim)                    # DeprecatedArgmax
 
     def value_and_grad(self, fn: Callable[..., Any], inputs: Sequence[Any]
                        ) -> tuple[Any, list[Any]]:
