@@ -68,6 +68,7 @@ def _ops(fw: Framework, x: Any, w: Any, b: Any, p: Any, v: Any) -> dict[str, Any
         # red29: reductions on gathered dims (over dim 1 a row shard stays) and scans
         "prod(1)": x.prod(1),
         "prod(0)": x.prod(0),
+        "prod(0, True)": x.prod(0, True),      # keepdim by position: a shard of dim 1 stays 1
         "var(1)": fw.var(x, 1, 1),
         "std(0, keepdim)": fw.std(x, 0, 0, True),
         "cumsum(0)": x.cumsum(0),

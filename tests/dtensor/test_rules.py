@@ -229,6 +229,7 @@ CASES = [
     ("prod", [A246], [(S2, S0)], (2, 2), {"dim": 0, "keepdim": True}),
     ("var", [A56], [(S1,)], (4,), {"dim": 1, "correction": 0}),
     ("var", [A246], [(S1, S2)], (2, 2), {"dim": (0, 2)}),
+    ("var", [A246], [(S1, S2)], (2, 2), {"dim": []}),  # torch: an empty dim list is every dim
     ("std", [A56], [(P_SUM,)], (2,), {"dim": 0, "keepdim": True}),
     ("argmax", [A56], [(S0,)], (4,), {"dim": 1}),
     ("argmax", [A246], [(S1, S2)], (2, 2), {"dim": -1, "keepdim": True}),
