@@ -62,6 +62,15 @@ class Framework:
         """The framework's cross-entropy (``options``: weight, label_smoothing, ...)."""
         raise NotImplementedError
 
+    def var(self, x: Any, dim: int, correction: int, keepdim: bool = False) -> Any:
+        raise NotImplementedError
+
+    def std(self, x: Any, dim: int, correction: int, keepdim: bool = False) -> Any:
+        raise NotImplementedError
+
+    def argmax(self, x: Any, dim: int, keepdim: bool) -> Any:
+        raise NotImplementedError
+
     # gradients ----------------------------------------------------------------------------
     def value_and_grad(self, fn: Callable[..., Any], inputs: Sequence[Any]
                        ) -> tuple[Any, list[Any]]:
@@ -135,6 +144,15 @@ class Torch(Framework):
 
     def cross_entropy(self, logits: Any, target: Any, **options: Any) -> Any:
         return self.F.cross_entropy(logits, target, **options)
+
+    def var(self, x: Any, dim: int, correction: int, keepdim: bool = False) -> Any:
+        return x.var(dim, correction=correction, keepdim=keepdim)
+
+    def std(self, x: Any, dim: int, correction: int, keepdim: bool = False) -> Any:
+        return x.std(dim, correction=correction, keepdim=keepdim)
+
+    def argmax(self, x: Any, dim: int, keepdim: bool) -> Any:
+        return x.argmax(dim, keepdim=keepdim)
 
     def value_and_grad(self, fn: Callable[..., Any], inputs: Sequence[Any]
                        ) -> tuple[Any, list[Any]]:
@@ -238,6 +256,15 @@ class MindSpore(Framework):
 
     def cross_entropy(self, logits: Any, target: Any, **options: Any) -> Any:
         return self.ops.cross_entropy(logits, target, **options)
+
+    def var(self, x: Any, dim: int, correction: int, keepdim: bool = False) -> Any:
+        return x.var(dim, ddof=correction, keepdims=keepdim)      # DeprecatedVar
+
+    def std(self, x: Any, dim: int, correction: int, keepdim: bool = False) -> Any:
+        return x.std(dim, ddof=correction, keepdims=keepdim)      # DeprecatedStd
+
+    def argmax(self, x: Any, dim: int, keepdim: bool) -> Any:
+        return x.argmax(dim, keepdims=keepdim)                    # DeprecatedArgmax
 
     def value_and_grad(self, fn: Callable[..., Any], inputs: Sequence[Any]
                        ) -> tuple[Any, list[Any]]:

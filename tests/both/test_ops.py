@@ -6,13 +6,17 @@ on the whole tensors in one process of that framework.
 ``b @ w`` (matrix-vector, as torch.matmul), ``sum(0)``,
 ``transpose(0, 1)``, ``reshape``, softmax over a whole and over a sharded dim, ops on the
 Partial DTensor (``p + p``, ``p * 2``, ``p @ v``, ``relu(p)``, which must reduce first), basic
-indexing (ints, slices with steps, None, ``...``) and ``expand``/``broadcast_to``. The loss
+indexing (ints, slices with steps, None, ``...``), ``expand``/``broadcast_to``, the reductions
+on gathered dims (``prod``, ``var``, ``std``, ``logsumexp``, ``norm``, over the sharded dim and
+over the other one) and the scans ``cumsum``/``cumprod``. ``argmax`` gives integers: compared
+exactly (``x`` is normal(0, 1): no ties) and left out of the loss. The loss
 is ``sum_k sum(full_tensor(out_k) * C_k)``; its gradients for all four inputs are compared with
 the one-process gradients.
 
 Tolerance: float32 values O(1) (normal(0, 1) inputs, softmax <= 1). A distributed result differs
 from the one-process one only in the order of float32 sums: a contraction or reduction of
-K <= 7 terms (the largest inner dim; the loss sums 21-35 terms per output, in a different order
+K <= 7 terms (the largest inner dim; a product of K factors likewise changes by at most
+~K * 2^-24 relative; the loss sums 21-35 terms per output, in a different order
 too) changes by at most ~K * 2^-24 * sum|terms| <= 7 * 6e-8 * 7 * scale ~ 3e-6 * scale per op,
 and the loss composes two such sums. We allow 2e-5 * max(1, max|want|): robust on any x86 CPU
 (vectorized or not), while a missed reduction, a wrong piece or a doubled Partial is O(scale).
@@ -72,6 +76,20 @@ def _ops(fw: Framework, x: Any, w: Any, b: Any, p: Any, v: Any) -> dict[str, Any
         "expand": x.reshape(7, 1, 5).expand(2, 7, 3, 5),   # a new leading dim, a size-1 grown
         "broadcast_to": fw.broadcast_to(b, (3, 5)),
         "p expand": p[:, None].expand(4, 2, 3),            # Partial passes through
+        # red29: reductions on gathered dims (over dim 1 a row shard stays) and scans
+        "prod(1)": x.prod(1),
+        "prod(0)": x.prod(0),
+        "prod(0, True)": x.prod(0, True),      # keepdim by position: a shard of dim 1 stays 1
+        "var(1)": fw.var(x, 1, 1),
+        "std(0, keepdim)": fw.std(x, 0, 0, True),
+        "cumsum(0)": x.cumsum(0),
+        "cumprod(1)": x.cumprod(1),
+        "logsumexp(0)": x.logsumexp(0),
+        "norm": x.norm(),
+        "logsumexp(p)": p.logsumexp(1),        # the Partial sum is reduced first
+        # integer outputs: compared exactly, left out of the loss (x has no ties)
+        "argmax(1)": fw.argmax(x, 1, False),
+        "argmax(0, keepdim)": fw.argmax(x, 0, True),
     }
 
 
@@ -101,9 +119,10 @@ def _run(framework: str, mesh_shape: tuple[int, ...]) -> dict:
     def full(t: Any) -> Any:
         return t.full_tensor() if isinstance(t, DTensor) else t
 
-    names = list(_ops(fw, x, w, b, p, v_d))
-    coefs = {k: rng.standard_normal(tuple(full(o).shape)).astype(np.float32)
-             for k, o in _ops(fw, x, w, b, p, v_d).items()}
+    outs = _ops(fw, x, w, b, p, v_d)
+    names = [k for k, o in outs.items() if fw.numpy(full(o)).dtype.kind == "f"]  # differentiable
+    coefs = {k: rng.standard_normal(tuple(full(outs[k]).shape)).astype(np.float32)
+             for k in names}
 
     def loss(x: Any, w: Any, b: Any, p: Any, v: Any) -> Any:
         outs = _ops(fw, x, w, b, p, v)
@@ -130,7 +149,10 @@ def _run(framework: str, mesh_shape: tuple[int, ...]) -> dict:
 def test_ops_values_and_gradients_match_one_process(framework, pool, mesh_shape) -> None:
     for rank, res in enumerate(pool(int(np.prod(mesh_shape))).run(_run, framework, mesh_shape)):
         for name, want in res["ref_outs"].items():
-            close(f"rank {rank}: {name}", res["outs"][name], want, RTOL)
+            if want.dtype.kind in "iu":  # indices: exactly
+                np.testing.assert_array_equal(res["outs"][name], want, f"rank {rank}: {name}")
+            else:
+                close(f"rank {rank}: {name}", res["outs"][name], want, RTOL)
         close(f"rank {rank}: loss", res["value"], res["ref_value"], RTOL)
         for name, got, want in zip("xwbp", res["grads"], res["ref_grads"], strict=True):
             close(f"rank {rank}: d loss / d {name}", got, want, RTOL)

@@ -97,6 +97,18 @@ NUMPY = {
     "unbind": lambda xs, a: np.moveaxis(xs[0], a["dim"], 0)[a["_out"]],
     "embedding": lambda xs, a: xs[0][xs[1]],
     "gather_d": lambda xs, a: np.take_along_axis(xs[0], xs[1], a["dim"]),
+    # red29: the gathered reductions and the scans (numpy's var/std take ddof = correction)
+    "prod": lambda xs, a: np.prod(xs[0], _axis(a), keepdims=a.get("keepdim", False)),
+    "var": lambda xs, a: np.var(xs[0], _axis(a), ddof=a.get("correction", 1),
+                                keepdims=a.get("keepdim", False)),
+    "std": lambda xs, a: np.std(xs[0], _axis(a), ddof=a.get("correction", 1),
+                                keepdims=a.get("keepdim", False)),
+    "argmax": lambda xs, a: np.argmax(xs[0], _axis(a), keepdims=a.get("keepdim", False)),
+    "argmin": lambda xs, a: np.argmin(xs[0], _axis(a), keepdims=a.get("keepdim", False)),
+    "logsumexp": lambda xs, a: np.log(np.sum(np.exp(xs[0]), _axis(a),
+                                             keepdims=a.get("keepdim", False))),
+    "cumsum": lambda xs, a: np.cumsum(xs[0], a["dim"]),
+    "cumprod": lambda xs, a: np.cumprod(xs[0], a["dim"]),
     "cross_entropy": lambda xs, a: _cross_entropy(xs[0], xs[1], a.get("reduction", "mean"),
                                                   xs[2] if len(xs) > 2 else None,
                                                   a.get("ignore_index", -100)),
@@ -213,6 +225,20 @@ CASES = [
     ("max", [A56], [(S0,)], (4,), {"dim": 0, "pending": True}),  # a piece is empty: gathered
     ("min", [A56], [(Partial("min"),)], (2,), {"dim": 1, "pending": True}),
     ("min_dim", [A246], [(S1, S2)], (2, 2), {"dim": 2, "keepdim": True}),
+    # red29: gathered reductions keep a shard of another dim (renumbered unless keepdim) and
+    # reduce a Partial first; scans gather their dim only
+    ("prod", [A56], [(S0,)], (2,), {"dim": 1}),
+    ("prod", [A246], [(S2, S0)], (2, 2), {"dim": 0, "keepdim": True}),
+    ("var", [A56], [(S1,)], (4,), {"dim": 1, "correction": 0}),
+    ("var", [A246], [(S1, S2)], (2, 2), {"dim": (0, 2)}),
+    ("var", [A246], [(S1, S2)], (2, 2), {"dim": []}),  # torch: an empty dim list is every dim
+    ("std", [A56], [(P_SUM,)], (2,), {"dim": 0, "keepdim": True}),
+    ("argmax", [A56], [(S0,)], (4,), {"dim": 1}),
+    ("argmax", [A246], [(S1, S2)], (2, 2), {"dim": -1, "keepdim": True}),
+    ("argmin", [A56], [(S0, S1)], (2, 2), {"dim": None}),
+    ("logsumexp", [A246], [(S0, S1)], (2, 2), {"dim": 1}),
+    ("cumsum", [A56], [(S0, S1)], (2, 2), {"dim": 1}),
+    ("cumprod", [A246], [(P_SUM, S1)], (2, 2), {"dim": 0}),
     ("softmax", [A56], [(S1,)], (2,), {"dim": 1}),
     ("log_softmax", [A56], [(S0, S1)], (2, 2), {"dim": 0}),
     ("reshape", [A64], [(S0,)], (2,), {"shape": (-1,)}),
@@ -351,8 +377,8 @@ def test_vocab_parallel_lookup_and_global_mean_describe_the_local_computation():
 
 
 def test_an_op_or_layout_without_a_rule_names_both():
-    with pytest.raises(ShardingError, match=r"'cumsum'.*\[Shard\(dim=0\)\] shape \(5, 6\)"):
-        propagate("cumsum", (TensorMeta((S0,), (5, 6)),), (2,))
+    with pytest.raises(ShardingError, match=r"'fft'.*\[Shard\(dim=0\)\] shape \(5, 6\)"):
+        propagate("fft", (TensorMeta((S0,), (5, 6)),), (2,))
     with pytest.raises(ShardingError, match=r"'matmul'.*0-dim operand"):
         propagate("matmul", (TensorMeta((S0,), (5, 6)), TensorMeta((R,), ())), (2,))
 

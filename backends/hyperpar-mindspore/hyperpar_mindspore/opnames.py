@@ -19,6 +19,20 @@ all, ``x[1:]`` arrives as a legacy ``StridedSlice``, ``x[None]`` as ``ExpandDims
 ``mint.split`` (``SplitTensorView``, ``SplitWithSizeView``: plain MindSpore 2.10 gets their
 gradients wrong when an output is used twice), so they raise "no sharding rule is mapped". Add a
 primitive by adding a line to :data:`OPS`.
+
+The reductions computed on gathered dims (read the same way; each computed and differentiated
+by plain MindSpore 2.10 on CPU before mapping): ``mint.prod``/``ops.prod`` ``ProdExt`` (x, dim,
+keepdim, dtype), ``x.prod`` ``DeprecatedProd`` (x, axis, keep_dims), ``x.var``/``x.std``
+``DeprecatedVar``/``DeprecatedStd`` (x, axis, ddof, keepdims), ``x.std(dim)`` ``Std``,
+``x.argmax`` ``DeprecatedArgmax`` (x, axis, keepdims), ``x.argmin`` ``ArgMinExt``, ``ops.argmax``
+``Argmax`` (x, axis, output type; ``keepdims`` applied after), ``x.cumsum`` ``CumsumExt``,
+``ops.cumsum`` ``CumSum``, ``mint.cumprod``/``x.cumprod`` ``CumProd``, ``x.logsumexp``
+``LogSumExp``. ``x.norm()`` runs ``Square``, the legacy ``ReduceSum`` and ``Sqrt``. Not mapped:
+``mint.var``/``mint.std`` with a correction (``Var``/``Std`` with 4 arguments) and
+``mint.argmax``/``mint.logsumexp``/``mint.cumsum`` (no CPU kernel: "The kernel ... unregistered"),
+``mint.linalg.vector_norm`` (``LinalgVectorNorm``, no CPU kernel) and ``x.norm(p, dim)``
+(``LpNorm``: ``p`` and the axis are attributes of the primitive, not arguments); they raise
+"no sharding rule is mapped".
 """
 
 from __future__ import annotations
@@ -91,6 +105,40 @@ def reduction(op: str, dim_at: int = 1, keep_at: int = 2, dim_name: str = "dim",
         dim = _arg(args, kwargs, dim_at, dim_name, None) if dim_at else None
         keep = bool(_arg(args, kwargs, keep_at, keep_name, False)) if keep_at else False
         return Call(op, (0,), {"dim": dim, "keepdim": keep})
+
+    return parse
+
+
+def gathered(op: str, dim_at: int = 1, keep_at: int | None = 2) -> Parser:
+    """A reduction computed on the gathered reduced dims; ``dim``/``axis`` and
+    ``keepdim``/``keep_dims``/``keepdims`` by position or keyword (``keep_at`` None: no
+    keepdim argument)."""
+
+    def parse(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+        dim = args[dim_at] if len(args) > dim_at else kwargs.get("dim", kwargs.get("axis"))
+        keep = args[keep_at] if keep_at is not None and len(args) > keep_at else next(
+            (kwargs[k] for k in ("keepdim", "keep_dims", "keepdims") if k in kwargs), False)
+        return Call(op, (0,), {"dim": dim, "keepdim": bool(keep)})
+
+    return parse
+
+
+def _reduce_sum(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+    """The legacy ``ReduceSum`` (x, axis, keep_dims, skip_mode) that ``x.norm()`` runs; with
+    ``skip_mode`` an empty axis means no reduction at all: left without a rule."""
+    axis = _arg(args, kwargs, 1, "axis", ())
+    if bool(_arg(args, kwargs, 3, "skip_mode", False)) and axis in ((), [], None):
+        return Call("ReduceSum(skip_mode=True, axis=())", (0,))
+    return Call("sum", (0,), {"dim": axis, "keepdim": bool(_arg(args, kwargs, 2, "keep_dims",
+                                                                False))})
+
+
+def scan(op: str) -> Parser:
+    """``cumsum``/``cumprod`` along a dim (``CumSum``/``CumProd`` then take ``exclusive`` and
+    ``reverse`` flags, which do not change the layout)."""
+
+    def parse(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+        return Call(op, (0,), {"dim": int(_arg(args, kwargs, 1, "dim", kwargs.get("axis", 0)))})
 
     return parse
 
@@ -284,9 +332,18 @@ OPS: dict[str, Parser] = {
     "Dense": _linear,
     "SumExt": reduction("sum"), "MeanExt": reduction("mean"),
     "DeprecatedSum": reduction("sum", 1, 2, "axis", "keepdims"),
+    "ReduceSum": _reduce_sum,
     "ReduceMax": reduction("max"), "ReduceMin": reduction("min"),
     "Max": reduction("max", 0, 0),
     "MaxDim": reduction("max_dim"),
+    "ProdExt": gathered("prod"), "DeprecatedProd": gathered("prod"),
+    "DeprecatedVar": gathered("var", 1, 3), "DeprecatedStd": gathered("std", 1, 3),
+    "Std": gathered("std", 1, 3),
+    "DeprecatedArgmax": gathered("argmax"), "ArgMaxExt": gathered("argmax"),
+    "ArgMinExt": gathered("argmin"),
+    "Argmax": gathered("argmax", 1, None), "Argmin": gathered("argmin", 1, None),
+    "LogSumExp": gathered("logsumexp"),
+    "CumsumExt": scan("cumsum"), "CumSum": scan("cumsum"), "CumProd": scan("cumprod"),
     "Reshape": _reshape, "FlattenExt": _flatten, "ExpandDims": _expand_dims,
     "ExpandDimsView": _expand_dims, "Squeeze": _squeeze,
     "BroadcastTo": _broadcast_to, "BroadcastToView": _broadcast_to, "ExpandAs": _expand_as,

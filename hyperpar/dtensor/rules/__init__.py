@@ -11,7 +11,9 @@ shape(s), and the mesh dims where a replicated input's gradient must be summed.
 (((Shard(dim=0),),), ((8, 3),), ((), (0,)))
 
 Ops with rules: ``add sub neg identity mul div elementwise`` (broadcasting, the Partial algebra),
-``matmul bmm linear``, ``sum mean max max_dim``, ``softmax log_softmax``,
+``matmul bmm linear``, ``sum mean max max_dim``,
+``prod var std var_mean std_mean argmax argmin logsumexp all any norm`` (gathered),
+``cumsum cumprod``, ``softmax log_softmax``,
 ``reshape transpose permute``, ``getitem expand`` (basic indexing, broadcast_to),
 ``cat stack split unbind``,
 ``layer_norm rms_norm group_norm`` (normalisation), ``sdpa`` (attention),

@@ -1,5 +1,6 @@
-"""Reductions (``sum``, ``mean``, ``max``, ``min``, ``max_dim``, ``min_dim``) and the ops that
-normalise along a dim (``softmax``, ``log_softmax``)."""
+"""Reductions (``sum``, ``mean``, ``max``, ``min``, ``max_dim``, ``min_dim``), the reductions
+computed on gathered dims (``prod``, ``var``, ``std``, ``argmax``, ...), the scans along a dim
+(``cumsum``, ``cumprod``) and the ops that normalise along a dim (``softmax``, ``log_softmax``)."""
 
 from __future__ import annotations
 
@@ -111,4 +112,42 @@ def _softmax(op: str, metas: tuple[TensorMeta, ...], mesh_shape: tuple[int, ...]
     (x,) = metas
     d = norm_dim(dim, len(x.shape))
     pl = tuple(p if type(p) is Shard and p.dim != d else REPLICATE for p in x.placements)
+    return OpSharding((pl,), (pl,), (tuple(x.shape),))
+
+
+#: Reductions with no cheap Partial form (a product, a variance, an index, ...): computed on the
+#: gathered reduced dims. ``*_mean`` give two outputs (the statistic and the mean).
+GATHERED = ("prod", "var", "std", "var_mean", "std_mean", "argmax", "argmin", "logsumexp",
+            "all", "any", "norm")
+
+
+def _gathered(placements: tuple[Placement, ...], dims: tuple[int, ...]) -> tuple[Placement, ...]:
+    """``placements`` with shards of ``dims`` and every Partial replaced by Replicate."""
+    return tuple(REPLICATE if (type(p) is Shard and p.dim in dims) or type(p) is Partial else p
+                 for p in placements)
+
+
+@rule(*GATHERED)
+def _gathered_reduction(op: str, metas: tuple[TensorMeta, ...], mesh_shape: tuple[int, ...], *,
+                        dim: Any = None, keepdim: bool = False, **_: Any) -> OpSharding:
+    """The reduced dims (``dim``: None -- every dim, as ``argmax`` of the flattened tensor --
+    an int or several, negative or not) and any Partial are gathered; a shard of another dim
+    stays, renumbered unless ``keepdim``. Other arguments (``correction``, ``p``, ``dtype``)
+    do not change the layout."""
+    (x,) = metas
+    dims = reduced_dims(dim, len(x.shape))
+    pl = _gathered(x.placements, dims)
+    out = reduced_placements(pl, dims, keepdim, "sum")  # no shard of dims left: no Partial
+    shape = reduced_shape(x.shape, dims, keepdim)
+    n = 2 if op.endswith("_mean") else 1
+    return OpSharding((pl,), (out,) * n, (shape,) * n)
+
+
+@rule("cumsum", "cumprod")
+def _scan(op: str, metas: tuple[TensorMeta, ...], mesh_shape: tuple[int, ...], *, dim: int,
+          **_: Any) -> OpSharding:
+    """A running sum or product along ``dim`` needs the whole of it (and any Partial
+    reduced); other shards stay; the shape is kept."""
+    (x,) = metas
+    pl = _gathered(x.placements, (norm_dim(dim, len(x.shape)),))
     return OpSharding((pl,), (pl,), (tuple(x.shape),))

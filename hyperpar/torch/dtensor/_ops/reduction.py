@@ -79,35 +79,43 @@ def max_rule(call: OpCall) -> Sharding:
     return neutral_sharding(name, call, dim=dim, keepdim=bool(call.arg(2, "keepdim", False)))
 
 
-def _gather_reduction(call: OpCall, dims: tuple[int, ...], keepdim: bool) -> Sharding:
-    x = call.args[0]
-    pl = unshard(x._spec.placements, dims)
-    out = reduced_placements(pl, dims, keepdim, "sum")
-    shapes = infer_shapes(call.func, call.args, call.kwargs)
-    if isinstance(shapes, list):
-        return Sharding([pl], [out] * len(shapes), shapes)
-    return Sharding([pl], out, shapes)
+#: torch functions -> the neutral op of the gathered reductions
+_GATHERED = {
+    **dict.fromkeys((torch.prod, torch.Tensor.prod), "prod"),
+    **dict.fromkeys((torch.var, torch.Tensor.var), "var"),
+    **dict.fromkeys((torch.std, torch.Tensor.std), "std"),
+    **dict.fromkeys((torch.norm, torch.Tensor.norm), "norm"),
+    **dict.fromkeys((torch.argmax, torch.Tensor.argmax), "argmax"),
+    **dict.fromkeys((torch.argmin, torch.Tensor.argmin), "argmin"),
+    **dict.fromkeys((torch.all, torch.Tensor.all), "all"),
+    **dict.fromkeys((torch.any, torch.Tensor.any), "any"),
+    **dict.fromkeys((torch.logsumexp, torch.Tensor.logsumexp), "logsumexp"),
+    torch.var_mean: "var_mean", torch.std_mean: "std_mean",
+}
 
 
-@register_op(torch.prod, torch.Tensor.prod, torch.var, torch.Tensor.var, torch.std,
-             torch.Tensor.std, torch.norm, torch.Tensor.norm, torch.argmax, torch.Tensor.argmax,
-             torch.argmin, torch.Tensor.argmin, torch.all, torch.Tensor.all, torch.any,
-             torch.Tensor.any, torch.logsumexp, torch.Tensor.logsumexp, torch.cumsum,
-             torch.Tensor.cumsum, torch.var_mean, torch.std_mean)
+@register_op(*_GATHERED)
 def gathered_reduction_rule(call: OpCall) -> Sharding:
-    """``prod``/``var``/``std``/``norm``/``argmax``/``any``/``cumsum``...: reduced dims gathered
-    first."""
+    """``prod``/``var``/``std``/``norm``/``argmax``/``any``/``logsumexp``...: the neutral
+    gathered-reduction rule (reduced dims gathered first). ``keepdim`` is read off the output
+    shape torch infers (its position differs between these functions)."""
     x = call.args[0]
-    dim = call.arg(1, "dim")
-    if call.func in (torch.norm, torch.Tensor.norm):
-        dim = call.arg(2, "dim")
-    if call.func in (torch.cumsum, torch.Tensor.cumsum):
-        pl = unshard(x._spec.placements, dims_arg(dim, x.ndim))
-        return Sharding([pl], pl, tuple(x._spec.shape))
-    keepdim = bool(call.kwargs.get("keepdim", False))
-    if isinstance(dim, bool):
+    dim = call.arg(2 if call.func in (torch.norm, torch.Tensor.norm) else 1, "dim")
+    if isinstance(dim, bool):  # var(x, True): the unbiased flag, not a dim
         dim = None
-    return _gather_reduction(call, dims_arg(dim, x.ndim), keepdim)
+    shapes = infer_shapes(call.func, call.args, call.kwargs)
+    first = shapes[0] if isinstance(shapes, list) else shapes
+    res = decide(_GATHERED[call.func], [x._spec], dim=dim, keepdim=len(first) == x.ndim)
+    sh = to_sharding(res)
+    sh.shapes = shapes  # torch's own (equal to the rule's)
+    return sh
+
+
+@register_op(torch.cumsum, torch.Tensor.cumsum, torch.cumprod, torch.Tensor.cumprod)
+def scan_rule(call: OpCall) -> Sharding:
+    """``cumsum``/``cumprod``: the neutral scan rule (the dim gathered)."""
+    op = "cumprod" if call.func in (torch.cumprod, torch.Tensor.cumprod) else "cumsum"
+    return neutral_sharding(op, call, dim=call.arg(1, "dim"))
 
 
 # ---------------------------------------------------------------------------- vector norm
