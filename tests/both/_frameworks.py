@@ -2,9 +2,10 @@
 
 The test bodies in ``tests/both`` are written once against hyperpar's public names; they call
 this adapter only for: tensors from numpy and back, the names of matmul / softmax / relu /
-cross-entropy, how gradients are taken (torch: ``requires_grad`` + ``torch.autograd.grad``;
-MindSpore: ``hyperpar_mindspore.dtensor.value_and_grad``, which returns DTensor gradients since
-MindSpore has no ``.backward()``), how Linear / LayerNorm / Embedding modules and a container
+cross-entropy / nll-loss / log-softmax / embedding lookup / layer and group norm, how
+gradients are taken (torch: ``requires_grad`` + ``torch.autograd.grad``; MindSpore:
+``hyperpar_mindspore.dtensor.value_and_grad``, which returns DTensor gradients since MindSpore
+has no ``.backward()``), how Linear / LayerNorm / Embedding modules and a container
 module are built with given weights, reading a parameter back, and an SGD step.
 
 Nothing here imports a framework at module level: collecting ``tests/both`` in the torch venv
@@ -55,7 +56,27 @@ class Framework:
     def relu(self, x: Any) -> Any:
         raise NotImplementedError
 
-    def cross_entropy(self, logits: Any, target: Any) -> Any:
+    def cross_entropy(self, logits: Any, target: Any, weight: Any = None,
+                      ignore_index: int = -100, reduction: str = "mean") -> Any:
+        raise NotImplementedError
+
+    def nll_loss(self, logp: Any, target: Any, ignore_index: int = -100) -> Any:
+        raise NotImplementedError
+
+    def log_softmax(self, x: Any, dim: int) -> Any:
+        raise NotImplementedError
+
+    def lookup(self, ids: Any, table: Any) -> Any:
+        """An embedding lookup ``table[ids]`` (torch: ``F.embedding``; MindSpore: ``ops.gather``,
+        what ``nn.Embedding`` runs -- mint's ``Embedding`` has no CPU kernel in 2.10)."""
+        raise NotImplementedError
+
+    def layer_norm_op(self, x: Any, ndims: int, weight: Any, bias: Any) -> Any:
+        """Layer norm over the last ``ndims`` dims, eps 1e-5 (MindSpore: the legacy primitive
+        ``ops.LayerNorm``; ``LayerNormExt`` has no CPU kernel in 2.10)."""
+        raise NotImplementedError
+
+    def group_norm(self, x: Any, groups: int, weight: Any, bias: Any) -> Any:
         raise NotImplementedError
 
     # gradients ----------------------------------------------------------------------------
@@ -126,8 +147,25 @@ class Torch(Framework):
     def relu(self, x: Any) -> Any:
         return self.torch.relu(x)
 
-    def cross_entropy(self, logits: Any, target: Any) -> Any:
-        return self.F.cross_entropy(logits, target)
+    def cross_entropy(self, logits: Any, target: Any, weight: Any = None,
+                      ignore_index: int = -100, reduction: str = "mean") -> Any:
+        return self.F.cross_entropy(logits, target, weight, ignore_index=ignore_index,
+                                    reduction=reduction)
+
+    def nll_loss(self, logp: Any, target: Any, ignore_index: int = -100) -> Any:
+        return self.F.nll_loss(logp, target, ignore_index=ignore_index)
+
+    def log_softmax(self, x: Any, dim: int) -> Any:
+        return self.F.log_softmax(x, dim)
+
+    def lookup(self, ids: Any, table: Any) -> Any:
+        return self.F.embedding(ids, table)
+
+    def layer_norm_op(self, x: Any, ndims: int, weight: Any, bias: Any) -> Any:
+        return self.F.layer_norm(x, tuple(x.shape[-ndims:]), weight, bias, 1e-5)
+
+    def group_norm(self, x: Any, groups: int, weight: Any, bias: Any) -> Any:
+        return self.F.group_norm(x, groups, weight, bias, 1e-5)
 
     def value_and_grad(self, fn: Callable[..., Any], inputs: Sequence[Any]
                        ) -> tuple[Any, list[Any]]:
@@ -226,8 +264,25 @@ class MindSpore(Framework):
     def relu(self, x: Any) -> Any:
         return self.ops.relu(x)
 
-    def cross_entropy(self, logits: Any, target: Any) -> Any:
-        return self.ops.cross_entropy(logits, target)
+    def cross_entropy(self, logits: Any, target: Any, weight: Any = None,
+                      ignore_index: int = -100, reduction: str = "mean") -> Any:
+        return self.ops.cross_entropy(logits, target, weight, ignore_index, reduction)
+
+    def nll_loss(self, logp: Any, target: Any, ignore_index: int = -100) -> Any:
+        return self.ops.nll_loss(logp, target, ignore_index=ignore_index)
+
+    def log_softmax(self, x: Any, dim: int) -> Any:
+        return self.ops.log_softmax(x, dim)
+
+    def lookup(self, ids: Any, table: Any) -> Any:
+        return self.ops.gather(table, ids, 0)
+
+    def layer_norm_op(self, x: Any, ndims: int, weight: Any, bias: Any) -> Any:
+        begin = len(x.shape) - ndims  # the primitive takes only -1 as a negative axis
+        return self.ops.LayerNorm(begin, begin, 1e-5)(x, weight, bias)[0]
+
+    def group_norm(self, x: Any, groups: int, weight: Any, bias: Any) -> Any:
+        return self.mint.nn.functional.group_norm(x, groups, weight, bias, 1e-5)
 
     def value_and_grad(self, fn: Callable[..., Any], inputs: Sequence[Any]
                        ) -> tuple[Any, list[Any]]:
