@@ -2,9 +2,10 @@
 
 The test bodies in ``tests/both`` are written once against hyperpar's public names; they call
 this adapter only for: tensors from numpy and back, the names of matmul / softmax / relu /
-cross-entropy, how gradients are taken (torch: ``requires_grad`` + ``torch.autograd.grad``;
-MindSpore: ``hyperpar_mindspore.dtensor.value_and_grad``, which returns DTensor gradients since
-MindSpore has no ``.backward()``), how Linear / LayerNorm / Embedding modules and a container
+cross-entropy / nll-loss / log-softmax / embedding lookup / layer and group norm, how
+gradients are taken (torch: ``requires_grad`` + ``torch.autograd.grad``; MindSpore:
+``hyperpar_mindspore.dtensor.value_and_grad``, which returns DTensor gradients since MindSpore
+has no ``.backward()``), how Linear / LayerNorm / Embedding modules and a container
 module are built with given weights, reading a parameter back, and an SGD step.
 
 Nothing here imports a framework at module level: collecting ``tests/both`` in the torch venv
@@ -58,8 +59,9 @@ class Framework:
     def broadcast_to(self, x: Any, shape: tuple[int, ...]) -> Any:
         raise NotImplementedError
 
-    def cross_entropy(self, logits: Any, target: Any, **options: Any) -> Any:
-        """The framework's cross-entropy (``options``: weight, label_smoothing, ...)."""
+    def cross_entropy(self, logits: Any, target: Any, weight: Any = None,
+                      ignore_index: int = -100, reduction: str = "mean", **options: Any) -> Any:
+        """The framework's cross-entropy (``options``: label_smoothing, ...)."""
         raise NotImplementedError
 
     def var(self, x: Any, dim: int, correction: int, keepdim: bool = False) -> Any:
@@ -69,6 +71,25 @@ class Framework:
         raise NotImplementedError
 
     def argmax(self, x: Any, dim: int, keepdim: bool) -> Any:
+        raise NotImplementedError
+
+    def nll_loss(self, logp: Any, target: Any, ignore_index: int = -100) -> Any:
+        raise NotImplementedError
+
+    def log_softmax(self, x: Any, dim: int) -> Any:
+        raise NotImplementedError
+
+    def lookup(self, ids: Any, table: Any) -> Any:
+        """An embedding lookup ``table[ids]`` (torch: ``F.embedding``; MindSpore: ``ops.gather``,
+        what ``nn.Embedding`` runs -- mint's ``Embedding`` has no CPU kernel in 2.10)."""
+        raise NotImplementedError
+
+    def layer_norm_op(self, x: Any, ndims: int, weight: Any, bias: Any) -> Any:
+        """Layer norm over the last ``ndims`` dims, eps 1e-5 (MindSpore: the legacy primitive
+        ``ops.LayerNorm``; ``LayerNormExt`` has no CPU kernel in 2.10)."""
+        raise NotImplementedError
+
+    def group_norm(self, x: Any, groups: int, weight: Any, bias: Any) -> Any:
         raise NotImplementedError
 
     # gradients ----------------------------------------------------------------------------
@@ -142,8 +163,10 @@ class Torch(Framework):
     def broadcast_to(self, x: Any, shape: tuple[int, ...]) -> Any:
         return self.torch.broadcast_to(x, shape)
 
-    def cross_entropy(self, logits: Any, target: Any, **options: Any) -> Any:
-        return self.F.cross_entropy(logits, target, **options)
+    def cross_entropy(self, logits: Any, target: Any, weight: Any = None,
+                      ignore_index: int = -100, reduction: str = "mean", **options: Any) -> Any:
+        return self.F.cross_entropy(logits, target, weight, ignore_index=ignore_index,
+                                    reduction=reduction, **options)
 
     def var(self, x: Any, dim: int, correction: int, keepdim: bool = False) -> Any:
         return x.var(dim, correction=correction, keepdim=keepdim)
@@ -153,6 +176,21 @@ class Torch(Framework):
 
     def argmax(self, x: Any, dim: int, keepdim: bool) -> Any:
         return x.argmax(dim, keepdim=keepdim)
+
+    def nll_loss(self, logp: Any, target: Any, ignore_index: int = -100) -> Any:
+        return self.F.nll_loss(logp, target, ignore_index=ignore_index)
+
+    def log_softmax(self, x: Any, dim: int) -> Any:
+        return self.F.log_softmax(x, dim)
+
+    def lookup(self, ids: Any, table: Any) -> Any:
+        return self.F.embedding(ids, table)
+
+    def layer_norm_op(self, x: Any, ndims: int, weight: Any, bias: Any) -> Any:
+        return self.F.layer_norm(x, tuple(x.shape[-ndims:]), weight, bias, 1e-5)
+
+    def group_norm(self, x: Any, groups: int, weight: Any, bias: Any) -> Any:
+        return self.F.group_norm(x, groups, weight, bias, 1e-5)
 
     def value_and_grad(self, fn: Callable[..., Any], inputs: Sequence[Any]
                        ) -> tuple[Any, list[Any]]:
@@ -254,8 +292,10 @@ class MindSpore(Framework):
     def broadcast_to(self, x: Any, shape: tuple[int, ...]) -> Any:
         return self.mint.broadcast_to(x, shape)
 
-    def cross_entropy(self, logits: Any, target: Any, **options: Any) -> Any:
-        return self.ops.cross_entropy(logits, target, **options)
+    def cross_entropy(self, logits: Any, target: Any, weight: Any = None,
+                      ignore_index: int = -100, reduction: str = "mean", **options: Any) -> Any:
+        return self.ops.cross_entropy(logits, target, weight, ignore_index, reduction,
+                                      **options)
 
     def var(self, x: Any, dim: int, correction: int, keepdim: bool = False) -> Any:
         return x.var(dim, ddof=correction, keepdims=keepdim)      # DeprecatedVar
@@ -265,6 +305,22 @@ class MindSpore(Framework):
 
     def argmax(self, x: Any, dim: int, keepdim: bool) -> Any:
         return x.argmax(dim, keepdims=keepdim)                    # DeprecatedArgmax
+
+    def nll_loss(self, logp: Any, target: Any, ignore_index: int = -100) -> Any:
+        return self.ops.nll_loss(logp, target, ignore_index=ignore_index)
+
+    def log_softmax(self, x: Any, dim: int) -> Any:
+        return self.ops.log_softmax(x, dim)
+
+    def lookup(self, ids: Any, table: Any) -> Any:
+        return self.ops.gather(table, ids, 0)
+
+    def layer_norm_op(self, x: Any, ndims: int, weight: Any, bias: Any) -> Any:
+        begin = len(x.shape) - ndims  # the primitive takes only -1 as a negative axis
+        return self.ops.LayerNorm(begin, begin, 1e-5)(x, weight, bias)[0]
+
+    def group_norm(self, x: Any, groups: int, weight: Any, bias: Any) -> Any:
+        return self.mint.nn.functional.group_norm(x, groups, weight, bias, 1e-5)
 
     def value_and_grad(self, fn: Callable[..., Any], inputs: Sequence[Any]
                        ) -> tuple[Any, list[Any]]:

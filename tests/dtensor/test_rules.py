@@ -140,9 +140,10 @@ def _simulate(op, arrays, placements, mesh_shape, **args):
             w = local[2] if len(local) > 2 else None
             total = np.asarray(NUMPY[op](local, {**args, "reduction": "sum"}))
             # the all-reduce over rule.local.dims: ranks that differ only along those dims
-            count = sum(_ce_count(locals_[c][1], args, w) for c in coords
-                        if all(c[m] == coord[m] for m in range(len(mesh_shape))
-                               if m not in rule.local.dims))
+            count = rule.local.count or sum(
+                _ce_count(locals_[c][1], args, w) for c in coords
+                if all(c[m] == coord[m] for m in range(len(mesh_shape))
+                       if m not in rule.local.dims))
             y = total / count
         elif op in ("reshape", "expand"):  # the local op makes this rank's output piece
             shape, _ = shard_shape_and_offset(out_shape, out_pl, mesh_shape, coord)
@@ -370,7 +371,8 @@ def test_vocab_parallel_lookup_and_global_mean_describe_the_local_computation():
     assert r.inputs == ((S2,), (S1,)) and r.outputs == ((S1,),) and r.shapes == ((4, 6),)
     # probability targets: the mean divides by the (known) number of samples, no all-reduce
     r = propagate("cross_entropy", (TensorMeta((S0,), (8, 5)), TensorMeta((R,), (8, 5))), (2,))
-    assert r.local is None and r.divide_by == 8 and r.inputs == ((S0,), (S0,))
+    assert r.local == GlobalMean((0,), count=8) and r.divide_by is None
+    assert r.inputs == ((S0,), (S0,))
     # the class dim is gathered; a mean over an unsharded batch is the op itself
     r = propagate("cross_entropy", (TensorMeta((S1,), (8, 5)), TensorMeta((S0,), (8,))), (2,))
     assert r.local is None and r.inputs == ((R,), (R,)) and r.outputs == ((R,),)

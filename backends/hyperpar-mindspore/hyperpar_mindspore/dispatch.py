@@ -21,7 +21,7 @@ from hyperpar.dtensor.rules import (
 )
 
 from .dtensor import DTensor, clear_grad_state
-from .localops import global_mean, masked_lookup, sum_over
+from .localops import global_mean, masked_lookup
 from .opnames import OPS, PASSTHROUGH, Call
 from .redistribute import mesh_coordinate, redistribute, sum_grad_over
 
@@ -154,8 +154,6 @@ def _call_local(func: Any, args: Any, local: list[Any], kwargs: dict[str, Any], 
         return masked_lookup(run, local, call.tensors, sharding.local, mesh, call.padding_at)
     if isinstance(sharding.local, GlobalMean):  # a mean loss over a sharded batch
         return global_mean(func, local, sharding.local, mesh)
-    if call.op == "cross_entropy" and sharding.divide_by is not None:
-        return sum_over(func, local, sharding.divide_by)
     if sharding.divide_by is not None:  # a mean over a sharded dim: local sum / global count
         dim = call.args["dim"]
         dim = tuple(dim) if isinstance(dim, list) else dim

@@ -42,10 +42,12 @@ def global_mean(func: Any, local: list[Any], how: GlobalMean, mesh: Any) -> Tens
     the count of non-ignored targets (class-weighted) summed over ``how.dims``. The count is
     all-reduced differentiably (a Partial-to-Replicate redistribution whose gradient is summed
     back over ``how.dims``), so a class weight's gradient, which MindSpore computes through the
-    count, stays right."""
+    count, stays right. A known ``how.count`` (probability targets) is used as it is."""
     args = list(local)
     args[REDUCTION_AT] = "sum"
     total = func(*args)
+    if how.count is not None:
+        return total / how.count
     target, weight = local[1], local[2]
     valid = target != how.ignore_index
     if weight is None:
@@ -57,10 +59,3 @@ def global_mean(func: Any, local: list[Any], how: GlobalMean, mesh: Any) -> Tens
     src = tuple(P_SUM if m in how.dims else REPLICATE for m in range(mesh.ndim))
     count = redistribute(count, mesh, src, (REPLICATE,) * mesh.ndim, ())
     return total / sum_grad_over(count, mesh, how.dims)
-
-
-def sum_over(func: Any, local: list[Any], count: int) -> Tensor:
-    """A mean over a sharded batch with a known global count (probability targets)."""
-    args = list(local)
-    args[REDUCTION_AT] = "sum"
-    return func(*args) / count

@@ -59,11 +59,14 @@ class GlobalMean:
     ``reduction="mean"``): each rank computes its local *sum* of the per-sample losses and
     divides it by the global count of targets not equal to ``ignore_index`` -- each counted as
     its class weight when ``weighted`` -- summed (all-reduced) over the mesh dims ``dims``. The
-    output is Partial("sum") over ``dims``."""
+    output is Partial("sum") over ``dims``. ``count``: when set, the global count is known
+    without communication (probability targets: every sample counts once) and is used as it
+    is."""
 
     dims: tuple[int, ...]
     ignore_index: int = -100
     weighted: bool = False
+    count: int | None = None
 
 
 @dataclass(frozen=True)

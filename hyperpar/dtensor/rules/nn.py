@@ -103,8 +103,8 @@ def _cross_entropy(op: str, metas: tuple[TensorMeta, ...], mesh_shape: tuple[int
     target follows); the class dim is gathered. ``reduction="none"`` gives sharded per-sample
     losses; ``"sum"`` a Partial("sum") over the sharded mesh dims; ``"mean"`` too, as a local
     sum over the global count: of non-ignored class targets (class-weighted), all-reduced
-    (``local`` is a :class:`GlobalMean`), or of samples for probability targets
-    (``divide_by``)."""
+    (``local`` is a :class:`GlobalMean`), or of samples for probability targets (a
+    :class:`GlobalMean` with its ``count`` known)."""
     logits, target = metas[0], metas[1]
     if reduction not in ("mean", "sum", "none"):
         raise no_rule(op, metas, f"unknown reduction {reduction!r}")
@@ -131,6 +131,6 @@ def _cross_entropy(op: str, metas: tuple[TensorMeta, ...], mesh_shape: tuple[int
         count = 1
         for d, n in enumerate(logits.shape):
             count *= n if d != class_dim else 1
-        return OpSharding(inputs, (out,), ((),), divide_by=count)
+        return OpSharding(inputs, (out,), ((),), local=GlobalMean(sharded, count=count))
     return OpSharding(inputs, (out,), ((),),
                       local=GlobalMean(sharded, ignore_index, len(metas) > 2))

@@ -146,7 +146,7 @@ def _dropout(func, args, kwargs):
 @register_op(F.cross_entropy, F.nll_loss)
 def cross_entropy_rule(call: OpCall) -> Sharding:
     """``cross_entropy``/``nll_loss``: the neutral rule; a mean over a sharded batch is a local
-    sum over the global (all-reduced) count of non-ignored targets."""
+    sum over the global count (all-reduced, of non-ignored targets; known, of samples)."""
     x, target = call.args[0], call.arg(1, "target")
     if not isinstance(target, DTensor):
         raise mixing_error(call.func, target)
@@ -159,10 +159,10 @@ def cross_entropy_rule(call: OpCall) -> Sharding:
     specs = [x._spec, target._spec] + ([weight._spec] if isinstance(weight, DTensor) else [])
     res = decide("cross_entropy", specs, reduction=reduction, ignore_index=ignore_index)
     sh = to_sharding(res)
-    if isinstance(res.local, GlobalMean):
+    if isinstance(res.local, GlobalMean) and res.local.count is not None:
+        sh.local = _sum_over(call.func, res.local.count)
+    elif isinstance(res.local, GlobalMean):
         sh.local = _global_mean(res.local, call.func, call.mesh, ignore_index)
-    elif res.divide_by is not None:
-        sh.local = _sum_over(call.func, res.divide_by)
     return sh
 
 
