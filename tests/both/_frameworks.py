@@ -124,8 +124,16 @@ class Framework:
 
     def full_param(self, param: Any, mesh: Any, placement: Any, shape: tuple[int, ...]
                    ) -> np.ndarray:
-        """The whole of a parallelized module's parameter laid out as ``placement``."""
-        raise NotImplementedError
+        """The whole of a parallelized module's parameter laid out as ``placement``, read back
+        as torch users do: ``param.full_tensor()`` (on MindSpore the parameter stays this
+        rank's piece, a ``Parameter``, with that method bound on it)."""
+        from hyperpar.platform import get_platform
+
+        got = get_platform().parameter_placements(param)
+        assert got == (placement,), (got, placement)
+        full = self.numpy(param.full_tensor())
+        assert full.shape == shape, (full.shape, shape)
+        return full
 
     def sgd(self, model: Any, lr: float) -> Callable[[Callable[[], Any]], float]:
         """A training step: ``step(loss_fn)`` takes the gradient of ``loss_fn()`` (a scalar)
@@ -238,16 +246,6 @@ class Torch(Framework):
 
     def bias(self, module: Any) -> Any:
         return module.bias
-
-    def full_param(self, param: Any, mesh: Any, placement: Any, shape: tuple[int, ...]
-                   ) -> np.ndarray:
-        # torch-only: parallelize_module turns parameters into DTensors laid out as planned.
-        from hyperpar import DTensor
-
-        assert isinstance(param, DTensor), type(param)
-        assert tuple(param.placements) == (placement,), (param.placements, placement)
-        assert tuple(param.shape) == shape, (tuple(param.shape), shape)
-        return self.numpy(param.full_tensor())
 
     def sgd(self, model: Any, lr: float) -> Callable[[Callable[[], Any]], float]:
         opt = self.torch.optim.SGD(model.parameters(), lr=lr)
@@ -380,16 +378,6 @@ class MindSpore(Framework):
 
     def bias(self, module: Any) -> Any:
         return module.beta if isinstance(module, self.nn.LayerNorm) else module.bias
-
-    def full_param(self, param: Any, mesh: Any, placement: Any, shape: tuple[int, ...]
-                   ) -> np.ndarray:
-        # MindSpore-only: a parallelized Cell holds plain Parameters (this rank's shard, so
-        # optimizers and checkpoints see shards); wrap a copy to gather it.
-        from hyperpar import DTensor
-
-        assert not isinstance(param, DTensor), type(param)
-        local = self.tensor(param.asnumpy())
-        return self.numpy(DTensor.from_local(local, mesh, [placement], shape=shape).full_tensor())
 
     def sgd(self, model: Any, lr: float) -> Callable[[Callable[[], Any]], float]:
         opt = self.nn.SGD(model.trainable_params(), learning_rate=lr)
