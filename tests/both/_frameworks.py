@@ -4,9 +4,9 @@ The test bodies in ``tests/both`` are written once against hyperpar's public nam
 this adapter only for: tensors from numpy and back, the names of matmul / softmax / relu /
 cross-entropy / nll-loss / log-softmax / embedding lookup / layer and group norm, how
 gradients are taken (torch: ``requires_grad`` + ``torch.autograd.grad``; MindSpore:
-``hyperpar_mindspore.dtensor.value_and_grad``, which returns DTensor gradients since MindSpore
-has no ``.backward()``), how Linear / LayerNorm / Embedding modules and a container
-module are built with given weights, reading a parameter back, and an SGD step.
+``ms.value_and_grad``, which returns DTensor gradients for DTensor inputs once hyperpar is
+imported, since MindSpore has no ``.backward()``), how Linear / LayerNorm / Embedding modules
+and a container module are built with given weights, reading a parameter back, and an SGD step.
 
 Nothing here imports a framework at module level: collecting ``tests/both`` in the torch venv
 must not import mindspore (and the MindSpore venv has no torch).
@@ -322,16 +322,11 @@ class MindSpore(Framework):
 
     def value_and_grad(self, fn: Callable[..., Any], inputs: Sequence[Any]
                        ) -> tuple[Any, list[Any]]:
-        # MindSpore has no .backward(): gradients are a function transform, and hyperpar's wraps
-        # the gradients of DTensor inputs back into DTensors. Plain inputs (the one-process
-        # reference) take MindSpore's own, so the reference never runs hyperpar code.
-        from hyperpar import DTensor
-
-        if any(isinstance(t, DTensor) for t in inputs):
-            from hyperpar_mindspore.dtensor import value_and_grad
-        else:
-            value_and_grad = self.ms.value_and_grad
-        value, grads = value_and_grad(fn, tuple(range(len(inputs))))(*inputs)
+        # MindSpore has no .backward(): gradients are a function transform. The user's own
+        # ms.value_and_grad gives DTensor gradients for DTensor inputs (hyperpar wraps
+        # MindSpore's PyNative gradient function); plain inputs (the one-process reference)
+        # get MindSpore's result unchanged.
+        value, grads = self.ms.value_and_grad(fn, tuple(range(len(inputs))))(*inputs)
         return value, list(grads) if isinstance(grads, (tuple, list)) else [grads]
 
     def _set(self, param: Any, a: np.ndarray) -> None:
