@@ -22,10 +22,6 @@ from __future__ import annotations
 
 import mindspore as ms
 import numpy as np
-
-# MindSpore has no Tensor.backward(): these are ms.grad / ms.value_and_grad whose gradients of
-# DTensor inputs come back as DTensors.
-from hyperpar_mindspore.dtensor import value_and_grad
 from mindspore import mint, nn, ops
 
 # The import line torch users write: with HYPERPAR_BACKEND=mindspore these are the Cell versions.
@@ -90,7 +86,8 @@ def dtensor_ops(mesh) -> float:
     def loss(a, m):
         return (ops.softmax(mint.matmul(a, m), -1) * mint.matmul(a, m)).sum()
 
-    value, (gx, gw) = value_and_grad(loss, (0, 1))(x, w)
+    # MindSpore's own value_and_grad: DTensor inputs get DTensor gradients (PyNative)
+    value, (gx, gw) = ms.value_and_grad(loss, (0, 1))(x, w)
     ref_value, (rgx, rgw) = ms.value_and_grad(loss, (0, 1))(x_full, w_full)
     value = value.full_tensor() if isinstance(value, DTensor) else value
     worst = max(worst, check("loss", value.asnumpy(), ref_value.asnumpy()),

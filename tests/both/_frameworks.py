@@ -4,9 +4,9 @@ The test bodies in ``tests/both`` are written once against hyperpar's public nam
 this adapter only for: tensors from numpy and back, the names of matmul / softmax / relu /
 cross-entropy / nll-loss / log-softmax / embedding lookup / layer and group norm, how
 gradients are taken (torch: ``requires_grad`` + ``torch.autograd.grad``; MindSpore:
-``hyperpar_mindspore.dtensor.value_and_grad``, which returns DTensor gradients since MindSpore
-has no ``.backward()``), how Linear / LayerNorm / Embedding modules and a container
-module are built with given weights, reading a parameter back, and an SGD step.
+``ms.value_and_grad``, which returns DTensor gradients for DTensor inputs once hyperpar is
+imported, since MindSpore has no ``.backward()``), how Linear / LayerNorm / Embedding modules
+and a container module are built with given weights, reading a parameter back, and an SGD step.
 
 Nothing here imports a framework at module level: collecting ``tests/both`` in the torch venv
 must not import mindspore (and the MindSpore venv has no torch).
@@ -124,8 +124,16 @@ class Framework:
 
     def full_param(self, param: Any, mesh: Any, placement: Any, shape: tuple[int, ...]
                    ) -> np.ndarray:
-        """The whole of a parallelized module's parameter laid out as ``placement``."""
-        raise NotImplementedError
+        """The whole of a parallelized module's parameter laid out as ``placement``, read back
+        as torch users do: ``param.full_tensor()`` (on MindSpore the parameter stays this
+        rank's piece, a ``Parameter``, with that method bound on it)."""
+        from hyperpar.platform import get_platform
+
+        got = get_platform().parameter_placements(param)
+        assert got == (placement,), (got, placement)
+        full = self.numpy(param.full_tensor())
+        assert full.shape == shape, (full.shape, shape)
+        return full
 
     def sgd(self, model: Any, lr: float) -> Callable[[Callable[[], Any]], float]:
         """A training step: ``step(loss_fn)`` takes the gradient of ``loss_fn()`` (a scalar)
@@ -239,16 +247,6 @@ class Torch(Framework):
     def bias(self, module: Any) -> Any:
         return module.bias
 
-    def full_param(self, param: Any, mesh: Any, placement: Any, shape: tuple[int, ...]
-                   ) -> np.ndarray:
-        # torch-only: parallelize_module turns parameters into DTensors laid out as planned.
-        from hyperpar import DTensor
-
-        assert isinstance(param, DTensor), type(param)
-        assert tuple(param.placements) == (placement,), (param.placements, placement)
-        assert tuple(param.shape) == shape, (tuple(param.shape), shape)
-        return self.numpy(param.full_tensor())
-
     def sgd(self, model: Any, lr: float) -> Callable[[Callable[[], Any]], float]:
         opt = self.torch.optim.SGD(model.parameters(), lr=lr)
 
@@ -324,16 +322,11 @@ class MindSpore(Framework):
 
     def value_and_grad(self, fn: Callable[..., Any], inputs: Sequence[Any]
                        ) -> tuple[Any, list[Any]]:
-        # MindSpore has no .backward(): gradients are a function transform, and hyperpar's wraps
-        # the gradients of DTensor inputs back into DTensors. Plain inputs (the one-process
-        # reference) take MindSpore's own, so the reference never runs hyperpar code.
-        from hyperpar import DTensor
-
-        if any(isinstance(t, DTensor) for t in inputs):
-            from hyperpar_mindspore.dtensor import value_and_grad
-        else:
-            value_and_grad = self.ms.value_and_grad
-        value, grads = value_and_grad(fn, tuple(range(len(inputs))))(*inputs)
+        # MindSpore has no .backward(): gradients are a function transform. The user's own
+        # ms.value_and_grad gives DTensor gradients for DTensor inputs (hyperpar wraps
+        # MindSpore's PyNative gradient function); plain inputs (the one-process reference)
+        # get MindSpore's result unchanged.
+        value, grads = self.ms.value_and_grad(fn, tuple(range(len(inputs))))(*inputs)
         return value, list(grads) if isinstance(grads, (tuple, list)) else [grads]
 
     def _set(self, param: Any, a: np.ndarray) -> None:
@@ -380,16 +373,6 @@ class MindSpore(Framework):
 
     def bias(self, module: Any) -> Any:
         return module.beta if isinstance(module, self.nn.LayerNorm) else module.bias
-
-    def full_param(self, param: Any, mesh: Any, placement: Any, shape: tuple[int, ...]
-                   ) -> np.ndarray:
-        # MindSpore-only: a parallelized Cell holds plain Parameters (this rank's shard, so
-        # optimizers and checkpoints see shards); wrap a copy to gather it.
-        from hyperpar import DTensor
-
-        assert not isinstance(param, DTensor), type(param)
-        local = self.tensor(param.asnumpy())
-        return self.numpy(DTensor.from_local(local, mesh, [placement], shape=shape).full_tensor())
 
     def sgd(self, model: Any, lr: float) -> Callable[[Callable[[], Any]], float]:
         opt = self.nn.SGD(model.trainable_params(), learning_rate=lr)

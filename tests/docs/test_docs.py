@@ -166,7 +166,7 @@ NOT_RUNNABLE: dict[tuple[str, str], str] = {
     ("docs/mindspore.md", "# HYPERPAR_BACKEND=mindspore hyperpar run -n 4 pipe_dp.py"):
         "a MindSpore fragment (this venv has torch, not MindSpore): tests/mindspore/"
         "test_pipeline.py trains pp x dp and pp x fully_shard the same way on 4 real ranks",
-    ("docs/mindspore.md", "from hyperpar_mindspore.dtensor import value_and_grad"):
+    ("docs/mindspore.md", "# HYPERPAR_BACKEND=mindspore hyperpar run -n 4 dtensor_demo.py"):
         "MindSpore code (this venv has torch, not MindSpore): tests/mindspore/test_dtensor.py "
         "runs the same calls on real ranks",
     ("docs/mindspore.md", "def _heads(self, t):"):

@@ -508,7 +508,8 @@ def _errors_and_recovery() -> dict:
     g, _ = grad(good, 0, norm.trainable_params())(x)  # the next gradient call works
     out["grad_type"], out["grad_pl"] = type(g).__name__, g.placements
     out["grad"] = g.full_tensor().asnumpy()
-    out["raw"] = type(ms.grad(good)(x)).__name__  # MindSpore's own: the local shard
+    # MindSpore's own ms.grad, not hyperpar's wrapper: a DTensor gradient too (gradwrap.py)
+    out["raw"] = type(ms.grad(good)(x)).__name__
     out["norm_grad"] = ms.grad(lambda t: norm(t).sum())(ms.Tensor(arr)).asnumpy()
 
     # a legacy list primitive with no DTensor route returns a plain Tensor of local pieces:
@@ -552,7 +553,7 @@ def test_an_op_without_a_rule_raises_and_the_next_gradient_call_works(pool2):
         assert res["grad_type"] == "DTensor" and res["grad_pl"] == (Shard(0),)
         # d/dx of sum(x^2) + sum(layernorm(x)): 2x + (d/dx sum(layernorm), from plain MindSpore)
         np.testing.assert_allclose(res["grad"], 2 * arr + res["norm_grad"], rtol=0, atol=1e-5)
-        assert res["raw"] == "Tensor"
+        assert res["raw"] == "DTensor"
         assert "LayerNorm on a DTensor" in res["norm_plain"] and "(6,)" in res["norm_plain"]
         assert "'AddN'" in res["list_refused"] and "full_tensor" in res["list_refused"]
         np.testing.assert_allclose(res["after_refusal"], 1 + 2 * arr, rtol=0, atol=1e-6)

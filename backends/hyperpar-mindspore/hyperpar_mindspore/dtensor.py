@@ -302,3 +302,8 @@ listops.install()
 from . import lossops  # noqa: E402
 
 lossops.install()
+
+# ms.grad / ms.value_and_grad give DTensor gradients for DTensor arguments (PyNative; gradwrap).
+from . import gradwrap  # noqa: E402
+
+gradwrap.install(_rewrap, DTensor)

@@ -39,6 +39,7 @@ from hyperpar.platform import get_platform
 from .comm import Boundary, check_no_empty_piece, lengths_along, zeros
 from .dtensor import DTensor
 from .graph import graph_boundary, install_graph_hooks, refuse_graph_mode
+from .param_readback import attach_full_tensor
 from .platform import SHARD_PLACEMENTS, MindSporePlatform, MSGroup
 
 __all__ = ["AlreadyParallelizedError", "ColwiseParallel", "ParallelStyle", "PlanKeyError",
@@ -105,6 +106,7 @@ def shard_parameter(platform: MindSporePlatform, cell: nn.Cell, name: str, dim: 
                     requires_grad=param.requires_grad)
     setattr(new, SHARD_PLACEMENTS, (Replicate(),) if dim is None else (Shard(dim),))
     setattr(new, SHARD_GROUP, group)  # checkpoints place the shard in the global tensor
+    new._hyperpar_full_shape = tuple(param.shape)
     cell._params[name] = new
     return new
 
@@ -167,6 +169,11 @@ def _shard(style: Any, cell: nn.Cell, device_mesh: DeviceMesh, kind: str) -> nn.
     group = device_mesh.get_group(0)
     check_src_data_rank(type(style).__name__, style.src_data_rank, platform.world_size(group))
     shape = _shard_params(style, platform, cell, kind, group)
+    for ms_name in param_names(cell, kind).values():  # torch's p.full_tensor() read-back
+        param = cell._params.get(ms_name)
+        if param is not None:
+            attach_full_tensor(param, device_mesh, getattr(param, SHARD_PLACEMENTS),
+                               param._hyperpar_full_shape)
     out_full = shape[0] if kind == "linear" else shape[1]
     in_comm = style.spec.input_comm(kind, style.input_layouts[0])
     out_comm = style.spec.output_comm(kind, style.output_layouts[0])

@@ -48,6 +48,7 @@ from .parallel import (
     param_names,
     wrap_output,
 )
+from .param_readback import attach_full_tensor
 from .platform import SHARD_PLACEMENTS
 
 __all__ = ["MECHANICS", "MindSporeMechanics", "PrepareModuleInput", "PrepareModuleInputOutput",
@@ -75,6 +76,7 @@ def _sequence_parallel(style: Any, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
             platform.broadcast(full, group.ranks[src], group)
             param.set_data(full)
         setattr(param, SHARD_PLACEMENTS, (Replicate(),))
+        attach_full_tensor(param, mesh, (Replicate(),), tuple(param.shape))
     grad_sum = Boundary(platform, REPLICATED_PARAM_GRAD, group, "SequenceParallel parameter")
     saved: list[list[Any]] = []
 
