@@ -70,6 +70,13 @@ class Framework:
     def std(self, x: Any, dim: int, correction: int, keepdim: bool = False) -> Any:
         raise NotImplementedError
 
+    def var_mean(self, x: Any, dim: Any, correction: int, keepdim: bool = False) -> Any:
+        """(variance, mean) over ``dim`` (an int, or ``()``: every dim)."""
+        raise NotImplementedError
+
+    def std_mean(self, x: Any, dim: Any, correction: int, keepdim: bool = False) -> Any:
+        raise NotImplementedError
+
     def argmax(self, x: Any, dim: int, keepdim: bool) -> Any:
         raise NotImplementedError
 
@@ -181,6 +188,16 @@ class Torch(Framework):
 
     def std(self, x: Any, dim: int, correction: int, keepdim: bool = False) -> Any:
         return x.std(dim, correction=correction, keepdim=keepdim)
+
+    # every dim as None: torch 2.13's var/std(_mean) over dim=() reduce every dim but their
+    # backward reads () as no dim (an infinite gradient), on plain tensors too
+    def var_mean(self, x: Any, dim: Any, correction: int, keepdim: bool = False) -> Any:
+        return self.torch.var_mean(x, dim if dim != () else None, correction=correction,
+                                   keepdim=keepdim)
+
+    def std_mean(self, x: Any, dim: Any, correction: int, keepdim: bool = False) -> Any:
+        return self.torch.std_mean(x, dim if dim != () else None, correction=correction,
+                                   keepdim=keepdim)
 
     def argmax(self, x: Any, dim: int, keepdim: bool) -> Any:
         return x.argmax(dim, keepdim=keepdim)
@@ -300,6 +317,12 @@ class MindSpore(Framework):
 
     def std(self, x: Any, dim: int, correction: int, keepdim: bool = False) -> Any:
         return x.std(dim, ddof=correction, keepdims=keepdim)      # DeprecatedStd
+
+    def var_mean(self, x: Any, dim: Any, correction: int, keepdim: bool = False) -> Any:
+        return self.ops.var_mean(x, dim, correction, keepdim)     # ReduceStd, then Square
+
+    def std_mean(self, x: Any, dim: Any, correction: int, keepdim: bool = False) -> Any:
+        return self.ops.std_mean(x, dim, correction, keepdim)     # ReduceStd
 
     def argmax(self, x: Any, dim: int, keepdim: bool) -> Any:
         return x.argmax(dim, keepdims=keepdim)                    # DeprecatedArgmax

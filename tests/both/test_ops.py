@@ -8,7 +8,9 @@ on the whole tensors in one process of that framework.
 Partial DTensor (``p + p``, ``p * 2``, ``p @ v``, ``relu(p)``, which must reduce first), basic
 indexing (ints, slices with steps, None, ``...``), ``expand``/``broadcast_to``, the reductions
 on gathered dims (``prod``, ``var``, ``std``, ``logsumexp``, ``norm``, over the sharded dim and
-over the other one) and the scans ``cumsum``/``cumprod``. ``argmax`` gives integers: compared
+over the other one), ``var_mean``/``std_mean`` (both outputs), ``sum``/``mean``/``amax``
+over an empty dim list (every dim, as both frameworks read it) and the scans
+``cumsum``/``cumprod``. ``argmax`` gives integers: compared
 exactly (``x`` is normal(0, 1): no ties) and left out of the loss. The loss
 is ``sum_k sum(full_tensor(out_k) * C_k)``; its gradients for all four inputs are compared with
 the one-process gradients.
@@ -87,6 +89,17 @@ def _ops(fw: Framework, x: Any, w: Any, b: Any, p: Any, v: Any) -> dict[str, Any
         "logsumexp(0)": x.logsumexp(0),
         "norm": x.norm(),
         "logsumexp(p)": p.logsumexp(1),        # the Partial sum is reduced first
+        # fix29: an empty dim list reduces every dim (torch 2.13 and MindSpore 2.10 alike)
+        "sum([])": x.sum([]),
+        "mean(())": x.mean(()),
+        "amax([])": x.amax([]),
+        "p.sum([])": p.sum([]),                # stays Partial
+        # fix29: var_mean / std_mean (MindSpore: ops.*, the legacy ReduceStd), two outputs
+        "var_mean(1)": fw.var_mean(x, 1, 1)[0],
+        "var_mean(1) mean": fw.var_mean(x, 1, 1)[1],
+        "std_mean(0, keepdim)": fw.std_mean(x, 0, 0, True)[0],
+        "std_mean(0, keepdim) mean": fw.std_mean(x, 0, 0, True)[1],
+        "std_mean(p, ())": fw.std_mean(p, (), 1)[0],   # every dim; the Partial reduced first
         # integer outputs: compared exactly, left out of the loss (x has no ties)
         "argmax(1)": fw.argmax(x, 1, False),
         "argmax(0, keepdim)": fw.argmax(x, 0, True),

@@ -137,12 +137,22 @@ def test_no_torch_function_is_registered_by_two_families():
 
 
 def test_a_dim_out_of_range_raises_torchs_index_error_instead_of_wrapping():
-    from hyperpar.torch.dtensor._ops.registry import dims_arg
+    from hyperpar.dtensor.rules.reduction import reduced_dims
 
     for shape, dim in [((2, 3), 5), ((2, 3), -3), ((), 1), ((4,), (0, 2))]:
         with pytest.raises(IndexError) as torch_err:
             torch.zeros(shape).sum(dim)
         with pytest.raises(IndexError) as ours:
-            dims_arg(dim, len(shape))
+            reduced_dims(dim, len(shape))
         assert str(ours.value).startswith(str(torch_err.value)), (shape, dim)
-    assert dims_arg((-1, 0), 3) == (0, 2) and dims_arg(-1, 0) == (0,)
+    assert reduced_dims((-1, 0), 3) == (0, 2) and reduced_dims(-1, 0) == (0,)
+
+
+def test_an_empty_dim_list_reduces_every_dim_as_torch_does():
+    from hyperpar.dtensor.rules.reduction import reduced_dims, reduced_shape
+
+    x = torch.zeros(2, 3, 4)
+    for dim in (None, [], ()):
+        want = torch.linalg.vector_norm(x, dim=dim).shape
+        assert want == x.sum(dim if dim is not None else ()).shape == ()
+        assert reduced_shape(x.shape, reduced_dims(dim, 3), False) == want, dim

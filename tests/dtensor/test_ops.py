@@ -61,6 +61,14 @@ OPS = {
     "vector_norm": lambda x: torch.linalg.vector_norm(x) * 1.0,
     "reshape_to": lambda x, shape=(): x.reshape(shape) * 2,
     "vector_norm_dim": lambda x: torch.linalg.vector_norm(x, 3, dim=1),
+    # fix29: an empty dim list reduces every dim (torch 2.13 does so for these ops)
+    "vector_norm_no_dims": lambda x: torch.linalg.vector_norm(x, dim=[]),
+    "vector_norm_no_dims_keep": lambda x: torch.linalg.vector_norm(x, 1, (), True),
+    "vector_norm_no_dims_inf": lambda x: torch.linalg.vector_norm(x, float("inf"), []),
+    "norm_no_dims": lambda x: x.norm(dim=[]),
+    "norm_no_dims_keep": lambda x: torch.norm(x, 1, (), True),
+    "mean_no_dims": lambda x: x.mean(()),
+    "amax_no_dims": lambda x: x.amax([]) * 1.0,
 }
 
 # (op, [(shape, placements on a 1-D mesh, placements on a 2-D mesh, kind)]) ; kind "f" float,
@@ -125,6 +133,10 @@ CASES = [
     ("vector_norm", [((5, 4), [S0], [S0, S1], "f")]),
     ("vector_norm_dim", [((5, 4), [S1], [S0, S1], "f")]),
     ("vector_norm_dim", [((5, 4), [P], [P, S0], "f")]),
+    *((name, [((5, 4), [pl], [pl, pl2], "f")])
+      for name in ("vector_norm_no_dims", "vector_norm_no_dims_keep", "vector_norm_no_dims_inf",
+                   "norm_no_dims", "norm_no_dims_keep", "mean_no_dims", "amax_no_dims")
+      for pl, pl2 in ((S0, S1), (S1, S0), (R, S1), (P, S0))),
 ]
 
 #: Hypothesis examples per property test, derandomized (the same cases on every run, so the suite
@@ -224,6 +236,36 @@ def _unsupported():
 def test_an_op_without_a_rule_raises_naming_the_op_and_the_input_placements(run_on_ranks):
     message = run_on_ranks(2, _unsupported)[0]
     assert "torch.sort" in message and "[Shard(dim=0)]" in message and "(4, 4)" in message
+
+
+def _empty_dims_errors():
+    """What torch raises for an empty dim list where it accepts none, on each layout."""
+    from hyperpar.dtensor import distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh((2,))
+    full = torch.randn(5, 4)
+    out = []
+    for pl in (S0, S1, R, P):
+        x = distribute_tensor(full, mesh, [R]).redistribute(mesh, [pl])
+        for op in (lambda t: torch.logsumexp(t, []), lambda t: t.prod(()),
+                   lambda t: t.argmax([]), lambda t: t.cumsum(())):
+            got = []
+            for t in (full, x):
+                try:
+                    op(t)
+                    got.append("no error")
+                except (RuntimeError, TypeError) as exc:
+                    got.append(f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
+            out.append((str(pl), *got))
+    return out
+
+
+def test_an_empty_dim_list_torch_refuses_raises_torchs_error_on_every_layout(run_on_ranks):
+    for rank_result in run_on_ranks(2, _empty_dims_errors):
+        for pl, want, got in rank_result:
+            assert want != "no error", want
+            # torch names the argument's type: Tensor in one process, DTensor here
+            assert got == want.replace("(Tensor,", "(DTensor,"), (pl, want, got)
 
 
 def _mixing():

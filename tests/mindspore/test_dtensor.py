@@ -476,6 +476,12 @@ def _errors_and_recovery() -> dict:
         mint.linalg.vector_norm(x, 2, 0)
     except ShardingError as exc:
         out["no_rule"] = str(exc)
+    out["no_kernel"] = []
+    for call in (lambda: mint.var_mean(x, 0), lambda: mint.std_mean(x, 1)):
+        try:  # VarMean / StdMean: no CPU kernel, not mapped; the error names the mapped spelling
+            call()
+        except ShardingError as exc:
+            out["no_kernel"].append(str(exc))
     # dims out of range raise torch's IndexError (they used to wrap round silently: flatten
     # (0, 2) of a 2-D tensor flattened dims 0..0, unsqueeze(3) inserted at 0)
     out["bad_dims"] = []
@@ -547,6 +553,10 @@ def test_an_op_without_a_rule_raises_and_the_next_gradient_call_works(pool2):
     for res in pool2.run(_errors_and_recovery):
         for key in ("no_rule", "in_grad"):
             assert "LinalgVectorNorm" in res[key] and "[Shard(dim=0)]" in res[key], res[key]
+        assert len(res["no_kernel"]) == 2, res["no_kernel"]
+        for msg, prim, fix in zip(res["no_kernel"], ("VarMean", "StdMean"),
+                                  ("ops.var_mean", "ops.std_mean"), strict=True):
+            assert f"'{prim}'" in msg and fix in msg and "[Shard(dim=0)]" in msg, msg
         assert len(res["bad_dims"]) == 4, res["bad_dims"]
         for msg, got in zip(res["bad_dims"], (2, 3, -4, 2), strict=True):
             assert "Dimension out of range" in msg and f"but got {got})" in msg, msg

@@ -22,7 +22,7 @@ from hyperpar.dtensor.rules import (
 
 from .dtensor import DTensor, clear_grad_state
 from .localops import global_mean, masked_lookup
-from .opnames import OPS, PASSTHROUGH, Call
+from .opnames import OPS, PASSTHROUGH, UNMAPPED_HINTS, Call
 from .redistribute import mesh_coordinate, redistribute, sum_grad_over
 
 
@@ -53,9 +53,11 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
                 return func(*((args[0], args[1], tuple(local)) if legacy else local), **kwargs)
         parse = OPS.get(name)
         if parse is None:
+            hint = UNMAPPED_HINTS.get(name)
             raise ShardingError(f"DTensor op {name!r} (MindSpore primitive) on inputs "
                                 f"({_layouts(real)}): no sharding rule is mapped for it; "
-                                "redistribute to Replicate and compute on .full_tensor(), or "
+                                + (f"{hint}; or " if hint else "")
+                                + "redistribute to Replicate and compute on .full_tensor(), or "
                                 "add it to hyperpar_mindspore.opnames.OPS")
         call = parse(real, kwargs)
         return _run(func, name, args, real, kwargs, call, legacy)

@@ -27,12 +27,16 @@ keepdim, dtype), ``x.prod`` ``DeprecatedProd`` (x, axis, keep_dims), ``x.var``/`
 ``x.argmax`` ``DeprecatedArgmax`` (x, axis, keepdims), ``x.argmin`` ``ArgMinExt``, ``ops.argmax``
 ``Argmax`` (x, axis, output type; ``keepdims`` applied after), ``x.cumsum`` ``CumsumExt``,
 ``ops.cumsum`` ``CumSum``, ``mint.cumprod``/``x.cumprod`` ``CumProd``, ``x.logsumexp``
-``LogSumExp``. ``x.norm()`` runs ``Square``, the legacy ``ReduceSum`` and ``Sqrt``. Not mapped:
-``mint.var``/``mint.std`` with a correction (``Var``/``Std`` with 4 arguments) and
+``LogSumExp``, ``ops.var_mean``/``ops.std_mean`` (and ``ops.var``/``ops.std``) the legacy
+``ReduceStd`` (x, axis, unbiased, keep_dims) -> (std, mean); ``var_mean`` squares the std
+afterwards. ``x.norm()`` runs ``Square``, the legacy ``ReduceSum`` and ``Sqrt``. Not mapped:
+``mint.var``/``mint.std`` with a correction (``Var``/``Std`` with 4 arguments),
+``mint.var_mean``/``mint.std_mean`` (``VarMean``/``StdMean``) and
 ``mint.argmax``/``mint.logsumexp``/``mint.cumsum`` (no CPU kernel: "The kernel ... unregistered"),
 ``mint.linalg.vector_norm`` (``LinalgVectorNorm``, no CPU kernel) and ``x.norm(p, dim)``
 (``LpNorm``: ``p`` and the axis are attributes of the primitive, not arguments); they raise
-"no sharding rule is mapped".
+"no sharding rule is mapped", with the mapped spelling to use where :data:`UNMAPPED_HINTS`
+has one.
 """
 
 from __future__ import annotations
@@ -343,6 +347,7 @@ OPS: dict[str, Parser] = {
     "ArgMinExt": gathered("argmin"),
     "Argmax": gathered("argmax", 1, None), "Argmin": gathered("argmin", 1, None),
     "LogSumExp": gathered("logsumexp"),
+    "ReduceStd": gathered("std_mean", 1, 3),
     "CumsumExt": scan("cumsum"), "CumSum": scan("cumsum"), "CumProd": scan("cumprod"),
     "Reshape": _reshape, "FlattenExt": _flatten, "ExpandDims": _expand_dims,
     "ExpandDimsView": _expand_dims, "Squeeze": _squeeze,
@@ -360,3 +365,16 @@ OPS: dict[str, Parser] = {
 
 #: Primitives that only inspect their input (no tensor result to lay out).
 PASSTHROUGH = frozenset({"typeof"})
+
+#: Unmapped primitives whose op has a mapped spelling: the "no sharding rule" error names it.
+#: MindSpore 2.10 has no CPU kernel for these (plain tensors fail too), so no rule was checked.
+UNMAPPED_HINTS = {
+    "VarMean": "mint.var_mean has no CPU kernel in MindSpore 2.10; ops.var_mean(x, axis, ddof, "
+               "keepdims) (ReduceStd) is mapped",
+    "StdMean": "mint.std_mean has no CPU kernel in MindSpore 2.10; ops.std_mean(x, axis, ddof, "
+               "keepdims) (ReduceStd) is mapped",
+    "Var": "mint.var has no CPU kernel in MindSpore 2.10; x.var(axis, ddof=..., keepdims=...) "
+           "(DeprecatedVar) and ops.var (ReduceStd) are mapped",
+    "LinalgVectorNorm": "mint.linalg.vector_norm has no CPU kernel in MindSpore 2.10; x.norm() "
+                        "is mapped (Square, ReduceSum, Sqrt)",
+}

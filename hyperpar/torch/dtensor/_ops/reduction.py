@@ -14,7 +14,6 @@ from hyperpar.torch.dtensor._ops.pointwise import pointwise_sharding
 from hyperpar.torch.dtensor._ops.registry import (
     OpCall,
     Sharding,
-    dims_arg,
     register_op,
     unshard,
 )
@@ -128,7 +127,7 @@ def _vector_norm(func, args, kwargs):
     keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
     dtype = kwargs.get("dtype")
     spec = x._spec
-    dims = dims_arg(dim, x.ndim)
+    dims = reduced_dims(dim, x.ndim)  # as torch: None, [] and () are every dim
     pl = unshard(spec.placements)  # a norm of a pending sum needs the sum first
     if ord_ in (float("inf"), float("-inf"), 0) or isinstance(ord_, torch.Tensor):
         pl = unshard(pl, dims)

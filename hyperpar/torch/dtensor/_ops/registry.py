@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from hyperpar.dtensor.placement import REPLICATE, Partial, Placement, Shard
-from hyperpar.dtensor.rules.base import ShardingError, norm_dim  # one class for both frameworks
+from hyperpar.dtensor.rules.base import ShardingError  # one class for both frameworks
 from hyperpar.torch.dtensor.api import DTensor, DTensorSpec
 
 Placements = tuple[Placement, ...]
@@ -239,13 +239,3 @@ def unshard(placements: Placements, dims: Sequence[int] = (), *, partial_ok: boo
         else p
         for p in placements
     )
-
-
-def dims_arg(dim: Any, ndim: int) -> tuple[int, ...]:
-    """A ``dim`` argument (None, int or several) as sorted non-negative dims. A dim out of range
-    raises torch's IndexError (``rules.base.norm_dim``), never wraps round."""
-    if dim is None:
-        return tuple(range(ndim))
-    if isinstance(dim, int):
-        dim = (dim,)
-    return tuple(sorted({norm_dim(d, ndim) for d in dim}))
