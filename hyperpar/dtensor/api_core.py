@@ -78,8 +78,8 @@ def from_local_layout(local_shape: tuple[int, ...], mesh: Any, placements: Any,
     pl = normalize_placements(placements if placements is not None
                               else (REPLICATE,) * mesh.ndim, mesh.ndim, len(local_shape),
                               "from_local placements")
-    if shape is not None:
-        return pl, tuple(int(s) for s in shape)
+    if shape is not None:  # a tuple (torch.Size is one) holds ints already: C-speed copy
+        return pl, tuple(shape) if isinstance(shape, tuple) else tuple(int(s) for s in shape)
     if run_check:
         check_same_local_shape(local_shape, mesh, pl)
     return pl, even_global_shape(local_shape, pl, tuple(mesh.shape))
@@ -96,7 +96,8 @@ def check_same_local_shape(local_shape: tuple[int, ...], mesh: Any,
     dims = [m for m in range(mesh.ndim) if mesh.size(m) > 1]
     found = ""
     for m in dims:
-        shapes = platform.all_gather_object(tuple(local_shape), mesh.get_group(m))
+        shapes = platform.all_gather_object(tuple(int(s) for s in local_shape),
+                                            mesh.get_group(m))
         if len(set(shapes)) > 1 and not found:
             found = ", ".join(f"rank {r}: {s}"
                               for r, s in zip(mesh.group_ranks(m), shapes, strict=True))
@@ -117,11 +118,11 @@ def check_local_shape(local_shape: tuple[int, ...], want: tuple[int, ...],
     this rank knows its piece, so only a rank whose piece is wrong raises."""
     if local_shape != want:
         raise ValueError(
-            f"DTensor.from_local: the local shape {local_shape} on rank {mesh.get_rank()} does "
-            f"not match {want}, the piece of global shape {shape} that placements "
-            f"{placements} give it (uneven shards follow torch.chunk: earlier ranks hold "
-            f"ceil(size / n) rows); pass this rank's piece, or the global shape= these pieces "
-            f"make")
+            f"DTensor.from_local: the local shape {tuple(local_shape)} on rank "
+            f"{mesh.get_rank()} does not match {want}, the piece of global shape {shape} that "
+            f"placements {placements} give it (uneven shards follow torch.chunk: earlier "
+            f"ranks hold ceil(size / n) rows); pass this rank's piece, or the global shape= "
+            f"these pieces make")
 
 
 def grad_target(grad_placements: Any, placements: Placements, mesh_ndim: int, ndim: int
@@ -154,10 +155,9 @@ def redistribute_target(mesh: Any, src: Placements, ndim: int, device_mesh: Any,
         raise RuntimeError("redistribute: placements= is required (one placement per mesh "
                            "dim, e.g. [Replicate()])")
     dst = normalize_placements(placements, mesh.ndim, ndim, "redistribute placements")
-    if dst != src:
-        for m, p in enumerate(dst):
-            if type(p) is Partial and src[m] != p:
-                _check_partial_target(p, "redistribute", RuntimeError)
+    for m, p in enumerate(dst):  # no call on the usual path: redistribute runs per step
+        if type(p) is Partial and p.reduce_op == "product" and src[m] != p:
+            _check_partial_target(p, "redistribute", RuntimeError)
     return dst
 
 

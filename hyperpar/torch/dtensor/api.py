@@ -281,14 +281,14 @@ class DTensor(torch.Tensor):
             refuse_dtensor_in_from_local("torch.Tensor")
         mesh = _require_mesh(device_mesh, "DTensor.from_local")
         given = shape is not None
-        placements, gshape = from_local_layout(tuple(local_tensor.shape), mesh, placements,
-                                               shape, run_check)
-        spec = DTensorSpec(mesh, placements, torch.Size(gshape))
+        local_shape = local_tensor.shape  # a torch.Size is a tuple
+        placements, gshape = from_local_layout(local_shape, mesh, placements, shape, run_check)
+        spec = DTensorSpec(mesh, placements, gshape)
         # a wrong piece of a given shape would read as a wrong tensor (not checked when
         # compiled: the graph's shapes were checked when it was traced)
         if given and not _is_compiling():
-            check_local_shape(tuple(local_tensor.shape), spec.local_shape_and_offset()[0],
-                              gshape, placements, mesh)
+            check_local_shape(local_shape, spec.local_shape_and_offset()[0], gshape,
+                              placements, mesh)
         if run_check and any(type(p) is Replicate for p in placements):
             local_tensor = _BroadcastReplicas.apply(local_tensor, mesh, placements)
         if grad_placements is not None:
