@@ -13,7 +13,8 @@ from pathlib import Path
 MS = "backends/hyperpar-mindspore/hyperpar_mindspore"
 #: layer -> glob patterns relative to the repository root
 LAYERS: dict[str, list[str]] = {
-    "core": ["hyperpar/dtensor/errors.py", "hyperpar/dtensor/layout.py",
+    "core": ["hyperpar/dtensor/api_core.py", "hyperpar/dtensor/errors.py",
+             "hyperpar/dtensor/layout.py",
              "hyperpar/dtensor/mesh.py", "hyperpar/dtensor/placement.py",
              "hyperpar/dtensor/remesh.py",
              "hyperpar/dtensor/rules/*.py", "hyperpar/parallel/spec.py",

@@ -147,11 +147,12 @@ TORCH_FREE_MODULES = (
     "hyperpar.testing.pytest_plugin", "hyperpar.parallel.spec", "hyperpar.plan",
     "hyperpar.plan.cli", "hyperpar.platform.timeout", "hyperpar.dtensor", "hyperpar.dtensor.mesh",
     "hyperpar.dtensor.placement", "hyperpar.platform.dim_collectives", "hyperpar.parallel.driver",
-    "hyperpar.dtensor.layout", "hyperpar.dtensor.rules",
+    "hyperpar.dtensor.layout", "hyperpar.dtensor.rules", "hyperpar.dtensor.api_core",
 )
 
 # The layers written once for both frameworks: they must import neither torch nor mindspore.
 NEUTRAL_MODULES = ("hyperpar.dtensor.mesh", "hyperpar.dtensor.placement",
+                   "hyperpar.dtensor.api_core",
                    "hyperpar.dtensor.layout", "hyperpar.dtensor.rules",
                    "hyperpar.platform.dim_collectives", "hyperpar.parallel.spec",
                    "hyperpar.parallel.driver", "hyperpar.parallel.styles",

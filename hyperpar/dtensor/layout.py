@@ -187,19 +187,3 @@ def check_chunk_split(lengths: list[int] | tuple[int, ...], dim: int, what: str 
             f"pieces {want}; split the full tensor with torch.chunk (earlier ranks hold the "
             f"longer pieces: ceil(size / {n}), the tail shorter) or pass a DTensor")
     return full
-
-
-def global_shape_from_ranks(local_shape: tuple[int, ...], placements: tuple[Placement, ...],
-                            mesh: Any) -> tuple[int, ...]:
-    """The global shape of pieces of ``local_shape`` laid out as ``placements`` on ``mesh``,
-    learnt from every rank (``from_local(run_check=True)`` without ``shape=``): the local sizes
-    of each sharded dim are summed over the ranks (one object all-gather per sharded mesh dim),
-    innermost mesh dim first (nested shards: the inner sum is the outer rank's piece)."""
-    from hyperpar.platform import get_platform  # the platform's collectives, any framework
-
-    shape = [int(s) for s in local_shape]
-    for m in reversed(range(len(placements))):
-        p = placements[m]
-        if type(p) is Shard and mesh.size(m) > 1:
-            shape[p.dim] = sum(get_platform().all_gather_object(shape[p.dim], mesh.get_group(m)))
-    return tuple(shape)

@@ -21,11 +21,15 @@ from typing import Any
 import mindspore as ms
 from mindspore import Tensor
 
-from hyperpar.dtensor.layout import (
-    even_global_shape,
-    global_shape_from_ranks,
-    shard_shape_and_offset,
+from hyperpar.dtensor.api_core import (
+    check_local_shape,
+    distribute_target,
+    from_local_layout,
+    redistribute_target,
+    refuse_dtensor_in_from_local,
 )
+from hyperpar.dtensor.layout import local_shape_and_offset
+from hyperpar.dtensor.mesh import _require_mesh
 from hyperpar.dtensor.placement import (
     REPLICATE,
     Partial,
@@ -33,12 +37,11 @@ from hyperpar.dtensor.placement import (
     Replicate,
     Shard,
     grad_placements_of,
-    normalize_placements,
 )
 from hyperpar.platform import get_platform
 
 from .platform import copy_tensor
-from .redistribute import mesh_coordinate, redistribute
+from .redistribute import redistribute
 
 Placements = tuple[Placement, ...]
 
@@ -107,20 +110,11 @@ class DTensor(Tensor):
                      placements: Sequence[Placement] | None = None) -> DTensor:
         """This tensor laid out as ``placements`` (differentiable: the gradient is
         redistributed back)."""
-        if device_mesh is not None and device_mesh is not self._mesh \
-                and tuple(device_mesh.shape) != tuple(self._mesh.shape):
-            raise ValueError("DTensor.redistribute cannot move a tensor to another mesh; pass "
-                             "the tensor's own device_mesh (or None)")
-        if placements is None:
-            raise ValueError("redistribute: placements= is required")
         mesh = self._mesh
-        dst = normalize_placements(placements, mesh.ndim, len(self._gshape),
-                                   "redistribute placements")
+        dst = redistribute_target(mesh, self._placements, len(self._gshape), device_mesh,
+                                  placements)
         if dst == self._placements:
             return self
-        for p in dst:
-            if type(p) is Partial and p not in self._placements:
-                _check_partial_target(p)
         local = redistribute(self._local, mesh, self._placements, dst, self._gshape)
         return DTensor(local, mesh, dst, self._gshape)
 
@@ -137,28 +131,17 @@ class DTensor(Tensor):
         """Wrap this rank's ``local_tensor`` (no communication unless ``run_check``).
 
         The global ``shape`` defaults to the local shape times the mesh size along every
-        sharded dim (even shards); pass ``shape`` for uneven shards, or ``run_check=True`` to
-        learn it from every rank's local shape (collectives). ``stride`` is accepted for
-        torch's signature and ignored (MindSpore tensors here are contiguous)."""
+        sharded dim (even shards); pass ``shape`` for uneven shards (this rank's piece of it is
+        checked). ``run_check=True`` checks that every rank's local shape agrees (collectives;
+        torch's rule: uneven shards need ``shape``). ``stride`` is accepted for torch's
+        signature and ignored (MindSpore tensors here are contiguous)."""
         if isinstance(local_tensor, DTensor):
-            raise TypeError("DTensor.from_local takes this rank's plain MindSpore Tensor, got a "
-                            "DTensor; use .redistribute(...) to change its layout, or pass "
-                            ".to_local()")
-        if device_mesh is None:
-            raise ValueError("DTensor.from_local needs device_mesh (init_device_mesh(...))")
-        mesh = device_mesh
-        pl = normalize_placements(placements if placements is not None
-                                  else (REPLICATE,) * mesh.ndim, mesh.ndim, local_tensor.ndim,
-                                  "from_local placements")
-        if shape is None:
-            shape = (global_shape_from_ranks(tuple(local_tensor.shape), pl, mesh) if run_check
-                     else even_global_shape(tuple(local_tensor.shape), pl, tuple(mesh.shape)))
-        shape = tuple(int(s) for s in shape)
-        want, _ = shard_shape_and_offset(shape, pl, tuple(mesh.shape), mesh_coordinate(mesh))
-        if tuple(local_tensor.shape) != want:
-            raise ValueError(f"from_local: local shape {tuple(local_tensor.shape)} does not "
-                             f"match {want}, the piece of global shape {shape} that placements "
-                             f"{pl} give this rank (uneven shards follow torch.chunk)")
+            refuse_dtensor_in_from_local("MindSpore Tensor")
+        mesh = _require_mesh(device_mesh, "DTensor.from_local")
+        local_shape = tuple(local_tensor.shape)
+        pl, shape = from_local_layout(local_shape, mesh, placements, shape, run_check)
+        check_local_shape(local_shape, local_shape_and_offset(shape, pl, mesh)[0], shape, pl,
+                          mesh)
         return DTensor(local_tensor, mesh, pl, shape)
 
     # ------------------------------------------------------------------ guard rails
@@ -187,25 +170,19 @@ class DTensor(Tensor):
         return dispatch(func, args, kwargs or {})
 
 
-def _check_partial_target(p: Partial) -> None:
-    if p.reduce_op == "product":
-        raise ValueError(f"cannot redistribute to {p!r}: a replicated value has no exact split "
-                         "into per-rank factors; use Partial('sum')")
-
-
-def distribute_tensor(tensor: Tensor, device_mesh: Any, placements: Sequence[Placement], *,
+def distribute_tensor(tensor: Tensor, device_mesh: Any = None,
+                      placements: Sequence[Placement] | None = None, *,
                       src_data_rank: int | None = 0) -> DTensor:
-    """Lay out the whole ``tensor`` on ``device_mesh`` as ``placements``: each rank keeps its
-    piece. ``src_data_rank``: the mesh-dim rank whose tensor counts (broadcast along every mesh
-    dim first); ``None`` trusts every rank to hold the same tensor. Differentiable."""
-    if isinstance(tensor, DTensor):
-        raise TypeError("distribute_tensor takes a whole plain tensor, got a DTensor; use "
-                        ".redistribute(...)")
-    mesh = device_mesh
-    pl = normalize_placements(placements, mesh.ndim, tensor.ndim, "distribute_tensor placements")
-    for p in pl:
-        if type(p) is Partial:
-            _check_partial_target(p)
+    """Lay out the whole ``tensor`` on ``device_mesh`` as ``placements`` (default: Replicate):
+    each rank keeps its piece. ``src_data_rank``: the mesh-dim rank whose tensor counts
+    (broadcast along every mesh dim first); ``None`` trusts every rank to hold the same tensor.
+    A DTensor already laid out so is returned as it is (as torch does). Differentiable."""
+    mesh = _require_mesh(device_mesh, "distribute_tensor")
+    is_dtensor = isinstance(tensor, DTensor)
+    pl = distribute_target(mesh, placements, len(tensor.shape), src_data_rank,
+                           given=(tensor._mesh, tensor._placements) if is_dtensor else None)
+    if pl is None:
+        return tensor
     if src_data_rank is not None:
         tensor = _broadcast_from(tensor, mesh, src_data_rank)
     shape = tuple(tensor.shape)
@@ -220,13 +197,9 @@ def _broadcast_from(tensor: Tensor, mesh: Any, src: int) -> Tensor:
         if mesh.size(m) == 1:
             continue
         group = mesh.get_group(m)
-        ranks = platform.group_ranks(group)
-        if not 0 <= src < len(ranks):
-            raise ValueError(f"distribute_tensor: src_data_rank={src} is not a rank of mesh dim "
-                             f"{m} (size {len(ranks)})")
         if out is tensor:
             out = copy_tensor(tensor)
-        platform.broadcast(out, ranks[src], group)
+        platform.broadcast(out, platform.group_ranks(group)[src], group)
     return out
 
 

@@ -15,7 +15,14 @@ from typing import Any
 
 import torch
 
-from hyperpar.dtensor.layout import even_global_shape, global_shape_from_ranks
+from hyperpar.dtensor.api_core import (
+    check_local_shape,
+    distribute_target,
+    from_local_layout,
+    grad_target,
+    redistribute_target,
+    refuse_dtensor_in_from_local,
+)
 from hyperpar.dtensor.mesh import DeviceMesh, _require_mesh
 from hyperpar.dtensor.placement import (
     REPLICATE,
@@ -24,7 +31,6 @@ from hyperpar.dtensor.placement import (
     Replicate,
     Shard,
     grad_placements_of,
-    normalize_placements,
 )
 from hyperpar.platform import get_platform
 from hyperpar.torch.dtensor._shape_check import note_inferred
@@ -272,44 +278,27 @@ class DTensor(torch.Tensor):
         mesh dim. ``grad_placements``: the layout the gradient flowing back into
         ``local_tensor`` takes (default: these placements, Partial read as Replicate)."""
         if isinstance(local_tensor, DTensor):
-            raise TypeError(
-                "DTensor.from_local takes this rank's plain torch.Tensor, got a DTensor; use "
-                "dtensor.redistribute(mesh, placements) to change its layout, or pass "
-                "dtensor.to_local()"
-            )
+            refuse_dtensor_in_from_local("torch.Tensor")
         mesh = _require_mesh(device_mesh, "DTensor.from_local")
-        placements = normalize_placements(
-            placements if placements is not None else (REPLICATE,) * mesh.ndim, mesh.ndim,
-            local_tensor.ndim, "from_local placements")
-        inferred = shape is None and not run_check
-        if shape is None:
-            if run_check:
-                _check_same_local_shape(local_tensor, mesh, placements)
-                shape = global_shape_from_ranks(tuple(local_tensor.shape), placements, mesh)
-            else:
-                shape = even_global_shape(tuple(local_tensor.shape), placements,
-                                          tuple(mesh.shape))
-        spec = DTensorSpec(mesh, placements, torch.Size(shape))
-        if run_check:
-            want, _ = spec.local_shape_and_offset()
-            if tuple(local_tensor.shape) != want:
-                raise ValueError(
-                    f"from_local: local shape {tuple(local_tensor.shape)} on rank "
-                    f"{mesh.get_rank()} does not match {want}, the piece of global shape "
-                    f"{tuple(shape)} that placements {placements} give it"
-                )
-            if any(type(p) is Replicate for p in placements):
-                local_tensor = _BroadcastReplicas.apply(local_tensor, mesh, placements)
+        given = shape is not None
+        local_shape = local_tensor.shape  # a torch.Size is a tuple
+        placements, gshape = from_local_layout(local_shape, mesh, placements, shape, run_check)
+        spec = DTensorSpec(mesh, placements, gshape)
+        # a wrong piece of a given shape would read as a wrong tensor (not checked when
+        # compiled: the graph's shapes were checked when it was traced)
+        if given and not _is_compiling():
+            check_local_shape(local_shape, spec.local_shape_and_offset()[0], gshape,
+                              placements, mesh)
+        if run_check and any(type(p) is Replicate for p in placements):
+            local_tensor = _BroadcastReplicas.apply(local_tensor, mesh, placements)
         if grad_placements is not None:
-            gp = normalize_placements(grad_placements, mesh.ndim, len(spec.shape),
-                                      "grad_placements")
-            want = grad_placements_of(placements)
+            gp, want = grad_target(grad_placements, placements, mesh.ndim, len(gshape))
             if gp != want and local_tensor.requires_grad and torch.is_grad_enabled():
                 # backward: the gradient (laid out as `want`) is redistributed to `gp`
                 local_tensor = _ToLocal.apply(local_tensor, spec, want, gp)
         # checked at its first gather, where the ranks communicate anyway; not when compiled
         # (a graph holds no per-tensor records; torch's DTensor trusts the shapes too)
-        if inferred and not _is_compiling():
+        if not given and not run_check and not _is_compiling():
             note_inferred(local_tensor, mesh, placements,
                           "DTensor.from_local(run_check=False) without shape=")
         return _wrap(local_tensor, spec)
@@ -356,9 +345,8 @@ class DTensor(torch.Tensor):
         if grad_placements is None:
             return self._local
         spec = self._spec
-        gp = normalize_placements(grad_placements, spec.mesh.ndim, len(spec.shape),
-                                  "grad_placements")
-        want = grad_placements_of(spec.placements)
+        gp, want = grad_target(grad_placements, spec.placements, spec.mesh.ndim,
+                               len(spec.shape))
         if gp == want or not (self._local.requires_grad and torch.is_grad_enabled()):
             return self._local
         return _ToLocal.apply(self._local, spec, gp, want)
@@ -391,15 +379,8 @@ class DTensor(torch.Tensor):
                              placements: Any) -> tuple[Placement, ...]:
         """The checked, normalised target placements of a redistribute on this DTensor's mesh."""
         spec = self._spec
-        if device_mesh is not None and device_mesh != spec.mesh:
-            raise ValueError(
-                f"redistribute across meshes is not supported: {spec.mesh!r} -> {device_mesh!r}"
-            )
-        if placements is None:
-            raise ValueError("redistribute: placements= is required")
-        dst = normalize_placements(placements, spec.mesh.ndim, len(spec.shape),
-                                   "redistribute placements")
-        return dst
+        return redistribute_target(spec.mesh, spec.placements, len(spec.shape), device_mesh,
+                                   placements)
 
     def _redistribute_cast(self, device_mesh: DeviceMesh | None, placements: Any,
                            forward_dtype: torch.dtype | None,
@@ -478,31 +459,6 @@ class _CastRedistribute(torch.autograd.Function):
         return g.to(in_dtype), None, None, None, None, None, None
 
 
-def _check_same_local_shape(local: torch.Tensor, mesh: DeviceMesh,
-                            placements: tuple[Placement, ...]) -> None:
-    """``from_local(run_check=True)`` without ``shape``: every rank must hold the same local
-    shape (torch's rule); raised on every rank, before any other collective."""
-    platform = get_platform()
-    found = ""
-    for m in range(mesh.ndim):
-        if mesh.shape[m] > 1:
-            shapes = platform.all_gather_object(tuple(local.shape), mesh.get_group(m))
-            if len(set(shapes)) > 1 and not found:
-                found = ", ".join(f"rank {r}: {s}"
-                                  for r, s in zip(mesh.group_ranks(m), shapes, strict=True))
-    # every rank of the mesh learns whether any group disagreed (max over each dim in turn)
-    flag = torch.tensor([1.0 if found else 0.0], device=local.device)
-    for m in range(mesh.ndim):
-        if mesh.shape[m] > 1:
-            platform.all_reduce(flag, "max", mesh.get_group(m))
-    if flag.item():
-        raise ValueError(
-            f"DTensor.from_local(run_check=True): the local shapes disagree across ranks "
-            f"({found or 'in another group of the mesh'}) for placements {placements}; for "
-            f"uneven shards pass the global shape= (and stride=) explicitly"
-        )
-
-
 class _BroadcastReplicas(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh, placements):  # type: ignore[override]
@@ -526,11 +482,12 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
     is used (it is broadcast); with ``None`` every rank keeps its own copy and only slices it.
     The result is a leaf that requires grad iff ``tensor`` does."""
     mesh = _require_mesh(device_mesh, "distribute_tensor")
-    if isinstance(tensor, DTensor):
-        raise ValueError("distribute_tensor: the tensor is already a DTensor; use redistribute")
-    placements = normalize_placements(
-        placements if placements is not None else (REPLICATE,) * mesh.ndim, mesh.ndim,
-        tensor.ndim, "distribute_tensor placements")
+    is_dtensor = isinstance(tensor, DTensor)
+    placements = distribute_target(
+        mesh, placements, tensor.ndim, src_data_rank,
+        given=(tensor.device_mesh, tensor.placements) if is_dtensor else None)
+    if placements is None:  # already laid out so: torch returns it as it is
+        return tensor
     requires_grad = tensor.requires_grad
     full = tensor.detach()
     if src_data_rank is not None:
