@@ -30,7 +30,7 @@ from typing import Any
 from hyperpar.dtensor.errors import AlreadyParallelizedError
 from hyperpar.platform import get_platform
 
-from .spec import PlanKeyError, resolve_plan
+from .spec import PlanKeyError, check_src_data_rank, resolve_plan
 
 __all__ = [
     "UNKNOWN",
@@ -274,6 +274,9 @@ def parallelize_module(module: Any, device_mesh: Any = None,
     for fqn, sub, style in entries:
         style._check_applicable(sub, fqn, pending.get(id(sub)))
         pending.setdefault(id(sub), {}).update({c: repr(style) for c in style._claimed()})
+    for _fqn, _sub, style in entries:  # every rank, before the first broadcast
+        if "parameters" in style._claimed():
+            check_src_data_rank(type(style).__name__, src_data_rank, mesh.size(0))
     ties = find_ties(module)
     check_ties(ties, entries)
     for fqn, sub, style in entries:

@@ -57,9 +57,16 @@ def row_style(*, input_is_parallel: bool, sequence_parallel: bool, sequence_dim:
 
 
 def vocab_style(*, sequence_parallel: bool, sequence_dim: int,
-                src_data_rank: int | None) -> ParallelStyle:
+                src_data_rank: int | None, **embedding_kwargs: Any) -> ParallelStyle:
     """``VocabParallelEmbedding``: rows split by vocabulary, replicated ids, the partial
-    lookups all-reduced (or reduce-scattered along ``sequence_dim``)."""
+    lookups all-reduced (or reduce-scattered along ``sequence_dim``). ``embedding_kwargs``:
+    what the layer passes on to its framework's embedding, checked here -- ``padding_idx`` and
+    ``max_norm`` act on whole rows a rank may not hold, so they are refused."""
+    refused = [k for k in ("padding_idx", "max_norm") if embedding_kwargs.get(k) is not None]
+    if refused:
+        raise NotImplementedError(f"VocabParallelEmbedding: {' and '.join(refused)} not "
+                                  f"supported; mask the padding positions' outputs (or clip "
+                                  f"the looked-up rows) after it instead")
     return _with_source(RowwiseParallel(
         input_layouts=Replicate(),
         output_layouts=Shard(sequence_dim) if sequence_parallel else Replicate()),

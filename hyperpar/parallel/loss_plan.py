@@ -51,6 +51,22 @@ def check_loss_args(reduction: str, label_smoothing: float = 0.0) -> None:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
 
 
+def check_loss_shapes(shape: tuple[int, ...], class_dim: int, target_shape: tuple[int, ...],
+                      weight_shape: tuple[int, ...] | None) -> None:
+    """Raise unless ``target`` has the logits' global ``shape`` without the class dim (one
+    class id per row, as ``cross_entropy`` takes it) and ``weight`` (when given) one value per
+    class -- before any collective, so every rank raises alike."""
+    c = class_dim % len(shape)
+    want = shape[:c] + shape[c + 1:]
+    if tuple(target_shape) != want:
+        raise ValueError(f"loss_parallel: target shape {tuple(target_shape)} must be the "
+                         f"logits' global shape {tuple(shape)} without its sharded class dim "
+                         f"{c}: {want}")
+    if weight_shape is not None and tuple(weight_shape) != (shape[c],):
+        raise ValueError(f"loss_parallel: weight must hold one value per class ({shape[c]}), "
+                         f"got shape {tuple(weight_shape)}")
+
+
 def flatten_outside_shard(placements: tuple[Placement, ...], shape: tuple[int, ...],
                           start_dim: int = 0, end_dim: int = -1
                           ) -> tuple[tuple[Placement, ...], tuple[int, ...]] | None:
@@ -69,5 +85,5 @@ def flatten_outside_shard(placements: tuple[Placement, ...], shape: tuple[int, .
     return (Shard(new_dim),), flattened_shape(shape, start, end)
 
 
-__all__ = ["REDUCTIONS", "ClassShard", "check_loss_args", "class_shard",
+__all__ = ["REDUCTIONS", "ClassShard", "check_loss_args", "check_loss_shapes", "class_shard",
            "flatten_outside_shard"]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from hyperpar.dtensor.layout import _plan as plan_steps
-from hyperpar.dtensor.placement import Partial, Placement, Replicate, Shard
+from hyperpar.dtensor.placement import Partial, Placement, Replicate, Shard, chunk_bounds
 
 __all__ = [
     "COLWISE",
@@ -37,6 +37,12 @@ __all__ = [
     "StyleSpec",
     "boundary",
     "check_divisible",
+    "check_no_empty_piece",
+    "check_reachable",
+    "check_src_data_rank",
+    "feature_lengths",
+    "local_range",
+    "output_global_shape",
     "param_placement",
     "prepare_comm",
     "resolve_plan",
@@ -188,6 +194,11 @@ class RowBias:
     grad: Comm
     one_rank: bool
 
+    def share(self, rank: int) -> float:
+        """What the mesh's rank ``rank`` multiplies the bias by before adding it: 1, or 0 on
+        every rank but 0 when only one rank adds it (:attr:`one_rank`)."""
+        return 0.0 if self.one_rank and rank != 0 else 1.0
+
 
 def row_bias(output: Placement) -> RowBias:
     """The :class:`RowBias` of a ``RowwiseParallel`` linear whose output is laid out as
@@ -239,6 +250,79 @@ def check_divisible(style: str, path: str, param: str, shape: Iterable[int], dim
             f"{style} on {path or '<root>'!r}: {param} of shape {shape} has size {size} on dim "
             f"{dim}, not divisible by the {n} tensor-parallel ranks; pick a size divisible by {n}"
             f" or a tensor-parallel degree that divides {size}"
+        )
+
+
+def check_src_data_rank(who: str, src_data_rank: int | None, n: int) -> None:
+    """Raise for a source rank outside the ``n``-rank group: a plain argument check, so every
+    rank raises the same error before any broadcast (an out-of-range index would fail inside a
+    collective on some ranks; a negative one would silently pick a rank from the end)."""
+    if src_data_rank is not None and not 0 <= src_data_rank < n:
+        raise ValueError(f"{who}: src_data_rank={src_data_rank} is not a rank of the "
+                         f"{n}-rank tensor-parallel group; give 0..{n - 1}, or None for each "
+                         f"rank to keep its own parameters")
+
+
+def check_reachable(style: str, spec: StyleSpec, input: Placement, output: Placement) -> None:
+    """Raise when no tensor-parallel boundary of ``spec`` turns ``input`` into what the local
+    compute takes, or its output into ``output``, for some module kind (a ``Partial``
+    column-parallel output: only a DTensor redistribution can make one)."""
+    for what, given in (("input", input), ("output", output)):
+        try:
+            for kind in spec.kinds():
+                (spec.input_comm if what == "input" else spec.output_comm)(kind, given)
+        except ValueError as exc:
+            raise ValueError(f"{style}({what}_layouts={given!r}): {exc}") from None
+
+
+def feature_lengths(kind: str, weight_shape: tuple[int, ...]) -> tuple[int | None, int]:
+    """The global length of the last (feature) dim of a ``kind`` module's input and output,
+    read from its weight's global shape (the conventions above): a linear's
+    ``(in_features, out_features)``; an embedding's input is ids (``None``), its output
+    ``embedding_dim`` long. A boundary gathering that dim needs no exchange of lengths."""
+    if kind == "linear":
+        return weight_shape[1], weight_shape[0]
+    return None, weight_shape[1]
+
+
+def output_global_shape(spec: StyleSpec, kind: str, local_shape: tuple[int, ...],
+                        weight_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The global shape of the local compute's output (``local_shape``: this rank's): its shard
+    dim, when ``spec.local_output`` is one, is the weight's feature length; a ``Partial`` sum
+    is as long as the whole."""
+    local = spec.local_output[kind]
+    if not isinstance(local, Shard):
+        return tuple(local_shape)
+    shape = list(local_shape)
+    shape[local.dim % len(shape)] = feature_lengths(kind, weight_shape)[1]
+    return tuple(shape)
+
+
+def local_range(spec: StyleSpec, kind: str, name: str, shape: tuple[int, ...], n: int,
+                rank: int) -> tuple[int, int]:
+    """``(start, length)`` of rank ``rank``'s ``torch.chunk`` piece of parameter ``name`` (global
+    ``shape``) along its split dim (a row-wise embedding: the ids this rank looks up)."""
+    dim = spec.param_dims[kind][name]
+    if dim is None:
+        raise ValueError(f"{spec.name} keeps {name} of a {kind} whole: it has no piece")
+    return chunk_bounds(shape[dim], n, rank)
+
+
+def check_no_empty_piece(size: int, n: int, dim: int, shape: Iterable[int], what: str = "",
+                         who: str = "the kernels") -> None:
+    """Raise when ``torch.chunk`` would leave a rank an empty piece of ``size`` (``6`` over
+    ``4``: ``[2, 2, 2, 0]``), for a framework whose kernels (``who``) refuse empty tensors.
+    Every rank sees the same sizes, so every rank raises, before any collective."""
+    lengths = [chunk_bounds(size, n, k)[1] for k in range(n)]
+    if 0 in lengths:
+        at = f"{what}: " if what else ""
+        fits = [s for s in range(max(1, size - n), size + n + 1)
+                if all(chunk_bounds(s, n, k)[1] for k in range(n))]
+        raise ValueError(
+            f"{at}cannot split dim {dim} of size {size} (shape {tuple(shape)}) over {n} "
+            f"tensor-parallel ranks: torch.chunk's pieces {lengths} leave a rank an empty "
+            f"piece, which {who} cannot compute on; use a size that gives every rank at least "
+            f"one (near {size}: {', '.join(map(str, fits[:4]))}), or fewer ranks"
         )
 
 

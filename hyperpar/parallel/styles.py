@@ -26,7 +26,7 @@ from hyperpar.platform import BackendError, get_platform
 
 from .driver import UNKNOWN, StyleBase, UnsupportedModuleError
 from .prepare_plan import check_entries
-from .spec import COLWISE, ROWWISE, StyleSpec
+from .spec import COLWISE, ROWWISE, StyleSpec, check_src_data_rank
 
 __all__ = [
     "ColwiseParallel",
@@ -137,6 +137,27 @@ def _one_d(device_mesh: Any, style: Any) -> Any:
     return device_mesh
 
 
+def _checked_mesh(device_mesh: Any, style: Any) -> Any:
+    """The style's 1-D mesh, once its ``src_data_rank`` is known to be one of its ranks (a
+    style that broadcasts parameters checks this on every rank before the first broadcast)."""
+    mesh = _one_d(device_mesh, style)
+    check_src_data_rank(type(style).__name__, style.src_data_rank, mesh.size(0))
+    return mesh
+
+
+def unsupported_module(style: Any, module: Any, fqn: str) -> UnsupportedModuleError:
+    """The error for a sharding style given a module that is neither the platform's linear nor
+    its embedding (one message on every framework)."""
+    platform = get_platform()
+    names = ", ".join(sorted({t.__name__ for t in (*platform.linear_types,
+                                                    *platform.embedding_types)}))
+    return UnsupportedModuleError(
+        f"cannot apply {type(style).__name__} to {fqn or '<root>'!r} "
+        f"({type(module).__module__}.{type(module).__name__}): it shards linear and embedding "
+        f"modules ({platform.name}: {names}, and their subclasses); give a plan entry for the "
+        f"linear/embedding modules inside it instead")
+
+
 # ---------------------------------------------------------------------------------- styles
 class ParallelStyle(StyleBase):
     """How to shard one module (``nn.Module`` or ``nn.Cell``) over a 1-D device mesh.
@@ -201,6 +222,8 @@ class _ShardingStyle(ParallelStyle):
     def _check_applicable(self, module: Any, fqn: str,
                           pending: dict[str, str] | None = None) -> None:
         super()._check_applicable(module, fqn, pending)
+        if module_kind(module) is None:  # before anything changes, on every rank
+            raise unsupported_module(self, module, fqn)
         get_platform().tp_mechanics().check_applicable(self, module, fqn)
 
     def _param_placements(self, module: Any, owner: Any, name: str) -> Any:
@@ -217,13 +240,10 @@ class _ShardingStyle(ParallelStyle):
         return None
 
     def _apply(self, module: Any, device_mesh: Any) -> Any:
-        mesh = _one_d(device_mesh, self)
+        mesh = _checked_mesh(device_mesh, self)
         kind = module_kind(module)
         if kind is None:
-            raise UnsupportedModuleError(
-                f"{type(self).__name__} supports Linear and Embedding modules (as recognised "
-                f"by the {get_platform().name} platform), got {type(module).__name__}"
-            )
+            raise unsupported_module(self, module, "")
         self.desired_input_layouts = (self.spec.desired_input[kind],)
         get_platform().tp_mechanics().shard(self, module, mesh, kind)
         return module
@@ -279,7 +299,7 @@ class SequenceParallel(ParallelStyle):
 
     def _apply(self, module: Any, device_mesh: Any) -> Any:
         get_platform().tp_mechanics().sequence_parallel(self, module,
-                                                        _one_d(device_mesh, self))
+                                                        _checked_mesh(device_mesh, self))
         return module
 
 

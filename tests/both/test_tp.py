@@ -338,6 +338,82 @@ def test_dtensor_head_with_loss_parallel_trains_like_one_process(framework, pool
             assert res["sp_output"] == "local", res["sp_output"]
 
 
+# ------------------------------------------------------------------- one error, every framework
+def _run_bad_arguments(framework: str, n: int) -> dict:
+    """Arguments the neutral core refuses, on every rank, before any collective and before
+    anything changes: a ``src_data_rank`` outside the group (an index would fail inside the
+    broadcast; -1 would silently pick the last rank), a style on a module that is neither a
+    linear nor an embedding, and ``loss_parallel`` targets/weights of the wrong shape."""
+    from hyperpar import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        init_device_mesh,
+        loss_parallel,
+        parallelize_module,
+    )
+
+    fw = get(framework)
+    mesh = init_device_mesh((n,))
+    w = _weights(0, w1=(H, D), b1=(H,), w2=(D, H), b2=(D,))
+    errors: dict[str, str] = {}
+
+    def refused(key: str, call: Callable[[], Any], model: Any) -> None:
+        try:
+            call()
+        except (ValueError, TypeError) as exc:
+            errors[key] = f"{type(exc).__name__}: {exc}"
+        # nothing changed: both weights whole on every rank
+        errors[key + " untouched"] = str(tuple(fw.weight(model.fc1).shape) == (H, D)
+                                         and tuple(fw.weight(model.fc2).shape) == (D, H))
+
+    for src in (n, -1):
+        model = _mlp(fw, w)
+        refused(f"src {src}", lambda m=model, s=src: parallelize_module(
+            m, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}, src_data_rank=s),
+            model)
+    model = _mlp(fw, w)
+    refused("sequence src", lambda: parallelize_module(model, mesh, {"fc1": SequenceParallel()},
+                                                       src_data_rank=n), model)
+    model = _mlp(fw, w)
+    refused("root", lambda: parallelize_module(model, mesh, {"": ColwiseParallel(),
+                                                             "fc1": ColwiseParallel()}), model)
+    head = parallelize_module(fw.linear(w["w1"], None), mesh,
+                              ColwiseParallel(use_local_output=False))
+    logits = head(fw.tensor(np.ones((4, D), np.float32)))  # (4, H), Shard(-1)
+    for key, target, weight in (("target", np.zeros(5, np.int64), None),
+                                ("weight", np.zeros(4, np.int64), np.ones(3, np.float32))):
+        try:
+            with loss_parallel():
+                fw.cross_entropy(logits, fw.index(target),
+                                 None if weight is None else fw.tensor(weight))
+        except ValueError as exc:
+            errors[key] = f"ValueError: {exc}"
+    return errors
+
+
+def test_bad_arguments_raise_the_same_error_on_every_framework(framework, pool) -> None:
+    n = 2
+    group = "is not a rank of the 2-rank tensor-parallel group; give 0..1, or None for each " \
+            "rank to keep its own parameters"
+    for errors in pool(n).run(_run_bad_arguments, framework, n):
+        assert errors["src 2"] == f"ValueError: ColwiseParallel: src_data_rank=2 {group}"
+        assert errors["src -1"] == f"ValueError: ColwiseParallel: src_data_rank=-1 {group}"
+        assert errors["sequence src"] == f"ValueError: SequenceParallel: src_data_rank=2 {group}"
+        root = errors["root"]
+        assert root.startswith("UnsupportedModuleError: cannot apply ColwiseParallel to "
+                               "'<root>' ("), root
+        assert "): it shards linear and embedding modules (" in root, root
+        assert root.endswith("and their subclasses); give a plan entry for the "
+                             "linear/embedding modules inside it instead"), root
+        assert errors["target"] == ("ValueError: loss_parallel: target shape (5,) must be the "
+                                    f"logits' global shape (4, {H}) without its sharded class "
+                                    "dim 1: (4,)")
+        assert errors["weight"] == ("ValueError: loss_parallel: weight must hold one value per "
+                                    f"class ({H}), got shape (3,)")
+        assert all(v == "True" for k, v in errors.items() if k.endswith("untouched")), errors
+
+
 # --------------------------------------------------------------------------- written once
 _STYLES = ("ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
            "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput")

@@ -14,8 +14,14 @@ from hyperpar.parallel.spec import (
     PlanKeyError,
     boundary,
     check_divisible,
+    check_reachable,
+    check_src_data_rank,
+    feature_lengths,
+    local_range,
+    output_global_shape,
     prepare_comm,
     resolve_plan,
+    row_bias,
     sequence_parallel,
 )
 
@@ -142,3 +148,61 @@ def test_the_torch_styles_split_the_dims_the_spec_names(run_on_ranks):
         want[name] = tuple(s // 2 if d == dim else s for d, s in enumerate(shape))
     for shapes in run_on_ranks(2, _torch_local_shapes):
         assert shapes == want
+
+
+# ------------------------------------------- decisions both frameworks' mechanics read (issue 29)
+def test_src_data_rank_must_be_a_rank_of_the_group():
+    check_src_data_rank("ColwiseParallel", None, 2)
+    check_src_data_rank("ColwiseParallel", 1, 2)
+    for bad in (2, -1):
+        with pytest.raises(ValueError, match=rf"ColwiseParallel: src_data_rank={bad} is not a "
+                                             r"rank of the 2-rank tensor-parallel group; give "
+                                             r"0\.\.1, or None"):
+            check_src_data_rank("ColwiseParallel", bad, 2)
+
+
+def test_a_layout_no_boundary_reaches_is_named():
+    check_reachable("RowwiseParallel", ROWWISE, Shard(-1), Partial())  # partial sums kept
+    with pytest.raises(ValueError, match=r"ColwiseParallel\(output_layouts=Partial.*Partial"):
+        check_reachable("ColwiseParallel", COLWISE, Replicate(), Partial())
+
+
+def test_global_lengths_come_from_the_weight():
+    # linear weight (out, in) = (6, 4); embedding (vocab, dim) = (10, 8)
+    assert feature_lengths("linear", (6, 4)) == (4, 6)
+    assert feature_lengths("embedding", (10, 8)) == (None, 8)
+    # column-parallel: the last dim is the weight's (3 of 6 here); row-parallel: partial sums
+    # are as long as the whole
+    assert output_global_shape(COLWISE, "linear", (2, 5, 3), (6, 4)) == (2, 5, 6)
+    assert output_global_shape(COLWISE, "embedding", (2, 5, 3), (10, 8)) == (2, 5, 8)
+    assert output_global_shape(ROWWISE, "linear", (2, 5, 6), (6, 4)) == (2, 5, 6)
+
+
+def test_row_wise_embedding_rows_follow_torch_chunk():
+    # 11 rows over 4 ranks: torch.chunk's 3, 3, 3, 2
+    assert [local_range(ROWWISE, "embedding", "weight", (11, 8), 4, r) for r in range(4)] == [
+        (0, 3), (3, 3), (6, 3), (9, 2)]
+    with pytest.raises(ValueError, match="keeps bias of a linear whole"):
+        local_range(ROWWISE, "linear", "bias", (8,), 2, 0)
+
+
+def test_a_partial_output_adds_the_bias_on_rank_zero_only():
+    assert [row_bias(Partial()).share(r) for r in range(3)] == [1.0, 0.0, 0.0]
+    assert [row_bias(Replicate()).share(r) for r in range(3)] == [1.0, 1.0, 1.0]
+    assert [row_bias(Shard(1)).share(r) for r in range(3)] == [1.0, 1.0, 1.0]
+
+
+def test_loss_shapes_and_vocab_embedding_keywords_are_checked_once():
+    from hyperpar.parallel.layer_plan import vocab_style
+    from hyperpar.parallel.loss_plan import check_loss_shapes
+
+    check_loss_shapes((4, 11, 3), 1, (4, 3), (11,))
+    with pytest.raises(ValueError, match=r"target shape \(12,\) must be the logits' global "
+                                         r"shape \(4, 11, 3\) without its sharded class dim 1: "
+                                         r"\(4, 3\)"):
+        check_loss_shapes((4, 11, 3), 1, (12,), None)
+    with pytest.raises(ValueError, match=r"one value per class \(11\), got shape \(3,\)"):
+        check_loss_shapes((4, 11), -1, (4,), (3,))
+    with pytest.raises(NotImplementedError, match="padding_idx and max_norm not supported"):
+        vocab_style(sequence_parallel=False, sequence_dim=1, src_data_rank=0, padding_idx=0,
+                    max_norm=1.0)

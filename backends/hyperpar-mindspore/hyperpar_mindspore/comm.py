@@ -15,7 +15,7 @@ from typing import Any
 from mindspore import mint, nn
 
 from hyperpar.dtensor.layout import check_chunk_split
-from hyperpar.parallel.spec import Comm
+from hyperpar.parallel.spec import Comm, check_no_empty_piece
 from hyperpar.platform.dim_collectives import chunk_sizes
 
 from .platform import MindSporePlatform, MSGroup, copy_tensor
@@ -46,21 +46,8 @@ def all_gather_along(platform: MindSporePlatform, x: Any, dim: int, group: MSGro
     return platform.all_gather_along(x, dim, group, sizes=sizes)
 
 
-def check_no_empty_piece(size: int, n: int, dim: int, shape: tuple[int, ...],
-                         what: str = "") -> None:
-    """Raise when ``torch.chunk`` would leave a rank an empty piece of ``size`` (``6`` over
-    ``4``: ``[2, 2, 2, 0]``): MindSpore's kernels refuse empty tensors (LayerNorm, MatMul). Every
-    rank sees the same sizes, so every rank raises, before any collective."""
-    lengths = chunk_sizes(size, n)
-    if 0 in lengths:
-        at = f"{what}: " if what else ""
-        fits = [s for s in range(max(1, size - n), size + n + 1) if 0 not in chunk_sizes(s, n)]
-        raise ValueError(
-            f"{at}cannot split dim {dim} of size {size} (shape {tuple(shape)}) over {n} "
-            f"tensor-parallel ranks: torch.chunk's pieces {lengths} leave a rank an empty "
-            f"piece, which MindSpore's kernels cannot compute on; use a size that gives every "
-            f"rank at least one (near {size}: {', '.join(map(str, fits[:4]))}), or fewer ranks"
-        )
+#: who cannot compute on an empty piece (named in :func:`check_no_empty_piece`'s error)
+KERNELS = "MindSpore's kernels"
 
 
 def piece_along(platform: MindSporePlatform, x: Any, dim: int, group: MSGroup,
@@ -68,7 +55,7 @@ def piece_along(platform: MindSporePlatform, x: Any, dim: int, group: MSGroup,
     """This rank's ``torch.chunk`` piece of ``x`` along ``dim`` (no communication)."""
     dim %= x.ndim
     n = platform.world_size(group)
-    check_no_empty_piece(int(x.shape[dim]), n, dim, tuple(x.shape), what)
+    check_no_empty_piece(int(x.shape[dim]), n, dim, tuple(x.shape), what, KERNELS)
     piece = platform.piece_along(x, dim, group)
     # a view would keep the whole buffer alive and MindSpore slices are copies anyway
     return piece if piece is x else copy_tensor(piece)
@@ -147,5 +134,5 @@ def zeros(shape: tuple[int, ...], dtype: Any) -> Any:
 
 
 __all__ = ["Boundary", "all_gather_along", "all_reduce_copy", "all_to_all_along",
-           "check_no_empty_piece", "lengths_along", "piece_along", "run_op",
+           "lengths_along", "piece_along", "run_op",
            "zeros"]

@@ -74,10 +74,8 @@ class VocabParallelEmbedding(nn.Embedding):
                  sequence_parallel: bool = False, sequence_dim: int = 1,
                  device_mesh: DeviceMesh | None = None, src_data_rank: int | None = 0,
                  **embedding_kwargs: Any) -> None:
-        if embedding_kwargs.get("padding_idx") is not None:
-            raise NotImplementedError("VocabParallelEmbedding: padding_idx is not supported; "
-                                      "mask the padding positions' outputs instead")
+        style = vocab_style(sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
+                            src_data_rank=src_data_rank, **embedding_kwargs)  # checks them
         super().__init__(num_embeddings, embedding_dim, **embedding_kwargs)
         self.sequence_parallel = sequence_parallel
-        vocab_style(sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
-                    src_data_rank=src_data_rank)._apply(self, tp_mesh(device_mesh))
+        style._apply(self, tp_mesh(device_mesh))

@@ -18,7 +18,7 @@ from typing import Any
 
 from mindspore import Tensor, ops
 
-from hyperpar.parallel.loss_plan import check_loss_args, class_shard
+from hyperpar.parallel.loss_plan import check_loss_args, check_loss_shapes, class_shard
 from hyperpar.parallel.spec import Comm
 from hyperpar.platform import get_platform
 
@@ -50,17 +50,13 @@ def vocab_parallel_cross_entropy(logits: Any, target: Any, weight: Any = None,
                          f"(Shard(-1) from ColwiseParallel(use_local_output=False)), got "
                          f"placements {logits.placements}")
     c, start, length = found.dim, found.start, found.length
+    # a DTensor target/weight is gathered only once its global shape is known to be right
+    check_loss_shapes(shape, c, tuple(target.shape),
+                      None if weight is None else tuple(weight.shape))
     if isinstance(target, DTensor):
         target = target.full_tensor()
-    want = shape[:c] + shape[c + 1:]
-    if tuple(target.shape) != want:
-        raise ValueError(f"loss_parallel: target shape {tuple(target.shape)} must be the logits' "
-                         f"global shape {shape} without its sharded class dim {c}: {want}")
     if isinstance(weight, DTensor):
         weight = weight.full_tensor()
-    if weight is not None and tuple(weight.shape) != (shape[c],):
-        raise ValueError(f"loss_parallel: weight must hold one value per class ({shape[c]}), "
-                         f"got shape {tuple(weight.shape)}")
     platform = get_platform()
     group = mesh.get_group(0)
     local = logits.to_local()

@@ -32,11 +32,19 @@ from hyperpar.parallel.driver import (
     UnsupportedModuleError,
     parallelize_module,
 )
-from hyperpar.parallel.spec import ROWWISE, Comm, row_bias
+from hyperpar.parallel.spec import (
+    ROWWISE,
+    Comm,
+    check_no_empty_piece,
+    feature_lengths,
+    local_range,
+    output_global_shape,
+    row_bias,
+)
 from hyperpar.parallel.styles import ColwiseParallel, ParallelStyle, RowwiseParallel
 from hyperpar.platform import get_platform
 
-from .comm import Boundary, check_no_empty_piece, lengths_along, zeros
+from .comm import KERNELS, Boundary, lengths_along, zeros
 from .dtensor import DTensor
 from .graph import graph_boundary, install_graph_hooks, refuse_graph_mode
 from .param_readback import attach_full_tensor
@@ -94,7 +102,7 @@ def shard_parameter(platform: MindSporePlatform, cell: nn.Cell, name: str, dim: 
     n, me = platform.world_size(group), platform.rank(group)
     if dim is not None:
         check_no_empty_piece(param.shape[dim], n, dim, tuple(param.shape),
-                             f"{param.name} ({name})")
+                             f"{param.name} ({name})", KERNELS)
     full = Tensor(param.asnumpy())
     if src_data_rank is not None:
         platform.broadcast(full, group.ranks[src_data_rank], group)
@@ -111,39 +119,11 @@ def shard_parameter(platform: MindSporePlatform, cell: nn.Cell, name: str, dim: 
     return new
 
 
-def check_src_data_rank(style: str, src_data_rank: int | None, n: int) -> None:
-    """Raise (on every rank, before any broadcast) for a source rank outside the group."""
-    if src_data_rank is not None and not 0 <= src_data_rank < n:
-        raise ValueError(f"{style}: src_data_rank={src_data_rank} is not a rank of the "
-                         f"{n}-rank tensor-parallel group; give 0..{n - 1}, or None for each "
-                         f"rank to keep its own parameters")
-
-
 # --------------------------------------------------------------------------- checks
-def check_layouts(style: Any) -> None:
-    """At construction: refuse a layout no MindSpore boundary reaches (e.g. a ``Partial``
-    column-parallel output; PyTorch can make one, MindSpore's boundaries cannot)."""
-    for what, given in (("input", style.input_layouts[0]), ("output", style.output_layouts[0])):
-        try:
-            for kind in style.spec.kinds():
-                comm = style.spec.input_comm if what == "input" else style.spec.output_comm
-                comm(kind, given)
-        except ValueError as exc:
-            raise ValueError(f"{type(style).__name__}({what}_layouts={given!r}): {exc}") \
-                from None
-
-
 def check_sharding_style(style: Any, cell: nn.Cell, fqn: str) -> None:
-    """Before a plan changes anything: ``cell`` is a linear/embedding Cell MindSpore can
-    shard with ``style`` (not set to ``recompute()``; for ``RowwiseParallel``, no activation
-    inside the Dense)."""
-    platform = get_platform()
-    if not (platform.is_linear(cell) or platform.is_embedding(cell)):
-        raise UnsupportedModuleError(
-            f"cannot apply {type(style).__name__} to {fqn or '<root>'!r} "
-            f"({type(cell).__module__}.{type(cell).__name__}): it shards nn.Dense, "
-            f"mint.nn.Linear, nn.Embedding and mint.nn.Embedding cells; give a plan entry "
-            f"for the linear/embedding cells inside it instead")
+    """Before a plan changes anything, after the neutral checks (a linear/embedding module, a
+    source rank of the group): ``cell`` is one MindSpore can shard with ``style`` (not set to
+    ``recompute()``; for ``RowwiseParallel``, no activation inside the Dense)."""
     if getattr(cell, "_recompute_cell", None) is not None:
         # MindSpore's recompute() captures the Cell's parameters when called: the shards
         # would then get the gradients of the replaced full parameters (measured: silently
@@ -167,14 +147,12 @@ def _shard(style: Any, cell: nn.Cell, device_mesh: DeviceMesh, kind: str) -> nn.
     hooks."""
     platform: MindSporePlatform = get_platform()
     group = device_mesh.get_group(0)
-    check_src_data_rank(type(style).__name__, style.src_data_rank, platform.world_size(group))
     shape = _shard_params(style, platform, cell, kind, group)
     for ms_name in param_names(cell, kind).values():  # torch's p.full_tensor() read-back
         param = cell._params.get(ms_name)
         if param is not None:
             attach_full_tensor(param, device_mesh, getattr(param, SHARD_PLACEMENTS),
                                param._hyperpar_full_shape)
-    out_full = shape[0] if kind == "linear" else shape[1]
     in_comm = style.spec.input_comm(kind, style.input_layouts[0])
     out_comm = style.spec.output_comm(kind, style.output_layouts[0])
     name = type(style).__name__
@@ -189,7 +167,7 @@ def _shard(style: Any, cell: nn.Cell, device_mesh: DeviceMesh, kind: str) -> nn.
 
     handles = [platform.register_forward_pre_hook(cell, relayout_input)]
     # a column-parallel output is gathered knowing the weight's global size
-    full = out_full if out_comm.forward == "all_gather" else None
+    full = feature_lengths(kind, shape)[1] if out_comm.forward == "all_gather" else None
     boundary_out = Boundary(platform, out_comm, group, f"{name} output", full)
     dst = style.output_layouts[0]
     use_local = style.use_local_output
@@ -200,12 +178,9 @@ def _shard(style: Any, cell: nn.Cell, device_mesh: DeviceMesh, kind: str) -> nn.
         if use_local:
             return post
         length = None
-        if isinstance(dst, Shard):
-            d = dst.dim % post.ndim
-            if out_comm.forward == "reduce_scatter":
-                length = int(pre.shape[d])
-            elif out_comm.forward == "none" and d == post.ndim - 1:
-                length = out_full  # column-parallel: the weight says it
+        if isinstance(dst, Shard):  # the global shape is known: no exchange of lengths
+            whole = output_global_shape(style.spec, kind, tuple(pre.shape), shape)
+            length = whole[dst.dim % post.ndim]
         return wrap_output(post, device_mesh, dst, length, f"{name} output")
 
     handles += _install_local_compute(style, platform, cell, kind, group, boundary_out, shape,
@@ -226,11 +201,10 @@ def _install_graph(style: Any, platform: MindSporePlatform, cell: nn.Cell, kind:
             raise ValueError("use_local_output=False (DTensor outputs) runs in PyNative "
                              "mode only")
         pre = post = None
+        in_size, out_size = feature_lengths(kind, shape)
         if in_comm.forward != "none" or in_comm.backward != "none":
-            in_size = shape[1] if kind == "linear" else None
             pre = graph_boundary(in_comm, group.name, n, rank, in_size)
         if out_comm.forward != "none" or out_comm.backward != "none":
-            out_size = shape[0] if kind == "linear" else shape[1]
             post = graph_boundary(out_comm, group.name, n, rank, out_size)
         bias, share = (_graph_bias(style, platform, cell, kind, group)
                        if style.spec is ROWWISE else (None, 1.0))
@@ -249,8 +223,7 @@ def _graph_bias(style: Any, platform: MindSporePlatform, cell: nn.Cell, kind: st
         return None, 1.0
     n, rank = platform.world_size(group), platform.rank(group)
     plan = row_bias(style.output_layouts[0])  # as in PyNative
-    share = 0.0 if plan.one_rank and rank != 0 else 1.0
-    return graph_boundary(plan.grad, group.name, n, rank), share
+    return graph_boundary(plan.grad, group.name, n, rank), plan.share(rank)
 
 
 def _shard_params(style: Any, platform: MindSporePlatform, cell: nn.Cell, kind: str,
@@ -296,7 +269,7 @@ def _install_local_compute(style: Any, platform: MindSporePlatform, cell: nn.Cel
                                   finish)
         idle = zeros(bias.shape, bias.dtype)
         plan = row_bias(style.output_layouts[0])  # who adds the bias, its gradient's sum
-        bias_share = 0.0 if plan.one_rank and platform.rank(group) != 0 else 1.0
+        bias_share = plan.share(platform.rank(group))
         bias_path = (Boundary(platform, plan.grad, group) if plan.grad.backward != "none"
                      else None)
 
@@ -318,7 +291,8 @@ def _install_local_compute(style: Any, platform: MindSporePlatform, cell: nn.Cel
         return [platform.register_forward_pre_hook(cell, swap_out_bias),
                 platform.register_forward_hook(cell, reduce_then_add_bias)]
     # Embedding: this rank holds rows [lo, hi) of the table; other ids look up zeros.
-    lo, rows = chunk_bounds(shape[0], platform.world_size(group), platform.rank(group))
+    lo, rows = local_range(style.spec, kind, "weight", shape, platform.world_size(group),
+                           platform.rank(group))
     state: dict[str, Any] = {}
 
     def local_ids(_cell: nn.Cell, args: tuple) -> tuple:

@@ -28,7 +28,7 @@ from mindspore import Tensor, nn
 from hyperpar.dtensor.mesh import DeviceMesh
 from hyperpar.dtensor.placement import Placement, Replicate, Shard
 from hyperpar.parallel.prepare_plan import Convert, entries, prepare_inputs, prepare_outputs
-from hyperpar.parallel.spec import REPLICATED_PARAM_GRAD, prepare_comm
+from hyperpar.parallel.spec import REPLICATED_PARAM_GRAD, check_reachable, prepare_comm
 from hyperpar.parallel.styles import (
     PrepareModuleInput,
     PrepareModuleInputOutput,
@@ -42,9 +42,7 @@ from .graph import refuse_graph_mode
 from .parallel import (
     _shard,
     as_local,
-    check_layouts,
     check_sharding_style,
-    check_src_data_rank,
     param_names,
     wrap_output,
 )
@@ -60,8 +58,7 @@ def _sequence_parallel(style: Any, cell: nn.Cell, mesh: DeviceMesh) -> nn.Cell:
     gradients all-reduced, the forward on this rank's slice."""
     platform = get_platform()
     group = mesh.get_group(0)
-    src = style.src_data_rank
-    check_src_data_rank("SequenceParallel", src, platform.world_size(group))
+    src = style.src_data_rank  # one of the group's ranks: the neutral style checked it
     # Every parameter slot of the Cell and its sub-Cells, each held by the Cell that owns it.
     owners = [(sub, name) for _path, sub in platform.named_modules(cell)
               for name, _ in platform.named_parameters(sub, recurse=False)]
@@ -155,7 +152,10 @@ class MindSporeMechanics:
     local_by_default: frozenset[str] = frozenset({"SequenceParallel", "PrepareModuleInput"})
 
     def check_style(self, style: Any) -> None:
-        check_layouts(style)
+        """Refuse at construction a layout no MindSpore boundary reaches (a ``Partial``
+        column-parallel output: PyTorch redistributes to one, MindSpore's boundaries cannot)."""
+        check_reachable(type(style).__name__, style.spec, style.input_layouts[0],
+                        style.output_layouts[0])
 
     def check_applicable(self, style: Any, cell: nn.Cell, fqn: str) -> None:
         check_sharding_style(style, cell, fqn)

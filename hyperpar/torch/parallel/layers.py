@@ -252,10 +252,8 @@ class VocabParallelEmbedding(nn.Embedding):
                  sequence_parallel: bool = False, sequence_dim: int = 1,
                  device_mesh: DeviceMesh | None = None, src_data_rank: int | None = 0,
                  **kwargs: Any) -> None:
-        if kwargs.get("padding_idx") is not None or kwargs.get("max_norm") is not None:
-            raise NotImplementedError("VocabParallelEmbedding: padding_idx/max_norm not supported")
+        style = vocab_style(sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
+                            src_data_rank=src_data_rank, **kwargs)  # checks kwargs
         super().__init__(num_embeddings, embedding_dim, **kwargs)
         self.sequence_parallel = sequence_parallel
-        style = vocab_style(sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
-                            src_data_rank=src_data_rank)
         style._apply(self, tp_mesh(device_mesh))

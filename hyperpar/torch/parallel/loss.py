@@ -18,7 +18,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hyperpar.parallel.loss_plan import check_loss_args, class_shard, flatten_outside_shard
+from hyperpar.parallel.loss_plan import (
+    check_loss_args,
+    check_loss_shapes,
+    class_shard,
+    flatten_outside_shard,
+)
 from hyperpar.platform import get_platform
 from hyperpar.torch.dtensor._ops import OpEntry, OpOverlay, register_op
 from hyperpar.torch.dtensor._ops.dispatch import call_entry
@@ -115,18 +120,11 @@ def vocab_parallel_cross_entropy(
         vocab_start = platform.rank(group) * local_logits.shape[1]
     if num_classes is None:
         num_classes = local_logits.shape[1] * platform.world_size(group)
-    if weight is not None and tuple(weight.shape) != (num_classes,):
-        raise ValueError(
-            f"weight must hold one value per class ({num_classes}), got shape "
-            f"{tuple(weight.shape)}"
-        )
+    shape = (local_logits.shape[0], num_classes, *local_logits.shape[2:])  # the global one
+    check_loss_shapes(shape, 1, tuple(target.shape),
+                      None if weight is None else tuple(weight.shape))
     flat_logits = local_logits.movedim(1, -1).reshape(-1, local_logits.shape[1])
     flat_target = target.reshape(-1)
-    if flat_target.shape[0] != flat_logits.shape[0]:
-        raise ValueError(
-            f"target shape {tuple(target.shape)} does not match logits "
-            f"{tuple(local_logits.shape)} (class dim 1)"
-        )
     losses = _VocabParallelCrossEntropy.apply(flat_logits, flat_target, vocab_start,
                                               ignore_index, group, weight,
                                               float(label_smoothing), int(num_classes))

@@ -70,7 +70,7 @@ class TorchMechanics:
 
     def shard(self, style: Any, module: nn.Module, mesh: Any, kind: str) -> nn.Module:
         return (_colwise if style.spec.name == "ColwiseParallel" else _rowwise)(
-            style, module, mesh)
+            style, module, mesh, kind)
 
     def sequence_parallel(self, style: Any, module: nn.Module, mesh: Any) -> nn.Module:
         return _sequence_parallel(style, module, mesh)

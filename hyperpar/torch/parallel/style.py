@@ -20,9 +20,15 @@ import torch
 from torch import nn
 
 from hyperpar.dtensor.errors import AlreadyParallelizedError
-from hyperpar.dtensor.placement import Placement, Replicate, Shard, chunk_bounds
+from hyperpar.dtensor.placement import Placement, Replicate, Shard
 from hyperpar.parallel.driver import UnsupportedModuleError
-from hyperpar.parallel.spec import StyleSpec, param_placement, row_bias
+from hyperpar.parallel.spec import (
+    StyleSpec,
+    feature_lengths,
+    local_range,
+    param_placement,
+    row_bias,
+)
 from hyperpar.parallel.styles import (
     ColwiseParallel,
     ParallelStyle,
@@ -211,18 +217,17 @@ def _hide(x: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------- mechanics
-def _colwise(style: Any, module: nn.Module, mesh: Any) -> nn.Module:
-    """ColwiseParallel's mechanics: shard, gather the input, run the local forward."""
-    platform = get_platform()
+def _colwise(style: Any, module: nn.Module, mesh: Any, kind: str) -> nn.Module:
+    """ColwiseParallel's mechanics on a ``kind`` module: shard, gather the input, run the local
+    forward."""
     group = mesh.get_group(0)
     src_default, dst = style.input_layouts[0], style.output_layouts[0]
     use_local = style.use_local_output
 
     spec = style.spec  # which dim of each parameter is split, what the local compute makes
-    if platform.is_linear(module):
-        kind = "linear"
-        _distribute_params(module, spec, kind, mesh, style.src_data_rank)
-        out_full = module.weight.shape[spec.param_dims[kind]["weight"]]  # the global shape
+    _distribute_params(module, spec, kind, mesh, style.src_data_rank)
+    out_full = feature_lengths(kind, tuple(module.weight.shape))[1]  # the global shape's
+    if kind == "linear":
 
         def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             x = args[0]
@@ -234,20 +239,11 @@ def _colwise(style: Any, module: nn.Module, mesh: Any) -> nn.Module:
                     _MEMO.put(group, x, src_default, hit)
             return (hit, *args[1:]), kwargs
 
-    elif platform.is_embedding(module):
-        kind = "embedding"
-        _distribute_params(module, spec, kind, mesh, style.src_data_rank)
-        out_full = module.weight.shape[spec.param_dims[kind]["weight"]]
+    else:
 
         def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             local, src, full = _local_and_layout(args[0], src_default)
             return (gather_ids(local, src, mesh, full), *args[1:]), kwargs
-
-    else:
-        raise UnsupportedModuleError(
-            f"ColwiseParallel supports Linear and Embedding modules (as recognised by the "
-            f"{platform.name} platform), got {type(module).__name__}"
-        )
 
     local_out = spec.local_output[kind]
 
@@ -256,23 +252,22 @@ def _colwise(style: Any, module: nn.Module, mesh: Any) -> nn.Module:
         y = redistribute_boundary(y, local_out, dst, mesh, full=out_full)
         return _wrap(y, mesh, dst, use_local, shape)
 
-    names = ("weight", "bias") if platform.is_linear(module) else ("weight",)
+    names = ("weight", "bias") if kind == "linear" else ("weight",)
     _LocalForward([(module, n, _identity) for n in names], before, after).install(module)
     return module
 
 
-def _rowwise(style: Any, module: nn.Module, mesh: Any) -> nn.Module:
-    """RowwiseParallel's mechanics: shard, re-lay out the input, reduce the partial sums."""
-    platform = get_platform()
+def _rowwise(style: Any, module: nn.Module, mesh: Any, kind: str) -> nn.Module:
+    """RowwiseParallel's mechanics on a ``kind`` module: shard, re-lay out the input, reduce
+    the partial sums."""
     group = mesh.get_group(0)
     src_default, dst = style.input_layouts[0], style.output_layouts[0]
     use_local = style.use_local_output
     state: dict[str, Any] = {}
 
     spec = style.spec
-    if platform.is_linear(module):
-        kind = "linear"
-        _distribute_params(module, spec, kind, mesh, style.src_data_rank)
+    _distribute_params(module, spec, kind, mesh, style.src_data_rank)
+    if kind == "linear":
         params = [(module, "weight", _identity), (module, "bias", _hide)]
         wanted = spec.desired_input[kind]
 
@@ -282,7 +277,7 @@ def _rowwise(style: Any, module: nn.Module, mesh: Any) -> nn.Module:
             return (local, *args[1:]), kwargs
 
         bias_plan = row_bias(dst)
-        bias_share = 1.0 if not bias_plan.one_rank or mesh.get_local_rank(0) == 0 else 0.0
+        bias_share = bias_plan.share(mesh.get_local_rank(0))
 
         def finish(mod: nn.Module, y: torch.Tensor, saved: dict) -> torch.Tensor:
             bias = saved.get((id(mod), "bias"))
@@ -295,13 +290,10 @@ def _rowwise(style: Any, module: nn.Module, mesh: Any) -> nn.Module:
                 local_bias = local_bias * bias_share
             return y + local_bias
 
-    elif platform.is_embedding(module):
-        kind = "embedding"
-        _distribute_params(module, spec, kind, mesh, style.src_data_rank)
+    else:
         params = [(module, "weight", _identity)]
-        vocab = module.weight.shape[spec.param_dims[kind]["weight"]]
-        n, rank = mesh.size(0), mesh.get_local_rank(0)
-        start, length = chunk_bounds(vocab, n, rank)
+        start, length = local_range(spec, kind, "weight", tuple(module.weight.shape),
+                                    mesh.size(0), mesh.get_local_rank(0))
 
         def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             local, src, full = _local_and_layout(args[0], src_default)
@@ -312,12 +304,6 @@ def _rowwise(style: Any, module: nn.Module, mesh: Any) -> nn.Module:
 
         def finish(mod: nn.Module, y: torch.Tensor, saved: dict) -> torch.Tensor:
             return y
-
-    else:
-        raise UnsupportedModuleError(
-            f"RowwiseParallel supports Linear and Embedding modules (as recognised by the "
-            f"{platform.name} platform), got {type(module).__name__}"
-        )
 
     local_out = spec.local_output[kind]
 
