@@ -26,7 +26,7 @@ LAYERS: dict[str, list[str]] = {
     "mindspore": [f"{MS}/{n}.py" for n in ("dtensor", "dispatch", "opnames", "redistribute",
                                             "localops", "lossops", "listops",
                                             "loss", "parallel", "prepare", "comm", "graph",
-                                            "layers")],
+                                            "layers", "param_readback", "gradwrap")],
 }
 
 
