@@ -147,6 +147,22 @@ def local_shape_and_offset(shape: tuple[int, ...], placements: tuple[Placement, 
     return shard_shape_and_offset(shape, placements, mesh._shape, mesh._coordinate)
 
 
+def shard_slices(shape: tuple[int, ...], placements: tuple[Placement, ...], mesh: Any
+                 ) -> tuple[slice, ...]:
+    """This rank's piece of a whole tensor of ``shape`` as one slice per dim (``full[...]``
+    of them is the local shard)."""
+    size, off = local_shape_and_offset(shape, placements, mesh)
+    return tuple(slice(o, o + n) for o, n in zip(off, size, strict=True))
+
+
+def fill_keeps_value(placements: tuple[Placement, ...], coord: Any) -> bool:
+    """Whether this rank (at mesh coordinate ``coord``) keeps a constant filled into a tensor
+    laid out as ``placements``: a ``Partial("sum")`` counts it once, on rank 0 of its mesh dim,
+    the others hold 0 (max/min/avg hold it on every rank)."""
+    return all(coord[m] == 0 for m, p in enumerate(placements)
+               if type(p) is Partial and p.reduce_op == "sum")
+
+
 def _sizes(full: int, n: int) -> list[int]:
     """Every rank's piece length when ``full`` elements are ``Shard``-ed over ``n`` ranks."""
     return [chunk_bounds(full, n, k)[1] for k in range(n)]
