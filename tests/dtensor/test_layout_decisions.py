@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from hyperpar.dtensor.layout import fill_keeps_value, shard_slices
+from hyperpar.dtensor.layout import fill_keeps_value, input_layout_problem, shard_slices
 from hyperpar.dtensor.placement import Partial, Replicate, Shard
 from hyperpar.dtensor.rules.base import ShardingError, refuse_partial, spelled_dims
 from hyperpar.dtensor.rules.view import (
@@ -92,3 +92,26 @@ def test_writing_values_into_a_pending_reduction_is_refused_naming_the_fix():
     with pytest.raises(ShardingError, match=r"^uniform_ on a Partial DTensor; redistribute it "
                                             r"to Replicate or Shard first$"):
         refuse_partial((Shard(0), Partial("max")), "uniform_")
+
+
+def test_a_styles_plain_inputs_are_checked_against_its_layout():
+    ranks = [4, 5, 6]  # the mesh's global ranks, named in the messages
+    ok = input_layout_problem(Shard(1), [(2, 3, 8), (2, 3, 8), (2, 2, 8)], ranks, [5, 6], True,
+                              "w")
+    assert ok is None  # 8 of 3 + 3 + 2, torch.chunk's split
+    assert input_layout_problem(Replicate(), [(2, 3)] * 3, ranks, [], True, "w") is None
+    assert input_layout_problem(Partial(), [(2, 3)] * 3, ranks, [5], True, "w") is None
+    got = input_layout_problem(Replicate(), [(2, 3), (2, 3), (4, 3)], ranks, [6], True, "'a'")
+    assert got.startswith("'a': the input must be replicated") and "rank(s) 6 hold" in got
+    assert "shapes rank 4: (2, 3), rank 5: (2, 3), rank 6: (4, 3)" in got
+    assert "different values" in input_layout_problem(Replicate(), [(2, 3)] * 3, ranks, [5],
+                                                      True, "w")
+    uneven = input_layout_problem(Shard(-1), [(2, 2), (2, 3), (2, 3)], ranks, [5, 6], True, "w")
+    assert "lengths [3, 3, 2] along dim 1 for a total of 8" in uneven
+    assert "x.tensor_split(3, dim=1)[rank]" in uneven
+    others = input_layout_problem(Shard(0), [(3, 2), (3, 3), (2, 2)], ranks, [5, 6], True, "w")
+    assert others is not None and "the ranks hold shapes" in others
+    whole = input_layout_problem(Shard(0), [(3, 2)] * 3, ranks, [], True, "w")
+    assert "every rank holds the same values" in whole and "9, 3 times the real one" in whole
+    # identical constant pieces (a mask of ones, say) are legitimate
+    assert input_layout_problem(Shard(0), [(3, 2)] * 3, ranks, [], False, "w") is None
