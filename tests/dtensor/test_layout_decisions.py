@@ -12,7 +12,7 @@ import pytest
 
 from hyperpar.dtensor.layout import fill_keeps_value, input_layout_problem, shard_slices
 from hyperpar.dtensor.placement import Partial, Replicate, Shard
-from hyperpar.dtensor.rules.base import ShardingError, refuse_partial, spelled_dims
+from hyperpar.dtensor.rules.base import ShardingError, refuse_partial, spelled_dims, unshard
 from hyperpar.dtensor.rules.view import (
     matrix_transposed_dims,
     moved_dims,
@@ -115,3 +115,11 @@ def test_a_styles_plain_inputs_are_checked_against_its_layout():
     assert "every rank holds the same values" in whole and "9, 3 times the real one" in whole
     # identical constant pieces (a mask of ones, say) are legitimate
     assert input_layout_problem(Shard(0), [(3, 2)] * 3, ranks, [], False, "w") is None
+
+
+def test_unshard_gathers_the_named_dims_and_pending_reductions_only():
+    pl = (Shard(0), Shard(1), Partial("max"), Replicate())
+    assert unshard(pl) == (Shard(0), Shard(1), Replicate(), Replicate())
+    assert unshard(pl, (1,)) == (Shard(0), Replicate(), Replicate(), Replicate())
+    assert unshard(pl, range(2), partial_ok=True) == (Replicate(), Replicate(), Partial("max"),
+                                                      Replicate())

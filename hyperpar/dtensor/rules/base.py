@@ -160,3 +160,14 @@ def refuse_partial(placements: Placements, what: str,
     rank holds one term, not a piece of the value."""
     if any(type(p) is Partial for p in placements):
         raise ShardingError(f"{what} on a Partial DTensor; {fix}")
+
+
+def unshard(placements: Placements, dims: Any = (), *, partial_ok: bool = False) -> Placements:
+    """``placements`` with the shards of tensor ``dims`` and (unless ``partial_ok``) every
+    Partial replaced by Replicate: the layout an op needs that reads those dims whole."""
+    return tuple(
+        REPLICATE if (type(p) is Shard and p.dim in dims) or (type(p) is Partial
+                                                              and not partial_ok)
+        else p
+        for p in placements
+    )
