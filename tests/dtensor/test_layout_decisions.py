@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from hyperpar.dtensor.api_core import inferred_uneven_message, uneven_lengths
 from hyperpar.dtensor.layout import fill_keeps_value, input_layout_problem, shard_slices
 from hyperpar.dtensor.placement import Partial, Replicate, Shard
 from hyperpar.dtensor.rules.base import ShardingError, refuse_partial, spelled_dims, unshard
@@ -123,3 +124,13 @@ def test_unshard_gathers_the_named_dims_and_pending_reductions_only():
     assert unshard(pl, (1,)) == (Shard(0), Replicate(), Replicate(), Replicate())
     assert unshard(pl, range(2), partial_ok=True) == (Replicate(), Replicate(), Partial("max"),
                                                       Replicate())
+
+
+def test_uneven_pieces_of_an_inferred_shape_are_named_rank_by_rank():
+    assert uneven_lengths(Shard(0), 0, [0, 1], [3, 3]) is None
+    found = uneven_lengths(Shard(1), 1, [2, 3], [3, 2])
+    assert found == "Shard(dim=1) over mesh dim 1: rank 2 holds 3, rank 3 holds 2"
+    text = inferred_uneven_message("from_local", [found], "Pass shape=")
+    assert text.startswith(f"from_local: the ranks hold pieces of different sizes ({found})")
+    assert text.endswith("every rank has a different (wrong) one. Pass shape=")
+    assert "(in another group of the mesh)" in inferred_uneven_message("x", [], "fix")
