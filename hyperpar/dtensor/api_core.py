@@ -49,8 +49,10 @@ __all__ = [
     "distribute_target",
     "from_local_layout",
     "grad_target",
+    "inferred_uneven_message",
     "redistribute_target",
     "refuse_dtensor_in_from_local",
+    "uneven_lengths",
 ]
 
 Placements = tuple[Placement, ...]
@@ -196,3 +198,24 @@ def distribute_target(mesh: Any, placements: Any, ndim: int, src_data_rank: int 
                     f"dim {m} (size {n}); it is the index, along every mesh dim, of the rank "
                     f"whose tensor is used: 0..{n - 1}, or None to use each rank's own")
     return pl
+
+
+# ------------------------------------------------------------------------ inferred shapes
+def uneven_lengths(placement: Placement, mesh_dim: int, ranks: Sequence[int],
+                   lengths: Sequence[int]) -> str | None:
+    """``"Shard(dim=0) over mesh dim 0: rank 0 holds 3, rank 1 holds 2"`` when the ranks of
+    one mesh dim hold pieces of different ``lengths`` along ``placement``'s dim, else None."""
+    if len(set(lengths)) < 2:
+        return None
+    return f"{placement} over mesh dim {mesh_dim}: " + ", ".join(
+        f"rank {r} holds {v}" for r, v in zip(ranks, lengths, strict=True))
+
+
+def inferred_uneven_message(source: str, found: Sequence[str], fix: str) -> str:
+    """The error when pieces whose global shape ``source`` inferred assuming even shards turn
+    out uneven (``found``: :func:`uneven_lengths` of this rank's groups, empty when only
+    another group of the mesh disagreed)."""
+    where = "; ".join(found) if found else "in another group of the mesh"
+    return (f"{source}: the ranks hold pieces of different sizes ({where}), but the global "
+            f"shape was inferred assuming even shards, so every rank has a different (wrong) "
+            f"one. {fix}")

@@ -147,6 +147,22 @@ def local_shape_and_offset(shape: tuple[int, ...], placements: tuple[Placement, 
     return shard_shape_and_offset(shape, placements, mesh._shape, mesh._coordinate)
 
 
+def shard_slices(shape: tuple[int, ...], placements: tuple[Placement, ...], mesh: Any
+                 ) -> tuple[slice, ...]:
+    """This rank's piece of a whole tensor of ``shape`` as one slice per dim (``full[...]``
+    of them is the local shard)."""
+    size, off = local_shape_and_offset(shape, placements, mesh)
+    return tuple(slice(o, o + n) for o, n in zip(off, size, strict=True))
+
+
+def fill_keeps_value(placements: tuple[Placement, ...], coord: Any) -> bool:
+    """Whether this rank (at mesh coordinate ``coord``) keeps a constant filled into a tensor
+    laid out as ``placements``: a ``Partial("sum")`` counts it once, on rank 0 of its mesh dim,
+    the others hold 0 (max/min/avg hold it on every rank)."""
+    return all(coord[m] == 0 for m, p in enumerate(placements)
+               if type(p) is Partial and p.reduce_op == "sum")
+
+
 def _sizes(full: int, n: int) -> list[int]:
     """Every rank's piece length when ``full`` elements are ``Shard``-ed over ``n`` ranks."""
     return [chunk_bounds(full, n, k)[1] for k in range(n)]
@@ -187,3 +203,42 @@ def check_chunk_split(lengths: list[int] | tuple[int, ...], dim: int, what: str 
             f"pieces {want}; split the full tensor with torch.chunk (earlier ranks hold the "
             f"longer pieces: ceil(size / {n}), the tail shorter) or pass a DTensor")
     return full
+
+
+def input_layout_problem(layout: Placement, shapes: list[tuple[int, ...]], ranks: list[int],
+                         differ: list[int], varies: bool, where: str) -> str | None:
+    """What is wrong with plain inputs meant to be laid out as ``layout`` over a 1-D mesh, or
+    None when they fit. ``shapes``: every rank's shape (in mesh order, ``ranks`` their global
+    ranks); ``differ``: the ranks whose tensor differs from the first rank's; ``varies``: this
+    rank's tensor holds more than one distinct value (identical constant pieces are legitimate).
+    Every rank holds the same arguments, so every rank gets the same answer."""
+    n = len(shapes)
+    listing = ", ".join(f"rank {r}: {s}" for r, s in zip(ranks, shapes, strict=True))
+    if type(layout) is Replicate:
+        if not differ:
+            return None
+        what = f"shapes {listing}" if len(set(shapes)) > 1 else "different values"
+        return (f"{where}: the input must be replicated (the same tensor on every rank of the "
+                f"mesh), but rank(s) {', '.join(map(str, differ))} hold a different one than "
+                f"rank {ranks[0]} ({what}). Feed every tensor-parallel rank the same batch "
+                f"(split data over a data-parallel mesh dim instead), or declare the input's "
+                f"real layout in the plan (input_layouts=)")
+    if type(layout) is not Shard:
+        return None
+    nd = len(shapes[0])
+    d = layout.dim % nd if nd else 0
+    others = {s[:d] + s[d + 1:] for s in shapes}
+    sizes = [s[d] if len(s) > d else 0 for s in shapes]
+    total = sum(sizes)
+    chunked = _sizes(total, n)
+    if len({len(s) for s in shapes}) > 1 or len(others) > 1 or sizes != chunked:
+        return (f"{where}: the input must be this rank's {layout} piece of one tensor "
+                f"(torch.chunk's split: lengths {chunked} along dim {d} for a total of {total}), "
+                f"but the ranks hold shapes {listing}. Pass each rank its own chunk, e.g. "
+                f"x.tensor_split({n}, dim={d})[rank]")
+    if n > 1 and not differ and varies:
+        return (f"{where}: the input must be this rank's {layout} piece of one tensor, but every "
+                f"rank holds the same values (shapes {listing}): was the full tensor passed "
+                f"instead of this rank's shard? That makes the global length {total}, {n} times "
+                f"the real one. Pass x.tensor_split({n}, dim={d})[rank]")
+    return None

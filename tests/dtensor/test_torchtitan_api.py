@@ -313,7 +313,14 @@ def test_rope_view_as_complex_real_and_gather_match_plain_torch(run_on_ranks, x_
 
 # ----------------------------------------------------------------------------- to_empty
 def _to_empty_facts():
-    from hyperpar.dtensor import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
+    from hyperpar.dtensor import (
+        DTensor,
+        Partial,
+        Replicate,
+        Shard,
+        distribute_tensor,
+        init_device_mesh,
+    )
 
     mesh = init_device_mesh((2,), mesh_dim_names=("dp",))
     with torch.device("meta"):
@@ -330,11 +337,17 @@ def _to_empty_facts():
         model.scale.fill_(2.0)
     x = distribute_tensor(torch.ones(3, 6), mesh, [Replicate()])
     (model(x) * model.scale).sum().backward()
+    # a constant filled into a Partial("sum") counts once; a plain whole tensor copied into
+    # uneven shards (5 rows: 3 + 2) leaves each rank its own rows
+    partial = DTensor.from_local(torch.zeros(2, 3), mesh, [Partial()]).fill_(1.5)
+    uneven = distribute_tensor(torch.zeros(5, 3), mesh, [Shard(0)])
+    uneven.copy_(torch.arange(15.0).view(5, 3))
     return {"devices": {n: (t.device.type, t.to_local().device.type, type(t).__name__)
                         for n, t in [*model.named_parameters(), *model.named_buffers()]},
             "params": [isinstance(p, DTensor) and isinstance(p, torch.nn.Parameter)
                        for p in model.parameters()],
-            "grad": model.weight.grad.full_tensor()}
+            "grad": model.weight.grad.full_tensor(),
+            "partial_fill": partial.full_tensor(), "copied": uneven.full_tensor()}
 
 
 def test_to_empty_moves_dtensor_parameters_and_buffers_off_meta(run_on_ranks):
@@ -345,6 +358,9 @@ def test_to_empty_moves_dtensor_parameters_and_buffers_off_meta(run_on_ranks):
         assert all(d[:2] == ("cpu", "cpu") for d in f["devices"].values()), f["devices"]
         assert f["params"] == [True, True]
         torch.testing.assert_close(f["grad"], w.grad, rtol=TOL, atol=TOL)
+        # exact: 1.5 + 0.0 and copied values involve no rounding
+        assert torch.equal(f["partial_fill"], torch.full((2, 3), 1.5))
+        assert torch.equal(f["copied"], torch.arange(15.0).view(5, 3))
 
 
 # ----------------------------------------------------------------------------- custom Function

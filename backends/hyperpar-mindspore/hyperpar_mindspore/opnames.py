@@ -47,7 +47,7 @@ from typing import Any
 
 from mindspore import Tensor
 
-from hyperpar.dtensor.rules.base import norm_dim
+from hyperpar.dtensor.rules.base import norm_dim, spelled_dims
 from hyperpar.dtensor.rules.view import flattened_shape, squeezed_shape, unsqueezed_shape
 
 
@@ -149,9 +149,7 @@ def scan(op: str) -> Parser:
 
 def _dims(args: Sequence[Any]) -> tuple[int, ...]:
     """``(x, 1, 0)`` or ``(x, (1, 0))`` or ``(x, [1, 0])`` -> ``(1, 0)``."""
-    if len(args) == 2 and isinstance(args[1], list | tuple):
-        return tuple(int(d) for d in args[1])
-    return tuple(int(d) for d in args[1:])
+    return tuple(int(d) for d in spelled_dims(args[1:]))
 
 
 def _reshape(args: Sequence[Any], kwargs: dict[str, Any]) -> Call:

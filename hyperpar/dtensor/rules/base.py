@@ -144,3 +144,30 @@ def norm_dim(d: int, ndim: int) -> int:
                          f"but got {d}): dim {d} is out of range for a tensor with {ndim} "
                          "dim(s)")
     return d % n
+
+
+def spelled_dims(rest: Any) -> tuple:
+    """Sizes or dims spelled inline or as one sequence, as ``permute``/``view``/``new_zeros``
+    take them: ``(1, 0)``, ``((1, 0),)`` and ``([1, 0],)`` all give ``(1, 0)``."""
+    if len(rest) == 1 and isinstance(rest[0], list | tuple):  # torch.Size is a tuple
+        return tuple(rest[0])
+    return tuple(rest)
+
+
+def refuse_partial(placements: Placements, what: str,
+                   fix: str = "redistribute it to Replicate or Shard first") -> None:
+    """Raise for ``what`` (an op that writes values) on a tensor with a pending reduction: each
+    rank holds one term, not a piece of the value."""
+    if any(type(p) is Partial for p in placements):
+        raise ShardingError(f"{what} on a Partial DTensor; {fix}")
+
+
+def unshard(placements: Placements, dims: Any = (), *, partial_ok: bool = False) -> Placements:
+    """``placements`` with the shards of tensor ``dims`` and (unless ``partial_ok``) every
+    Partial replaced by Replicate: the layout an op needs that reads those dims whole."""
+    return tuple(
+        REPLICATE if (type(p) is Shard and p.dim in dims) or (type(p) is Partial
+                                                              and not partial_ok)
+        else p
+        for p in placements
+    )

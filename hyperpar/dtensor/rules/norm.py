@@ -14,20 +14,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..placement import REPLICATE, Partial, Shard
-from .base import OpSharding, Placements, Shape, TensorMeta, rule
-
-
-def _gathered(placements: Placements, dims: range) -> Placements:
-    """``placements`` with shards of ``dims`` and every Partial replaced by Replicate."""
-    return tuple(REPLICATE if (type(p) is Shard and p.dim in dims) or type(p) is Partial
-                 else p for p in placements)
+from ..placement import REPLICATE
+from .base import OpSharding, Shape, TensorMeta, rule, unshard
 
 
 def _answer(metas: tuple[TensorMeta, ...], mesh_shape: tuple[int, ...], dims: range,
             stats: int, stats_shape: Shape) -> OpSharding:
     x = metas[0]
-    pl = _gathered(x.placements, dims)
+    pl = unshard(x.placements, dims)
     params = ((REPLICATE,) * len(mesh_shape),) * (len(metas) - 1)
     return OpSharding((pl, *params), (pl,) * (1 + stats),
                       (tuple(x.shape),) + (stats_shape,) * stats)

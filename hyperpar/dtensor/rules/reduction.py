@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from ..placement import REPLICATE, Partial, Placement, Shard
-from .base import OpSharding, Shape, TensorMeta, norm_dim, rule
+from .base import OpSharding, Shape, TensorMeta, norm_dim, rule, unshard
 
 # Partial inputs a reduction keeps pending (it commutes with their reduce op); max/min only
 # when no gradient flows. Not the *_dim ops: their indices output has no Partial meaning.
@@ -121,12 +121,6 @@ GATHERED = ("prod", "var", "std", "var_mean", "std_mean", "argmax", "argmin", "l
             "all", "any", "norm")
 
 
-def _gathered(placements: tuple[Placement, ...], dims: tuple[int, ...]) -> tuple[Placement, ...]:
-    """``placements`` with shards of ``dims`` and every Partial replaced by Replicate."""
-    return tuple(REPLICATE if (type(p) is Shard and p.dim in dims) or type(p) is Partial else p
-                 for p in placements)
-
-
 @rule(*GATHERED)
 def _gathered_reduction(op: str, metas: tuple[TensorMeta, ...], mesh_shape: tuple[int, ...], *,
                         dim: Any = None, keepdim: bool = False, **_: Any) -> OpSharding:
@@ -136,7 +130,7 @@ def _gathered_reduction(op: str, metas: tuple[TensorMeta, ...], mesh_shape: tupl
     do not change the layout."""
     (x,) = metas
     dims = reduced_dims(dim, len(x.shape))
-    pl = _gathered(x.placements, dims)
+    pl = unshard(x.placements, dims)
     out = reduced_placements(pl, dims, keepdim, "sum")  # no shard of dims left: no Partial
     shape = reduced_shape(x.shape, dims, keepdim)
     n = 2 if op.endswith("_mean") else 1
@@ -149,5 +143,5 @@ def _scan(op: str, metas: tuple[TensorMeta, ...], mesh_shape: tuple[int, ...], *
     """A running sum or product along ``dim`` needs the whole of it (and any Partial
     reduced); other shards stay; the shape is kept."""
     (x,) = metas
-    pl = _gathered(x.placements, (norm_dim(dim, len(x.shape)),))
+    pl = unshard(x.placements, (norm_dim(dim, len(x.shape)),))
     return OpSharding((pl,), (pl,), (tuple(x.shape),))

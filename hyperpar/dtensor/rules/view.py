@@ -123,19 +123,57 @@ def _permuted(op: str, x: TensorMeta, perm: tuple[int, ...]) -> OpSharding:
     return OpSharding((tuple(x.placements),), (pl,), (tuple(x.shape[d] for d in perm),))
 
 
+def transposed_dims(nd: int, dim0: int, dim1: int) -> tuple[int, ...]:
+    """The permutation ``transpose(dim0, dim1)`` (``swapaxes``) applies to ``nd`` dims (out of
+    range dims raise IndexError, as in torch)."""
+    perm = list(range(nd))
+    a, b = norm_dim(dim0, nd), norm_dim(dim1, nd)
+    if nd:
+        perm[a], perm[b] = perm[b], perm[a]
+    return tuple(perm)
+
+
+def permuted_dims(nd: int, dims: Any) -> tuple[int, ...]:
+    """``permute(dims)``'s dims made non-negative (out of range raises IndexError)."""
+    return tuple(norm_dim(d, nd) for d in dims)
+
+
+def matrix_transposed_dims(nd: int, last_two: bool) -> tuple[int, ...]:
+    """The permutation of ``t``/``.T`` (all dims reversed) or, with ``last_two``, of ``.mT``
+    (the last two swapped); below two dims nothing moves."""
+    if nd < 2:
+        return tuple(range(nd))
+    if last_two:
+        return (*range(nd - 2), nd - 1, nd - 2)
+    return tuple(range(nd - 1, -1, -1))
+
+
+def moved_dims(nd: int, source: Any, destination: Any) -> tuple[int, ...]:
+    """The permutation of ``movedim(source, destination)``: the ``source`` dims land at
+    ``destination``, the others keep their order."""
+    src = [source] if isinstance(source, int) else list(source)
+    dst = [destination] if isinstance(destination, int) else list(destination)
+    src = [norm_dim(s, nd) for s in src]
+    dst = [norm_dim(d, nd) for d in dst]
+    if len(src) != len(dst) or len(set(src)) != len(src) or len(set(dst)) != len(dst):
+        raise RuntimeError(f"movedim: source {src} and destination {dst} must name as many "
+                           "dims, each once")
+    perm = [-1] * nd
+    for s, d in zip(src, dst, strict=True):
+        perm[d] = s
+    rest = iter(d for d in range(nd) if d not in src)
+    return tuple(p if p >= 0 else next(rest) for p in perm)
+
+
 @rule("transpose")
 def _transpose(op: str, metas: tuple[TensorMeta, ...], mesh_shape: tuple[int, ...], *,
                dim0: int, dim1: int, **_: Any) -> OpSharding:
     (x,) = metas
-    nd = len(x.shape)
-    perm = list(range(nd))
-    a, b = norm_dim(dim0, nd), norm_dim(dim1, nd)
-    perm[a], perm[b] = perm[b], perm[a]
-    return _permuted(op, x, tuple(perm))
+    return _permuted(op, x, transposed_dims(len(x.shape), dim0, dim1))
 
 
 @rule("permute")
 def _permute(op: str, metas: tuple[TensorMeta, ...], mesh_shape: tuple[int, ...], *,
              dims: Any, **_: Any) -> OpSharding:
     (x,) = metas
-    return _permuted(op, x, tuple(norm_dim(d, len(x.shape)) for d in dims))
+    return _permuted(op, x, permuted_dims(len(x.shape), dims))

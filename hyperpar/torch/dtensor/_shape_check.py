@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from hyperpar.dtensor.api_core import inferred_uneven_message, uneven_lengths
 from hyperpar.dtensor.placement import Shard
 from hyperpar.platform import get_platform
 
@@ -67,19 +68,14 @@ def verify_before_gather(local: torch.Tensor) -> None:
         mine = torch.tensor([local.shape[p.dim]], dtype=torch.int64, device=local.device)
         sizes = torch.empty(n, dtype=torch.int64, device=local.device)
         platform.all_gather_into_tensor(sizes, mine, group)
-        values = sizes.tolist()
-        if len(set(values)) > 1:
-            ranks = mesh.group_ranks(m) if hasattr(mesh, "group_ranks") else list(range(n))
-            found.append(f"{p} over mesh dim {m}: " + ", ".join(
-                f"rank {r} holds {v}" for r, v in zip(ranks, values, strict=True)))
+        ranks = mesh.group_ranks(m) if hasattr(mesh, "group_ranks") else list(range(n))
+        text = uneven_lengths(p, m, ranks, sizes.tolist())
+        if text:
+            found.append(text)
     # every rank of the mesh learns whether any group disagreed (max over each dim in turn)
     flag = torch.tensor([1 if found else 0], dtype=torch.int64, device=local.device)
     for m in range(mesh.ndim):
         if mesh.shape[m] > 1:
             platform.all_reduce(flag, "max", mesh.get_group(m))
     if int(flag.item()):
-        where = "; ".join(found) if found else "in another group of the mesh"
-        raise UnevenShardsError(
-            f"{source}: the ranks hold pieces of different sizes ({where}), but the global "
-            f"shape was inferred assuming even shards, so every rank has a different (wrong) "
-            f"one. {fix}")
+        raise UnevenShardsError(inferred_uneven_message(source, found, fix))

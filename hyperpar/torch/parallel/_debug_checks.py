@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from hyperpar.dtensor import _shape_check
-from hyperpar.dtensor.placement import Replicate, Shard, chunk_bounds
+from hyperpar.dtensor.layout import input_layout_problem
 from hyperpar.platform import get_platform
 from hyperpar.platform.health import DEBUG_ENV
 from hyperpar.platform.health import debug_enabled as health_debug_enabled
@@ -127,39 +127,11 @@ def check_input(x: torch.Tensor, layout: Any, mesh: Any, where: str) -> None:
     platform.all_gather_into_tensor(rows, mine, mesh.get_group(0))
     rows = rows.view(n, -1)
     ranks = list(mesh.group_ranks(0)) if hasattr(mesh, "group_ranks") else list(range(n))
-    shapes = [_shape_of(r) for r in rows]
-    listing = ", ".join(f"rank {r}: {s}" for r, s in zip(ranks, shapes, strict=True))
-    if type(layout) is Replicate:
-        differ = [ranks[k] for k in range(1, n) if not _same(rows[0], rows[k])]
-        if differ:
-            what = f"shapes {listing}" if len(set(shapes)) > 1 else "different values"
-            raise InputLayoutError(
-                f"{where}: the input must be replicated (the same tensor on every rank of the "
-                f"mesh), but rank(s) {', '.join(map(str, differ))} hold a different one than "
-                f"rank {ranks[0]} ({what}). Feed every tensor-parallel rank the same batch "
-                f"(split data over a data-parallel mesh dim instead), or declare the input's "
-                f"real layout in the plan (input_layouts=)")
-        return
-    if type(layout) is not Shard:
-        return
-    nd = len(shapes[0])
-    d = layout.dim % nd if nd else 0
-    others = {s[:d] + s[d + 1:] for s in shapes}
-    sizes = [s[d] if len(s) > d else 0 for s in shapes]
-    total = sum(sizes)
-    chunked = [chunk_bounds(total, n, k)[1] for k in range(n)]
-    if len({len(s) for s in shapes}) > 1 or len(others) > 1 or sizes != chunked:
-        raise InputLayoutError(
-            f"{where}: the input must be this rank's {layout} piece of one tensor "
-            f"(torch.chunk's split: lengths {chunked} along dim {d} for a total of {total}), "
-            f"but the ranks hold shapes {listing}. Pass each rank its own chunk, e.g. "
-            f"x.tensor_split({n}, dim={d})[rank]")
-    if n > 1 and all(_same(rows[0], rows[k]) for k in range(1, n)) and _varies(x):
-        raise InputLayoutError(
-            f"{where}: the input must be this rank's {layout} piece of one tensor, but every "
-            f"rank holds the same values (shapes {listing}): was the full tensor passed "
-            f"instead of this rank's shard? That makes the global length {total}, {n} times "
-            f"the real one. Pass x.tensor_split({n}, dim={d})[rank]")
+    differ = [ranks[k] for k in range(1, n) if not _same(rows[0], rows[k])]
+    problem = input_layout_problem(layout, [_shape_of(r) for r in rows], ranks, differ,
+                                   _varies(x), where)
+    if problem:
+        raise InputLayoutError(problem)
 
 
 def _varies(x: torch.Tensor) -> bool:

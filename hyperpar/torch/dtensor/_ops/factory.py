@@ -12,16 +12,12 @@ from typing import Any
 
 import torch
 
-from hyperpar.dtensor.placement import REPLICATE, Partial
+from hyperpar.dtensor.layout import fill_keeps_value, shard_slices
+from hyperpar.dtensor.placement import REPLICATE, grad_placements_of
+from hyperpar.dtensor.rules.base import refuse_partial, spelled_dims
 from hyperpar.torch.dtensor import random as _random
 from hyperpar.torch.dtensor._ops.dispatch import replicated_local
-from hyperpar.torch.dtensor._ops.registry import (
-    P_SUM,
-    ShardingError,
-    mixing_error,
-    op_name,
-    register_op,
-)
+from hyperpar.torch.dtensor._ops.registry import mixing_error, op_name, register_op
 from hyperpar.torch.dtensor.api import DTensor, DTensorSpec, _wrap
 from hyperpar.torch.dtensor.random import uniform_block
 from hyperpar.torch.dtensor.redistribute import redistribute_autograd
@@ -43,9 +39,9 @@ def like_rule(func, args, kwargs):
     kwargs = dict(kwargs)
     kwargs.pop("memory_format", None)
     spec = x._spec
+    # a non-zero fill of a pending sum would count n times: replicated, as a gradient is
     zero = fill == "zeros" or fill == "empty"
-    placements = spec.placements if zero else tuple(
-        R if type(p) is Partial else p for p in spec.placements)
+    placements = spec.placements if zero else grad_placements_of(spec.placements)
     out_spec = spec if placements == spec.placements else DTensorSpec(spec.mesh, placements,
                                                                       spec.shape)
     local_shape, offset = out_spec.local_shape_and_offset()
@@ -73,13 +69,11 @@ def new_rule(func, args, kwargs):
     fill = _NEW[func]
     x = args[0]
     rest = args[1:]
-    if fill == "full":
-        size, value, rest = rest[0], rest[1] if len(rest) > 1 else kwargs.pop("fill_value"), ()
-    elif len(rest) == 1 and not isinstance(rest[0], int):
-        size = tuple(rest[0])
-    else:
-        size = tuple(rest)
     kwargs = dict(kwargs)
+    if fill == "full":
+        size, value = rest[0], rest[1] if len(rest) > 1 else kwargs.pop("fill_value")
+    else:
+        size = spelled_dims(rest)
     kwargs.pop("size", None)
     dtype = kwargs.pop("dtype", None) or x._local.dtype
     requires_grad = kwargs.pop("requires_grad", False)
@@ -105,13 +99,9 @@ def _copy_(func, args, kwargs):
     else:
         if src.ndim and tuple(src.shape) != tuple(spec.shape):
             raise mixing_error(func, src)
-        if any(type(p) is Partial for p in spec.placements):
-            raise ShardingError("copy_ of a plain tensor into a Partial DTensor")
-        local = src
-        if src.ndim:
-            shape, offset = spec.local_shape_and_offset()
-            for d, (o, n) in enumerate(zip(offset, shape, strict=False)):
-                local = local.narrow(d, o, n)
+        refuse_partial(spec.placements, "copy_ of a plain tensor", "redistribute it first")
+        local = src[shard_slices(tuple(spec.shape), spec.placements, spec.mesh)] \
+            if src.ndim else src
     dst._local.copy_(local, *args[2:], **kwargs)
     return dst
 
@@ -139,11 +129,8 @@ def _fill_(func, args, kwargs):
     # torch.nn.init functions fill without recording autograd (torch dispatches constant_
     # to us before entering its own no_grad)
     with torch.no_grad() if func is not torch.Tensor.fill_ else contextlib.nullcontext():
-        x._local.fill_(value)
-        coord = spec.mesh._coordinate
-        for m, p in enumerate(spec.placements):
-            if p == P_SUM and coord[m] != 0:
-                x._local.zero_()
+        x._local.fill_(value if fill_keeps_value(spec.placements, spec.mesh._coordinate)
+                       else 0)
     return x
 
 
@@ -167,8 +154,7 @@ def random_init_rule(func, args, kwargs):
     kind = _RANDOM_INIT[func]
     x, params, kwargs = _init_args(args, kwargs)
     spec = x._spec
-    if any(type(p) is Partial for p in spec.placements):
-        raise ShardingError(f"{op_name(func)} on a Partial DTensor; redistribute it first")
+    refuse_partial(spec.placements, op_name(func), "redistribute it first")
     if kwargs.get("generator") is not None:
         # an explicit torch generator: draw the whole tensor from it as one process would
         # and keep this rank's piece (bitwise equal to one process with that generator)
@@ -230,9 +216,7 @@ def _split(func: Any, args: tuple, kwargs: dict) -> tuple[DTensor, tuple, dict]:
 
 
 def _check(func: Any, x: DTensor) -> None:
-    if any(type(p) is Partial for p in x._spec.placements):
-        raise ShardingError(f"torch.nn.init.{func.__name__} on a Partial DTensor; "
-                            "redistribute it to Replicate or Shard first")
+    refuse_partial(x._spec.placements, f"torch.nn.init.{func.__name__}")
 
 
 @register_op(_INIT.kaiming_uniform_, raw=True)
@@ -262,11 +246,7 @@ def init_materialised(func: Any, args: tuple, kwargs: dict) -> DTensor:
     full = torch.empty(tuple(x.shape), dtype=x.dtype, device=x._local.device)
     with torch.no_grad():
         func(full, *rest, **kwargs)
-        shape, offset = spec.local_shape_and_offset()
-        piece = full
-        for d, (o, n) in enumerate(zip(offset, shape, strict=False)):
-            piece = piece.narrow(d, o, n)
-        x._local.copy_(piece)
+        x._local.copy_(full[shard_slices(tuple(spec.shape), spec.placements, spec.mesh)])
     return x
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from hyperpar.dtensor.placement import REPLICATE, Partial, Shard
+from hyperpar.dtensor.placement import Shard
 from hyperpar.dtensor.rules.reduction import reduced_dims, reduced_placements, reduced_shape
 from hyperpar.torch.dtensor._ops.dispatch import infer_shapes, localize
 from hyperpar.torch.dtensor._ops.neutral import decide, neutral_sharding, to_sharding
@@ -19,8 +19,6 @@ from hyperpar.torch.dtensor._ops.registry import (
 )
 from hyperpar.torch.dtensor.api import DTensorSpec, _wrap
 from hyperpar.torch.dtensor.redistribute import redistribute_autograd
-
-R = REPLICATE
 
 
 # ---------------------------------------------------------------------------- reductions
@@ -143,6 +141,6 @@ def _vector_norm(func, args, kwargs):
                                       out_shape))
     powered = local.abs().pow(ord_).sum(dims, keepdim=bool(keepdim))
     src = reduced_placements(pl, dims, bool(keepdim), "sum")
-    dst = tuple(R if type(p) is Partial else p for p in src)
+    dst = unshard(src)  # the sum of the pending |x|^p terms
     total = redistribute_autograd(powered, mesh, src, dst, out_shape)
     return _wrap(total.pow(1.0 / ord_), DTensorSpec(mesh, dst, out_shape))

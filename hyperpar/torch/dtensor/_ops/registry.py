@@ -20,8 +20,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hyperpar.dtensor.placement import REPLICATE, Partial, Placement, Shard
-from hyperpar.dtensor.rules.base import ShardingError  # one class for both frameworks
+from hyperpar.dtensor.placement import Partial, Placement
+from hyperpar.dtensor.rules.base import (  # noqa: F401  (unshard: re-exported for the rules)
+    ShardingError,  # one class for both frameworks
+    unshard,
+)
 from hyperpar.torch.dtensor.api import DTensor, DTensorSpec
 
 Placements = tuple[Placement, ...]
@@ -229,13 +232,3 @@ def variants(name: str, *, inplace: bool = False, functional: bool = False) -> l
 
 
 # ---------------------------------------------------------------------------- rule helpers
-def unshard(placements: Placements, dims: Sequence[int] = (), *, partial_ok: bool = False
-            ) -> Placements:
-    """``placements`` with tensor ``dims`` un-sharded and (unless ``partial_ok``) Partial
-    replaced by Replicate."""
-    return tuple(
-        REPLICATE if (type(p) is Shard and p.dim in dims) or (type(p) is Partial and
-                                                              not partial_ok)
-        else p
-        for p in placements
-    )

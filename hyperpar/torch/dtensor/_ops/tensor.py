@@ -8,14 +8,12 @@ from typing import Any
 
 import torch
 
-from hyperpar.dtensor.placement import REPLICATE, Partial
+from hyperpar.dtensor.placement import grad_placements_of
 from hyperpar.torch.dtensor._ops.dispatch import replicated_local
 from hyperpar.torch.dtensor._ops.pointwise import run_pointwise
 from hyperpar.torch.dtensor._ops.registry import ShardingError, mixing_error, register_op
 from hyperpar.torch.dtensor.api import DTensor, DTensorSpec, TracedDTensor, _wrap
 from hyperpar.torch.dtensor.redistribute import redistribute_autograd
-
-R = REPLICATE
 
 
 # ---------------------------------------------------------------------------- metadata
@@ -74,8 +72,8 @@ def _register_hook(func, args, kwargs):
     spec = self._spec
 
     def local_hook(grad):
-        out = hook(_wrap(grad, DTensorSpec(spec.mesh, tuple(
-            R if type(p) is Partial else p for p in spec.placements), spec.shape)))
+        out = hook(_wrap(grad, DTensorSpec(spec.mesh, grad_placements_of(spec.placements),
+                                           spec.shape)))
         return None if out is None else out._local
 
     return self._local.register_hook(local_hook)
@@ -114,7 +112,7 @@ def _grad_local(t: DTensor, g: Any) -> Any:
         return None
     if not isinstance(g, DTensor):
         raise mixing_error(torch.autograd.backward, g)
-    want = tuple(R if type(p) is Partial else p for p in t._spec.placements)
+    want = grad_placements_of(t._spec.placements)
     return redistribute_autograd(g._local, g._spec.mesh, g._spec.placements, want,
                                  tuple(g._spec.shape))
 
@@ -158,8 +156,8 @@ def _autograd_grad(func, args, kwargs):
     for i, g in zip(inputs, res, strict=True):
         if isinstance(i, DTensor) and g is not None:
             spec = i._spec
-            gp = tuple(R if type(p) is Partial else p for p in spec.placements)
-            g = _wrap(g, DTensorSpec(spec.mesh, gp, spec.shape))
+            g = _wrap(g, DTensorSpec(spec.mesh, grad_placements_of(spec.placements),
+                                     spec.shape))
         out.append(g)
     return tuple(out)
 

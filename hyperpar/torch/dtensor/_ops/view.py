@@ -8,7 +8,14 @@ from typing import Any
 import torch
 
 from hyperpar.dtensor.placement import REPLICATE, Shard
+from hyperpar.dtensor.rules.base import spelled_dims
 from hyperpar.dtensor.rules.index import is_basic
+from hyperpar.dtensor.rules.view import (
+    matrix_transposed_dims,
+    moved_dims,
+    permuted_dims,
+    transposed_dims,
+)
 from hyperpar.torch.dtensor._ops.dispatch import (
     PLAN_CACHE,
     Unhashable,
@@ -108,35 +115,18 @@ def _permute_plan(func, args, kwargs):
     spec = x._spec
     nd = len(spec.shape)
     if func in (torch.Tensor.permute, torch.permute):
-        dims = args[1:] if len(args) > 2 or (len(args) == 2 and isinstance(args[1], int)) \
-            else tuple(args[1] if len(args) > 1 else kwargs["dims"])
-        perm = [d % nd for d in dims]
+        perm = permuted_dims(nd, spelled_dims(args[1:]) if len(args) > 1 else kwargs["dims"])
     elif func in (torch.t, torch.Tensor.t) or getattr(func, "__name__", "") == "__get__":
-        perm = list(range(nd))[::-1] if nd >= 2 else [0] * nd
-        if getattr(getattr(func, "__self__", None), "__name__", "") == "mT" or nd > 2 and \
-                func not in (torch.t, torch.Tensor.t):
-            perm = list(range(nd - 2)) + [nd - 1, nd - 2]
-        if nd < 2:
-            perm = list(range(nd))
+        # .mT, and .T beyond 2-D (deprecated in torch), swap the last two dims
+        perm = matrix_transposed_dims(nd, getattr(getattr(func, "__self__", None), "__name__",
+                                                  "") == "mT" or nd > 2 and
+                                      func not in (torch.t, torch.Tensor.t))
     elif func in (torch.movedim, torch.Tensor.movedim):
-        src = args[1] if len(args) > 1 else kwargs["source"]
-        dst = args[2] if len(args) > 2 else kwargs["destination"]
-        src = [src] if isinstance(src, int) else list(src)
-        dst = [dst] if isinstance(dst, int) else list(dst)
-        src = [s % nd for s in src]
-        dst = [d % nd for d in dst]
-        perm = [-1] * nd
-        for s, d in zip(src, dst, strict=False):
-            perm[d] = s
-        rest = iter(d for d in range(nd) if d not in src)
-        perm = [p if p >= 0 else next(rest) for p in perm]
+        perm = moved_dims(nd, args[1] if len(args) > 1 else kwargs["source"],
+                          args[2] if len(args) > 2 else kwargs["destination"])
     else:  # transpose / swapaxes
-        d0 = args[1] if len(args) > 1 else kwargs.get("dim0")
-        d1 = args[2] if len(args) > 2 else kwargs.get("dim1")
-        perm = list(range(nd))
-        if nd:
-            d0, d1 = d0 % nd, d1 % nd
-            perm[d0], perm[d1] = perm[d1], perm[d0]
+        perm = transposed_dims(nd, args[1] if len(args) > 1 else kwargs.get("dim0"),
+                               args[2] if len(args) > 2 else kwargs.get("dim1"))
     res = decide("permute", [spec], dims=perm)  # placements follow their dims
     return perm, DTensorSpec(spec.mesh, res.outputs[0], torch.Size(res.shapes[0]))
 
