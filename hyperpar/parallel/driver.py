@@ -14,6 +14,8 @@ The style protocol (:class:`StyleBase` gives the bookkeeping; a style supplies `
 * ``_claimed()`` -- what the style takes over on a module (``"parameters"``, ``"inputs"``,
   ``"outputs"``); two styles claiming one thing on one module is an error;
 * ``_check_applicable(module, fqn, pending)`` -- raise before anything changes;
+* ``_check_mesh(module, fqn, mesh)`` -- raise before anything changes, knowing the 1-D mesh
+  (default: nothing);
 * ``_param_placements(module, owner, name)`` -- the placements the style will give a parameter
   (for tied parameters), ``None`` (left alone) or :data:`UNKNOWN`;
 * ``_apply(module, mesh)`` -- shard ``module`` in place over the 1-D ``mesh``;
@@ -106,6 +108,10 @@ class StyleBase:
                     f"style or distribute_tensor made them); {self!r} cannot shard them again. "
                     f"Apply it to the plain module, before any other sharding"
                 )
+
+    def _check_mesh(self, module: Any, fqn: str, mesh: Any) -> None:
+        """Raise if ``module`` cannot be parallelized over the 1-D ``mesh`` (default: it can).
+        Called for every entry of a plan, on every rank, before anything changes."""
 
     def _param_placements(self, module: Any, owner: Any, name: str) -> Any:
         """The placements applying this style to ``module`` gives parameter ``name`` of
@@ -274,9 +280,10 @@ def parallelize_module(module: Any, device_mesh: Any = None,
     for fqn, sub, style in entries:
         style._check_applicable(sub, fqn, pending.get(id(sub)))
         pending.setdefault(id(sub), {}).update({c: repr(style) for c in style._claimed()})
-    for _fqn, _sub, style in entries:  # every rank, before the first broadcast
+    for fqn, sub, style in entries:  # every rank, before the first broadcast
         if "parameters" in style._claimed():
             check_src_data_rank(type(style).__name__, src_data_rank, mesh.size(0))
+        style._check_mesh(sub, fqn, mesh)
     ties = find_ties(module)
     check_ties(ties, entries)
     for fqn, sub, style in entries:

@@ -43,6 +43,36 @@ def class_shard(placements: tuple[Placement, ...], shape: tuple[int, ...],
     return ClassShard(mesh_dim, dim, start, length)
 
 
+def loss_parallel_shard(placements: tuple[Placement, ...], shape: tuple[int, ...],
+                        mesh_shape: tuple[int, ...], coord: tuple[int, ...] | list[int]
+                        ) -> ClassShard | None:
+    """What ``loss_parallel`` does with ``cross_entropy`` on logits of global ``shape`` laid out
+    as ``placements`` -- one decision for every framework, torch's
+    (``torch.distributed.tensor.parallel.loss_parallel`` raises on the same layouts):
+
+    * the class dim (dim 1; dim 0 of 1-D logits) sharded by one mesh dim, every other mesh dim
+      replicating: its :class:`ClassShard` (the vocabulary-parallel kernel);
+    * that, with other mesh dims sharding other dims (batch-sharded for data parallel):
+      ``None`` -- the framework's per-op DTensor ``cross_entropy`` computes it;
+    * anything else (class dim not sharded, sharded by two mesh dims, a pending ``Partial``):
+      a ``ValueError`` naming the layout it needs, on every rank before any collective (the
+      kernel would compute a wrong loss, and torch refuses it)."""
+    nd = len(shape)
+    c = 1 if nd >= 2 else 0
+    placements = tuple(placements)
+    sharding = [m for m, p in enumerate(placements) if isinstance(p, Shard) and p.dim % nd == c]
+    others_ok = all(isinstance(p, Shard) or p.is_replicate()
+                    for m, p in enumerate(placements) if m not in sharding)
+    if len(sharding) != 1 or not others_ok:
+        raise ValueError(
+            f"loss_parallel: cross_entropy needs logits sharded on their class dim {c} by "
+            f"exactly one mesh dim, other mesh dims Shard or Replicate (Shard(-1) of "
+            f"(rows, classes) logits from ColwiseParallel(use_local_output=False)), got "
+            f"placements {placements} for shape {tuple(shape)}; shard the classes, or compute "
+            f"this loss outside loss_parallel()")
+    return class_shard(placements, shape, mesh_shape, coord, class_dim=c)
+
+
 def check_loss_args(reduction: str, label_smoothing: float = 0.0) -> None:
     """Raise on a ``reduction`` or ``label_smoothing`` cross-entropy does not take."""
     if reduction not in REDUCTIONS:
@@ -86,4 +116,4 @@ def flatten_outside_shard(placements: tuple[Placement, ...], shape: tuple[int, .
 
 
 __all__ = ["REDUCTIONS", "ClassShard", "check_loss_args", "check_loss_shapes", "class_shard",
-           "flatten_outside_shard"]
+           "flatten_outside_shard", "loss_parallel_shard"]

@@ -17,7 +17,7 @@ from typing import Any
 
 from hyperpar.dtensor.placement import Placement
 
-__all__ = ["Convert", "check_entries", "entries", "prepare_inputs", "prepare_outputs"]
+__all__ = ["Convert", "check_entries", "entries", "label", "prepare_inputs", "prepare_outputs"]
 
 #: ``convert(value, layout, desired, what)``: one tensor re-laid out from ``layout`` to
 #: ``desired`` (``what`` names it in errors: ``"input 0"``, ``"keyword input 'mask'"``)
@@ -36,6 +36,12 @@ def _what_kwarg(key: str) -> str:
 
 def _what_output(i: int) -> str:
     return f"output {i}"
+
+
+def label(what: str) -> str:
+    """The style and entry a message names, from the ``what`` a ``Convert`` is given
+    (``"PrepareModuleInput input 0"``, ``"PrepareModuleOutput output 1"``)."""
+    return f"{OUTPUT if what.startswith('output') else INPUT} {what}"
 
 
 def entries(style: Any) -> list[tuple[str, str, Placement | None, Placement | None]]:

@@ -36,10 +36,12 @@ __all__ = [
     "PlanKeyError",
     "StyleSpec",
     "boundary",
+    "boundary_global_shape",
     "check_divisible",
     "check_no_empty_piece",
     "check_reachable",
     "check_src_data_rank",
+    "check_style_input",
     "feature_lengths",
     "local_range",
     "output_global_shape",
@@ -295,6 +297,34 @@ def output_global_shape(spec: StyleSpec, kind: str, local_shape: tuple[int, ...]
         return tuple(local_shape)
     shape = list(local_shape)
     shape[local.dim % len(shape)] = feature_lengths(kind, weight_shape)[1]
+    return tuple(shape)
+
+
+def check_style_input(placements: Iterable[Placement], what: str) -> Placement:
+    """The one placement of a style's DTensor input (``what``: the style and side, for the
+    message); raise unless the DTensor lives on a 1-D mesh -- a style communicates over one
+    tensor-parallel group, and which dim of a wider mesh is that group is not the input's to
+    say. Every rank holds the same placements, so every rank raises, before any collective."""
+    placements = tuple(placements)
+    if len(placements) != 1:
+        raise ValueError(
+            f"{what}: expected a DTensor on a 1-D mesh, got placements {placements}; pass "
+            f"the input as a DTensor on the tensor-parallel slice of the mesh (mesh['tp'], the "
+            f"mesh the plan was applied with) or as this rank's local tensor")
+    return placements[0]
+
+
+def boundary_global_shape(local_shape: Iterable[int], placement: Placement,
+                          length: int | None, exchanged: Callable[[int], int]
+                          ) -> tuple[int, ...]:
+    """The global shape of a boundary tensor whose local piece has ``local_shape``, laid out as
+    ``placement``: along a ``Shard`` dim, ``length`` when the caller knows it (a weight's
+    feature length, a DTensor input's shape), else ``exchanged(dim)`` -- the framework's
+    exchange of the ranks' lengths (one small collective, only then)."""
+    shape = list(local_shape)
+    if isinstance(placement, Shard):
+        d = placement.dim % len(shape)
+        shape[d] = length if length is not None else exchanged(d)
     return tuple(shape)
 
 

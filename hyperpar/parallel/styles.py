@@ -26,7 +26,7 @@ from hyperpar.platform import BackendError, get_platform
 
 from .driver import UNKNOWN, StyleBase, UnsupportedModuleError
 from .prepare_plan import check_entries
-from .spec import COLWISE, ROWWISE, StyleSpec, check_src_data_rank
+from .spec import COLWISE, ROWWISE, StyleSpec, check_no_empty_piece, check_src_data_rank
 
 __all__ = [
     "ColwiseParallel",
@@ -47,6 +47,8 @@ class Mechanics(Protocol):
 
     #: style class names whose ``use_local_output`` defaults to ``True`` here (torch: ``False``)
     local_by_default: frozenset[str]
+    #: who cannot compute on an empty piece (named in the refusal), ``None``: no one (torch)
+    refuses_empty_pieces: str | None
 
     def check_style(self, style: Any) -> None:
         """Raise (at construction) for settings this framework cannot run."""
@@ -188,6 +190,7 @@ class ParallelStyle(StyleBase):
     def apply(self, module: Any, device_mesh: Any) -> Any:
         """Public spelling of :meth:`_apply` (refuses an already-parallelized module)."""
         self._check_applicable(module, "")
+        self._check_mesh(module, "", device_mesh)
         self._apply(module, device_mesh)
         self._mark_applied(module)
         return module
@@ -225,6 +228,24 @@ class _ShardingStyle(ParallelStyle):
         if module_kind(module) is None:  # before anything changes, on every rank
             raise unsupported_module(self, module, fqn)
         get_platform().tp_mechanics().check_applicable(self, module, fqn)
+
+    def _check_mesh(self, module: Any, fqn: str, mesh: Any) -> None:
+        """On a framework whose kernels refuse empty tensors (the mechanics'
+        ``refuses_empty_pieces``), no parameter may be split into an empty piece: refused
+        here, on every rank, before any module changes (not mid-apply)."""
+        mech = get_platform().tp_mechanics()
+        who = getattr(mech, "refuses_empty_pieces", None)
+        kind = module_kind(module)
+        if who is None or kind is None:
+            return
+        params = dict(get_platform().named_parameters(module, recurse=False))
+        for spec_name, name in mech.param_names(module, kind).items():
+            dim, param = self.spec.param_dims[kind].get(spec_name), params.get(name)
+            if dim is not None and param is not None:
+                shape = tuple(param.shape)
+                check_no_empty_piece(shape[dim], mesh.size(0), dim, shape,
+                                     f"{type(self).__name__} on {fqn or '<root>'!r}: "
+                                     f"{name}", who)
 
     def _param_placements(self, module: Any, owner: Any, name: str) -> Any:
         if owner is not module:

@@ -30,6 +30,7 @@ missing all-reduce, a wrong shard or a doubled bias is O(scale).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -106,14 +107,19 @@ def _run_mlp(framework: str, n: int, output: str = "local") -> dict:
         ("fc1", "weight"): (Shard(0), (H, D)), ("fc1", "bias"): (Shard(0), (H,)),
         ("fc2", "weight"): (Shard(1), (D, H)), ("fc2", "bias"): (Replicate(), (D,)),
     }
-    params, ref_params = {}, {}
+    copied = copy.deepcopy(model)  # keeps each parameter's layout and full_tensor()
+    params, ref_params, copy_same = {}, {}, []
     for (mod, kind), (placement, shape) in layout.items():
         getter = fw.weight if kind == "weight" else fw.bias
         params[f"{mod}.{kind}"] = fw.full_param(getter(getattr(model, mod)), mesh, placement,
                                                 shape)
         ref_params[f"{mod}.{kind}"] = fw.numpy(getter(getattr(ref, mod)))
+        # the same pieces gathered the same way: equal exactly
+        copy_same.append(np.array_equal(params[f"{mod}.{kind}"], fw.full_param(
+            getter(getattr(copied, mod)), mesh, placement, shape)))
     return {"losses": losses, "ref_losses": ref_losses, "out": fw.numpy(plain(model(x))),
-            "ref_out": fw.numpy(ref(x)), "params": params, "ref_params": ref_params}
+            "ref_out": fw.numpy(ref(x)), "params": params, "ref_params": ref_params,
+            "copy_same": copy_same}
 
 
 # -------------------------------------------------------------------------------- Megatron layers
@@ -306,7 +312,9 @@ def _check(results: list[dict]) -> None:
 
 @pytest.mark.parametrize("n, output", [(2, "local"), (4, "local"), (4, "partial")])
 def test_colwise_rowwise_mlp_trains_like_one_process(framework, pool, n, output) -> None:
-    _check(pool(n).run(_run_mlp, framework, n, output))
+    results = pool(n).run(_run_mlp, framework, n, output)
+    _check(results)
+    assert all(all(res["copy_same"]) for res in results), [r["copy_same"] for r in results]
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -343,11 +351,18 @@ def _run_bad_arguments(framework: str, n: int) -> dict:
     """Arguments the neutral core refuses, on every rank, before any collective and before
     anything changes: a ``src_data_rank`` outside the group (an index would fail inside the
     broadcast; -1 would silently pick the last rank), a style on a module that is neither a
-    linear nor an embedding, and ``loss_parallel`` targets/weights of the wrong shape."""
+    linear nor an embedding, a plan whose second module would get an empty piece (MindSpore's
+    kernels refuse those; torch computes on them), a style's DTensor input on a 2-D mesh,
+    ``loss_parallel`` on logits whose classes are not sharded (torch's own ``loss_parallel``
+    raises too) and targets/weights of the wrong shape. Also ``loss_parallel`` on a 2-D mesh
+    (class shard on mesh dim 1: the kernel over that dim's group; a size-1 batch shard on mesh
+    dim 0: the per-op cross_entropy), against the one-process loss."""
     from hyperpar import (
         ColwiseParallel,
+        PrepareModuleInput,
         RowwiseParallel,
         SequenceParallel,
+        distribute_tensor,
         init_device_mesh,
         loss_parallel,
         parallelize_module,
@@ -378,9 +393,51 @@ def _run_bad_arguments(framework: str, n: int) -> dict:
     model = _mlp(fw, w)
     refused("root", lambda: parallelize_module(model, mesh, {"": ColwiseParallel(),
                                                              "fc1": ColwiseParallel()}), model)
+    # fc2's one output feature over 2 ranks: torch.chunk gives [1, 0]
+    model = fw.container(lambda m, x: m.fc2(m.fc1(x)), fc1=fw.linear(w["w1"], w["b1"]),
+                         fc2=fw.linear(w["w2"][:1], w["b2"][:1]))
+    try:
+        parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": ColwiseParallel()})
+        errors["empty"] = "applied"
+    except ValueError as exc:
+        errors["empty"] = f"ValueError: {exc}"
+    errors["empty fc1"] = str(tuple(fw.weight(model.fc1).shape))  # whole when refused
+
     head = parallelize_module(fw.linear(w["w1"], None), mesh,
                               ColwiseParallel(use_local_output=False))
+    prep = parallelize_module(fw.linear(w["w1"], None), mesh, PrepareModuleInput(
+        input_layouts=Shard(0), desired_input_layouts=Replicate()))
+    mesh2 = init_device_mesh((1, n))
+    wide = distribute_tensor(fw.tensor(np.ones((4, D), np.float32)), mesh2,
+                             (Replicate(), Replicate()))
+    for key, module in (("2-D input", head), ("2-D prepared input", prep)):
+        try:
+            module(wide)
+        except ValueError as exc:
+            errors[key] = f"ValueError: {exc}"
     logits = head(fw.tensor(np.ones((4, D), np.float32)))  # (4, H), Shard(-1)
+    rng = np.random.default_rng(3)
+    full = rng.standard_normal((4, H)).astype(np.float32)
+    ids = np.array([0, 3, H - 1, 2], np.int64)
+    for key, placements in (("replicated logits", (Replicate(),)),
+                            ("row-sharded logits", (Shard(0),))):
+        try:
+            with loss_parallel():
+                fw.cross_entropy(distribute_tensor(fw.tensor(full), mesh, placements),
+                                 fw.index(ids))
+        except ValueError as exc:
+            errors[key] = f"ValueError: {exc}"
+    want = float(fw.numpy(fw.cross_entropy(fw.tensor(full), fw.index(ids))))
+    for key, placements, target in (
+            ("2-D class shard", (Replicate(), Shard(1)), fw.index(ids)),
+            ("2-D batch and class shard", (Shard(0), Shard(1)),
+             distribute_tensor(fw.index(ids), mesh2, (Shard(0), Replicate())))):
+        with loss_parallel():
+            got = fw.cross_entropy(distribute_tensor(fw.tensor(full), mesh2, placements),
+                                   target)
+        got = got.full_tensor() if hasattr(got, "full_tensor") else got
+        # a 7-term fp32 sum of exponentials, split over ranks: ~1e-6 relative of a loss ~2
+        errors[key] = str(abs(float(fw.numpy(got)) - want) <= RTOL * max(1.0, abs(want)))
     for key, target, weight in (("target", np.zeros(5, np.int64), None),
                                 ("weight", np.zeros(4, np.int64), np.ones(3, np.float32))):
         try:
@@ -412,6 +469,31 @@ def test_bad_arguments_raise_the_same_error_on_every_framework(framework, pool) 
         assert errors["weight"] == ("ValueError: loss_parallel: weight must hold one value per "
                                     f"class ({H}), got shape (3,)")
         assert all(v == "True" for k, v in errors.items() if k.endswith("untouched")), errors
+        if framework == "mindspore":  # refused before fc1 changed: fc1 still whole
+            assert errors["empty"] == (
+                "ValueError: ColwiseParallel on 'fc2': weight: cannot split dim 0 of size 1 "
+                f"(shape (1, {H})) over 2 tensor-parallel ranks: torch.chunk's pieces [1, 0] "
+                "leave a rank an empty piece, which MindSpore's kernels cannot compute on; use "
+                "a size that gives every rank at least one (near 1: 2, 3), or fewer ranks")
+            assert errors["empty fc1"] == str((H, D)), errors
+        else:  # torch computes on an empty piece
+            assert errors["empty"] == "applied", errors
+        fix = ("got placements (Replicate(), Replicate()); pass the input as a DTensor on the "
+               "tensor-parallel slice of the mesh (mesh['tp'], the mesh the plan was applied "
+               "with) or as this rank's local tensor")
+        assert errors["2-D input"] == (
+            f"ValueError: ColwiseParallel input: expected a DTensor on a 1-D mesh, {fix}")
+        assert errors["2-D prepared input"] == (
+            f"ValueError: PrepareModuleInput input 0: expected a DTensor on a 1-D mesh, {fix}")
+        for key, placements in (("replicated logits", "(Replicate(),)"),
+                                ("row-sharded logits", "(Shard(dim=0),)")):
+            assert errors[key] == (
+                "ValueError: loss_parallel: cross_entropy needs logits sharded on their class "
+                "dim 1 by exactly one mesh dim, other mesh dims Shard or Replicate (Shard(-1) "
+                "of (rows, classes) logits from ColwiseParallel(use_local_output=False)), got "
+                f"placements {placements} for shape (4, {H}); shard the classes, or compute "
+                "this loss outside loss_parallel()"), errors[key]
+        assert errors["2-D class shard"] == errors["2-D batch and class shard"] == "True"
 
 
 # --------------------------------------------------------------------------- written once

@@ -7,7 +7,11 @@ Inside ``with loss_parallel():`` -- which may wrap the whole ``value_and_grad`` 
 the local max and sum of exponentials are all-reduced (max, then sum), and so is the target's
 logit, which exactly one rank holds. The loss is replicated on every rank (a plain tensor); the
 gradient of each rank's logits is its columns of ``softmax - one_hot``, with no communication.
-Other inputs go to MindSpore's own ``cross_entropy``.
+Logits sharded on the class dim and on another dim by other mesh dims (batch-sharded for data
+parallel) go to the per-op DTensor ``cross_entropy``; DTensor logits whose classes are not
+sharded are refused, as torch refuses them (:func:`~hyperpar.parallel.loss_plan.
+loss_parallel_shard`, the one decision). Plain tensors go to MindSpore's own
+``cross_entropy``.
 """
 
 from __future__ import annotations
@@ -18,7 +22,12 @@ from typing import Any
 
 from mindspore import Tensor, ops
 
-from hyperpar.parallel.loss_plan import check_loss_args, check_loss_shapes, class_shard
+from hyperpar.parallel.loss_plan import (
+    ClassShard,
+    check_loss_args,
+    check_loss_shapes,
+    loss_parallel_shard,
+)
 from hyperpar.parallel.spec import Comm
 from hyperpar.platform import get_platform
 
@@ -38,17 +47,18 @@ def vocab_parallel_cross_entropy(logits: Any, target: Any, weight: Any = None,
     per class, whole), ``label_smoothing``, ``ignore_index`` and ``reduction`` mean what they
     mean in ``ops.cross_entropy`` (torch's formula: a row's loss is
     ``(1-eps) w_t (lse - x_t) + eps/C sum_c w_c (lse - x_c)``; a mean divides by the summed
-    ``w_t`` of the rows kept). Returns the loss, the same on every rank."""
+    ``w_t`` of the rows kept). Returns the loss, the same on every rank. Another mesh dim
+    may replicate the logits (the class shard's group computes)."""
     from .dtensor import DTensor
 
     check_loss_args(reduction, label_smoothing)
     mesh = logits.device_mesh
     shape = tuple(logits.shape)
-    found = class_shard(logits.placements, shape, tuple(mesh.shape), mesh_coordinate(mesh))
-    if found is None or mesh.ndim != 1:
-        raise ValueError(f"loss_parallel needs logits sharded on the class dim of a 1-D mesh "
-                         f"(Shard(-1) from ColwiseParallel(use_local_output=False)), got "
-                         f"placements {logits.placements}")
+    found = _class_shard(logits)
+    if found is None:  # the per-op DTensor cross_entropy's case (loss_parallel routes it)
+        raise ValueError(f"vocab_parallel_cross_entropy needs logits whose mesh dims other "
+                         f"than the class shard's replicate them, got placements "
+                         f"{logits.placements}; call ops.cross_entropy")
     c, start, length = found.dim, found.start, found.length
     # a DTensor target/weight is gathered only once its global shape is known to be right
     check_loss_shapes(shape, c, tuple(target.shape),
@@ -58,7 +68,7 @@ def vocab_parallel_cross_entropy(logits: Any, target: Any, weight: Any = None,
     if isinstance(weight, DTensor):
         weight = weight.full_tensor()
     platform = get_platform()
-    group = mesh.get_group(0)
+    group = mesh.get_group(found.mesh_dim)
     local = logits.to_local()
 
     # the global max over the classes, for a stable exp (no gradient: softmax ignores a shift)
@@ -98,6 +108,14 @@ def vocab_parallel_cross_entropy(logits: Any, target: Any, weight: Any = None,
     return loss.sum() / w_t.sum()
 
 
+def _class_shard(logits: Any) -> ClassShard | None:
+    """The neutral decision (:func:`~hyperpar.parallel.loss_plan.loss_parallel_shard`): the
+    class shard of ``logits``, ``None`` for the per-op rule's layouts; raises on the rest."""
+    mesh = logits.device_mesh
+    return loss_parallel_shard(tuple(logits.placements), tuple(logits.shape),
+                               tuple(mesh.shape), mesh_coordinate(mesh))
+
+
 def _along(v: Any, dim: int, ndim: int) -> Any:
     """The 1-D ``v`` shaped to broadcast along ``dim`` of an ``ndim``-D tensor."""
     return v.reshape(tuple(-1 if d == dim else 1 for d in range(ndim)))
@@ -129,7 +147,7 @@ def loss_parallel() -> Iterator[None]:
 
     def cross_entropy(input: Any, target: Any, weight: Any = None, ignore_index: int = -100,
                       reduction: str = "mean", label_smoothing: float = 0.0) -> Any:
-        if isinstance(input, DTensor):
+        if isinstance(input, DTensor) and _class_shard(input) is not None:
             return vocab_parallel_cross_entropy(input, target, weight, ignore_index, reduction,
                                                 label_smoothing)
         return original(input, target, weight, ignore_index, reduction, label_smoothing)

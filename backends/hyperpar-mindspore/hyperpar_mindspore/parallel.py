@@ -35,7 +35,8 @@ from hyperpar.parallel.driver import (
 from hyperpar.parallel.spec import (
     ROWWISE,
     Comm,
-    check_no_empty_piece,
+    boundary_global_shape,
+    check_style_input,
     feature_lengths,
     local_range,
     output_global_shape,
@@ -44,7 +45,7 @@ from hyperpar.parallel.spec import (
 from hyperpar.parallel.styles import ColwiseParallel, ParallelStyle, RowwiseParallel
 from hyperpar.platform import get_platform
 
-from .comm import KERNELS, Boundary, lengths_along, zeros
+from .comm import Boundary, lengths_along, zeros
 from .dtensor import DTensor
 from .graph import graph_boundary, install_graph_hooks, refuse_graph_mode
 from .param_readback import attach_full_tensor
@@ -69,9 +70,7 @@ def as_local(x: Any, layout: Placement, what: str = "") -> Any:
     tensor is taken to be laid out as ``layout`` already (torch's rule for local inputs)."""
     if not isinstance(x, DTensor):
         return x
-    if len(x.placements) != 1:
-        raise ValueError(f"{what}: expected a DTensor on a 1-D mesh, got placements "
-                         f"{x.placements}; pass the tensor-parallel slice")
+    check_style_input(x.placements, what)
     return x.redistribute(x.device_mesh, (layout,)).to_local()
 
 
@@ -79,12 +78,9 @@ def wrap_output(y: Any, mesh: DeviceMesh, placement: Placement, length: int | No
                 what: str = "") -> Any:
     """``y``, this rank's piece, as a DTensor laid out as ``placement``. ``length``: the global
     length along a ``Shard`` dim when known (else the ranks exchange theirs)."""
-    shape = list(y.shape)
-    if isinstance(placement, Shard):
-        d = placement.dim % y.ndim
-        shape[d] = length if length is not None else sum(
-            lengths_along(get_platform(), y, d, mesh.get_group(0), what))
-    return DTensor.from_local(y, mesh, (placement,), shape=tuple(shape))
+    shape = boundary_global_shape(y.shape, placement, length, lambda d: sum(
+        lengths_along(get_platform(), y, d, mesh.get_group(0), what)))
+    return DTensor.from_local(y, mesh, (placement,), shape=shape)
 
 
 #: attribute of a shard Parameter: the group it is split over (``SHARD_PLACEMENTS`` says how)
@@ -100,9 +96,7 @@ def shard_parameter(platform: MindSporePlatform, cell: nn.Cell, name: str, dim: 
     if param is None:
         return None
     n, me = platform.world_size(group), platform.rank(group)
-    if dim is not None:
-        check_no_empty_piece(param.shape[dim], n, dim, tuple(param.shape),
-                             f"{param.name} ({name})", KERNELS)
+    # an empty piece was refused before the plan changed anything (the style's _check_mesh)
     full = Tensor(param.asnumpy())
     if src_data_rank is not None:
         platform.broadcast(full, group.ranks[src_data_rank], group)

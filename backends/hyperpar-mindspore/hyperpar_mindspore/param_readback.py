@@ -8,10 +8,17 @@ builds a class of its own), so the method is bound on the instance. Only ``full_
 given, not ``placements``/``to_local``/``device_mesh``: code on both sides recognises a DTensor by
 those attributes and must keep treating a Parameter as a plain tensor
 (``platform.parameter_placements(p)`` reads the layout).
+
+MindSpore's ``Parameter.__deepcopy__`` builds a new Parameter from the data and name alone
+(measured, 2.x: every instance attribute is dropped), so ``copy.deepcopy(cell)`` would lose
+both ``full_tensor`` and the layout checkpoints read. :func:`keep_layout_on_deepcopy` wraps it
+once: the copy keeps hyperpar's ``_hyperpar_*`` attributes (the mesh and group are shared
+handles, as torch's DTensor copy shares its mesh) and gets ``full_tensor`` bound to itself.
 """
 
 from __future__ import annotations
 
+import functools
 from types import MethodType
 from typing import Any
 
@@ -32,10 +39,35 @@ def _full_tensor(param: Parameter) -> Tensor:
     return redistribute_local(local, mesh, placements, (REPLICATE,) * len(placements), shape)
 
 
+#: prefix of the attributes hyperpar sets on a Parameter (placements, group, read-back)
+_PREFIX = "_hyperpar_"
+
+
+def keep_layout_on_deepcopy() -> None:
+    """Make ``copy.deepcopy`` of a Parameter keep hyperpar's attributes (once per process)."""
+    original = Parameter.__deepcopy__
+    if getattr(original, "_hyperpar_keeps_layout", False):
+        return
+
+    @functools.wraps(original)
+    def deepcopy(self: Parameter, memodict: Any) -> Parameter:
+        new = original(self, memodict)
+        for name, value in vars(self).items():
+            if name.startswith(_PREFIX):
+                setattr(new, name, value)
+        if hasattr(new, "_hyperpar_readback"):
+            setattr(new, FULL_TENSOR, MethodType(_full_tensor, new))
+        return new
+
+    deepcopy._hyperpar_keeps_layout = True  # type: ignore[attr-defined]
+    Parameter.__deepcopy__ = deepcopy  # type: ignore[method-assign]
+
+
 def attach_full_tensor(param: Parameter, mesh: Any, placements: tuple[Placement, ...],
                        shape: tuple[int, ...]) -> Parameter:
     """Give ``param`` (this rank's piece of a tensor of global ``shape`` laid out on ``mesh``
     as ``placements``) a ``full_tensor()`` method; returns ``param``."""
+    keep_layout_on_deepcopy()
     param._hyperpar_readback = (mesh, tuple(placements), tuple(int(s) for s in shape))
     setattr(param, FULL_TENSOR, MethodType(_full_tensor, param))
     return param

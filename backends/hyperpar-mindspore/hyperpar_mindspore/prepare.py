@@ -37,7 +37,7 @@ from hyperpar.parallel.styles import (
 )
 from hyperpar.platform import get_platform
 
-from .comm import Boundary
+from .comm import KERNELS, Boundary
 from .graph import refuse_graph_mode
 from .parallel import (
     _shard,
@@ -150,6 +150,8 @@ class MindSporeMechanics:
 
     #: MindSpore's difference: these give local tensors unless use_local_output is passed
     local_by_default: frozenset[str] = frozenset({"SequenceParallel", "PrepareModuleInput"})
+    #: MindSpore's kernels refuse empty tensors: a split leaving a rank none is refused up front
+    refuses_empty_pieces: str | None = KERNELS
 
     def check_style(self, style: Any) -> None:
         """Refuse at construction a layout no MindSpore boundary reaches (a ``Partial``

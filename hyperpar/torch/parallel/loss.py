@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from hyperpar.parallel.loss_plan import (
     check_loss_args,
     check_loss_shapes,
-    class_shard,
     flatten_outside_shard,
+    loss_parallel_shard,
 )
 from hyperpar.platform import get_platform
 from hyperpar.torch.dtensor._ops import OpEntry, OpOverlay, register_op
@@ -144,16 +144,17 @@ def vocab_parallel_cross_entropy(
 
 def _sharded_class_dim(logits: Any) -> tuple[int, Group, int] | None:
     """``(mesh_dim, group, vocab_start)`` if ``logits`` is a DTensor sharded on dim 1 over
-    exactly one mesh dimension (replicated elsewhere); else ``None`` (the plan:
-    :func:`hyperpar.parallel.loss_plan.class_shard`)."""
+    exactly one mesh dimension (replicated elsewhere); ``None`` for a plain tensor and for
+    layouts the per-op rule computes; raises on the layouts torch's ``loss_parallel`` refuses
+    (the plan: :func:`hyperpar.parallel.loss_plan.loss_parallel_shard`)."""
     from hyperpar.dtensor import DTensor
 
     if not isinstance(logits, DTensor):
         return None
     mesh = logits.device_mesh
     coord = mesh.get_coordinate()
-    found = None if coord is None else class_shard(logits.placements, tuple(logits.shape),
-                                                   tuple(mesh.shape), coord, class_dim=1)
+    found = None if coord is None else loss_parallel_shard(  # raises on what torch refuses
+        tuple(logits.placements), tuple(logits.shape), tuple(mesh.shape), coord)
     if found is None:
         return None
     return found.mesh_dim, mesh.get_group(found.mesh_dim), found.start

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from hyperpar.dtensor.placement import Placement, Shard
-from hyperpar.parallel.prepare_plan import Convert, prepare_inputs, prepare_outputs
+from hyperpar.parallel.prepare_plan import Convert, label, prepare_inputs, prepare_outputs
 from hyperpar.parallel.styles import (
     PrepareModuleInput,
     PrepareModuleInputOutput,
@@ -37,7 +37,7 @@ def _convert(mesh: Any, use_local: bool) -> Convert:
     prepare_plan`'s): a DTensor or a local tensor declared ``layout``, to ``desired``."""
 
     def convert(x: torch.Tensor, layout: Placement, desired: Placement, what: str) -> Any:
-        local, src, full = _local_and_layout(x, layout)
+        local, src, full = _local_and_layout(x, layout, label(what))
         if full is None and type(src) is Shard and (
                 not use_local or needs_full_length(src, desired, local.dim(), mesh)):
             full = full_length(local, src.dim % local.dim(), mesh)
@@ -54,6 +54,8 @@ class TorchMechanics:
 
     #: torch's defaults: SequenceParallel and PrepareModuleInput give DTensors
     local_by_default: frozenset[str] = frozenset()
+    #: torch computes on empty pieces (``torch.chunk``'s ``[2, 2, 2, 0]``): no refusal
+    refuses_empty_pieces: str | None = None
 
     def check_style(self, style: Any) -> None:
         """Every layout the styles accept has a boundary here (``Partial`` outputs too)."""

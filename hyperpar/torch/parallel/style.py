@@ -24,6 +24,8 @@ from hyperpar.dtensor.placement import Placement, Replicate, Shard
 from hyperpar.parallel.driver import UnsupportedModuleError
 from hyperpar.parallel.spec import (
     StyleSpec,
+    boundary_global_shape,
+    check_style_input,
     feature_lengths,
     local_range,
     param_placement,
@@ -72,15 +74,14 @@ def _dtensor_cls() -> type:
     return _DTENSOR[0]
 
 
-def _local_and_layout(x: Any, default: Placement
+def _local_and_layout(x: Any, default: Placement, what: str
                       ) -> tuple[torch.Tensor, Placement, int | None]:
-    """``(local tensor, its placement, global length along its shard dim)`` of a module input:
-    a DTensor carries its placement and shape; a plain tensor is taken to be laid out as
-    ``default`` and its global length is unknown (``None``)."""
+    """``(local tensor, its placement, global length along its shard dim)`` of a module input
+    (``what``: the style's input, for messages): a DTensor carries its placement and shape; a
+    plain tensor is taken to be laid out as ``default`` and its global length is unknown
+    (``None``)."""
     if isinstance(x, _dtensor_cls()):
-        if len(x.placements) != 1:
-            raise ValueError(f"expected a DTensor on a 1-D mesh, got placements {x.placements}")
-        p = x.placements[0]
+        p = check_style_input(x.placements, what)
         verify_dtensor_input(x.to_local())  # an inferred (even-split) length: checked once
         return x.to_local(), p, (x.shape[p.dim] if type(p) is Shard else None)
     if not isinstance(x, torch.Tensor):
@@ -92,11 +93,8 @@ def _global_shape(local: torch.Tensor, placement: Placement, full: int | None,
                   mesh: Any) -> tuple[int, ...]:
     """The global shape of ``local`` laid out as ``placement`` (``full``: the global length
     along its shard dim, exchanged between ranks when not known)."""
-    shape = list(local.shape)
-    if type(placement) is Shard:
-        d = placement.dim % local.dim()
-        shape[d] = full if full is not None else full_length(local, d, mesh)
-    return tuple(shape)
+    return boundary_global_shape(local.shape, placement, full,
+                                 lambda d: full_length(local, d, mesh))
 
 
 def _wrap(y: torch.Tensor, mesh: Any, placement: Placement, use_local_output: bool,
@@ -220,6 +218,7 @@ def _hide(x: Any) -> None:
 def _colwise(style: Any, module: nn.Module, mesh: Any, kind: str) -> nn.Module:
     """ColwiseParallel's mechanics on a ``kind`` module: shard, gather the input, run the local
     forward."""
+    what = f"{type(style).__name__} input"  # for messages
     group = mesh.get_group(0)
     src_default, dst = style.input_layouts[0], style.output_layouts[0]
     use_local = style.use_local_output
@@ -233,7 +232,7 @@ def _colwise(style: Any, module: nn.Module, mesh: Any, kind: str) -> nn.Module:
             x = args[0]
             hit = _MEMO.get(group, x, src_default)
             if hit is None:
-                local, src, full = _local_and_layout(x, src_default)
+                local, src, full = _local_and_layout(x, src_default, what)
                 hit = to_replicated_input(local, src, mesh, full=full)
                 if hit is not x:
                     _MEMO.put(group, x, src_default, hit)
@@ -242,7 +241,7 @@ def _colwise(style: Any, module: nn.Module, mesh: Any, kind: str) -> nn.Module:
     else:
 
         def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            local, src, full = _local_and_layout(args[0], src_default)
+            local, src, full = _local_and_layout(args[0], src_default, what)
             return (gather_ids(local, src, mesh, full), *args[1:]), kwargs
 
     local_out = spec.local_output[kind]
@@ -260,6 +259,7 @@ def _colwise(style: Any, module: nn.Module, mesh: Any, kind: str) -> nn.Module:
 def _rowwise(style: Any, module: nn.Module, mesh: Any, kind: str) -> nn.Module:
     """RowwiseParallel's mechanics on a ``kind`` module: shard, re-lay out the input, reduce
     the partial sums."""
+    what = f"{type(style).__name__} input"  # for messages
     group = mesh.get_group(0)
     src_default, dst = style.input_layouts[0], style.output_layouts[0]
     use_local = style.use_local_output
@@ -272,7 +272,7 @@ def _rowwise(style: Any, module: nn.Module, mesh: Any, kind: str) -> nn.Module:
         wanted = spec.desired_input[kind]
 
         def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            local, src, full = _local_and_layout(args[0], src_default)
+            local, src, full = _local_and_layout(args[0], src_default, what)
             local = redistribute_boundary(local, src, wanted, mesh, full=full)
             return (local, *args[1:]), kwargs
 
@@ -296,7 +296,7 @@ def _rowwise(style: Any, module: nn.Module, mesh: Any, kind: str) -> nn.Module:
                                     mesh.size(0), mesh.get_local_rank(0))
 
         def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            local, src, full = _local_and_layout(args[0], src_default)
+            local, src, full = _local_and_layout(args[0], src_default, what)
             local_ids = gather_ids(local, src, mesh, full) - start
             outside = (local_ids < 0) | (local_ids >= length)
             state["outside"] = outside
@@ -321,6 +321,7 @@ def _rowwise(style: Any, module: nn.Module, mesh: Any, kind: str) -> nn.Module:
 
 def _sequence_parallel(style: Any, module: nn.Module, mesh: Any) -> nn.Module:
     """SequenceParallel's mechanics: replicate the parameters, run on the slice."""
+    what = f"{type(style).__name__} input"  # for messages
     group = mesh.get_group(0)
     seq = style.sequence_sharding[0]
     use_local = style.use_local_output
@@ -333,7 +334,7 @@ def _sequence_parallel(style: Any, module: nn.Module, mesh: Any) -> nn.Module:
         if not args or not isinstance(args[0], torch.Tensor):
             return args, kwargs
         x = args[0]
-        local, src, full = _local_and_layout(x, seq)
+        local, src, full = _local_and_layout(x, seq, what)
         if not use_local:  # the output DTensor needs the global sequence length
             d = seq.dim % local.dim()
             if isinstance(x, _dtensor_cls()):  # a DTensor knows it, whatever its layout
