@@ -155,12 +155,31 @@ def shard_slices(shape: tuple[int, ...], placements: tuple[Placement, ...], mesh
     return tuple(slice(o, o + n) for o, n in zip(off, size, strict=True))
 
 
-def fill_keeps_value(placements: tuple[Placement, ...], coord: Any) -> bool:
-    """Whether this rank (at mesh coordinate ``coord``) keeps a constant filled into a tensor
-    laid out as ``placements``: a ``Partial("sum")`` counts it once, on rank 0 of its mesh dim,
-    the others hold 0 (max/min/avg hold it on every rank)."""
-    return all(coord[m] == 0 for m, p in enumerate(placements)
-               if type(p) is Partial and p.reduce_op == "sum")
+#: the value a rank holds instead of a filled constant under a ``Partial`` that would count it
+#: more than once: the reduction's identity
+_FILL_IDENTITY = {"sum": 0.0, "product": 1.0}
+
+
+def partial_fill_identity(placements: tuple[Placement, ...], coord: Any) -> float | None:
+    """What this rank (at mesh coordinate ``coord``) writes when a constant is filled into a
+    tensor laid out as ``placements``: ``None`` for the constant itself, else the identity of
+    the pending reduction (``Partial("sum")``: 0, ``Partial("product")``: 1) so that the
+    reduction yields the constant once -- only rank 0 of each such mesh dim holds it.
+    ``max``/``min``/``avg`` reduce equal terms to the value, so every rank holds it. A sum on
+    one mesh dim and a product on another has no such split: raises ``ValueError``."""
+    counted = {p.reduce_op for p in placements
+               if type(p) is Partial and p.reduce_op in _FILL_IDENTITY}
+    if not counted:
+        return None
+    if len(counted) > 1:
+        raise ValueError(
+            f"filling a constant into a DTensor laid out as {tuple(placements)}: a pending sum "
+            f"on one mesh dim and a pending product on another cannot both yield it; "
+            f"redistribute the tensor to Replicate (or Shard) first")
+    if all(coord[m] == 0 for m, p in enumerate(placements)
+           if type(p) is Partial and p.reduce_op in _FILL_IDENTITY):
+        return None
+    return _FILL_IDENTITY[counted.pop()]
 
 
 def _sizes(full: int, n: int) -> list[int]:

@@ -5,13 +5,14 @@ refusal to write values into a pending reduction."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from hyperpar.dtensor.api_core import inferred_uneven_message, uneven_lengths
-from hyperpar.dtensor.layout import fill_keeps_value, input_layout_problem, shard_slices
+from hyperpar.dtensor.layout import input_layout_problem, partial_fill_identity, shard_slices
 from hyperpar.dtensor.placement import Partial, Replicate, Shard
 from hyperpar.dtensor.rules.base import ShardingError, refuse_partial, spelled_dims, unshard
 from hyperpar.dtensor.rules.view import (
@@ -72,20 +73,26 @@ def test_shard_slices_cut_torch_chunk_pieces_that_tile_the_whole_tensor():
     assert full[shard_slices(full.shape, (Shard(0),), _mesh((2,), None))].size == 0
 
 
-def test_a_constant_filled_into_a_partial_sum_counts_once():
+def test_a_constant_filled_into_a_partial_sum_or_product_counts_once():
     mesh_shape = (2, 3)
-    for placements in [(Partial(), Replicate()), (Shard(0), Partial()), (Partial(), Partial())]:
-        coords = [(i, j) for i in range(mesh_shape[0]) for j in range(mesh_shape[1])]
-        kept = [7.0 if fill_keeps_value(placements, c) else 0.0 for c in coords]
-        # the value a Partial("sum") group reduces to: the sum over its ranks
-        partial_dims = [m for m, p in enumerate(placements) if type(p) is Partial]
-        for c in coords:
-            group = [k for k, o in zip(kept, coords, strict=True)
-                     if all(o[m] == c[m] for m in range(2) if m not in partial_dims)]
-            assert sum(group) == 7.0
+    coords = [(i, j) for i in range(mesh_shape[0]) for j in range(mesh_shape[1])]
+    reduce = {"sum": sum, "product": math.prod}
+    for op in ("sum", "product"):
+        for placements in [(Partial(op), Replicate()), (Shard(0), Partial(op)),
+                           (Partial(op), Partial(op))]:
+            held = {c: 7.0 if (i := partial_fill_identity(placements, c)) is None else i
+                    for c in coords}
+            # the value each pending reduction yields: its op over the ranks it spans
+            partial_dims = [m for m, p in enumerate(placements) if type(p) is Partial]
+            for c in coords:
+                group = [held[o] for o in coords
+                         if all(o[m] == c[m] for m in range(2) if m not in partial_dims)]
+                assert reduce[op](group) == 7.0, (op, placements, c)
     for op in ("max", "min", "avg"):  # these reduce equal terms to the value itself
-        assert fill_keeps_value((Partial(op),), (1,))
-    assert fill_keeps_value((Shard(0), Replicate()), (1, 2))
+        assert partial_fill_identity((Partial(op),), (1,)) is None
+    assert partial_fill_identity((Shard(0), Replicate()), (1, 2)) is None
+    with pytest.raises(ValueError, match="a pending sum on one mesh dim and a pending product"):
+        partial_fill_identity((Partial("sum"), Partial("product")), (0, 0))
 
 
 def test_writing_values_into_a_pending_reduction_is_refused_naming_the_fix():

@@ -340,6 +340,7 @@ def _to_empty_facts():
     # a constant filled into a Partial("sum") counts once; a plain whole tensor copied into
     # uneven shards (5 rows: 3 + 2) leaves each rank its own rows
     partial = DTensor.from_local(torch.zeros(2, 3), mesh, [Partial()]).fill_(1.5)
+    product = DTensor.from_local(torch.zeros(2, 3), mesh, [Partial("product")]).fill_(1.5)
     uneven = distribute_tensor(torch.zeros(5, 3), mesh, [Shard(0)])
     uneven.copy_(torch.arange(15.0).view(5, 3))
     return {"devices": {n: (t.device.type, t.to_local().device.type, type(t).__name__)
@@ -347,7 +348,8 @@ def _to_empty_facts():
             "params": [isinstance(p, DTensor) and isinstance(p, torch.nn.Parameter)
                        for p in model.parameters()],
             "grad": model.weight.grad.full_tensor(),
-            "partial_fill": partial.full_tensor(), "copied": uneven.full_tensor()}
+            "partial_fill": partial.full_tensor(), "product_fill": product.full_tensor(),
+            "copied": uneven.full_tensor()}
 
 
 def test_to_empty_moves_dtensor_parameters_and_buffers_off_meta(run_on_ranks):
@@ -358,8 +360,9 @@ def test_to_empty_moves_dtensor_parameters_and_buffers_off_meta(run_on_ranks):
         assert all(d[:2] == ("cpu", "cpu") for d in f["devices"].values()), f["devices"]
         assert f["params"] == [True, True]
         torch.testing.assert_close(f["grad"], w.grad, rtol=TOL, atol=TOL)
-        # exact: 1.5 + 0.0 and copied values involve no rounding
+        # exact: 1.5 + 0.0, 1.5 * 1.0 and copied values involve no rounding
         assert torch.equal(f["partial_fill"], torch.full((2, 3), 1.5))
+        assert torch.equal(f["product_fill"], torch.full((2, 3), 1.5))  # not 1.5 ** 2
         assert torch.equal(f["copied"], torch.arange(15.0).view(5, 3))
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hyperpar.dtensor.layout import fill_keeps_value, shard_slices
+from hyperpar.dtensor.layout import partial_fill_identity, shard_slices
 from hyperpar.dtensor.placement import REPLICATE, grad_placements_of
 from hyperpar.dtensor.rules.base import refuse_partial, spelled_dims
 from hyperpar.torch.dtensor import random as _random
@@ -118,8 +118,8 @@ def _zero_(func, args, kwargs):
 @register_op(torch.Tensor.fill_, torch.nn.init.constant_, torch.nn.init.ones_,
                   raw=True)
 def _fill_(func, args, kwargs):
-    """``fill_``/``constant_``/``ones_``: fill the local piece (Partial: rank 0 of the mesh dim
-    only)."""
+    """``fill_``/``constant_``/``ones_``: fill the local piece (a Partial sum or product: rank 0
+    of the mesh dim only, the others the reduction's identity)."""
     x, rest, kwargs = _init_args(args, kwargs)
     value = 1.0 if func is torch.nn.init.ones_ else (rest[0] if rest
                                                      else kwargs.get("value", kwargs.get("val")))
@@ -129,8 +129,8 @@ def _fill_(func, args, kwargs):
     # torch.nn.init functions fill without recording autograd (torch dispatches constant_
     # to us before entering its own no_grad)
     with torch.no_grad() if func is not torch.Tensor.fill_ else contextlib.nullcontext():
-        x._local.fill_(value if fill_keeps_value(spec.placements, spec.mesh._coordinate)
-                       else 0)
+        identity = partial_fill_identity(spec.placements, spec.mesh._coordinate)
+        x._local.fill_(value if identity is None else identity)
     return x
 
 
