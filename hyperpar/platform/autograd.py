@@ -42,6 +42,27 @@ def all_to_all(platform: Any, tensor: torch.Tensor, split_dim: int, concat_dim: 
     return _AllToAll.apply(tensor, platform, split_dim, concat_dim, group)
 
 
+def all_to_all_single(platform: Any, tensor: torch.Tensor,
+                      output_split_sizes: list[int] | None, input_split_sizes: list[int] | None,
+                      group: Group) -> torch.Tensor:
+    """Uneven dim-0 all-to-all: ``input_split_sizes[j]`` rows go to rank ``j``,
+    ``output_split_sizes[j]`` rows arrive from it (None: equal pieces). Backward is the same
+    exchange with the two split lists swapped, so every row's gradient returns to its sender."""
+    n = platform.world_size(group)
+    for what, sizes in (("output", output_split_sizes), ("input", input_split_sizes)):
+        if sizes is not None and len(sizes) != n:
+            raise ValueError(f"all_to_all_single_autograd: {len(sizes)} {what} split sizes for a "
+                             f"group of {n} ranks; give one size per rank")
+    if input_split_sizes is not None and sum(input_split_sizes) != tensor.shape[0]:
+        raise ValueError(f"all_to_all_single_autograd: input split sizes sum to "
+                         f"{sum(input_split_sizes)} but the input has {tensor.shape[0]} rows")
+    if input_split_sizes is None:
+        _check_divisible("all_to_all_single_autograd", tensor, 0, n)
+    outs = None if output_split_sizes is None else [int(v) for v in output_split_sizes]
+    ins = None if input_split_sizes is None else [int(v) for v in input_split_sizes]
+    return _AllToAllSingle.apply(tensor, platform, outs, ins, group)
+
+
 def _check_divisible(name: str, tensor: torch.Tensor, dim: int, n: int) -> None:
     # Equal pieces only: the backward's gather assumes every rank holds the same shape.
     if tensor.shape[dim] % n:
@@ -102,3 +123,23 @@ class _AllToAll(torch.autograd.Function):
         split_dim, concat_dim = ctx.dims
         out = ctx.platform.all_to_all_along(grad, concat_dim, split_dim, ctx.group)
         return out, None, None, None, None
+
+
+class _AllToAllSingle(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, platform, out_splits, in_splits, group):
+        ctx.platform, ctx.splits, ctx.group = platform, (out_splits, in_splits), group
+        ctx.in_rows = x.shape[0]
+        x = x.detach().contiguous()
+        rows = sum(out_splits) if out_splits is not None else x.shape[0]
+        out = x.new_empty((rows, *x.shape[1:]))
+        platform.all_to_all_single(out, x, out_splits, in_splits, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        grad = grad.contiguous()
+        back = grad.new_empty((ctx.in_rows, *grad.shape[1:]))
+        ctx.platform.all_to_all_single(back, grad, in_splits, out_splits, ctx.group)
+        return back, None, None, None, None

@@ -161,6 +161,18 @@ class TorchPlatformBase(Platform, DimCollectives):
         Backward: the all-to-all with the two dims swapped."""
         return autograd.all_to_all(self, tensor, split_dim, concat_dim, group)
 
+    def all_to_all_single_autograd(self, tensor: torch.Tensor,
+                                   output_split_sizes: Sequence[int] | None,
+                                   input_split_sizes: Sequence[int] | None,
+                                   group: Group = None) -> torch.Tensor:
+        """Differentiable uneven dim-0 all-to-all (the token dispatch/combine of expert
+        parallelism): ``input_split_sizes[j]`` rows of ``tensor`` go to group rank ``j`` and
+        ``output_split_sizes[j]`` rows arrive from it, concatenated in rank order (None: equal
+        pieces). Backward: the same exchange with the split lists swapped."""
+        return autograd.all_to_all_single(
+            self, tensor, None if output_split_sizes is None else list(output_split_sizes),
+            None if input_split_sizes is None else list(input_split_sizes), group)
+
 
     # ------------------------------------------------------------------ tensor mechanics
     # One torch call each: these sit on the tensor-parallel hot path (DimCollectives).
