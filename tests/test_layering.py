@@ -167,7 +167,7 @@ NEUTRAL_MODULES = ("hyperpar.dtensor.mesh", "hyperpar.dtensor.placement",
                    "hyperpar.pipeline.schedules", "hyperpar.pipeline.runner",
                    "hyperpar.pipeline.spec", "hyperpar.pipeline.partition",
                    "hyperpar.pipeline._faults", "hyperpar.pipeline.topology",
-                   "hyperpar.pipeline.layout")
+                   "hyperpar.pipeline.layout", "hyperpar.plan.moe")
 
 _BLOCK_MINDSPORE = """
 class _NoMindSpore(importlib.abc.MetaPathFinder):

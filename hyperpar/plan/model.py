@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from .moe import moe_keys
+
 Group = Literal["embed", "block", "final"]
 #: ``llama``: RMSNorm, rotary, SwiGLU, no biases. ``gpt``: LayerNorm (weight and bias), GeLU
 #: MLP of ``intermediate_size``, biases on every linear, learned positions when
@@ -223,6 +225,7 @@ def from_hf_config(config: dict[str, Any] | str | Path, name: str | None = None)
             raise ValueError(f"hyperpar plan: {str(path)!r} is not valid JSON ({err})") from None
         name = name or path.stem
     assert isinstance(config, dict)
+    refuse_moe(config, name)
     if config.get("model_type") in ("gpt2", "gpt_neox"):
         return _gpt_spec(config, name or str(config.get("_name_or_path")
                                              or config["model_type"]))
@@ -244,6 +247,22 @@ def from_hf_config(config: dict[str, Any] | str | Path, name: str | None = None)
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         head_dim=int(config["head_dim"]) if config.get("head_dim") else None,
     )
+
+
+def refuse_moe(config: dict[str, Any], name: str | None = None) -> None:
+    """Raise for a Mixture-of-Experts config (:func:`hyperpar.plan.moe.moe_keys`): planned as
+    a dense decoder its memory and step time would be those of another model (each layer's
+    MLP one expert wide, or every expert in every token's matmuls; no all-to-all), so the
+    planner refuses it rather than make a prediction up."""
+    keys = moe_keys(config)
+    if keys:
+        label = name or config.get("_name_or_path") or config.get("model_type") or "the model"
+        raise ValueError(
+            f"{label} is a Mixture-of-Experts model (its config sets {', '.join(keys)}); "
+            "the planner's layouts, memory and step time model dense decoders only "
+            "(no expert parallelism, no all-to-all, no routed-expert states), so it refuses "
+            "to plan it rather than predict a dense model's figures. Its parameter counts "
+            "(total, active per token) are hyperpar.plan.moe.moe_from_hf_config(config)")
 
 
 #: Sizes of ``examples/llama/model.py``'s ``ModelArgs.tiny()`` and ``ModelArgs()`` (no GQA,
