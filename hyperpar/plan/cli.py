@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from .devices import PROFILES, DeviceProfile, get_profile, load_profile, with_topology
 from .layout import SCHEDULES, Run, parse_layout
 from .model import EXAMPLES, ModelSpec, example_spec, from_hf_config
+from .moe import moe_keys
 from .report import describe_one, plot, ruled_out_summary, table, write_json
 from .search import Candidate, PlanResult, RuledOut, evaluate, plan
 
@@ -59,7 +60,8 @@ def parse_rate(text: str) -> float:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--config", metavar="HF_CONFIG.json",
-                     help="Hugging Face config.json of a Llama-family model")
+                     help="Hugging Face config.json of a Llama-family or GPT-style model, or of an "
+                          "MoE model (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, gpt-oss)")
     src.add_argument("--example", choices=sorted(EXAMPLES),
                      help="the model of examples/llama (tiny: ModelArgs.tiny(), llama: "
                           "ModelArgs())")
@@ -124,6 +126,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "dp8.fsdp128.tp8.pp16.mb16, optionally .gpipe, .ac, .gstep for "
                         "gradients synced once per step as torch pipelining does): its memory "
                         "and time breakdown, also when it does not fit")
+    p.add_argument("--float8", type=float, default=1.0, metavar="F",
+                   help="Float8 linears: their FLOP/s times F (default 1, bf16; the H100/H800 "
+                        "datasheet ceiling is 2: 1,979 vs 989 TFLOP/s dense; set what your "
+                        "run reaches). Attention and the elementwise ops stay in bf16")
+    p.add_argument("--compile-fusion", type=float, default=1.0, metavar="F",
+                   help="torch.compile: the elementwise ops' HBM traffic divided by F (default "
+                        "1, eager; fusion cuts the passes over each activation). Dense models")
+    p.add_argument("--a2a-overlap", type=float, default=None, metavar="F",
+                   help="MoE: fraction of the all-to-all hidden behind compute (default: "
+                        "1 under dualpipe, else 0)")
     p.add_argument("--top", type=int, default=10, metavar="K", help="rows of the table")
     p.add_argument("--json", default=None, metavar="OUT", help="write the plan as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png|svg",
@@ -138,7 +150,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.config:
+        try:
+            config = _read_config(args.config)
+        except (ValueError, FileNotFoundError) as err:
+            print(f"hyperpar plan: {err}", file=sys.stderr)
+            return 2
+        if moe_keys(config):
+            return _run_moe(config, args)
     try:
+        if not 1 <= args.float8 <= 4 or args.compile_fusion < 1:
+            raise ValueError(f"--float8 {args.float8} / --compile-fusion "
+                             f"{args.compile_fusion}: factors of at least 1 (float8 at most 4)")
         spec = from_hf_config(args.config) if args.config else example_spec(args.example)
         profile = load_profile(args.profile) if args.profile else get_profile(args.device)
         profile = with_topology(profile, gpus_per_node=args.gpus_per_node,
@@ -150,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
                   param_dtype=args.param_dtype, optimizer=args.optimizer,
                   gpus_per_node=args.gpus_per_node, device_memory=memory,
                   attention=args.attention, reduce_dtype=args.reduce_dtype,
-                  loss=args.loss)
+                  loss=args.loss, float8=args.float8, compile_fusion=args.compile_fusion)
         given = (parse_layout(args.layout, args.schedule, args.virtual_stages) if args.layout
                  else None)
         if args.measure and spec.block != "llama":
@@ -172,6 +195,74 @@ def run(args: argparse.Namespace) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+
+
+def _read_config(path: str) -> dict:
+    import json
+    from pathlib import Path
+
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"config file {path!r} does not exist; give the path of a "
+                                "Hugging Face config.json") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path!r} is not valid JSON ({err})") from None
+
+
+def _run_moe(config: dict, args: argparse.Namespace) -> int:
+    """An MoE config: its layouts (ep, etp) by :mod:`.moe_plan`, predicted only."""
+    from dataclasses import replace
+
+    from . import moe_report
+    from .moe import moe_from_hf_config
+    from .moe_plan import moe_evaluate, moe_plan, parse_moe_layout
+
+    try:
+        if args.measure:
+            raise ValueError("--measure runs the dense Llama example; MoE layouts are "
+                             "predicted only (no expert-parallel run to measure yet)")
+        if not 1 <= args.float8 <= 4:
+            raise ValueError(f"--float8 {args.float8}: a factor from 1 to 4")
+        spec = moe_from_hf_config(config, name=os.path.basename(args.config))
+        profile = load_profile(args.profile) if args.profile else get_profile(args.device)
+        profile = with_topology(profile, gpus_per_node=args.gpus_per_node,
+                                intra_bytes_per_s=args.intra_node_bandwidth,
+                                nics_per_node=args.nics_per_node,
+                                nic_bytes_per_s=args.nic_bandwidth)
+        job = Run(world=args.world, seq_len=args.seq_len, global_batch=args.global_batch,
+                  param_dtype=args.param_dtype, optimizer=args.optimizer,
+                  gpus_per_node=args.gpus_per_node,
+                  device_memory=args.device_memory or profile.memory_bytes,
+                  reduce_dtype=args.reduce_dtype)
+        print(moe_report.header(spec, job, profile))
+        if args.layout:
+            lay = parse_moe_layout(args.layout, args.schedule, args.virtual_stages)
+            if args.a2a_overlap is not None:
+                lay = replace(lay, a2a_overlap=args.a2a_overlap)
+            if lay.world != job.world:
+                raise ValueError(f"layout {lay.name} has {lay.world} ranks but --world is "
+                                 f"{job.world}")
+            one = moe_evaluate(spec, job, lay, profile, float8=args.float8)
+            if args.json:
+                moe_report.write_json(args.json, spec, job, [one] if one.fits else [],
+                                      [] if one.fits else [(lay.name, one.reason)])
+            print(moe_report.describe(one))
+            return 0 if one.fits else 1
+        start = time.perf_counter()
+        ranked, ruled, n = moe_plan(spec, job, profile, float8=args.float8,
+                                    schedule=args.schedule)
+        elapsed = time.perf_counter() - start
+    except (ValueError, FileNotFoundError) as err:
+        print(f"hyperpar plan: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        moe_report.write_json(args.json, spec, job, ranked, ruled)
+    print(moe_report.table(ranked, args.top))
+    print(f"\n{len(ruled)} ruled out; searched {n} MoE layouts in {elapsed:.2f} s")
+    if ranked:
+        print(moe_report.describe(ranked[0]))
+    return 0 if ranked else 1
 
 
 def _report_one(spec: ModelSpec, job: Run, profile: DeviceProfile, one: Candidate | RuledOut,

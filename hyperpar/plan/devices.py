@@ -170,6 +170,11 @@ PROFILES: dict[str, DeviceProfile] = {
     # with sparsity) and 60 TFLOP/s FP32, the lower bound; NVLink 900 GB/s, 400 Gb/s per GPU.
     "h100gt": DeviceProfile("NVIDIA H100 SXM 96GB HBM2e 500W (Grand Teton)", 835e12, 60e12,
                             96 * 10**9, 2.4e12, 450 * GB, 50 * GB, elementwise_hbm=True),
+    # NVIDIA H800 SXM (the export H100 of DeepSeek-V3's cluster): H100's compute and HBM,
+    # NVLink cut to 400 GB/s both directions (DeepSeek-V3 sec. 3.2.2: ~160 GB/s achieved),
+    # one 400 Gb/s InfiniBand NIC per GPU (~50 GB/s).
+    "h800": DeviceProfile("NVIDIA H800 SXM 80GB", 989e12, 67e12, 81559 * MIB, 3.35e12,
+                          200 * GB, 50 * GB, elementwise_hbm=True),
     # NVIDIA H200 SXM: same compute as H100, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
     "h200": DeviceProfile("NVIDIA H200 SXM 141GB", 989e12, 67e12, 143771 * MIB, 4.8e12,
                           450 * GB, 50 * GB, elementwise_hbm=True),

@@ -39,8 +39,19 @@ class Run:
     #: ``torch-lp``: eager, with tp's loss parallel done by torch.distributed.tensor.parallel's
     #: ``loss_parallel`` (torchtitan), whose backward holds 16 bytes per logit shard
     loss: Literal["eager", "fused", "torch-lp"] = "eager"
+    #: Float8 linears (torchtitan's ``float8`` converter, DeepSeek-V3's FP8 GEMMs): the
+    #: matmuls' FLOP/s times this factor; 1 is bf16, 2 the H100 datasheet's FP8 / BF16 peak
+    #: ratio (1,979 / 989 TFLOP/s), the ceiling. Attention and elementwise ops unchanged. A
+    #: factor the user sets from what the run reaches, not a per-run constant of the planner
+    float8: float = 1.0
+    #: torch.compile's fusion of the elementwise ops: their HBM passes
+    #: (:data:`hyperpar.plan.timing.ELEMENTWISE_PASSES`) divided by this factor; 1 eager
+    compile_fusion: float = 1.0
 
     def __post_init__(self) -> None:
+        if not 1 <= self.float8 <= 4 or self.compile_fusion < 1:
+            raise ValueError(f"hyperpar plan: float8={self.float8}, compile_fusion="
+                             f"{self.compile_fusion}: factors >= 1 (float8 at most 4)")
         for key in ("world", "seq_len", "global_batch", "gpus_per_node", "device_memory"):
             if getattr(self, key) < 1:
                 raise ValueError(f"hyperpar plan: {key} must be >= 1, got {getattr(self, key)}")

@@ -124,6 +124,17 @@ def step_flops(spec: ModelSpec, run: Run, activation_checkpointing: bool | float
     return out
 
 
+def matmul_step_flops(spec: ModelSpec, run: Run, layout: Layout) -> float:
+    """The linears' part of :func:`step_flops` (what Float8 speeds up): ``6 P tokens``, 8
+    for the recomputed layers, plus selective checkpointing's repeated wk, wo, w3."""
+    tokens = run.global_batch * run.seq_len
+    share = recompute_share(spec, layout)
+    out = (6 + 2 * share) * spec.matmul_parameters * tokens
+    if layout.selective_ac and not share:
+        out += 2 * sac_recomputed_parameters(spec) * spec.num_layers * tokens
+    return out
+
+
 @dataclass(frozen=True)
 class Collective:
     """``count`` collectives of kind ``ag``/``rs``/``ar``/``p2p`` along mesh dim ``dim``, each
@@ -422,8 +433,10 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
               memory: Memory) -> StepTime:
     m, pp = layout.microbatches, layout.pp
     rate = profile.flops_at(run.param_dtype, matmul_size(spec, run, layout))
-    compute_step = step_flops(spec, run, recompute_share(spec, layout),
-                              layout.selective_ac) / run.world / rate
+    flops = step_flops(spec, run, recompute_share(spec, layout), layout.selective_ac)
+    if run.float8 != 1:  # the linears' share runs float8 times faster
+        flops -= (1 - 1 / run.float8) * matmul_step_flops(spec, run, layout)
+    compute_step = flops / run.world / rate
     compute_mb = compute_step / m
     layers = max_stage_layers(spec.num_layers, pp)  # the stage the pipeline waits for
     colls = collectives(spec, run, layout, memory.stage)
@@ -431,7 +444,8 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
     compute_step += cp_attention_flops(spec, run, layout) / run.world / rate
     # uneven stages: the pipeline runs at the pace of the stage with the most layers
     compute_mb = compute_step / m * (layers * pp / spec.num_layers)
-    elementwise = elementwise_seconds(spec, run, layout, profile)  # that stage's already
+    # that stage's already; torch.compile's fusion divides the passes
+    elementwise = elementwise_seconds(spec, run, layout, profile) / run.compile_fusion
     compute_step += elementwise
     compute_mb += elementwise / m
     comm: dict[str, float] = {"tp": 0.0, "dp_shard": 0.0, "dp_replicate": 0.0, "pp": 0.0,
