@@ -167,7 +167,8 @@ NEUTRAL_MODULES = ("hyperpar.dtensor.mesh", "hyperpar.dtensor.placement",
                    "hyperpar.pipeline.schedules", "hyperpar.pipeline.runner",
                    "hyperpar.pipeline.spec", "hyperpar.pipeline.partition",
                    "hyperpar.pipeline._faults", "hyperpar.pipeline.topology",
-                   "hyperpar.pipeline.layout", "hyperpar.plan.moe")
+                   "hyperpar.pipeline.layout", "hyperpar.plan.moe",
+                   "hyperpar.plan.moe_plan", "hyperpar.plan.moe_report")
 
 _BLOCK_MINDSPORE = """
 class _NoMindSpore(importlib.abc.MetaPathFinder):

@@ -138,6 +138,11 @@ class Layout:
     #: et al. 2020, sec. 5). Evaluated with ``--layout`` only: hyperpar has no ZeRO-1/2
     #: engine, so the search never proposes one
     zero: int = 0
+    #: fully_shard over the cp ranks even with ``dp_shard == 1`` (torchtitan: FSDP runs
+    #: whenever dp_shard or cp is > 1, over the flattened ``dp_shard x cp`` mesh); False
+    #: (hyperpar's default): cp without dp_shard averages gradients with data_parallel and
+    #: replicates the parameters
+    cp_shard: bool = False
 
     def __post_init__(self) -> None:
         if self.grad_sync not in ("microbatch", "step"):
@@ -163,7 +168,7 @@ class Layout:
     def fsdp_shard(self) -> int:
         """Ranks ``fully_shard`` shards each parameter over: ``dp_shard``, times ``cp`` when
         both are > 1 (the flattened ``dp_shard x cp`` group); 1 without fully_shard."""
-        return self.dp_shard * self.cp if self.dp_shard > 1 else 1
+        return self.dp_shard * self.cp if self.dp_shard > 1 or self.cp_shard else 1
 
     @property
     def sequence_parallel(self) -> bool:
@@ -204,6 +209,8 @@ class Layout:
             parts.append("gstep")
         if self.zero:
             parts.append(f"zero{self.zero}")
+        if self.cp_shard:
+            parts.append("cpfs")
         return ".".join(parts)
 
 
@@ -248,8 +255,14 @@ def parse_layout(name: str, schedule: Schedule = "1f1b", virtual_stages: int = 2
             fields["sp"] = False
         elif part == "gstep":
             fields["grad_sync"] = "step"
+        elif part == "cpfs":
+            fields["cp_shard"] = True
         elif part in ("zero1", "zero2"):
             fields["zero"] = int(part[4:])
+        elif re.fullmatch(r"(ep|etp|nl|cap)\d+", part) or part == "dualpipe":
+            raise ValueError(f"hyperpar plan: layout {name!r}: {part!r} is an MoE layout part "
+                             "(expert parallelism, capacity, node-limited routing, DualPipe); "
+                             "it needs an MoE config (the model here is dense): leave it out")
         elif part != "single":
             raise ValueError(
                 f"hyperpar plan: layout {name!r}: {part!r} not understood; write the names "
@@ -259,7 +272,8 @@ def parse_layout(name: str, schedule: Schedule = "1f1b", virtual_stages: int = 2
                 "or acN (every N-th layer), sac (selective), lp (loss parallel), nrf (no "
                 "reshard after forward), nosp (tp without sequence parallel), gstep (gradients "
                 "reduce-scattered once per step, unsharded ones accumulated), zero1|zero2 "
-                "(ZeRO over the dp replicas, evaluated only), e.g. "
+                "(ZeRO over the dp replicas, evaluated only), cpfs (fully_shard over the cp "
+                "ranks without dp_shard, as torchtitan), e.g. "
                 "dp8.fsdp128.tp8.pp16.mb16")
     if (fields["schedule"] == "interleaved1f1b" and "virtual_stages" not in seen
             and int(fields.get("pp", 1)) > 1):  # type: ignore[call-overload]

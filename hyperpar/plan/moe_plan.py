@@ -78,7 +78,7 @@ class MoELayout:
             parts = [p for p in parts if p not in ("1f1b",)] + ["dualpipe"]
         extra = [f"ep{self.ep}"] + ([f"etp{self.etp}"] if self.etp > 1 else [])
         if self.capacity:
-            extra.append(f"cap{self.capacity:g}")
+            extra.append(f"cap{round(self.capacity * 100)}")
         if self.node_limit:
             extra.append(f"nl{self.node_limit}")
         # the expert dims after the dense ones, before the microbatch count
@@ -88,8 +88,9 @@ class MoELayout:
 
 def parse_moe_layout(name: str, schedule: str = "1f1b", virtual_stages: int = 2) -> MoELayout:
     """A name as :attr:`MoELayout.name` prints it: the dense parts (:func:`parse_layout`) and
-    ``epN``, ``etpN``, ``capF`` (capacity factor; default dropless), ``nlM`` (node-limited
-    routing), ``dualpipe``, e.g. ``dp128.pp16.ep64.mb120.dualpipe.zero1.nl4``."""
+    ``epN``, ``etpN``, ``capP`` (capacity factor in percent, ``cap125``; default dropless),
+    ``nlM`` (node-limited routing), ``dualpipe``, e.g.
+    ``dp128.pp16.ep64.nl4.mb120.zero1.dualpipe``."""
     fields: dict[str, object] = {}
     rest = []
     for part in name.strip().lower().split("."):
@@ -101,12 +102,12 @@ def parse_moe_layout(name: str, schedule: str = "1f1b", virtual_stages: int = 2)
             fields[key] = int(m.group(2))
             if fields[key] < 1:
                 raise ValueError(f"hyperpar plan: layout {name!r}: {part} must be >= 1")
-        elif re.fullmatch(r"cap\d+(\.\d+)?", part):
-            fields["capacity"] = float(part[3:])
+        elif re.fullmatch(r"cap\d+", part):  # in percent: cap125 is a factor of 1.25
+            fields["capacity"] = int(part[3:]) / 100
             if fields["capacity"] < 1:  # type: ignore[operator]
                 raise ValueError(f"hyperpar plan: layout {name!r}: {part}: a capacity factor "
                                  "below 1 drops tokens even with balanced routing; write "
-                                 "cap1 or more, or leave it out (dropless)")
+                                 "cap100 or more (percent), or leave it out (dropless)")
         elif part == "dropless":
             fields["capacity"] = 0.0
         elif part == "dualpipe":
@@ -330,9 +331,13 @@ def moe_stage_memory(spec: MoESpec, run: Run, lay: MoELayout, stage: int) -> MoE
 def moe_memory_per_rank(spec: MoESpec, run: Run, lay: MoELayout) -> MoEMemory:
     """The stage with the highest peak."""
     pp = lay.base.pp
-    stages = sorted({0, pp - 1, pp // 2} | {s for s in range(pp)
-                                            if _stage_split(spec, pp, s)[0] == 0})
-    stages = stages[:8] if len(stages) > 8 else stages
+    # the first stage (embedding, dense layers), the last (head, loss, MTP) and the first
+    # all-MoE stage holding the most layers: the others repeat one of these three
+    most = max(stage_layers(spec.num_layers, pp, s) for s in range(pp))
+    inner = next((s for s in range(pp) if _stage_split(spec, pp, s) == (0, most)), 0)
+    stages = sorted({0, pp - 1, inner})
+    if lay.dualpipe:  # a rank holds stages s and pp - 1 - s: every pairing differs
+        stages = sorted({0, inner, pp // 2 - 1})
     return max((moe_stage_memory(spec, run, lay, s) for s in stages), key=lambda m: m.peak)
 
 

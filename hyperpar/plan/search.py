@@ -95,6 +95,11 @@ def shape_problems(spec: ModelSpec, run: Run, layout: Layout) -> list[str]:
     if layout.zero and layout.cp > 1:
         out.append(f"zero{layout.zero} with cp={layout.cp}: not modelled (ZeRO over the "
                    "dp_replicate ranks only; write cp1)")
+    if layout.cp_shard and layout.cp == 1:
+        out.append("cpfs (fully_shard over the cp ranks) needs cp > 1")
+    if layout.cp_shard and layout.dp_shard > 1:
+        out.append("cpfs with dp_shard > 1: fully_shard already spans dp_shard x cp; "
+                   "leave cpfs out")
     if not layout.sp and tp == 1:
         out.append("sp=False (tp without sequence parallel) needs tp > 1")
     if not layout.reshard_after_forward and layout.fsdp_shard == 1:

@@ -293,7 +293,7 @@ def cp_collectives(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> lis
     passes = layers + checkpointed_layers(layers, layout)  # recomputed layers gather again
     out = [Collective("cp", "ag", kv, 2 * passes, "microbatch", "attention K, V"),
            Collective("cp", "rs", kv, 2 * layers, "microbatch", "attention dK, dV")]
-    if layout.dp_shard == 1:
+    if layout.fsdp_shard == 1:
         local = stage_params(spec, layout.tp, 1, layout.pp, stage).local
         out.append(Collective("cp", "ar", local * run.reduce_bytes, 1, "step",
                               "grads over dp_replicate x cp"))
@@ -499,7 +499,7 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
         ac_factor = 1 + sac_recomputed_parameters(spec) / block / 3
     overhead_mb = layers * ac_factor * (profile.layer_overhead_s
                                         + (fixed("tp_layer_overhead_s") if tp_on else 0.0))
-    if layout.dp_shard > 1:  # paid over fully_shard's group (dp_shard, x cp when flattened)
+    if layout.fsdp_shard > 1:  # paid over fully_shard's group (dp_shard, x cp when flattened)
         overhead_mb += (layers + 1) * profile.fixed_cost("fsdp_unit_overhead_s",
                                                          layout.fsdp_shard)
     overhead_mb += profile.root_overhead_s  # the embedding / head stage dominates the pipe
@@ -527,10 +527,10 @@ def step_time(spec: ModelSpec, run: Run, layout: Layout, profile: DeviceProfile,
     # optimizer: memory-bound (reads and writes params, grads and states once) plus a fixed
     # cost per local parameter tensor
     n_tensors = local_tensors(spec, layout, memory.stage)
-    per_tensor = (profile.sharded_optimizer_tensor_overhead_s if tp_on or layout.dp_shard > 1
+    per_tensor = (profile.sharded_optimizer_tensor_overhead_s if tp_on or layout.fsdp_shard > 1
                   else profile.optimizer_tensor_overhead_s)
     optimizer = 2 * memory.states / profile.hbm_bytes_per_s + n_tensors * per_tensor
-    if (layout.dp_replicate > 1 or layout.cp > 1) and layout.dp_shard == 1:
+    if (layout.dp_replicate > 1 or layout.cp > 1) and layout.fsdp_shard == 1:
         # data_parallel's gradient averaging spans the replicas and the cp ranks together
         dp_exposed += profile.fixed_cost("dp_overhead_s", layout.dp_replicate * layout.cp)
     total = pipe + tp_step + dp_exposed + optimizer

@@ -105,13 +105,37 @@ def test_unknown_moe_family_is_refused() -> None:
         moe_from_hf_config({"model_type": "dbrx", "num_experts": 16})
 
 
-def test_cli_refuses_gpt_oss_with_the_reason() -> None:
-    """The issue's case: gpt-oss-20b on 8 H100 was planned as dense (29,900 tok/s/GPU,
-    516 GiB); now the command exits 2 with the reason and prints no table."""
-    out = subprocess.run([sys.executable, "-m", "hyperpar.plan.cli", "--config",
-                          str(CONFIGS / "gpt-oss-20b.json"), "--world", "8", "--seq-len",
-                          "4096", "--global-batch", "256"], capture_output=True, text=True,
-                         cwd=ROOT, timeout=120)
-    assert out.returncode == 2, out
-    assert "Mixture-of-Experts" in out.stderr and "num_local_experts" in out.stderr
-    assert "tok/s" not in out.stdout
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hyperpar.plan.cli", *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def test_cli_plans_gpt_oss_as_moe(tmp_path) -> None:
+    """The issue's case: gpt-oss-20b on 8 H100 was planned as dense (516 GiB for FSDP 8);
+    now it goes to the MoE planner, whose FSDP 8 layout holds the routed experts sharded
+    (the run fit in 80 GB) and whose JSON layouts carry ep and etp."""
+    out = _cli("--config", str(CONFIGS / "gpt-oss-20b.json"), "--world", "8", "--seq-len",
+               "4096", "--global-batch", "256", "--layout", "fsdp8.mb32.ac", "--json",
+               str(tmp_path / "p.json"))
+    assert out.returncode == 0, out.stderr
+    assert "MoE" in out.stdout and "fits" in out.stdout
+    doc = json.loads((tmp_path / "p.json").read_text())
+    lay = doc["ranked"][0]["layout"]
+    assert (lay["ep"], lay["etp"], lay["dp_shard"]) == (1, 1, 8)
+    assert doc["ranked"][0]["memory"]["peak"] < 80 * 2**30
+
+
+def test_cli_refuses_an_unmodelled_moe_family(tmp_path) -> None:
+    cfg = tmp_path / "dbrx.json"
+    cfg.write_text(json.dumps({"model_type": "dbrx", "num_experts": 16, "hidden_size": 6144}))
+    out = _cli("--config", str(cfg), "--world", "8", "--seq-len", "4096", "--global-batch",
+               "64")
+    assert out.returncode == 2
+    assert "not modelled" in out.stderr and "tok/s" not in out.stdout
+
+
+def test_cli_refuses_moe_layout_dims_that_do_not_divide() -> None:
+    out = _cli("--config", str(CONFIGS / "mixtral-8x7b.json"), "--world", "16", "--seq-len",
+               "4096", "--global-batch", "64", "--layout", "fsdp16.ep16.mb1")
+    assert out.returncode == 2
+    assert "experts=8 % ep=16" in out.stderr
