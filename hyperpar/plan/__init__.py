@@ -16,12 +16,14 @@ from .devices import PROFILES, DeviceProfile, get_profile, load_profile, save_pr
 from .layout import Layout, Run
 from .memory import Memory, memory_per_rank
 from .model import ModelSpec, example_spec, from_hf_config
+from .moe import MoESpec, moe_from_hf_config
 from .report import frontier, plot, to_json
 from .search import Candidate, PlanResult, RuledOut, plan, shape_problems
 from .timing import StepTime, step_time
 
 __all__ = [
-    "PROFILES", "Candidate", "DeviceProfile", "Layout", "Memory", "ModelSpec", "PlanResult",
+    "PROFILES", "Candidate", "DeviceProfile", "Layout", "Memory", "MoESpec", "ModelSpec",
+    "PlanResult", "moe_from_hf_config",
     "RuledOut", "Run", "StepTime", "example_spec", "from_hf_config", "frontier", "get_profile",
     "load_profile", "memory_per_rank", "plan", "plot", "save_profile", "shape_problems",
     "step_time", "to_json",

@@ -41,7 +41,7 @@ def measurable(layout: Layout, spec: ModelSpec | None = None) -> bool:
     layers split evenly; cp with dp_replicate and dp_shard, ``tp = pp = 1``)."""
     if (layout.world not in MEASURABLE_WORLDS or layout.loss_parallel
             or not layout.reshard_after_forward or not layout.sp or layout.selective_ac
-            or layout.ac_every != 1
+            or layout.ac_every != 1 or layout.cp_shard  # _runs has no fully_shard-over-cp
             or layout.schedule not in ("1f1b", "gpipe")):
         return False
     if spec is not None and spec.num_layers % layout.pp:

@@ -135,7 +135,9 @@ def enumerate_layouts(spec: ModelSpec, run: Run, *, schedule: Schedule = "1f1b",
     """Every ``dp_replicate x dp_shard x tp x pp`` of ``run.world``, and every
     ``dp_replicate x dp_shard x cp`` with ``cp > 1`` (context parallelism is searched with
     ``tp = pp = 1``: its composition with tp and pp is not modelled; with ``dp_shard > 1``
-    fully_shard runs over the flattened ``dp_shard x cp`` group), every microbatch count
+    fully_shard runs over the flattened ``dp_shard x cp`` group; with ``dp_shard == 1`` both
+    data_parallel over ``dp_replicate x cp`` and, ``cpfs``, fully_shard over the cp ranks),
+    every microbatch count
     dividing the per-replica batch (or the smallest ones for pp>1), activation checkpointing
     off, full and selective. Layouts whose dims do not even divide are kept so that they can
     be reported."""
@@ -147,15 +149,19 @@ def enumerate_layouts(spec: ModelSpec, run: Run, *, schedule: Schedule = "1f1b",
             continue
         dp = dr * ds
         per_replica = run.global_batch // dp if run.global_batch % dp == 0 else 1
-        for m in divisors(per_replica):
+        # cp without dp_shard: data_parallel over dp_replicate x cp (hyperpar's default), and
+        # fully_shard over the cp ranks (cpfs, torchtitan's FSDP 1 x CP n)
+        for m, cpfs in ((m, f) for m in divisors(per_replica)
+                        for f in ((False, True) if cp > 1 and ds == 1 else (False,))):
             for ac, sac in ((False, False), (True, False), (False, True)):
                 out.append(Layout(dp_replicate=dr, dp_shard=ds, tp=tp, pp=pp, cp=cp,
-                                  microbatches=m, selective_ac=sac,
+                                  cp_shard=cpfs, microbatches=m, selective_ac=sac,
                                   activation_checkpointing=ac, schedule=schedule,
                                   loss_parallel=loss_parallel and tp > 1,
                                   virtual_stages=virtual_stages
                                   if schedule == "interleaved1f1b" and pp > 1 else 1,
-                                  reshard_after_forward=reshard_after_forward or ds == 1,
+                                  reshard_after_forward=reshard_after_forward
+                                  or (ds == 1 and not cpfs),
                                   sp=sequence_parallel or tp == 1))
     return out
 

@@ -226,11 +226,14 @@ def test_llama2_7b_on_1024_ranks_has_fully_sharded_cp_layouts_that_fit() -> None
     run = Run(world=1024, seq_len=4096, global_batch=1024)
     result = plan(SPEC, run, H100)
     cp = [c for c in result.ranked if c.layout.cp > 1]
-    assert cp and all(c.layout.dp_shard > 1 for c in cp)
+    # every one that fits is fully sharded: over dp_shard x cp, or over the cp ranks (cpfs)
+    assert cp and all(c.layout.fsdp_shard > 1 for c in cp)
+    assert any(c.layout.cp_shard for c in cp) and any(c.layout.dp_shard > 1 for c in cp)
     assert all(c.memory.peak <= 80 * 2**30 for c in cp)
-    # with replicas only, every cp layout still runs out of memory
+    # with replicas only (data_parallel over dp_replicate x cp), every cp layout still runs
+    # out of memory
     assert all(x.kind == "oom" for x in result.ruled_out
-               if x.layout.cp > 1 and x.layout.dp_shard == 1
+               if x.layout.cp > 1 and x.layout.fsdp_shard == 1
                and not shape_problems(SPEC, run, x.layout))
 
 
