@@ -82,7 +82,8 @@ def ruled_out_summary(result: PlanResult, examples: int = 3) -> str:
 
 def _dims_json(lay: Layout) -> dict[str, Any]:
     return {"name": lay.name, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
-            "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "microbatches": lay.microbatches,
+            "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": 1, "etp": 1,  # dense: no experts
+            "cp_shard": lay.cp_shard, "microbatches": lay.microbatches,
             "activation_checkpointing": lay.activation_checkpointing,
             "ac_every": lay.ac_every,
             "selective_ac": lay.selective_ac, "loss_parallel": lay.loss_parallel}

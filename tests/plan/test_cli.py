@@ -13,7 +13,8 @@ from hyperpar.cli import main
 
 from ._common import LLAMA2_7B, ROOT
 
-LAYOUT_KEYS = {"name", "dp_replicate", "dp_shard", "tp", "pp", "cp", "microbatches",
+LAYOUT_KEYS = {"name", "dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "etp", "cp_shard",
+               "microbatches",
                "activation_checkpointing", "ac_every", "selective_ac", "loss_parallel", "memory",
                "predicted_step_ms", "time"}
 TIME_KEYS = {"compute_ms", "bubble_ms", "tp_ms", "pp_ms", "fsdp_exposed_ms", "dp_exposed_ms",

@@ -139,3 +139,12 @@ def test_cli_refuses_moe_layout_dims_that_do_not_divide() -> None:
                "4096", "--global-batch", "64", "--layout", "fsdp16.ep16.mb1")
     assert out.returncode == 2
     assert "experts=8 % ep=16" in out.stderr
+
+
+def test_cli_refuses_measure_of_an_moe_config_and_ep_on_a_dense_one() -> None:
+    out = _cli("--config", str(CONFIGS / "qwen3-30b-a3b.json"), "--world", "4", "--seq-len",
+               "512", "--global-batch", "4", "--measure")
+    assert out.returncode == 2 and "predicted only" in out.stderr
+    out = _cli("--config", str(LLAMA2_7B), "--world", "8", "--seq-len", "4096",
+               "--global-batch", "8", "--layout", "fsdp8.ep8.mb1")
+    assert out.returncode == 2 and "MoE layout part" in out.stderr
