@@ -38,6 +38,7 @@ from hyperpar.moe.errors import MoEConfigError
 from hyperpar.moe.placement import ExpertPlacement, expert_weight_placements, mesh_dim_index
 from hyperpar.parallel.styles import ParallelStyle
 from hyperpar.platform import get_platform
+from hyperpar.torch.moe import dispatch as _dispatch
 from hyperpar.torch.moe.dispatch import combine, dispatch, plan_dispatch
 from hyperpar.torch.parallel._comm import copy_to_region
 from hyperpar.torch.parallel.style import _distribute_param, _identity, _LocalForward
@@ -244,3 +245,4 @@ def _install_dispatch(style: _ExpertStyle, module: nn.Module, placement: ExpertP
 
     _LocalForward([(module, n, _identity) for n, _ in _params(module)], before,
                   after).install(module)
+    _dispatch._DISPATCHERS[0] += 1  # router-score errors now travel with the count exchange
