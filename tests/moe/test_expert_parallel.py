@@ -155,6 +155,7 @@ def _run_ep(num_experts: int, tokens: list[int], style: str, **kw) -> dict:
         ExpertParallel,
         ExpertTensorParallel,
         Replicate,
+        TensorParallel,
         init_device_mesh,
         parallelize_module,
     )
@@ -166,6 +167,10 @@ def _run_ep(num_experts: int, tokens: list[int], style: str, **kw) -> dict:
         mesh = init_device_mesh((world,), mesh_dim_names=("ep",))
         parallelize_module(model, mesh, {"experts": ExpertParallel()})
         batch = mesh.get_local_rank()
+    elif style == "tp":  # every expert on every rank, hidden dim over tp, one shared batch
+        mesh = init_device_mesh((world,), mesh_dim_names=("tp",))
+        parallelize_module(model, mesh, {"experts": TensorParallel(reduce_output=True)})
+        batch = 0
     else:
         mesh = init_device_mesh((world // 2, 2), mesh_dim_names=("ep", "tp"))
         plan = ({"experts": ExpertTensorParallel(reduce_output=True)} if style == "etp" else
@@ -242,3 +247,11 @@ def test_expert_parallel_with_tensor_parallel_on_a_2x2_mesh(run_on_ranks, style)
     want = ({"w1": (Shard(0), Shard(1)), "w2": (Shard(0), Shard(2)), "w3": (Shard(0), Shard(1))}
             if style == "etp" else {n: (Shard(0),) for n in ("w1", "w2", "w3")})
     assert results[0]["placements"] == want
+
+
+def test_tensor_parallel_grouped_experts_matches_one_process(run_on_ranks):
+    from hyperpar import Shard
+
+    results = run_on_ranks(2, _run_ep, 4, [TOKENS], "tp")
+    _check(results, _reference(4, [TOKENS]))
+    assert results[0]["placements"] == {"w1": (Shard(1),), "w2": (Shard(2),), "w3": (Shard(1),)}
