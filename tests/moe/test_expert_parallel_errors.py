@@ -107,3 +107,19 @@ def test_nan_router_scores_raise_at_once_without_expert_parallel():
     x[1] = float("nan")
     with pytest.raises(MoERoutingError, match="router scores contain .* first at token 1"):
         MoE(4)(x)
+
+
+def _dense_style_without_tp() -> tuple[str, str]:
+    from hyperpar import ColwiseParallel, ExpertParallel, init_device_mesh, parallelize_module
+
+    torch.manual_seed(0)
+    model = MoE(4, dense=True)
+    mesh = init_device_mesh((1, 2), mesh_dim_names=("dp", "ep"))
+    return _caught(lambda: parallelize_module(
+        model, mesh, {"dense": ColwiseParallel(), "experts": ExpertParallel()}))
+
+
+def test_a_dense_style_beside_expert_parallel_still_needs_a_tp_dim(run_on_ranks):
+    # the expert styles take their own dims; the dense ones still resolve "tp" as before
+    for name, msg in run_on_ranks(2, _dense_style_without_tp, timeout_s=60):
+        assert name == "MeshDimError" and "'tp'" in msg, msg
