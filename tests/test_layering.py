@@ -167,7 +167,9 @@ NEUTRAL_MODULES = ("hyperpar.dtensor.mesh", "hyperpar.dtensor.placement",
                    "hyperpar.pipeline.schedules", "hyperpar.pipeline.runner",
                    "hyperpar.pipeline.spec", "hyperpar.pipeline.partition",
                    "hyperpar.pipeline._faults", "hyperpar.pipeline.topology",
-                   "hyperpar.pipeline.layout")
+                   "hyperpar.pipeline.layout",
+                   "hyperpar.moe", "hyperpar.moe.errors", "hyperpar.moe.placement",
+                   "hyperpar.moe.routing")
 
 _BLOCK_MINDSPORE = """
 class _NoMindSpore(importlib.abc.MetaPathFinder):
