@@ -129,8 +129,8 @@ def top1gating(logits: Tensor, capacity_factor: float, min_capacity: int,
                use_tutel: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """GShard top-1 gating as DeepSpeed computes it; returns ``(l_aux, combine_weights (S, E,
     C), dispatch_mask (S, E, C), exp_counts (E,))``. Kept tokens per expert: the ``capacity``
-    largest of ``mask * uniform`` (``use_rts``) or, without it, of the 0/1 mask itself, i.e.
-    torch ``topk``'s choice among ties (on CPU: the earliest tokens)."""
+    largest of ``mask * uniform`` (``use_rts``, DeepSpeed's draw) or, without it, the
+    ``capacity`` earliest (DeepSpeed leaves that choice to ``topk`` among ties)."""
     if noisy_gate_policy == "RSample":
         noisy = logits + _gumbel(logits.shape, logits.device)
     gates = F.softmax(logits, dim=1)
@@ -147,12 +147,17 @@ def top1gating(logits: Tensor, capacity_factor: float, min_capacity: int,
     me = gates.mean(dim=0)
     ce = mask1.float().mean(dim=0)
     l_aux = torch.sum(me * ce) * num_experts
-    ranked = mask1 * _uniform(mask1.shape, logits.device, 0.0, 1.0) if use_rts else mask1
     if num_tokens < min_capacity:
         raise ValueError(f"{num_tokens} tokens but min_capacity={min_capacity}: DeepSpeed needs "
                          "at least min_capacity tokens; set min_capacity=0 or raise the batch")
-    keep = torch.topk(ranked, k=capacity, dim=0)[1]
-    mask1 = mask1 * torch.zeros_like(mask1).scatter_(0, keep, 1)
+    if use_rts:  # DeepSpeed's draw: the capacity largest of mask * uniform, per expert
+        ranked = mask1 * _uniform(mask1.shape, logits.device, 0.0, 1.0)
+        keep = torch.topk(ranked, k=capacity, dim=0)[1]
+        mask1 = mask1 * torch.zeros_like(mask1).scatter_(0, keep, 1)
+    else:
+        # DeepSpeed takes topk of the 0/1 mask, leaving the choice among tied tokens to the
+        # kernel (on CPU not the earliest); here the earliest tokens are kept, a stated order.
+        mask1 = mask1 * torch.lt(torch.cumsum(mask1, dim=0) - 1, capacity)
     locations1 = torch.cumsum(mask1, dim=0) - 1
     locations1_s = torch.sum(locations1 * mask1, dim=1)
     gates = gates * mask1.float()
