@@ -63,6 +63,9 @@ _EXPORTS: dict[str, str] = {
     "context_parallel": "hyperpar.parallel",
     "context_parallel_unshard": "hyperpar.parallel",
     "ContextParallelError": "hyperpar.parallel",
+    "ExpertParallel": "hyperpar.parallel",
+    "ExpertTensorParallel": "hyperpar.parallel",
+    "TensorParallel": "hyperpar.parallel",
     # fsdp
     "fully_shard": "hyperpar.fsdp",
     "FSDPModule": "hyperpar.fsdp",

@@ -209,6 +209,7 @@ STATUS_MESSAGES: dict[int, str] = {
     1: "num_tokens_per_expert does not sum to routed_input's rows (or has a negative count)",
     2: "routed_input contains NaN or inf (often NaN router scores multiplied into the tokens)",
     3: "num_tokens_per_expert has a different length than the experts' num_experts",
+    4: "routed_input is not (tokens, dim) with the experts' dim (hidden sizes differ)",
 }
 
 

@@ -30,6 +30,7 @@ except ImportError:  # pragma: no cover - exercised by tests/test_layering.py
 
 if _torch is not None:
     from hyperpar.torch import alias_submodules as _alias
+    from hyperpar.torch.moe.styles import ExpertParallel, ExpertTensorParallel, TensorParallel
     from hyperpar.torch.parallel.api import distribute_module, from_torch_style
     from hyperpar.torch.parallel.layers import (
         ColumnParallelLinear,
@@ -66,6 +67,8 @@ __all__ = [
     "ColwiseParallel",
     "ContextParallelError",
     "DataParallelModule",
+    "ExpertParallel",
+    "ExpertTensorParallel",
     "ParallelLinear",
     "ParallelStyle",
     "PlanKeyError",
@@ -76,6 +79,7 @@ __all__ = [
     "RowwiseParallel",
     "SequenceParallel",
     "TiedParameterError",
+    "TensorParallel",
     "TensorParallelConfig",
     "UnsupportedModuleError",
     "VocabParallelEmbedding",

@@ -220,7 +220,7 @@ def retie(ties: list[Tie]) -> None:
 
 
 # --------------------------------------------------------------------------- the driver
-def _resolve_mesh(device_mesh: Any, tp_mesh_dim: str | int | None) -> Any:
+def _given_mesh(device_mesh: Any) -> Any:
     if device_mesh is None:
         # `with mesh:` makes a mesh current; its module is loaded if any mesh was made.
         mesh_module = sys.modules.get("hyperpar.dtensor.mesh")
@@ -231,8 +231,20 @@ def _resolve_mesh(device_mesh: Any, tp_mesh_dim: str | int | None) -> Any:
     if not hasattr(device_mesh, "get_mesh"):
         raise TypeError(f"parallelize_module needs a DeviceMesh (from init_device_mesh), got "
                         f"{type(device_mesh).__module__}.{type(device_mesh).__name__}")
+    return device_mesh
+
+
+def _resolve_mesh(device_mesh: Any, tp_mesh_dim: str | int | None) -> Any:
     # a 1-D mesh whole, else dim tp_mesh_dim (name or index), else the dim named "tp"
     return device_mesh.get_mesh(tp_mesh_dim, default="tp")
+
+
+def _mesh_for(style: Any, given: Any, resolved: Any, unresolved: Exception | None) -> Any:
+    if getattr(style, "_own_mesh", None) is not None:
+        return given  # the style slices it (its _check_mesh and _apply take the mesh given)
+    if unresolved is not None:
+        raise unresolved
+    return resolved
 
 
 def _apply_style(style: Any, module: Any, mesh: Any, fqn: str,
@@ -264,7 +276,14 @@ def parallelize_module(module: Any, device_mesh: Any = None,
     parameters are scattered (``None``: each rank uses its own copy). A parameter shared by
     several modules stays one parameter. Returns ``module``.
     """
-    mesh = _resolve_mesh(device_mesh, tp_mesh_dim)
+    # A style that picks its own mesh dims (the expert styles: "ep", ("ep", "tp")) gets the
+    # mesh as given; every other style the tp dim, resolved here as before.
+    given = _given_mesh(device_mesh)
+    try:
+        mesh = _resolve_mesh(given, tp_mesh_dim)
+        unresolved: Exception | None = None
+    except (KeyError, ValueError) as err:  # MeshDimError: no "tp" dim on an n-D mesh
+        mesh, unresolved = None, err
     converted = _convert(parallelize_plan, "")
     if converted is not None:
         parallelize_plan = converted
@@ -276,17 +295,18 @@ def parallelize_module(module: Any, device_mesh: Any = None,
     # Resolve and check the whole plan first: a bad entry must leave the model untouched.
     entries = resolve_plan(module, parallelize_plan, children=platform.named_children,
                            is_style=lambda s: isinstance(s, StyleBase), convert=_convert)
+    meshes = {id(style): _mesh_for(style, given, mesh, unresolved) for _, _, style in entries}
     pending: dict[int, dict[str, str]] = {}
     for fqn, sub, style in entries:
         style._check_applicable(sub, fqn, pending.get(id(sub)))
         pending.setdefault(id(sub), {}).update({c: repr(style) for c in style._claimed()})
     for fqn, sub, style in entries:  # every rank, before the first broadcast
         if "parameters" in style._claimed():
-            check_src_data_rank(type(style).__name__, src_data_rank, mesh.size(0))
-        style._check_mesh(sub, fqn, mesh)
+            check_src_data_rank(type(style).__name__, src_data_rank, meshes[id(style)].size(0))
+        style._check_mesh(sub, fqn, meshes[id(style)])
     ties = find_ties(module)
     check_ties(ties, entries)
     for fqn, sub, style in entries:
-        _apply_style(style, sub, mesh, fqn, src_data_rank)
+        _apply_style(style, sub, meshes[id(style)], fqn, src_data_rank)
     retie(ties)  # a parameter shared before stays one parameter (torch splits it)
     return module
