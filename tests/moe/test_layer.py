@@ -246,3 +246,72 @@ def test_deepspeed_rank_layout_is_deepspeeds():
     with pytest.raises(ValueError, match="Number of experts"):
         from hyperpar.moe.deepspeed import MoE
         MoE(DIM, _expert(), num_experts=3, ep_size=2)
+
+
+# ------------------------------------------------------------------ hyperpar.moe.MoE under EP
+def _moe_under_ep(n_experts: int, top_k: int, skew: bool) -> dict:
+    from hyperpar import ExpertParallel, init_device_mesh, parallelize_module
+    from hyperpar.moe import MoE
+    from hyperpar.platform import get_platform
+
+    platform = get_platform()
+    rank, world = platform.rank(), platform.world_size()
+    mesh = init_device_mesh((world,), mesh_dim_names=("ep",))
+    torch.manual_seed(0)
+    moe = MoE(DIM, HID, num_experts=n_experts, top_k=top_k, num_shared_experts=1)
+    for p in moe.parameters():
+        nn.init.normal_(p, std=0.5)
+    if skew:  # every token prefers expert 0: the other experts see few or none
+        with torch.no_grad():
+            moe.router.gate.weight[0].zero_()
+            moe.router.gate.bias = None
+    parallelize_module(moe, mesh, {"experts": ExpertParallel()})
+    x = _ep_tokens(rank, skew)
+    y = moe(x)
+    (y.square().sum() / world).backward()
+    dense = {}
+    for name, p in moe.named_parameters():
+        if not name.startswith("experts."):  # replicated: each rank holds its tokens' part
+            g = p.grad.clone()
+            platform.all_reduce(g, "sum")
+            dense[name] = g
+    experts = {name: p.grad.full_tensor() for name, p in moe.experts.named_parameters(
+        prefix="experts")}
+    return {"y": y.detach(), "dense": dense, "experts": experts,
+            "local": tuple(moe.experts.w1.to_local().shape)}
+
+
+def _ep_tokens(rank: int, skew: bool) -> torch.Tensor:
+    x = torch.randn(6, DIM, generator=torch.Generator().manual_seed(rank))
+    if skew:
+        x[:, 0] = 4.0 + rank  # input dim 0 pushes the logits apart
+    return x
+
+
+@pytest.mark.parametrize(("n", "n_experts", "top_k", "skew"), [
+    (2, 4, 2, False), (4, 8, 2, False), (4, 4, 1, True)])
+def test_moe_under_expert_parallel_matches_one_process(run_on_ranks, n, n_experts, top_k, skew):
+    results = run_on_ranks(n, _moe_under_ep, n_experts, top_k, skew)
+    from hyperpar.moe import MoE
+
+    torch.manual_seed(0)
+    moe = MoE(DIM, HID, num_experts=n_experts, top_k=top_k, num_shared_experts=1)
+    for p in moe.parameters():
+        nn.init.normal_(p, std=0.5)
+    ref = {k: v.detach().clone().requires_grad_() for k, v in moe.named_parameters()}
+    if skew:
+        with torch.no_grad():
+            ref["router.gate.weight"][0].zero_()
+    shared = [ref[f"shared_experts.{w}.weight"] for w in ("w1", "w2", "w3")]
+    loss = 0.0
+    for rank, res in enumerate(results):
+        want = _reference_moe(_ep_tokens(rank, skew), ref["router.gate.weight"],
+                              ref["experts.w1"], ref["experts.w2"], ref["experts.w3"], shared,
+                              top_k, "softmax", True)
+        torch.testing.assert_close(res["y"], want.detach(), atol=TOL, rtol=TOL)
+        loss = loss + want.square().sum() / n
+        assert res["local"] == (n_experts // n, HID, DIM)
+    loss.backward()
+    for res in results:
+        for name, g in {**res["dense"], **res["experts"]}.items():
+            torch.testing.assert_close(g, ref[name].grad, atol=TOL, rtol=TOL, msg=name)
