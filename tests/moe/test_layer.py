@@ -23,34 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._reference import reference_moe
+
 TOL = 1e-5
 DIM, HID = 8, 16
 
 
 # ------------------------------------------------------------------ hyperpar.moe.MoE, one process
-def _swiglu(x, w1, w2, w3):
-    return (F.silu(x @ w1.T) * (x @ w3.T)) @ w2.T
-
-
-def _reference_moe(x, gate_w, w1, w2, w3, shared, top_k, score_func, before):
-    """Every token through its top-k experts, one token at a time."""
-    out = []
-    for t in range(x.shape[0]):
-        logits = x[t] @ gate_w.T
-        scores = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
-        chosen = sorted(range(len(scores)), key=lambda e: -float(scores[e].detach()))[:top_k]
-        y = torch.zeros(x.shape[1])
-        for e in chosen:
-            if before:
-                y = y + _swiglu(scores[e] * x[t:t + 1], w1[e], w2[e], w3[e])[0]
-            else:
-                y = y + scores[e] * _swiglu(x[t:t + 1], w1[e], w2[e], w3[e])[0]
-        if shared is not None:
-            y = y + _swiglu(x[t:t + 1], *shared)[0]
-        out.append(y)
-    return torch.stack(out)
-
-
 @pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize(("top_k", "score_func", "before", "n_shared"), [
     (1, "softmax", True, 0), (2, "softmax", False, 1), (3, "sigmoid", True, 2)])
@@ -73,7 +52,7 @@ def test_moe_layer_matches_a_token_by_token_reference(grouped, top_k, score_func
     shared = None
     if n_shared:
         shared = [ref[f"shared_experts.{w}.weight"] for w in ("w1", "w2", "w3")]
-    want = _reference_moe(x.reshape(-1, DIM), ref["router.gate.weight"], ref["experts.w1"],
+    want = reference_moe(x.reshape(-1, DIM), ref["router.gate.weight"], ref["experts.w1"],
                           ref["experts.w2"], ref["experts.w3"], shared, top_k, score_func,
                           before).reshape(x.shape)
     logits = x.reshape(-1, DIM) @ ref["router.gate.weight"].T
@@ -305,7 +284,7 @@ def test_moe_under_expert_parallel_matches_one_process(run_on_ranks, n, n_expert
     shared = [ref[f"shared_experts.{w}.weight"] for w in ("w1", "w2", "w3")]
     loss = 0.0
     for rank, res in enumerate(results):
-        want = _reference_moe(_ep_tokens(rank, skew), ref["router.gate.weight"],
+        want = reference_moe(_ep_tokens(rank, skew), ref["router.gate.weight"],
                               ref["experts.w1"], ref["experts.w2"], ref["experts.w3"], shared,
                               top_k, "softmax", True)
         torch.testing.assert_close(res["y"], want.detach(), atol=TOL, rtol=TOL)
