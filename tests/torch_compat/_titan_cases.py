@@ -75,6 +75,49 @@ def case_functional_all_reduce(api: Any, n: int) -> Any:
             for op in ("sum", "max", "min", "avg")}
 
 
+@case
+def case_functional_collectives_autograd(api: Any, n: int) -> Any:
+    """The gradient through each funcol collective torch differentiates on every supported
+    version (torchtitan's token dispatch: ``all_to_all_single`` with uneven splits), and the
+    backward error of one it does not (``max``). ``avg`` and ``broadcast`` are left out: torch
+    2.13 raises on ``avg`` and torch's ``broadcast`` gradient is the local identity (see
+    docs/dtensor.md); tests/dtensor/test_funcol_autograd.py checks hyperpar's adjoints."""
+    mesh = _world(api, n)
+    f = api.funcol
+    r = mesh.get_rank()
+    sends = [(r + j) % 3 + 1 for j in range(n)]     # rows this rank sends to rank j
+    recvs = [(j + r) % 3 + 1 for j in range(n)]     # rows rank j sends here
+    ops = {
+        "all_reduce_sum": lambda x: f.all_reduce(x, "sum", mesh),
+        "all_gather_tensor_0": lambda x: f.all_gather_tensor(x, 0, mesh),
+        "all_gather_tensor_1": lambda x: f.all_gather_tensor(x, 1, mesh),
+        "all_gather_tensor_autograd": lambda x: f.all_gather_tensor_autograd(x, 0, mesh),
+        "reduce_scatter_tensor_0": lambda x: f.reduce_scatter_tensor(x[: 2 * n], "sum", 0, mesh),
+        "reduce_scatter_tensor_1": lambda x: f.reduce_scatter_tensor(
+            x[:, :2].repeat(1, n), "sum", 1, mesh),
+        "reduce_scatter_tensor_autograd": lambda x: f.reduce_scatter_tensor_autograd(
+            x[: 2 * n], "sum", 0, mesh),
+        "all_to_all_single": lambda x: f.all_to_all_single(x[: sum(sends)], recvs, sends, mesh),
+        "all_to_all_single_autograd": lambda x: f.all_to_all_single_autograd(
+            x[: sum(sends)], recvs, sends, mesh),
+        "all_to_all_single_even": lambda x: f.all_to_all_single(x[: 2 * n], None, None, mesh),
+        "wait_tensor": lambda x: f.wait_tensor(x * 2),
+        "all_reduce_max": lambda x: f.all_reduce(x, "max", mesh),
+    }
+    out = {}
+    for name, op in ops.items():
+        torch.manual_seed(r)
+        x = torch.randn(3 * n, 3, requires_grad=True)
+        y = f.wait_tensor(op(x))
+        torch.manual_seed(50 + r)
+        try:
+            (torch.randn(y.shape) * y).sum().backward()
+            out[name] = {"out": y.detach().clone(), "grad": x.grad}
+        except RuntimeError:
+            out[name] = {"out": y.detach().clone(), "backward": "raises RuntimeError"}
+    return out
+
+
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
