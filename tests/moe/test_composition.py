@@ -125,7 +125,7 @@ def test_ep_inside_1f1b_pipeline_stages_matches_one_process(run_on_ranks):
 
 
 # ------------------------------------------------------------------ EP x fully_shard x clip
-def _fsdp_ep(steps: int) -> dict:
+def _fsdp_ep(steps: int, mode: str) -> dict:
     from hyperpar import (
         ExpertParallel,
         clip_grad_norm_,
@@ -141,18 +141,28 @@ def _fsdp_ep(steps: int) -> dict:
     dense = init_device_mesh((world,), mesh_dim_names=("dp",))
     model = _model(1, 4)
     parallelize_module(model, sparse["ep"], {"0.moe.experts": ExpertParallel()})
-    # dense parameters sharded over every rank; the experts kept out of fully_shard and their
-    # gradients averaged over efsdp by hand
-    for name in ("0.proj", "0.moe.router", "0.moe.shared_experts"):
-        fully_shard(model.get_submodule(name), mesh=dense["dp"])
+    experts = list(model[0].moe.experts.parameters())
+    if mode == "efsdp":  # torchtitan's layout: the experts fully_shard over their own mesh
+        from hyperpar.fsdp import FSDPMeshInfo, ShardPlacementResult
+
+        info = FSDPMeshInfo(sparse["efsdp"], shard_mesh_dim=0)
+        ids = {id(p) for p in experts}
+
+        def placement(p):
+            return ShardPlacementResult(None, info) if id(p) in ids else None
+
+        fully_shard(model[0], mesh=dense["dp"], shard_placement_fn=placement)
+        model[0].set_gradient_divide_factor(world)  # every gradient: the world batch's mean
+    else:  # dense parameters sharded over every rank; the experts kept out of fully_shard
+        for name in ("0.proj", "0.moe.router", "0.moe.shared_experts"):
+            fully_shard(model.get_submodule(name), mesh=dense["dp"])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     norms = []
-    experts = list(model[0].moe.experts.parameters())
     for step in range(steps):
         opt.zero_grad()
         model(_tokens(rank, step)).square().mean().backward()
-        for p in experts:
-            g = _local_grad(p)
+        for p in experts if mode == "excluded" else ():
+            g = _local_grad(p)  # averaged over efsdp by hand
             platform.all_reduce(g, "sum", sparse["efsdp"].get_group())
             g.div_(world)  # the combine summed the ep group: sum over efsdp, over the world
         norms.append(float(clip_grad_norm_(model.parameters(), 1.0)))
@@ -163,11 +173,15 @@ def _fsdp_ep(steps: int) -> dict:
             "placements": placements}
 
 
-def test_ep_with_fully_shard_dense_and_clip_grad_norm_matches_one_process(run_on_ranks):
-    """4 ranks: dense weights fully_shard over all 4, experts 2 per rank over ep (2) and
-    replicated over efsdp (2); 2 SGD steps, each after clip_grad_norm_ over every parameter
-    (two meshes) at max norm 1 (which clips): the norms and the weights equal one process."""
-    results = run_on_ranks(4, _fsdp_ep, 2, timeout_s=120)
+@pytest.mark.parametrize("mode", ["efsdp", "excluded"])
+def test_ep_with_fully_shard_and_clip_grad_norm_matches_one_process(run_on_ranks, mode):
+    """4 ranks: dense weights fully_shard over all 4, experts 2 per rank over ep (2) and, over
+    efsdp (2), either fully_shard through ``shard_placement_fn`` returning
+    ``ShardPlacementResult`` (``"efsdp"``, torchtitan's layout) or kept out of fully_shard and
+    all-reduced by hand (``"excluded"``); 2 SGD steps, each after clip_grad_norm_ over every
+    parameter (two meshes) at max norm 1 (which clips): the norms and the weights equal one
+    process."""
+    results = run_on_ranks(4, _fsdp_ep, 2, mode, timeout_s=120)
     model = _model(1, 4)
     p = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
     opt = torch.optim.SGD(list(p.values()), lr=0.1)
@@ -184,7 +198,9 @@ def test_ep_with_fully_shard_dense_and_clip_grad_norm_matches_one_process(run_on
         for name, want in p.items():
             torch.testing.assert_close(res["params"][name], want.detach(), atol=TOL, rtol=TOL,
                                        msg=name)
-        assert res["placements"]["0.moe.experts.w1"] == (("ep",), (2, HID, DIM))
+        experts = (("ep", "efsdp"), (1, HID, DIM)) if mode == "efsdp" else (("ep",),
+                                                                            (2, HID, DIM))
+        assert res["placements"]["0.moe.experts.w1"] == experts
         assert res["placements"]["0.proj.weight"] == (("dp",), (DIM // 4, DIM))
 
 
