@@ -84,10 +84,13 @@ def _create_groups(ep_size: int, use_data_before_expert_parallel_: bool) -> str:
     return name
 
 
-def _world() -> tuple[int, int]:
+def _world(join: bool = False) -> tuple[int, int]:
+    from hyperpar.dtensor.mesh import ensure_world
     from hyperpar.platform import get_platform
 
     platform = get_platform()
+    if join:  # ep_size > 1: join the launcher's world, as meshes and PipelineModule do
+        ensure_world(platform)
     if not platform.is_initialized():
         return 1, 0
     return platform.world_size(), platform.rank()
@@ -400,7 +403,7 @@ class MoE(nn.Module):
             raise NotImplementedError(
                 "enable_expert_tensor_parallelism=True is not supported by hyperpar's DeepSpeed "
                 "MoE; shard experts over tp with hyperpar.moe.MoE and ExpertTensorParallel()")
-        world, _ = _world()
+        world, _ = _world(join=ep_size > 1)
         if world % ep_size:
             raise ValueError(f"ep_size={ep_size} must divide the world size {world} "
                              "(DeepSpeed's rule); pick a divisor of the world size")
