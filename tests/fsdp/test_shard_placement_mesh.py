@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 STEPS, ROWS, D, E, TOL = 3, 8, 8, 4, 1e-5
+CLIP = 0.5  # below the first steps' gradient norms (~1-3): clipping changes every step
 
 
 def _weights() -> dict[str, torch.Tensor]:
@@ -46,14 +47,20 @@ class _Ref(nn.Module):
         return torch.einsum("td,edf->tf", torch.tanh(self.dense(x)), self.experts)
 
 
-def _reference() -> dict[str, torch.Tensor]:
+def _reference(clip: bool = False) -> dict[str, torch.Tensor]:
     model = _Ref()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    norms = []
     for step in range(STEPS):
         opt.zero_grad()
         model(_batch(step)).pow(2).sum(-1).mean().backward()
+        if clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
-    return {k: v.detach() for k, v in model.named_parameters()}
+    out = {k: v.detach() for k, v in model.named_parameters()}
+    if clip:
+        out["norms"] = torch.tensor(norms)
+    return out
 
 
 class _Block(nn.Module):
@@ -78,9 +85,9 @@ class _Block(nn.Module):
         return funcol.reduce_scatter_tensor(y, "sum", 0, self.ep)
 
 
-def _train(result_type: str) -> dict:
+def _train(result_type: str, clip: bool = False) -> dict:
     from hyperpar import fully_shard, init_device_mesh
-    from hyperpar.fsdp import FSDPMeshInfo, ShardPlacementResult
+    from hyperpar.fsdp import FSDPMeshInfo, ShardPlacementResult, clip_grad_norm_
 
     if result_type == "torch":   # torch's own dataclasses, with a hyperpar mesh inside
         from torch.distributed.fsdp._fully_shard._fsdp_common import (
@@ -103,16 +110,22 @@ def _train(result_type: str) -> dict:
     opt = torch.optim.SGD(block.parameters(), lr=0.1)
     r = world.get_local_rank()
     rows = slice(2 * r, 2 * r + 2)
+    norms = []
     for step in range(STEPS):
         opt.zero_grad()
         block(_batch(step)[rows]).pow(2).sum(-1).mean().backward()
+        if clip:   # experts' grads on (ep, efsdp), dense ones on dp_shard: one total norm
+            norms.append(float(clip_grad_norm_(block.parameters(), CLIP)))
         opt.step()
-    return {"layout": layout,
-            "params": {k: p.full_tensor().detach() for k, p in block.named_parameters()}}
+    params = {k: p.full_tensor().detach() for k, p in block.named_parameters()}
+    if clip:
+        params["norms"] = torch.tensor(norms)
+    return {"layout": layout, "params": params}
 
 
-def _check(results) -> None:
-    ref = _reference()
+def _check(results, clip: bool = False) -> None:
+    ref = _reference(clip)
+    assert not clip or (ref["norms"] > CLIP).all(), "the reference must actually clip"
     for res in results:
         assert res["layout"]["experts"] == (("ep", "efsdp"), (1, D, D))
         assert res["layout"]["dense.weight"] == (("dp_shard",), (2, D))
@@ -126,6 +139,11 @@ def test_experts_on_their_own_fsdp_mesh_train_as_one_process(run_on_ranks):
 
 def test_torch_shard_placement_result_is_accepted(run_on_ranks):
     _check(run_on_ranks(4, _train, "torch"))
+
+
+def test_clip_grad_norm_over_expert_and_dense_meshes_matches_one_process(run_on_ranks):
+    """hyperpar.fsdp.clip_grad_norm_ over parameters on two meshes: the one-process norm."""
+    _check(run_on_ranks(4, _train, "hyperpar", True), True)
 
 
 def _errors() -> dict[str, str]:
