@@ -14,9 +14,9 @@ from typing import Any as _Any
 
 from hyperpar.platform.registry import torch_installed as _torch_installed
 
-__all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "FSDPModule", "MixedPrecisionPolicy",
-           "OffloadPolicy", "UnshardHandle", "clip_grad_norm_", "fully_shard",
-           "register_fsdp_forward_method"]
+__all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "FSDPMeshInfo", "FSDPModule",
+           "MixedPrecisionPolicy", "OffloadPolicy", "ShardPlacementResult", "UnshardHandle",
+           "clip_grad_norm_", "fully_shard", "register_fsdp_forward_method"]
 
 
 if _torch_installed():
@@ -25,15 +25,19 @@ if _torch_installed():
     from .policy import (
         CPUOffloadPolicy,
         DataParallelMeshDims,
+        FSDPMeshInfo,
         MixedPrecisionPolicy,
         OffloadPolicy,
+        ShardPlacementResult,
     )
 else:   # no torch: the policies (framework-free) here, the rest the platform's (MindSpore's)
     from .policy import (
         CPUOffloadPolicy,
         DataParallelMeshDims,
+        FSDPMeshInfo,
         MixedPrecisionPolicy,
         OffloadPolicy,
+        ShardPlacementResult,
     )
 
     def __getattr__(name: str) -> _Any:

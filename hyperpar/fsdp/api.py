@@ -147,7 +147,7 @@ class FSDPModule(nn.Module):
             raise ValueError(f"set_gradient_divide_factor: factor must be > 0, got {factor}")
         for g in self._fsdp_groups():
             g.divide_factor = factor
-            g._averaging = None
+            g.reset_averaging()
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Older name of :meth:`set_gradient_divide_factor`."""
@@ -313,19 +313,68 @@ def _managed(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
     return out
 
 
-def _shard_dim(fn: Callable[[nn.Parameter], Any] | None, p: nn.Parameter, name: str) -> int:
-    """The dim ``shard_placement_fn`` picks for ``p`` (None or no fn: 0)."""
+def _shard_placement(fn: Callable[[nn.Parameter], Any] | None, p: nn.Parameter, name: str,
+                     default: DeviceMesh) -> tuple[int, DeviceMesh]:
+    """The dim and the data-parallel mesh ``shard_placement_fn`` picks for ``p``: ``None``
+    (dim 0, ``default``), ``Shard(dim)`` (on ``default``) or a ``ShardPlacementResult``
+    (hyperpar's or torch's) naming its own mesh."""
     if fn is None:
-        return 0
-    placement = fn(p)
-    if placement is None:
-        return 0
-    dim = getattr(placement, "dim", None)
-    if type(placement).__name__ != "Shard" or not isinstance(dim, int):
+        return 0, default
+    result = fn(p)
+    mesh = default
+    if hasattr(result, "mesh_info") and hasattr(result, "placement"):
+        mesh = _mesh_of(result.mesh_info, name)
+        result = result.placement
+    if result is None:
+        return 0, mesh
+    dim = getattr(result, "dim", None)
+    if type(result).__name__ != "Shard" or not isinstance(dim, int):
         raise TypeError(
-            f"fully_shard: shard_placement_fn returned {placement!r} for parameter {name!r}; "
-            "it must return Shard(dim) (hyperpar's or torch's) or None (Shard(0))")
-    return dim
+            f"fully_shard: shard_placement_fn returned {result!r} for parameter {name!r}; "
+            "it must return Shard(dim) (hyperpar's or torch's), None (Shard(0)) or "
+            "ShardPlacementResult(placement, mesh_info)")
+    return dim, mesh
+
+
+def _mesh_key(mesh: DeviceMesh) -> tuple[Any, ...]:
+    """Meshes over the same rank grid share one section (and its collectives)."""
+    key = getattr(mesh, "_hp_fsdp_key", None)
+    if key is None:
+        key = (tuple(mesh.mesh.reshape(-1).tolist()), tuple(mesh.shape))
+        mesh._hp_fsdp_key = key
+    return key
+
+
+def _mesh_of(info: Any, name: str) -> DeviceMesh:
+    """The 1-D (shard) or 2-D (replicate, shard) dp mesh a ``FSDPMeshInfo`` describes."""
+    mesh = getattr(info, "mesh", None)
+    shard = getattr(info, "shard_mesh_dim", None)
+    rep = getattr(info, "replicate_mesh_dim", None)
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"fully_shard: shard_placement_fn's mesh_info for parameter {name!r} has mesh "
+            f"{type(mesh).__name__}; give FSDPMeshInfo(mesh=<a hyperpar DeviceMesh>, "
+            "shard_mesh_dim=...) (build meshes with hyperpar's init_device_mesh)")
+    if not isinstance(shard, int) or not 0 <= shard < mesh.ndim or \
+            (rep is not None and (not isinstance(rep, int) or not 0 <= rep < mesh.ndim
+                                  or rep == shard)):
+        raise ValueError(
+            f"fully_shard: mesh_info for parameter {name!r}: shard_mesh_dim={shard!r}, "
+            f"replicate_mesh_dim={rep!r} are not distinct dims of the {mesh.ndim}-D mesh "
+            f"{mesh!r}")
+    if mesh.get_coordinate() is None:
+        raise ValueError(
+            f"fully_shard: the FSDP mesh {mesh!r} for parameter {name!r} does not contain "
+            f"this rank; each rank must pass the mesh slice it belongs to (e.g. "
+            "world_mesh['efsdp'])")
+    dims = [shard] if rep is None else [rep, shard]
+    if dims == list(range(mesh.ndim)):
+        return mesh
+    names = mesh.mesh_dim_names
+    if not names:
+        raise ValueError(f"fully_shard: mesh_info for parameter {name!r} picks dims {dims} "
+                         f"of an unnamed mesh; name its dims or pass the 1-D slice")
+    return mesh[tuple(names[d] for d in dims)] if len(dims) > 1 else mesh[names[shard]]
 
 
 def _modules_of(module: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
@@ -366,8 +415,12 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
             communication). ``None`` (default): ``True`` for every module but the root,
             which keeps them (backward needs them at once). An int ``k`` (torch: stay sharded
             over ``k`` ranks) frees them fully for ``k > 1`` and keeps them for ``k == 1``.
-        shard_placement_fn: ``fn(param) -> Shard(dim) | None``: the dim each parameter is
-            split on (``None``: dim 0). Uneven dims follow ``torch.chunk``.
+        shard_placement_fn: ``fn(param) -> Shard(dim) | ShardPlacementResult | None``: the
+            dim each parameter is split on (``None``: dim 0; uneven dims follow
+            ``torch.chunk``), or with ``ShardPlacementResult(placement, FSDPMeshInfo(mesh,
+            shard_mesh_dim))`` (hyperpar's or torch's) also its own data-parallel mesh:
+            parameters on each mesh are gathered and reduce-scattered over it (torchtitan's
+            routed experts over ``efsdp``, the rest over ``mesh``).
         mp_policy: :class:`MixedPrecisionPolicy` (default: none).
         offload_policy: :class:`CPUOffloadPolicy` keeps shards, gradients and optimizer
             states in host memory (default :class:`OffloadPolicy`: no offload).
@@ -400,7 +453,6 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     platform = get_platform()
     shard_group = dp_mesh.get_group(dp_mesh.ndim - 1)
     replicate_group = dp_mesh.get_group(0) if dp_mesh.ndim == 2 else None
-    shard_rank = dp_mesh.get_local_rank(dp_mesh.ndim - 1)
     shard_size = dp_mesh.size(dp_mesh.ndim - 1)
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         reshard_after_forward = _resolve_reshard(reshard_after_forward, shard_size, root=False)
@@ -414,6 +466,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     # is sharded once and bound under every name that holds it
     params: list[ShardedParam] = []
     by_id: dict[int, ShardedParam] = {}
+    # one section (flat buffers, collectives) per distinct data-parallel mesh
+    sections: dict[tuple[Any, ...], tuple[DeviceMesh, list[ShardedParam]]] = {}
     for owner, name, p in managed:
         if getattr(p, "_hp_fsdp", False):
             raise ValueError(f"fully_shard: parameter {name!r} is already sharded")
@@ -429,19 +483,26 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         if sp is not None:
             sp.aliases.append((owner, name))
             continue
-        sp = ShardedParam(owner, name, p, dp_mesh=dp_mesh, shard_rank=shard_rank,
-                          shard_size=shard_size, param_dtype=mp.param_dtype,
-                          offload=offload, device=device,
-                          shard_dim=_shard_dim(shard_placement_fn, p, name))
+        dim, pmesh = _shard_placement(shard_placement_fn, p, name, dp_mesh)
+        key = _mesh_key(pmesh)
+        pmesh = sections.setdefault(key, (pmesh, []))[0]
+        sp = ShardedParam(owner, name, p, dp_mesh=pmesh,
+                          shard_rank=pmesh.get_local_rank(pmesh.ndim - 1),
+                          shard_size=pmesh.size(pmesh.ndim - 1), param_dtype=mp.param_dtype,
+                          offload=offload, device=device, shard_dim=dim)
         sp.sharded._hp_fsdp = True
         by_id[id(p)] = sp
         params.append(sp)
+        sections[key][1].append(sp)
     for sp in params:
         _retire(sp, label)
         sp.rebind_sharded()
     group = ParamGroup(params, shard_group=shard_group, replicate_group=replicate_group,
                        mp=mp, reshard_after_forward=reshard_after_forward, offload=offload,
-                       device=device, label=label)
+                       device=device, label=label,
+                       sections=[(ps, m.get_group(m.ndim - 1),
+                                  m.get_group(0) if m.ndim == 2 else None)
+                                 for m, ps in sections.values()])
     group.modules = modules
     for m in modules:
         _install(m, group, platform)

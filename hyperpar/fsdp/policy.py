@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "MixedPrecisionPolicy", "OffloadPolicy"]
+__all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "FSDPMeshInfo", "MixedPrecisionPolicy",
+           "OffloadPolicy", "ShardPlacementResult"]
 
 
 @dataclass(frozen=True)
@@ -112,3 +113,31 @@ def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
     if value is None:
         return ()
     return (value,) if isinstance(value, str) else tuple(value)
+
+
+@dataclass
+class FSDPMeshInfo:
+    """The data-parallel mesh one parameter shards over (torch FSDP2's type of the same name,
+    ``torch.distributed.fsdp._fully_shard._fsdp_common.FSDPMeshInfo``): ``mesh`` a hyperpar
+    DeviceMesh, ``shard_mesh_dim`` the dim it shards over, ``replicate_mesh_dim`` the HSDP
+    replication dim (or None)."""
+
+    mesh: Any
+    shard_mesh_dim: int | None = None
+    replicate_mesh_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard_mesh_dim is None:
+            raise ValueError("FSDPMeshInfo: shard_mesh_dim must be given (the mesh dim the "
+                             "parameter shards over)")
+
+
+@dataclass
+class ShardPlacementResult:
+    """What ``shard_placement_fn`` may return for one parameter (torch FSDP2's type of the same
+    name): its placement (``Shard(dim)``, or None for ``Shard(0)``) and the data-parallel mesh
+    it shards over -- e.g. a block's routed experts on their own ``efsdp`` mesh while its
+    dense parameters use the ``mesh`` given to ``fully_shard``."""
+
+    placement: Any
+    mesh_info: Any

@@ -14,7 +14,14 @@ Core API (ints and lists; both frameworks' mechanics call it):
 The expert-parallel styles (``ExpertParallel``, ``ExpertTensorParallel``, ``TensorParallel``
 for grouped experts) live in :mod:`hyperpar.torch.moe.styles`, exported from ``hyperpar`` and
 ``hyperpar.parallel``.
+
+The torch layer for models written by hand (loaded lazily on first use, so this package imports
+without torch): :class:`MoE`, :class:`GroupedExperts`, :class:`FeedForward`,
+:class:`TokenChoiceTopKRouter`, :func:`load_balancing_loss`, :func:`update_expert_bias`
+(:mod:`hyperpar.torch.moe`). DeepSpeed's layer: ``from hyperpar.moe.deepspeed import MoE``.
 """
+
+from typing import Any
 
 # This package is in tests/test_layering.py's NEUTRAL_MODULES: anything torch-specific added here
 # must load behind a try/except ImportError on torch, as hyperpar/parallel/__init__.py does.
@@ -29,6 +36,13 @@ from .placement import (
 )
 from .routing import DispatchPlan, capacity_keep, dispatch_plan
 
+_TORCH_LAYER = {
+    "MoE": "layer", "GroupedExperts": "experts", "FeedForward": "experts",
+    "grouped_mm_available": "experts", "TokenChoiceTopKRouter": "router",
+    "RouterNaNError": "router", "load_balancing_loss": "router",
+    "update_expert_bias": "router",
+}
+
 __all__ = [
     "DispatchPlan",
     "ExpertPlacement",
@@ -42,3 +56,15 @@ __all__ = [
     "expert_weight_placements",
     "sparse_layout",
 ]
+
+__all__ += sorted(_TORCH_LAYER)
+
+
+def __getattr__(name: str) -> Any:
+    # The torch layer loads on first use: the neutral core must import without torch.
+    if name in _TORCH_LAYER:
+        import importlib
+
+        module = importlib.import_module(f"hyperpar.torch.moe.{_TORCH_LAYER[name]}")
+        return getattr(module, name)
+    raise AttributeError(f"module 'hyperpar.moe' has no attribute {name!r}")

@@ -12,10 +12,10 @@ import hyperpar.torch.dtensor._ops as ops_pkg
 from hyperpar.torch.dtensor._ops import OP_TABLE, OpEntry, OpOverlay, PlanCache, register_op
 
 FAMILIES = {"pointwise", "matmul", "reduction", "view", "factory", "nn", "tensor", "complex",
-            "foreach"}
+            "foreach", "routing"}
 # the order a module may import from: each imports only modules before it
 LAYERS = ["registry", "neutral", "dispatch", "pointwise", "matmul", "reduction", "view",
-          "factory", "nn", "tensor", "complex", "foreach"]
+          "factory", "nn", "tensor", "complex", "foreach", "routing"]
 
 
 def test_every_table_entry_was_registered_by_the_decorator_in_a_family_with_a_docstring():

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from _cases import full
+from _cases import full, norm
 
 CASES: dict[str, Callable[[Any, int], Any]] = {}
 
@@ -33,6 +33,7 @@ def titan_api(name: str) -> SimpleNamespace:
             Replicate=tensor.Replicate, Partial=tensor.Partial,
             local_map=importlib.import_module(
                 "torch.distributed.tensor.experimental").local_map,
+            distribute_module=tensor.distribute_module,
             funcol=importlib.import_module("torch.distributed._functional_collectives"))
     import hyperpar
 
@@ -41,6 +42,7 @@ def titan_api(name: str) -> SimpleNamespace:
         distribute_tensor=hyperpar.distribute_tensor, Shard=hyperpar.Shard,
         Replicate=hyperpar.Replicate, Partial=hyperpar.Partial,
         local_map=importlib.import_module("hyperpar.dtensor.experimental").local_map,
+        distribute_module=hyperpar.distribute_module,
         funcol=importlib.import_module("hyperpar.dtensor.functional_collectives"))
 
 
@@ -73,6 +75,123 @@ def case_functional_all_reduce(api: Any, n: int) -> Any:
     x = torch.tensor([1.0, 2.0]) * (mesh.get_rank() + 1)
     return {op: api.funcol.wait_tensor(api.funcol.all_reduce(x, op, group=mesh))
             for op in ("sum", "max", "min", "avg")}
+
+
+@case
+def case_functional_collectives_autograd(api: Any, n: int) -> Any:
+    """The gradient through each funcol collective torch differentiates on every supported
+    version (torchtitan's token dispatch: ``all_to_all_single`` with uneven splits), and the
+    backward error of one it does not (``max``). ``avg`` and ``broadcast`` are left out: torch
+    2.13 raises on ``avg`` and torch's ``broadcast`` gradient is the local identity (see
+    docs/dtensor.md); tests/dtensor/test_funcol_autograd.py checks hyperpar's adjoints."""
+    mesh = _world(api, n)
+    f = api.funcol
+    r = mesh.get_rank()
+    sends = [(r + j) % 3 + 1 for j in range(n)]     # rows this rank sends to rank j
+    recvs = [(j + r) % 3 + 1 for j in range(n)]     # rows rank j sends here
+    ops = {
+        "all_reduce_sum": lambda x: f.all_reduce(x, "sum", mesh),
+        "all_gather_tensor_0": lambda x: f.all_gather_tensor(x, 0, mesh),
+        "all_gather_tensor_1": lambda x: f.all_gather_tensor(x, 1, mesh),
+        "all_gather_tensor_autograd": lambda x: f.all_gather_tensor_autograd(x, 0, mesh),
+        "reduce_scatter_tensor_0": lambda x: f.reduce_scatter_tensor(x[: 2 * n], "sum", 0, mesh),
+        "reduce_scatter_tensor_1": lambda x: f.reduce_scatter_tensor(
+            x[:, :2].repeat(1, n), "sum", 1, mesh),
+        "reduce_scatter_tensor_autograd": lambda x: f.reduce_scatter_tensor_autograd(
+            x[: 2 * n], "sum", 0, mesh),
+        "all_to_all_single": lambda x: f.all_to_all_single(x[: sum(sends)], recvs, sends, mesh),
+        "all_to_all_single_autograd": lambda x: f.all_to_all_single_autograd(
+            x[: sum(sends)], recvs, sends, mesh),
+        "all_to_all_single_even": lambda x: f.all_to_all_single(x[: 2 * n], None, None, mesh),
+        "wait_tensor": lambda x: f.wait_tensor(x * 2),
+        "all_reduce_max": lambda x: f.all_reduce(x, "max", mesh),
+    }
+    out = {}
+    for name, op in ops.items():
+        torch.manual_seed(r)
+        x = torch.randn(3 * n, 3, requires_grad=True)
+        y = f.wait_tensor(op(x))
+        torch.manual_seed(50 + r)
+        try:
+            (torch.randn(y.shape) * y).sum().backward()
+            out[name] = {"out": y.detach().clone(), "grad": x.grad}
+        except RuntimeError:
+            out[name] = {"out": y.detach().clone(), "backward": "raises RuntimeError"}
+    return out
+
+
+class _GroupedExperts(torch.nn.Module):
+    """torchtitan's GroupedExperts in miniature: ``forward(x, num_tokens_per_expert)`` with the
+    tokens sorted by (local) expert, a per-expert loop on the local weights."""
+
+    def __init__(self, experts: int, dim: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(experts, dim, dim) * 0.3)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w = self.w.to_local() if hasattr(self.w, "to_local") else self.w
+        pieces = x.split(counts.tolist())
+        return torch.cat([torch.tanh(p @ w[e]) for e, p in enumerate(pieces)])
+
+
+def _expert_parallel(api: Any, module: torch.nn.Module, mesh: Any) -> None:
+    """torchtitan's ``ExpertParallel._apply``: experts Shard(0), tokens dispatched before and
+    combined after the module through funcol's uneven all-to-all."""
+    f = api.funcol
+    n = mesh.size()
+
+    def partition(name: str, mod: torch.nn.Module, device_mesh: Any) -> None:
+        for pname, param in list(mod.named_parameters(recurse=False)):
+            mod.register_parameter(pname, torch.nn.Parameter(
+                api.distribute_tensor(param, device_mesh, [api.Shard(0)])))
+
+    def dispatch(mod: torch.nn.Module, inputs: Any, device_mesh: Any) -> Any:
+        x, counts = inputs
+        got = f.wait_tensor(f.all_to_all_single(counts, None, None, device_mesh))
+        sends = counts.view(n, -1).sum(1).tolist()
+        recvs = got.view(n, -1).sum(1).tolist()
+        routed = f.all_to_all_single_autograd(x, recvs, sends, device_mesh)
+        # arrived grouped by source rank, then local expert: regroup by local expert
+        per = got.view(n, -1).tolist()
+        starts, at = [], 0
+        for row in per:
+            starts.append([])
+            for c in row:
+                starts[-1].append(at)
+                at += c
+        order = [i for e in range(len(per[0])) for src in range(n)
+                 for i in range(starts[src][e], starts[src][e] + per[src][e])]
+        mod._ep = (sends, recvs, order)
+        return routed[torch.tensor(order, dtype=torch.long)], got.view(n, -1).sum(0)
+
+    def combine(mod: torch.nn.Module, out: torch.Tensor, device_mesh: Any) -> torch.Tensor:
+        sends, recvs, order = mod._ep
+        back = torch.empty_like(out)
+        back[torch.tensor(order, dtype=torch.long)] = out
+        return f.all_to_all_single_autograd(back, sends, recvs, device_mesh)
+
+    api.distribute_module(module, mesh, partition, dispatch, combine)
+
+
+@case
+def case_distribute_module_expert_parallel(api: Any, n: int) -> Any:
+    """torchtitan's expert_parallel.py pattern: distribute_module with partition_fn (experts
+    Shard(0) on ep), input_fn (token dispatch) and output_fn (combine); outputs and the
+    gradients of the tokens and of every expert."""
+    mesh = _world(api, n)
+    r = mesh.get_rank()
+    experts = 2 * n
+    module = _GroupedExperts(experts, 4)
+    _expert_parallel(api, module, mesh)
+    counts = torch.tensor([(r + 2 * e) % 3 for e in range(experts)], dtype=torch.int64)
+    torch.manual_seed(10 + r)
+    x = torch.randn(int(counts.sum()), 4, requires_grad=True)
+    y = module(x, counts)
+    torch.manual_seed(20 + r)
+    (torch.randn(y.shape) * y).sum().backward()
+    return {"out": y.detach().clone(), "x_grad": x.grad, "w_grad": full(module.w.grad),
+            "w_placements": norm(module.w.placements)}
 
 
 def _model() -> torch.nn.Module:

@@ -17,7 +17,8 @@ Ops with rules: ``add sub neg identity mul div elementwise`` (broadcasting, the 
 ``reshape transpose permute``, ``getitem expand`` (basic indexing, broadcast_to),
 ``cat stack split unbind``,
 ``layer_norm rms_norm group_norm`` (normalisation), ``sdpa`` (attention),
-``embedding gather_d cross_entropy``. Each platform maps its own functions (torch functions,
+``embedding gather_d cross_entropy``, ``sort_along histogram scatter_d index_add
+grouped_mm`` (MoE routing and experts). Each platform maps its own functions (torch functions,
 MindSpore OpCalls) to these names. An op or a layout without a rule raises
 :class:`ShardingError` naming both.
 """
@@ -31,6 +32,7 @@ from . import (  # noqa: F401  (fill the table)
     nn,
     norm,
     reduction,
+    routing,
     view,
 )
 from .base import (

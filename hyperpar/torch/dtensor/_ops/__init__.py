@@ -23,6 +23,7 @@ from hyperpar.torch.dtensor._ops import (  # noqa: F401
     pointwise,
     reduction,
     registry,
+    routing,
     tensor,
     view,
 )
