@@ -169,7 +169,7 @@ NEUTRAL_MODULES = ("hyperpar.dtensor.mesh", "hyperpar.dtensor.placement",
                    "hyperpar.pipeline._faults", "hyperpar.pipeline.topology",
                    "hyperpar.pipeline.layout",
                    "hyperpar.moe", "hyperpar.moe.errors", "hyperpar.moe.placement",
-                   "hyperpar.moe.routing")
+                   "hyperpar.moe.routing", "hyperpar.moe.exchange")
 
 _BLOCK_MINDSPORE = """
 class _NoMindSpore(importlib.abc.MetaPathFinder):
