@@ -12,7 +12,7 @@ MindSpore tensors (the torch twin is :mod:`hyperpar.torch.moe.dispatch`).
   (:mod:`hyperpar.moe.exchange` decides the status word and the message), then
   :func:`hyperpar.moe.routing.dispatch_plan`.
 * :func:`dispatch` / :func:`combine` -- the token all-to-alls and the rank-major <->
-  expert-major regrouping (one ``index_select`` with the plan's permutation).
+  expert-major regrouping (one ``gather`` with the plan's permutation).
 * :func:`sort_by_expert`, :func:`capacity_keep_mask`, :func:`check_router_scores` -- the
   per-token routing helpers on Cells' tensors; the drop order is
   :func:`hyperpar.moe.routing.capacity_keep`'s.
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from mindspore import Tensor, mint, nn
+from mindspore import Tensor, mint, nn, ops
 from mindspore import dtype as mstype
 
 from hyperpar.moe.errors import MoERoutingError
@@ -122,10 +122,11 @@ def plan_dispatch(routed_input: Any, num_tokens_per_expert: Any, placement: Expe
 
 
 def regroup(x: Any, permutation: Sequence[int]) -> Any:
-    """The rows of ``x`` in ``permutation``'s order (differentiable ``index_select``)."""
+    """The rows of ``x`` in ``permutation``'s order (differentiable; ``ops.gather``:
+    ``mint.index_select`` has no CPU kernel in MindSpore 2.10)."""
     if len(permutation) <= 1 or list(permutation) == list(range(len(permutation))):
         return x
-    return mint.index_select(x, 0, Tensor(np.asarray(permutation, dtype=np.int64)))
+    return ops.gather(x, Tensor(np.asarray(permutation, dtype=np.int32)), 0)
 
 
 def dispatch(routed_input: Any, plan: DispatchPlan, group: Any) -> Any:
