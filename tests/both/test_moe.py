@@ -1,6 +1,7 @@
 """Expert parallelism, one body for torch and MindSpore: grouped experts under
 ``parallelize_module(experts, mesh, ExpertParallel())`` on 2 and 4 real ranks against the same
-experts computed in one plain process of the same framework.
+experts computed in one plain process of the same framework; ``ExpertTensorParallel`` on an
+``(ep, tp)`` mesh and ``TensorParallel`` for grouped experts the same way.
 
 Every rank routes its own tokens (4 experts, top-2, 5 tokens per rank). The routing is skewed:
 expert 3 gets no token from anyone (with ep = 4 its rank computes on zero rows), and the last
@@ -81,56 +82,90 @@ def _local(param: Any) -> Any:
     return param.to_local() if hasattr(param, "to_local") else param
 
 
-def _run_ep(framework: str, n: int, capacity: int | None) -> dict:
-    from hyperpar import ExpertParallel, init_device_mesh, parallelize_module
+def _mesh(style: str, n: int) -> tuple[Any, Any, int, int]:
+    """The mesh, the style, how many distinct token sets the ranks hold and this rank's set
+    (tokens are replicated over tp: the tp ranks of one ep rank route the same tokens)."""
+    from hyperpar import ExpertParallel, ExpertTensorParallel, TensorParallel, init_device_mesh
+    from hyperpar.platform import get_platform
+
+    rank = get_platform().rank()
+    if style == "ep":
+        return init_device_mesh((n,), mesh_dim_names=("ep",)), ExpertParallel(), n, rank
+    if style == "etp":  # (ep, tp) = (2, n // 2)
+        mesh = init_device_mesh((2, n // 2), mesh_dim_names=("ep", "tp"))
+        return mesh, ExpertTensorParallel(reduce_output=True), 2, rank // (n // 2)
+    mesh = init_device_mesh((n,), mesh_dim_names=("tp",))
+    return mesh, TensorParallel(reduce_output=True), 1, 0
+
+
+def _run(framework: str, style: str, n: int, capacity: int | None) -> dict:
+    from hyperpar import parallelize_module
     from hyperpar.platform import get_platform
 
     fw = get(framework)
     rank = get_platform().rank()
-    mesh = init_device_mesh((n,), mesh_dim_names=("ep",))
+    mesh, plan, sets, mine_set = _mesh(style, n)
     w = _weights()
-    experts = parallelize_module(fw.experts(w["w1"], w["w2"], w["w3"]), mesh,
-                                 ExpertParallel())
+    experts = parallelize_module(fw.experts(w["w1"], w["w2"], w["w3"]), mesh, plan)
     shapes = {k: tuple(_local(getattr(experts, k)).shape) for k in w}
-    mine = _routing(rank, n, capacity)
+    mine = _routing(mine_set, sets, capacity)
     got = _step(fw, experts, fw.tensor(mine["rows"]), fw.tensor(mine["counts"]),
                 fw.tensor(mine["g"]))
     got["weights"] = {k: fw.numpy(getattr(experts, k).full_tensor()) for k in w}
-    got["local_shapes"] = shapes
-    if rank == 0:  # the one-process reference: every rank's rows through the whole experts
+    got["local_shapes"], got["set"], got["sets"] = shapes, mine_set, sets
+    if rank == 0:  # the one-process reference: every token set through the whole experts
         ref = fw.experts(w["w1"], w["w2"], w["w3"])
-        ref_rank = []
-        for r in range(n):
-            rr = _routing(r, n, capacity)
+        ref_sets = []
+        for r in range(sets):
+            rr = _routing(r, sets, capacity)
             rows, counts, g = (fw.tensor(rr["rows"]), fw.tensor(rr["counts"]),
                                fw.tensor(rr["g"]))
             out = fw.numpy(ref(rows, counts))
-            _, (grad,) = fw.value_and_grad(lambda inp: (ref(inp, counts) * g).sum(), [rows])
-            ref_rank.append({"out": out, "grad": fw.numpy(grad), "rows": rr["rows"],
-                             "counts": rr["counts"], "g": rr["g"]})
+            _, (grad,) = fw.value_and_grad(
+                lambda inp, c=counts, g=g: (ref(inp, c) * g).sum(), [rows])
+            ref_sets.append({"out": out, "grad": fw.numpy(grad)})
         ref_model = fw.experts(w["w1"], w["w2"], w["w3"])
-        tensors = [(fw.tensor(r["rows"]), fw.tensor(r["counts"]), fw.tensor(r["g"]))
-                   for r in ref_rank]
-        fw.sgd(ref_model, 1.0)(lambda: sum(((ref_model(x, c) * g).sum()
-                                            for x, c, g in tensors[1:]),
-                                           (ref_model(*tensors[0][:2]) * tensors[0][2]).sum()))
-        got["ref"] = [{"out": r["out"], "grad": r["grad"]} for r in ref_rank]
+        tensors = [tuple(fw.tensor(a) for a in (rr["rows"], rr["counts"], rr["g"]))
+                   for rr in (_routing(r, sets, capacity) for r in range(sets))]
+
+        def total() -> Any:
+            x, c, g = tensors[0]
+            loss = (ref_model(x, c) * g).sum()
+            for x, c, g in tensors[1:]:
+                loss = loss + (ref_model(x, c) * g).sum()
+            return loss
+
+        fw.sgd(ref_model, 1.0)(total)
+        got["ref"] = ref_sets
         got["ref_weights"] = {k: fw.numpy(getattr(ref_model, k)) for k in w}
     return got
+
+
+def _check(results: list[dict], style: str, n: int, capacity: int | None) -> None:
+    ref = results[0]
+    for r, got in enumerate(results):
+        local_experts = {"ep": E // n, "etp": E // 2, "tp": E}[style]
+        assert got["local_shapes"]["w1"][0] == local_experts, got["local_shapes"]
+        want = ref["ref"][got["set"]]
+        close(f"rank {r} output rows", got["out"], want["out"], RTOL)
+        close(f"rank {r} routed-row gradient", got["grad"], want["grad"], RTOL)
+        for k, w in ref["ref_weights"].items():
+            close(f"rank {r} {k} after one step", got["weights"][k], w, RTOL)
+    # the skew happened: expert 3 unused, so its weights did not move
+    assert np.array_equal(ref["ref_weights"]["w1"][3], _weights()["w1"][3])
+    if capacity is not None:  # and the capacity dropped something somewhere
+        sets = ref["sets"]
+        assert any(len(_routing(r, sets, capacity)["rows"]) < T * K for r in range(sets))
 
 
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("capacity", [None, CAPACITY], ids=["dropless", "capacity"])
 def test_expert_parallel_matches_one_process(framework, pool, n, capacity) -> None:
-    results = pool(n).run(_run_ep, framework, n, capacity)
-    ref = results[0]
-    for r, got in enumerate(results):
-        assert got["local_shapes"]["w1"] == (E // n, H, D), got["local_shapes"]
-        close(f"rank {r} output rows", got["out"], ref["ref"][r]["out"], RTOL)
-        close(f"rank {r} routed-row gradient", got["grad"], ref["ref"][r]["grad"], RTOL)
-        for k, want in ref["ref_weights"].items():
-            close(f"rank {r} {k} after one step", got["weights"][k], want, RTOL)
-    # the skew happened: expert 3 unused, so its weights did not move
-    assert np.array_equal(ref["ref_weights"]["w1"][3], _weights()["w1"][3])
-    if capacity is not None:  # and the capacity dropped something somewhere
-        assert any(len(_routing(r, n, capacity)["rows"]) < T * K for r in range(n))
+    _check(pool(n).run(_run, framework, "ep", n, capacity), "ep", n, capacity)
+
+
+@pytest.mark.parametrize(("style", "n"), [("etp", 4), ("tp", 2)])
+def test_expert_tensor_parallel_matches_one_process(framework, pool, style, n) -> None:
+    """ExpertTensorParallel on (ep, tp) = (2, 2) and TensorParallel on 2 ranks (hidden 5:
+    uneven pieces 3 + 2), both with reduce_output=True, capacity dropping on."""
+    _check(pool(n).run(_run, framework, style, n, CAPACITY), style, n, CAPACITY)
