@@ -210,14 +210,18 @@ STATUS_MESSAGES: dict[int, str] = {
     2: "routed_input contains NaN or inf (often NaN router scores multiplied into the tokens)",
     3: "num_tokens_per_expert has a different length than the experts' num_experts",
     4: "routed_input is not (tokens, dim) with the experts' dim (hidden sizes differ)",
+    5: "router scores contain NaN or inf",
 }
 
 
-def raise_on_status(statuses: Sequence[int], what: str = "expert-parallel dispatch") -> None:
+def raise_on_status(statuses: Sequence[int], what: str = "expert-parallel dispatch",
+                    detail: str = "") -> None:
     """Raise :class:`MoERoutingError` on every rank if any ep rank reported a bad input;
-    ``statuses[s]`` is ep rank ``s``'s status word (0 = fine)."""
+    ``statuses[s]`` is ep rank ``s``'s status word (0 = fine). ``detail``: this rank's own
+    account of its bad input, appended to its message."""
     bad = {s: int(code) for s, code in enumerate(statuses) if int(code)}
     if bad:
         lines = "; ".join(f"ep rank {s}: {STATUS_MESSAGES.get(c, f'status {c}')}"
                           for s, c in sorted(bad.items()))
-        raise MoERoutingError(f"{what} refused before the token all-to-all: {lines}")
+        tail = f" (here: {detail})" if detail else ""
+        raise MoERoutingError(f"{what} refused before the token all-to-all: {lines}{tail}")

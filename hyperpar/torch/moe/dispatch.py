@@ -56,7 +56,10 @@ def plan_dispatch(routed_input: torch.Tensor, num_tokens_per_expert: torch.Tenso
     counts = num_tokens_per_expert.detach()
     status = 0
     send: list[int] = []
-    if counts.dim() != 1 or counts.numel() != placement.num_experts:
+    detail = _DEFERRED.pop() if _DEFERRED else ""
+    if detail:
+        status = 5
+    elif counts.dim() != 1 or counts.numel() != placement.num_experts:
         status = 3
     else:
         send = [int(c) for c in counts.tolist()]
@@ -69,7 +72,7 @@ def plan_dispatch(routed_input: torch.Tensor, num_tokens_per_expert: torch.Tenso
             status = 2
     statuses, recv = exchange_counts(counts if not status else routed_input.new_zeros(0),
                                      status, placement, group)
-    raise_on_status(statuses)
+    raise_on_status(statuses, detail=detail)
     return dispatch_plan(send, recv, placement)
 
 
@@ -97,16 +100,29 @@ def combine(routed_output: torch.Tensor, plan: DispatchPlan, group: Any) -> torc
         rank_major, plan.input_splits, plan.output_splits, group)
 
 
+#: A router-score error found on this rank while expert-parallel dispatch is installed: kept
+#: for the next count exchange, which carries it to every ep rank (raising here alone would
+#: leave the other ranks waiting in the all-to-all).
+_DEFERRED: list[str] = []
+#: expert-parallel dispatches installed in this process (the styles count themselves)
+_DISPATCHERS = [0]
+
+
 def check_router_scores(scores: torch.Tensor, what: str = "router scores") -> None:
-    """Raise :class:`MoERoutingError` naming how many scores are NaN/inf and the first token
-    holding one (a NaN score makes top-k pick arbitrary experts: a silently wrong result)."""
+    """Refuse NaN/inf router scores (they make top-k pick arbitrary experts: a silently wrong
+    result), naming how many and the first token holding one. Raises
+    :class:`MoERoutingError` at once in a process without expert-parallel dispatch; with one,
+    the next dispatch raises it on every ep rank, before the token all-to-all."""
     bad = ~torch.isfinite(scores.detach())
     if bool(bad.any()):
         rows = bad.reshape(-1, scores.shape[-1]).any(dim=-1).nonzero().flatten()
-        raise MoERoutingError(
-            f"{what} contain {int(bad.sum())} NaN/inf value(s), first at token "
-            f"{int(rows[0])} (of {rows.numel()} bad tokens); check the router's input and "
-            f"weights (a diverged step, an uninitialised gate) before routing")
+        msg = (f"{what} contain {int(bad.sum())} NaN/inf value(s), first at token "
+               f"{int(rows[0])} (of {rows.numel()} bad tokens); check the router's input and "
+               f"weights (a diverged step, an uninitialised gate) before routing")
+        if _DISPATCHERS[0]:
+            _DEFERRED[:] = [msg]
+            return
+        raise MoERoutingError(msg)
 
 
 def sort_by_expert(expert_ids: torch.Tensor, num_experts: int,

@@ -38,6 +38,7 @@ from hyperpar.moe.errors import MoEConfigError
 from hyperpar.moe.placement import ExpertPlacement, expert_weight_placements, mesh_dim_index
 from hyperpar.parallel.styles import ParallelStyle
 from hyperpar.platform import get_platform
+from hyperpar.torch.moe import dispatch as _dispatch
 from hyperpar.torch.moe.dispatch import combine, dispatch, plan_dispatch
 from hyperpar.torch.parallel._comm import copy_to_region
 from hyperpar.torch.parallel.style import _distribute_param, _identity, _LocalForward
@@ -76,8 +77,10 @@ class _ExpertStyle(ParallelStyle):
     _claims = ("parameters", "forward")
     _style = ""
 
-    def __init__(self, *, reduce_output: bool = False, check_finite: bool = True) -> None:
-        self.reduce_output = reduce_output
+    #: all-reduce the output over tp (the tensor-parallel styles set it; torchtitan's: False)
+    reduce_output = False
+
+    def __init__(self, *, check_finite: bool = True) -> None:
         self.check_finite = check_finite
 
     def _before_apply(self, module: Any, device_mesh: Any, fqn: str) -> None:
@@ -156,7 +159,8 @@ class ExpertTensorParallel(_ExpertStyle):
 
     def __init__(self, *, ep_dim: str = "ep", tp_dim: str = "tp", reduce_output: bool = False,
                  check_finite: bool = True) -> None:
-        super().__init__(reduce_output=reduce_output, check_finite=check_finite)
+        super().__init__(check_finite=check_finite)
+        self.reduce_output = reduce_output
         self.ep_dim, self.tp_dim = ep_dim, tp_dim
 
     def _own_mesh(self, device_mesh: Any) -> Any:
@@ -191,6 +195,10 @@ class TensorParallel(_ExpertStyle):
     leaves the output as this rank's partial sum."""
 
     _style = "TensorParallel"
+
+    def __init__(self, *, reduce_output: bool = False) -> None:
+        super().__init__()
+        self.reduce_output = reduce_output
 
     def _check_mesh(self, module: Any, fqn: str, mesh: Any) -> None:
         self._check_params(module, fqn)
@@ -244,3 +252,4 @@ def _install_dispatch(style: _ExpertStyle, module: nn.Module, placement: ExpertP
 
     _LocalForward([(module, n, _identity) for n, _ in _params(module)], before,
                   after).install(module)
+    _dispatch._DISPATCHERS[0] += 1  # router-score errors now travel with the count exchange
