@@ -114,10 +114,12 @@ def plan_dispatch(routed_input: Any, num_tokens_per_expert: Any, placement: Expe
     def finite() -> bool:
         return bool(np.isfinite(routed_input.asnumpy()).all())
 
-    status = dispatch_status(counts, placement.num_experts, int(routed_input.shape[0]),
-                             tuple(routed_input.shape), dim, finite if check_finite else None)
+    detail = _DEFERRED.pop() if _DEFERRED else ""
+    status = 5 if detail else dispatch_status(
+        counts, placement.num_experts, int(routed_input.shape[0]), tuple(routed_input.shape),
+        dim, finite if check_finite else None)
     statuses, recv = exchange_counts(counts or [], status, placement, group)
-    raise_on_status(statuses)
+    raise_on_status(statuses, detail=detail)
     return dispatch_plan(counts, recv, placement)  # type: ignore[arg-type]
 
 
@@ -144,17 +146,28 @@ def combine(routed_output: Any, plan: DispatchPlan, group: Any) -> Any:
     return all_to_all_single_autograd(rank_major, plan.input_splits, plan.output_splits, group)
 
 
+#: A router-score error found on this rank while expert-parallel dispatch is installed: kept
+#: for the next count exchange, which carries it to every ep rank (as on torch).
+_DEFERRED: list[str] = []
+#: expert-parallel dispatches installed in this process (the styles count themselves)
+_DISPATCHERS = [0]
+
+
 def check_router_scores(scores: Any, what: str = "router scores") -> None:
-    """Raise :class:`MoERoutingError` naming how many scores are NaN/inf and the first token
-    holding one."""
+    """Refuse NaN/inf router scores, naming how many and the first token holding one: at once
+    in a process without expert-parallel dispatch; with one, the next dispatch raises it on
+    every ep rank, before the token all-to-all."""
     a = scores.asnumpy()
     bad = ~np.isfinite(a)
     if bad.any():
         rows = np.flatnonzero(bad.reshape(-1, a.shape[-1]).any(axis=-1))
-        raise MoERoutingError(
-            f"{what} contain {int(bad.sum())} NaN/inf value(s), first at token {int(rows[0])} "
-            f"(of {rows.size} bad tokens); check the router's input and weights (a diverged "
-            f"step, an uninitialised gate) before routing")
+        msg = (f"{what} contain {int(bad.sum())} NaN/inf value(s), first at token "
+               f"{int(rows[0])} (of {rows.size} bad tokens); check the router's input and "
+               f"weights (a diverged step, an uninitialised gate) before routing")
+        if _DISPATCHERS[0]:
+            _DEFERRED[:] = [msg]
+            return
+        raise MoERoutingError(msg)
 
 
 def sort_by_expert(expert_ids: Any, num_experts: int,

@@ -29,7 +29,7 @@ from hyperpar.parallel.spec import Comm
 from hyperpar.platform import get_platform
 
 from .comm import Boundary
-from .moe import combine, dispatch, plan_dispatch
+from .moe import _DISPATCHERS, combine, dispatch, plan_dispatch
 from .param_readback import attach_full_tensor
 from .platform import SHARD_PLACEMENTS
 
@@ -90,8 +90,10 @@ class _ExpertStyle(StyleBase):
     _claims = ("parameters", "forward")
     _style = ""
 
-    def __init__(self, *, reduce_output: bool = False, check_finite: bool = True) -> None:
-        self.reduce_output = reduce_output
+    #: all-reduce the output over tp (the tensor-parallel styles set it; torchtitan's: False)
+    reduce_output = False
+
+    def __init__(self, *, check_finite: bool = True) -> None:
         self.check_finite = check_finite
 
     def __repr__(self) -> str:
@@ -151,6 +153,7 @@ def _install_dispatch(style: _ExpertStyle, cell: nn.Cell, placement: ExpertPlace
 
     platform.register_forward_pre_hook(cell, before, with_kwargs=True)
     platform.register_forward_hook(cell, after, with_kwargs=True)
+    _DISPATCHERS[0] += 1
 
 
 class ExpertParallel(_ExpertStyle):
@@ -194,8 +197,9 @@ class ExpertTensorParallel(_ExpertStyle):
 
     def __init__(self, *, ep_dim: str = "ep", tp_dim: str = "tp", reduce_output: bool = False,
                  check_finite: bool = True) -> None:
-        super().__init__(reduce_output=reduce_output, check_finite=check_finite)
+        super().__init__(check_finite=check_finite)
         self.ep_dim, self.tp_dim = ep_dim, tp_dim
+        self.reduce_output = reduce_output
 
     def _own_mesh(self, device_mesh: Any) -> Any:
         names = device_mesh.mesh_dim_names
@@ -228,6 +232,10 @@ class TensorParallel(_ExpertStyle):
     ``reduce_output=False`` leaves the output this rank's partial sum."""
 
     _style = "TensorParallel"
+
+    def __init__(self, *, reduce_output: bool = False) -> None:
+        super().__init__()
+        self.reduce_output = reduce_output
 
     def _check_mesh(self, module: Any, fqn: str, mesh: Any) -> None:
         self._check_params(module, fqn)
