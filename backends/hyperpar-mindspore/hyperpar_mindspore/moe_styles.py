@@ -29,6 +29,7 @@ from hyperpar.parallel.spec import Comm
 from hyperpar.platform import get_platform
 
 from .comm import Boundary
+from .graph import refuse_graph_mode
 from .moe import _DISPATCHERS, combine, dispatch, plan_dispatch
 from .param_readback import attach_full_tensor
 from .platform import SHARD_PLACEMENTS
@@ -39,6 +40,11 @@ __all__ = ["ExpertParallel", "ExpertTensorParallel", "TensorParallel"]
 _COPY_TO_TP = Comm("none", "all_reduce")
 #: the tp ranks' partial outputs summed forward; the gradient is replicated already
 _REDUCE_TP = Comm("all_reduce", "none")
+
+
+#: why the expert styles do not compile
+_PYNATIVE_ONLY = ("the dispatch reads the token counts on the host (its all-to-all split sizes "
+                  "are host ints) and its hooks run in PyNative mode only")
 
 
 def _params(cell: nn.Cell) -> list[tuple[str, Parameter]]:
@@ -154,6 +160,7 @@ def _install_dispatch(style: _ExpertStyle, cell: nn.Cell, placement: ExpertPlace
     platform.register_forward_pre_hook(cell, before, with_kwargs=True)
     platform.register_forward_hook(cell, after, with_kwargs=True)
     _DISPATCHERS[0] += 1
+    refuse_graph_mode(cell, style._style, _PYNATIVE_ONLY)
 
 
 class ExpertParallel(_ExpertStyle):
@@ -258,4 +265,5 @@ class TensorParallel(_ExpertStyle):
 
         platform.register_forward_pre_hook(module, before, with_kwargs=True)
         platform.register_forward_hook(module, after, with_kwargs=True)
+        refuse_graph_mode(module, self._style, "its hooks run in PyNative mode only")
         return module
