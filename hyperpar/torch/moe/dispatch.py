@@ -68,7 +68,10 @@ def plan_dispatch(routed_input: torch.Tensor, num_tokens_per_expert: torch.Tenso
         elif dim is not None and (routed_input.dim() != 2 or routed_input.shape[-1] != dim):
             status = 4
         elif check_finite and routed_input.numel() and not bool(
-                torch.isfinite(routed_input.detach()).all()):
+                torch.isfinite(routed_input.detach().sum(dtype=torch.float32))):
+            # one fp32 reduction, no per-element mask (measured: isfinite().all() cost ~2x
+            # the token all-to-all on CPU); NaN or inf anywhere makes the sum non-finite (only
+            # a finite sum above 3e38 would be a false alarm)
             status = 2
     statuses, recv = exchange_counts(counts if not status else routed_input.new_zeros(0),
                                      status, placement, group)
@@ -78,7 +81,7 @@ def plan_dispatch(routed_input: torch.Tensor, num_tokens_per_expert: torch.Tenso
 
 def regroup(x: torch.Tensor, sizes: Sequence[int], order: Sequence[int]) -> torch.Tensor:
     """``x`` split along dim 0 into ``sizes``, the pieces concatenated in ``order``."""
-    if len(order) <= 1:
+    if all(i == k for k, i in enumerate(order)):  # one local expert: already grouped
         return x
     pieces = torch.split(x, list(sizes), dim=0)
     return torch.cat([pieces[i] for i in order], dim=0)
