@@ -103,6 +103,7 @@ _FRAMEWORK_BOUND = frozenset({
     "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput",
     "PrepareModuleOutput", "PrepareModuleInputOutput", "loss_parallel", "data_parallel",
     "fully_shard", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+    "ExpertParallel", "ExpertTensorParallel", "TensorParallel",
 })
 
 #: subpackages reachable as attributes (``hyperpar.checkpoint.save``)

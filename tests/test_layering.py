@@ -170,7 +170,7 @@ NEUTRAL_MODULES = ("hyperpar.dtensor.mesh", "hyperpar.dtensor.placement",
                     "hyperpar.pipeline.layout", "hyperpar.plan.moe",
                     "hyperpar.plan.moe_plan", "hyperpar.plan.moe_report",
                     "hyperpar.moe", "hyperpar.moe.errors", "hyperpar.moe.placement",
-                    "hyperpar.moe.routing")
+                    "hyperpar.moe.routing", "hyperpar.moe.exchange")
 
 _BLOCK_MINDSPORE = """
 class _NoMindSpore(importlib.abc.MetaPathFinder):

@@ -121,6 +121,13 @@ class Framework:
         """A module holding ``children`` as attributes whose forward is ``forward(self, *x)``."""
         raise NotImplementedError
 
+    def experts(self, w1: np.ndarray, w2: np.ndarray, w3: np.ndarray) -> Any:
+        """Grouped experts (torchtitan's ``GroupedExperts``): parameters ``w1``/``w3``
+        ``(E, hidden, dim)`` and ``w2`` ``(E, dim, hidden)``, called as ``experts(x,
+        num_tokens_per_expert)`` with ``x``'s rows sorted by expert; expert ``e`` computes
+        ``(relu(x w1[e]^T) * (x w3[e]^T)) w2[e]^T`` on its rows (a loop over experts)."""
+        raise NotImplementedError
+
     def weight(self, module: Any) -> Any:
         """The weight parameter of a Linear / LayerNorm / Embedding (a shard on MindSpore, a
         DTensor on torch once parallelized)."""
@@ -258,6 +265,29 @@ class Torch(Framework):
 
         return Container()
 
+    def experts(self, w1: np.ndarray, w2: np.ndarray, w3: np.ndarray) -> Any:
+        torch = self.torch
+
+        class GroupedExperts(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                for name, a in (("w1", w1), ("w2", w2), ("w3", w3)):
+                    setattr(self, name, torch.nn.Parameter(torch.from_numpy(a.copy())))
+
+            def forward(self, x: Any, counts: Any) -> Any:
+                outs, start = [], 0
+                for e, c in enumerate(counts.tolist()):
+                    # no rows at all: expert 0 on the empty input, so the output still depends
+                    # on the weights (every rank then joins the backward all-to-all)
+                    if c or (e == 0 and not x.shape[0]):
+                        xe = x[start:start + c]
+                        h = torch.relu(xe @ self.w1[e].t()) * (xe @ self.w3[e].t())
+                        outs.append(h @ self.w2[e].t())
+                    start += c
+                return torch.cat(outs)
+
+        return GroupedExperts()
+
     def weight(self, module: Any) -> Any:
         return module.weight
 
@@ -386,6 +416,28 @@ class MindSpore(Framework):
                 return forward(self, *args)
 
         return Container()
+
+    def experts(self, w1: np.ndarray, w2: np.ndarray, w3: np.ndarray) -> Any:
+        ms, mint = self.ms, self.mint
+
+        class GroupedExperts(self.nn.Cell):
+            def __init__(self) -> None:
+                super().__init__()
+                for name, a in (("w1", w1), ("w2", w2), ("w3", w3)):
+                    setattr(self, name, ms.Parameter(ms.Tensor(a.copy()), name=name))
+
+            def construct(self, x: Any, counts: Any) -> Any:
+                outs, start = [], 0
+                for e, c in enumerate(counts.asnumpy().tolist()):
+                    if c or (e == 0 and not x.shape[0]):  # see the torch twin
+                        xe = mint.narrow(x, 0, start, c)
+                        h = mint.nn.functional.relu(mint.matmul(xe, self.w1[e].T)) * \
+                            mint.matmul(xe, self.w3[e].T)
+                        outs.append(mint.matmul(h, self.w2[e].T))
+                    start += c
+                return mint.cat(outs) if len(outs) > 1 else outs[0]
+
+        return GroupedExperts()
 
     def weight(self, module: Any) -> Any:
         if isinstance(module, self.nn.LayerNorm):

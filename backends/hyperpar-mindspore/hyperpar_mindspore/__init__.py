@@ -50,6 +50,9 @@ _EXPORTS = {
     "DataParallelCell": ".data_parallel",
     "reduce_gradients": ".data_parallel",
     "fully_shard": ".fully_shard",
+    "ExpertParallel": ".moe_styles",
+    "ExpertTensorParallel": ".moe_styles",
+    "TensorParallel": ".moe_styles",
     "FullyShardedCell": ".fully_shard",
     "MixedPrecisionPolicy": "hyperpar.fsdp.policy",
     # hyperpar.pipeline's framework-bound names, asked for through Platform.parallel_api()

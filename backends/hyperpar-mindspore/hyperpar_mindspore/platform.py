@@ -54,6 +54,8 @@ CPU_COMPOSITIONS = {
     "reduce_scatter_tensor": "all_reduce of a copy, then this rank's slice",
     "all_to_all_single": "all_gather of the (padded) inputs, then select this rank's pieces",
     "reduce op 'avg'": "sum, then divide by the group size",
+    "all_to_all_single_autograd": "the composed all_to_all_single in a Cell whose bprop runs "
+                                  "it with the split lists swapped (no AlltoAllV CPU kernel)",
 }
 
 
@@ -492,6 +494,16 @@ class MindSporePlatform(Platform, DimCollectives):
                              f"output has shape {tuple(output.shape)}; check output_split_sizes")
         output.copy_(got)
         return _DoneWork() if async_op else None
+
+    def all_to_all_single_autograd(self, tensor: Any, output_split_sizes: Sequence[int] | None,
+                                   input_split_sizes: Sequence[int] | None,
+                                   group: Group = None) -> Any:
+        """Differentiable uneven dim-0 all-to-all (expert parallelism's dispatch and combine);
+        backward: the same exchange with the split lists swapped
+        (:func:`hyperpar_mindspore.moe.all_to_all_single_autograd`)."""
+        from .moe import all_to_all_single_autograd
+
+        return all_to_all_single_autograd(tensor, output_split_sizes, input_split_sizes, group)
 
     def broadcast(self, tensor: Any, src: int, group: Group = None,
                   async_op: bool = False) -> Work | None:
