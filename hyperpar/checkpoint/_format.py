@@ -27,9 +27,11 @@ FORMAT = "hyperpar-checkpoint"
 VERSION = 2
 DIGEST = "sha256"
 
-#: Files a save may leave behind: shards (any save id, or none for version 1) and index temps.
+#: Files a save may leave behind: shards (any save id, or none for version 1), index temps and
+#: ``async_save``'s notes (:mod:`._async`).
 _OWN_FILE = re.compile(r"^(shard-\d{5}-of-\d{5}(-[0-9a-f]+)?\.(safetensors|pt)"
-                       r"|index\.json\.tmp[-.0-9a-z]*)$")
+                       r"|index\.json\.tmp[-.0-9a-z]*"
+                       r"|\.hyperpar-async-[0-9a-f]+-(rank\d{5}|outcome)\.json(\.tmp)?)$")
 
 
 class CheckpointError(ValueError):
