@@ -220,15 +220,24 @@ class TorchPlatformBase(Platform, DimCollectives):
 
     def track_module_calls(self, enter: Callable[[Any], None], leave: Callable[[Any], None]
                            ) -> RemovableHandle:
-        """Call ``enter(module)`` before and ``leave(module)`` after every module's forward
-        (global hooks, removed by the handle)."""
-        from torch.nn.modules.module import (
-            register_module_forward_hook,
-            register_module_forward_pre_hook,
-        )
+        """Call ``enter(module)`` before every module's forward (a global pre-hook: before the
+        module's own pre-hooks, so a style's input redistribution counts in the module) and
+        ``leave(module)`` after it (a hook added to each module when first seen: after the
+        module's own hooks, so a style's output redistribution counts in it too, as torch's
+        tracker does). The handle removes them all."""
+        from torch.nn.modules.module import register_module_forward_pre_hook
 
-        handles = [register_module_forward_pre_hook(lambda m, a: enter(m)),
-                   register_module_forward_hook(lambda m, a, o: leave(m), always_call=True)]
+        handles: list[Any] = []
+        seen: set[int] = set()
+
+        def pre(module: nn.Module, args: Any) -> None:
+            if id(module) not in seen:
+                seen.add(id(module))
+                handles.append(module.register_forward_hook(lambda m, a, o: leave(m),
+                                                            always_call=True))
+            enter(module)
+
+        handles.append(register_module_forward_pre_hook(pre))
         return _Handles(handles)
 
     def in_backward(self) -> bool:
