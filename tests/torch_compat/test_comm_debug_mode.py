@@ -79,7 +79,7 @@ def _mlp_counts(which: str) -> dict[str, Any]:
     mesh = api.init_device_mesh("cpu", (get_platform().world_size(),), mesh_dim_names=("tp",))
     api.parallelize_module(model, mesh, {"w1": api.ColwiseParallel(),
                                          "w2": api.RowwiseParallel()})
-    x = torch.randn(4, 8)
+    x = torch.randn(4, 8, requires_grad=True)
     with api.CommDebugMode() as mode:
         model(x).sum().backward()
     out = _summary(mode)
