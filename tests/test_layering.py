@@ -166,6 +166,8 @@ NEUTRAL_MODULES = ("hyperpar.dtensor.mesh", "hyperpar.dtensor.placement",
                    "hyperpar.checkpoint._async", "hyperpar.dtensor.debug",
                    "hyperpar.checkpoint.optim_map",
                    "hyperpar.pipeline.schedules", "hyperpar.pipeline.runner",
+                   "hyperpar.pipeline.actions", "hyperpar.pipeline.plans",
+                   "hyperpar.pipeline.lowering", "hyperpar.pipeline.checking",
                    "hyperpar.pipeline.spec", "hyperpar.pipeline.partition",
                    "hyperpar.pipeline._faults", "hyperpar.pipeline.topology",
                    "hyperpar.pipeline.layout")
