@@ -1,5 +1,7 @@
 """Sharded, crash-safe checkpoints of parallelised models.
 
+* ``async_save`` -- ``save`` that returns a future once the tensors are staged in host memory;
+  the write and the atomic commit run in a background thread (:mod:`._async`).
 * ``save`` / ``load`` -- a checkpoint folder written by every rank, loaded into any layout
   (:mod:`.writer`, :mod:`.loader`; format in :mod:`._format`). A MindSpore ``Cell`` is saved
   and loaded by its backend (``hyperpar_mindspore.checkpoint``, over :mod:`.arrays`) in the
@@ -17,14 +19,15 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from concurrent.futures import Future
 from typing import Any
 
 from ._format import INDEX_FILE, CheckpointError, CorruptCheckpointError, LoadResult, read_index
 from ._lock import ConcurrentSaveError
 
 __all__ = ["INDEX_FILE", "CheckpointError", "ConcurrentSaveError", "CorruptCheckpointError",
-           "LoadResult",
-           "full_state_dict", "load", "load_safetensors", "read_index", "save", "verify"]
+           "LoadResult", "async_save", "full_state_dict", "load", "load_safetensors",
+           "read_index", "save", "verify"]
 
 _TORCH_ONLY = {"full_state_dict": ".gather", "load_safetensors": ".hf", "verify": ".loader"}
 
@@ -55,6 +58,20 @@ def save(model: Any, path: str | os.PathLike, **kwargs: Any) -> str:
     from .writer import save as torch_save
 
     return torch_save(model, path, **kwargs)
+
+
+def async_save(model: Any, path: str | os.PathLike, **kwargs: Any) -> Future[str]:
+    """Like :func:`save`, but returns once the tensors are staged in host memory; the write
+    and the commit run in a background thread. The future's ``result()`` is the index path
+    once committed; a later save waits for it. See
+    :func:`hyperpar.checkpoint.writer.async_save` (torch) and
+    ``hyperpar_mindspore.checkpoint.async_save``. Collective."""
+    impl = _framework_impl(model)
+    if impl is not None:
+        return impl.async_save(model, path, **kwargs)
+    from .writer import async_save as torch_async_save
+
+    return torch_async_save(model, path, **kwargs)
 
 
 def load(model: Any, path: str | os.PathLike, **kwargs: Any) -> LoadResult:

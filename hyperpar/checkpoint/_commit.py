@@ -25,7 +25,7 @@ from ._format import (
     is_checkpoint_file,
     write_index,
 )
-from ._lock import ConcurrentSaveError, acquire
+from ._lock import ConcurrentSaveError, acquire, wait_in_flight
 
 Box = tuple[str, tuple[int, ...], tuple[int, ...]]
 
@@ -33,7 +33,9 @@ Box = tuple[str, tuple[int, ...], tuple[int, ...]]
 def take_lock(path: str, force: bool) -> tuple[str | None, str]:
     """Rank 0 takes the folder's save lock (one save at a time); every rank learns the outcome
     and rank 0's fresh save id before anything is written. Returns ``(lock, save_id)`` (the
-    lock file on rank 0, None elsewhere). Collective."""
+    lock file on rank 0, None elsewhere). First waits for this process's ``async_save`` s
+    still in flight (their lock is rank 0's). Collective."""
+    wait_in_flight(path)
     platform = get_platform()
     rank = platform.rank()
     lock, taken = None, None

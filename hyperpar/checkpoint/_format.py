@@ -21,23 +21,17 @@ from typing import Any, NamedTuple
 __all__ = ["INDEX_FILE", "CheckpointError", "CorruptCheckpointError", "LoadResult",
            "read_index"]
 
-INDEX_FILE = "index.json"
+from ._errors import INDEX_FILE, VERSION, CheckpointError, CorruptCheckpointError
+from ._validate import check_index
+
 FORMAT = "hyperpar-checkpoint"
-#: 1: files overwritten in place, no digests. 2: per-save file names, sha256 per chunk, sizes.
-VERSION = 2
 DIGEST = "sha256"
 
-#: Files a save may leave behind: shards (any save id, or none for version 1) and index temps.
+#: Files a save may leave behind: shards (any save id, or none for version 1), index temps and
+#: ``async_save``'s notes (:mod:`._async`).
 _OWN_FILE = re.compile(r"^(shard-\d{5}-of-\d{5}(-[0-9a-f]+)?\.(safetensors|pt)"
-                       r"|index\.json\.tmp[-.0-9a-z]*)$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be loaded into this model as asked (keys, shapes, files)."""
-
-
-class CorruptCheckpointError(CheckpointError):
-    """A checkpoint file is missing, truncated, unreadable, or its bytes fail their digest."""
+                       r"|index\.json\.tmp[-.0-9a-z]*"
+                       r"|\.hyperpar-async-[0-9a-f]+-(rank\d{5}|outcome)\.json(\.tmp)?)$")
 
 
 class LoadResult(NamedTuple):
@@ -114,8 +108,6 @@ def read_index(path: str | os.PathLike) -> dict[str, Any]:
     if isinstance(version, int) and version > VERSION:
         raise CheckpointError(f"{file} has format version {index['version']}; this hyperpar "
                               f"reads versions up to {VERSION}: upgrade hyperpar")
-    from ._validate import check_index  # imports this module
-
     check_index(os.fspath(path), index)  # every field's type and range: the index is untrusted
     return index
 

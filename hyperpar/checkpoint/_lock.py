@@ -11,9 +11,11 @@ another host that cannot be known, so the error says to remove the file (or pass
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
+from concurrent.futures import Future
 from typing import Any
 
 from ._format import CheckpointError
@@ -22,6 +24,9 @@ LOCK_FILE = ".hyperpar-save.lock"
 #: Locks this process holds (a lock naming this pid but not listed here was left by a save in
 #: this process that died without cleaning up, e.g. an interrupted thread).
 _HELD: set[str] = set()
+#: ``async_save`` futures of this process still writing or committing, with their folders.
+_IN_FLIGHT: list[tuple[Future, str]] = []
+_log = logging.getLogger("hyperpar.checkpoint")
 
 
 class ConcurrentSaveError(CheckpointError):
@@ -104,3 +109,23 @@ def release(lock: str, save_id: str) -> None:
             os.remove(lock)
         except FileNotFoundError:
             pass
+
+
+def track_in_flight(future: Future, path: str) -> None:
+    """Remember an ``async_save`` in flight, so that the next save waits for it."""
+    _IN_FLIGHT.append((future, path))
+
+
+def wait_in_flight(path: str) -> None:
+    """Before a new save (async or not): wait until every ``async_save`` this process started
+    has committed or failed. Waiting, not refusing: a training loop that saves every N steps
+    must not fail because the disk was slow once; each rank waits for its own writes, so no
+    collective is involved. A failed earlier save is logged here (its future raises it)."""
+    while _IN_FLIGHT:
+        future, earlier = _IN_FLIGHT.pop(0)
+        if not future.done():
+            _log.info("save into %s waits for the async_save into %s still in flight",
+                      path, earlier)
+        exc = future.exception()
+        if exc is not None:
+            _log.warning("the async_save into %s failed: %s", earlier, exc)

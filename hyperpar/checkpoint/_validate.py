@@ -20,7 +20,7 @@ import os
 import stat
 from typing import Any
 
-from ._format import INDEX_FILE, VERSION, CheckpointError, CorruptCheckpointError
+from ._errors import INDEX_FILE, VERSION, CheckpointError, CorruptCheckpointError
 
 #: torch dtype name (as the index writes it) -> safetensors header code.
 SAFETENSORS_DTYPE = {

@@ -10,6 +10,7 @@ Needs ``numpy`` and ``safetensors`` (its numpy API); imports neither torch nor M
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ import numpy as np
 
 from hyperpar.platform import get_platform
 
+from . import _async
 from ._commit import (
     agree_or_raise,
     check_keys,
@@ -40,7 +42,7 @@ from ._lock import release
 from ._replicas import check_replicas_agree
 from ._validate import check_files, confined_file
 
-__all__ = ["ArrayBox", "load_arrays", "save_arrays"]
+__all__ = ["ArrayBox", "async_save_arrays", "load_arrays", "save_arrays"]
 
 OPTIM_PREFIX = "optimizer."
 
@@ -66,15 +68,19 @@ class ArrayBox:
                 "placements": self.placements, "mesh_shape": self.mesh_shape}
 
 
+def _check_dtypes(state: dict[str, ArrayBox]) -> None:
+    for key, box in state.items():
+        if box.array.dtype.kind not in "biuf" or box.array.dtype.itemsize > 8:
+            raise CheckpointError(f"save: {key!r} has dtype {box.array.dtype}, which the "
+                                  "numpy checkpoint path does not store; cast it to float32")
+
+
 def save_arrays(state: dict[str, ArrayBox], path: str | os.PathLike, *,
                 force: bool = False, extend_index: Any = None) -> str:
     """Write ``state`` (this rank's boxes) as checkpoint folder ``path``; returns the index
     path. Collective; the same steps and guarantees as :func:`hyperpar.checkpoint.save`.
     ``extend_index(index)`` may add sections to the index before rank 0 commits it."""
-    for key, box in state.items():
-        if box.array.dtype.kind not in "biuf" or box.array.dtype.itemsize > 8:
-            raise CheckpointError(f"save: {key!r} has dtype {box.array.dtype}, which the "
-                                  "numpy checkpoint path does not store; cast it to float32")
+    _check_dtypes(state)
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     lock, save_id = take_lock(path, force)
@@ -85,27 +91,72 @@ def save_arrays(state: dict[str, ArrayBox], path: str | os.PathLike, *,
             release(lock, save_id)
 
 
-def _save_locked(state: dict[str, ArrayBox], path: str, save_id: str,
-                 extend_index: Any = None) -> str:
+def async_save_arrays(state: dict[str, ArrayBox], path: str | os.PathLike, *,
+                      force: bool = False, extend_index: Any = None,
+                      timeout_s: float | None = None) -> Future[str]:
+    """:func:`save_arrays` with the write and the commit in a background thread, as
+    :func:`hyperpar.checkpoint.writer.async_save`: the collectives run and the arrays this rank
+    writes are copied before it returns; the future gives the index path once committed.
+    Collective."""
+    from hyperpar.platform.timeout import default_timeout_s
+
+    _check_dtypes(state)
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    lock, save_id = take_lock(path, force)
+    try:
+        mine, metas = _mine(state)
+        # copies: a framework's host array may share memory with the live parameter
+        staged = {f"{key}@{','.join(map(str, box.offset))}": np.array(box.array, order="C",
+                                                                        copy=True)
+                  for key, box in mine.items()}
+    except BaseException:
+        if lock is not None:
+            release(lock, save_id)
+        raise
     platform = get_platform()
     rank, world = platform.rank(), platform.world_size()
+    name = shard_name(rank, world, save_id, "safetensors")
+    return _async.start(path, save_id, lock, rank, world, metas, "safetensors",
+                        lambda: _write_staged(path, name, staged), extend_index,
+                        default_timeout_s() if timeout_s is None else timeout_s)
+
+
+def _mine(state: dict[str, ArrayBox]) -> tuple[dict[str, ArrayBox], list[list[dict[str, Any]]]]:
+    """The boxes this rank writes and every rank's box metadata (collective)."""
+    platform = get_platform()
     metas = platform.all_gather_object([box.meta(key) for key, box in state.items()])
     check_replicas_agree(metas, {box.box(key): (lambda b=box: np.ascontiguousarray(b.array))
                                  for key, box in state.items()})
     owner = owners(metas)
-    mine = {key: box for key, box in state.items() if owner[box.box(key)] == rank}
+    rank = platform.rank()
+    return {key: box for key, box in state.items() if owner[box.box(key)] == rank}, metas
+
+
+def _save_locked(state: dict[str, ArrayBox], path: str, save_id: str,
+                 extend_index: Any = None) -> str:
+    platform = get_platform()
+    rank, world = platform.rank(), platform.world_size()
+    mine, metas = _mine(state)
     written = _write_shard(path, shard_name(rank, world, save_id, "safetensors"), mine)
     commit(path, written, metas, "safetensors", save_id, extend_index)
     return os.path.join(path, INDEX_FILE)
 
 
 def _write_shard(path: str, name: str, mine: dict[str, ArrayBox]) -> dict[str, Any]:
+    try:
+        tensors = {f"{key}@{','.join(map(str, box.offset))}": np.ascontiguousarray(box.array)
+                   for key, box in mine.items()}
+    except Exception as exc:
+        return {"file": name, "error": f"{os.path.join(path, name)}: {type(exc).__name__}: {exc}"}
+    return _write_staged(path, name, tensors)
+
+
+def _write_staged(path: str, name: str, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
     full = os.path.join(path, name)
     try:
         from safetensors.numpy import save_file
 
-        tensors = {f"{key}@{','.join(map(str, box.offset))}": np.ascontiguousarray(box.array)
-                   for key, box in mine.items()}
         digests = {k: digest_array(a) for k, a in tensors.items()}
         save_file(tensors, full, metadata={"format": FORMAT})
         with open(full, "rb") as f:

@@ -11,24 +11,11 @@ from torch import nn
 
 from ._boxes import is_dtensor
 from ._format import CheckpointError
-from ._read import Reader, assemble
+from ._optim_params import class_name, optimizer_params, read_like
+from ._read import Reader
 from .optim_map import is_mindspore
 
 OPTIM_PREFIX = "optimizer."
-
-
-def optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer
-                     ) -> list[tuple[str, nn.Parameter]]:
-    """``(name, parameter)`` in the optimizer's state-dict index order."""
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    out = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in names:
-                raise ValueError("checkpoint: the optimizer holds a parameter that is not in "
-                                 f"the model (shape {tuple(p.shape)})")
-            out.append((names[id(p)], p))
-    return out
 
 
 def _json_safe(value: Any) -> bool:
@@ -63,11 +50,6 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
     state_keys = sorted({k for st in osd["state"].values() for k in st})
     return tensors, {"param_groups": groups, "scalars": scalars, "class": class_name(optimizer),
                      "state_keys": state_keys, "tensor_keys": sorted(tensors)}
-
-
-def class_name(optimizer: torch.optim.Optimizer) -> str:
-    cls = type(optimizer)
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def merge_extras(extras: list[dict[str, Any]]) -> dict[str, Any]:
@@ -125,19 +107,6 @@ def optimizer_keys(index: dict[str, Any]) -> set[str]:
     if "tensors" in extra:
         return set(extra["tensors"])
     return {k for k in index["tensors"] if k.startswith(OPTIM_PREFIX)}  # format version 1
-
-
-def read_like(param: torch.Tensor, entry: dict[str, Any], key: str, reader: Reader
-              ) -> torch.Tensor:
-    """Saved tensor ``key``: this rank's box of it as a DTensor laid out like ``param`` when it
-    has ``param``'s global shape (per-parameter state), else the whole tensor."""
-    if is_dtensor(param) and entry["shape"] == list(param.shape) and param.ndim:
-        local_shape, offset = param._spec.local_shape_and_offset()
-        box = assemble(entry, key, list(offset), list(local_shape), reader)
-        return type(param).from_local(box.to(param.device), param.device_mesh,
-                                      param.placements, shape=param.shape)
-    shape = entry["shape"]
-    return assemble(entry, key, [0] * len(shape), shape, reader)
 
 
 def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, index: dict[str, Any],

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from ._format import CheckpointError
+from ._optim_params import class_name, optimizer_params, read_like
 from ._read import Reader, assemble
-from .optim import class_name, optimizer_params, read_like
 from .optim_map import (
     MS_SGD,
     Pair,

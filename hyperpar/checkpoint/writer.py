@@ -7,6 +7,7 @@ checkpoint exactly as it was.
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -14,13 +15,14 @@ from torch import nn
 
 from hyperpar.platform import get_platform
 
+from . import _async
 from ._boxes import Piece, host, owned, pieces
-from ._commit import commit, take_lock
+from ._commit import agree_or_raise, commit, take_lock
 from ._format import FORMAT, INDEX_FILE, digest, shard_name
 from ._lock import release
 from .optim import merge_extras, optimizer_state
 
-__all__ = ["save"]
+__all__ = ["async_save", "save"]
 
 
 def save(model: nn.Module | dict[str, Any], path: str | os.PathLike, *,
@@ -79,6 +81,70 @@ def _save_locked(state: dict[str, Any], extras: dict[str, Any], with_optimizer: 
     return os.path.join(path, INDEX_FILE)
 
 
+def async_save(model: nn.Module | dict[str, Any], path: str | os.PathLike, *,
+               optimizer: torch.optim.Optimizer | None = None, file_format: str = "auto",
+               force: bool = False, timeout_s: float | None = None) -> Future[str]:
+    """:func:`save`, with the writing and the commit in a background thread.
+
+    Collective. Before it returns, every rank has taken part in the save's collectives (the
+    lock, who writes which box, the optimizer's extras) and copied the tensors it writes to
+    host memory, so the training step may change the parameters right away. A background
+    thread then writes the shard and commits through the folder (see
+    :mod:`hyperpar.checkpoint._async`: no collective outside the calling thread). Returns a
+    :class:`concurrent.futures.Future` whose ``result()`` is the index path once the new
+    checkpoint is committed, or raises :class:`~hyperpar.checkpoint.CheckpointError` on every
+    rank; until then the folder holds the previous checkpoint, and a crash keeps it.
+
+    A second save (``save`` or ``async_save``, any folder) started before this one is committed
+    **waits** for it (each rank for its own thread) and then proceeds. ``timeout_s`` bounds how
+    long rank 0 waits for the other ranks' shards, and they for its commit (default
+    ``HYPERPAR_TIMEOUT``, 300 s): a rank that died makes the save fail, not hang.
+    """
+    from hyperpar.platform.timeout import default_timeout_s
+
+    file_format = _resolve_format(file_format)
+    if optimizer is not None and not isinstance(model, nn.Module):
+        raise TypeError("async_save(optimizer=...) needs the model itself, not a state dict")
+    state, extras = _state_to_save(model, optimizer)
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    lock, save_id = take_lock(path, force)
+    try:
+        platform = get_platform()
+        rank, world = platform.rank(), platform.world_size()
+        mine, metas, proposals = owned(pieces(state), extras)
+        error, staged = None, {}
+        try:  # copies, not views: the step may overwrite the parameters as soon as we return
+            staged = dict(zip(_keys(mine), stage(p.local for p in mine), strict=True))
+        except Exception as exc:
+            error = exc
+        agree_or_raise(error)
+    except BaseException:
+        if lock is not None:
+            release(lock, save_id)
+        raise
+    name = shard_name(rank, world, save_id, file_format)
+
+    def add_optimizer(index: dict[str, Any]) -> None:
+        index["optimizer"] = merge_extras(proposals)
+
+    return _async.start(path, save_id, lock, rank, world, metas, file_format,
+                        lambda: _write_tensors(path, name, staged, file_format),
+                        add_optimizer if optimizer is not None else None,
+                        default_timeout_s() if timeout_s is None else timeout_s)
+
+
+def stage(tensors: Any) -> list[torch.Tensor]:
+    """Contiguous host copies that share storage with nothing (``host`` may return the
+    tensor itself when it is already on the host)."""
+    return [h.clone() if h.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+            else h for t, h in ((t, t.detach().cpu().contiguous()) for t in tensors)]
+
+
+def _keys(mine: list[Piece]) -> list[str]:
+    return [f"{p.key}@{','.join(map(str, p.offset))}" for p in mine]
+
+
 def _resolve_format(file_format: str) -> str:
     has_st = _has_safetensors()
     if file_format == "auto":
@@ -114,10 +180,19 @@ def _state_to_save(model: nn.Module | dict[str, Any], optimizer: torch.optim.Opt
 def _write_shard(path: str, name: str, mine: list[Piece], file_format: str) -> dict[str, Any]:
     """Write ``mine`` to a new file ``name``, durably; its size and per-chunk digests, or the
     error."""
+    try:
+        tensors = dict(zip(_keys(mine), host(p.local for p in mine), strict=True))
+    except Exception as exc:
+        return {"file": name, "error": f"{os.path.join(path, name)}: {type(exc).__name__}: {exc}"}
+    return _write_tensors(path, name, tensors, file_format)
+
+
+def _write_tensors(path: str, name: str, tensors: dict[str, torch.Tensor], file_format: str
+                   ) -> dict[str, Any]:
+    """Write host ``tensors`` to a new file ``name``, durably; its size and per-chunk
+    digests, or the error."""
     full = os.path.join(path, name)
     try:
-        keys = [f"{p.key}@{','.join(map(str, p.offset))}" for p in mine]
-        tensors = dict(zip(keys, host(p.local for p in mine), strict=True))
         digests = {k: digest(t) for k, t in tensors.items()}
         _write_file(full, tensors, file_format)
         with open(full, "rb") as f:

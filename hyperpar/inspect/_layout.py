@@ -19,14 +19,30 @@ before any activation is gathered -- and raises :class:`ShapeMismatchError` nami
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from hyperpar.platform import get_platform
 
-if TYPE_CHECKING:
-    from .model import HookFunction, InspectedModel
+
+class _Owner(Protocol):
+    """What a layout reads of its :class:`~hyperpar.inspect.model.InspectedModel` (a protocol,
+    so this module does not import the model module, which imports it)."""
+
+    batch_dim: int
+    dp_dim: str | None
+
+    def _tp_mesh(self) -> Any: ...
+    def _dp_mesh(self) -> Any: ...
+
+
+class _Hook(Protocol):
+    """What a layout reads of a :class:`~hyperpar.inspect.model.HookFunction`."""
+
+    module_name: str
+    sharded_dim: int | None
+    expected_shape: Any
 
 __all__ = ["ShapeMismatchError"]
 
@@ -52,7 +68,7 @@ class _Layout:
     small collectives over the TP/DP groups), ``full()`` to gather it, ``reshard(full)`` to lay
     an edited full tensor out like ``x`` again (both differentiable)."""
 
-    def __init__(self, owner: InspectedModel, x: torch.Tensor, name: str, hook: HookFunction,
+    def __init__(self, owner: _Owner, x: torch.Tensor, name: str, hook: _Hook,
                  grad_of: Any = None, what: str = "the output", gather_dp: bool = True
                  ) -> None:
         DTensor, Replicate, Shard = _dtensor_types()

@@ -33,6 +33,18 @@ from .dim_collectives import DimCollectives
 __all__ = ["TorchPlatformBase"]
 
 _HOST = torch.device("cpu")
+_FUNCOL_KEYS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
+                "all_to_all_single", "broadcast")
+
+
+class _Handles:
+    def __init__(self, handles: list[Any]) -> None:
+        self._handles = handles
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
 
 class TorchPlatformBase(Platform, DimCollectives):
@@ -196,6 +208,41 @@ class TorchPlatformBase(Platform, DimCollectives):
         if equal:
             return list(tensor.chunk(len(sizes), dim))  # equal pieces: chunk is 2x faster
         return list(tensor.split(list(sizes), dim))
+
+    # ---------------------------------------------------------------- CommDebugMode's pieces
+    def comm_op_key(self, name: str) -> Any:
+        """The key :class:`~hyperpar.dtensor.debug.CommDebugMode` files collective ``name``
+        under: torch's legacy functional-collective op (the keys of torch's own
+        ``CommDebugMode.get_comm_counts()``), else the name."""
+        if name in _FUNCOL_KEYS:
+            return getattr(torch.ops.c10d_functional, name)
+        return name
+
+    def track_module_calls(self, enter: Callable[[Any], None], leave: Callable[[Any], None]
+                           ) -> RemovableHandle:
+        """Call ``enter(module)`` before every module's forward (a global pre-hook: before the
+        module's own pre-hooks, so a style's input redistribution counts in the module) and
+        ``leave(module)`` after it (a hook added to each module when first seen: after the
+        module's own hooks, so a style's output redistribution counts in it too, as torch's
+        tracker does). The handle removes them all."""
+        from torch.nn.modules.module import register_module_forward_pre_hook
+
+        handles: list[Any] = []
+        seen: set[int] = set()
+
+        def pre(module: nn.Module, args: Any) -> None:
+            if id(module) not in seen:
+                seen.add(id(module))
+                handles.append(module.register_forward_hook(lambda m, a, o: leave(m),
+                                                            always_call=True))
+            enter(module)
+
+        handles.append(register_module_forward_pre_hook(pre))
+        return _Handles(handles)
+
+    def in_backward(self) -> bool:
+        """True while autograd's engine runs a backward pass on this thread."""
+        return torch._C._current_graph_task_id() != -1
 
     def narrow(self, tensor: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
         """``tensor.narrow(dim, start, length)`` (a view)."""

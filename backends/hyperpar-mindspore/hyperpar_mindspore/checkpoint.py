@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from typing import Any, NamedTuple
 
 import mindspore as ms
@@ -25,7 +26,13 @@ from mindspore import nn
 
 from hyperpar.checkpoint._commit import agree_or_raise
 from hyperpar.checkpoint._format import CheckpointError, LoadResult, read_index
-from hyperpar.checkpoint.arrays import ArrayBox, Want, load_arrays, save_arrays
+from hyperpar.checkpoint.arrays import (
+    ArrayBox,
+    Want,
+    async_save_arrays,
+    load_arrays,
+    save_arrays,
+)
 from hyperpar.checkpoint.optim_map import is_torch
 from hyperpar.dtensor.placement import Replicate, Shard
 from hyperpar.platform import get_platform
@@ -228,6 +235,24 @@ def save(model: nn.Cell, path: str | os.PathLike, *, name_map: NameMap = None,
     ``optimizer``: a ``mindspore.nn.Optimizer`` over the model's parameters whose state is
     saved with them, each per-parameter tensor sharded as its parameter (see
     :func:`_optimizer_layout`). Returns the index path."""
+    state, extend = _to_save(model, name_map, optimizer, file_format)
+    return save_arrays(state, path, force=force, extend_index=extend)
+
+
+def async_save(model: nn.Cell, path: str | os.PathLike, *, name_map: NameMap = None,
+               optimizer: Any = None, file_format: str = "auto", force: bool = False,
+               timeout_s: float | None = None) -> Future[str]:
+    """:func:`save` returning a future once every array is copied to host memory; the write
+    and the atomic commit run in a background thread (the shared numpy path,
+    :func:`hyperpar.checkpoint.arrays.async_save_arrays`). Collective."""
+    state, extend = _to_save(model, name_map, optimizer, file_format)
+    return async_save_arrays(state, path, force=force, extend_index=extend,
+                             timeout_s=timeout_s)
+
+
+def _to_save(model: nn.Cell, name_map: NameMap, optimizer: Any, file_format: str
+             ) -> tuple[dict[str, ArrayBox], Callable[[dict[str, Any]], None] | None]:
+    """This rank's boxes to save and the optimizer's section of the index (or None)."""
     if file_format not in ("auto", "safetensors"):
         raise ValueError(f"checkpoint.save: a MindSpore Cell is saved as safetensors; got "
                          f"file_format={file_format!r} (use 'auto' or 'safetensors')")
@@ -239,17 +264,17 @@ def save(model: nn.Cell, path: str | os.PathLike, *, name_map: NameMap = None,
                      _optimizer_layout(optimizer, layout).items())
     # a rank holding no rows of a tensor (fully_shard of fewer rows than ranks) writes nothing
     state = {key: box for key, box in boxes.items() if box.array.size or not box.array.ndim}
-    extend = None
-    if optimizer is not None:
-        cls = _class_name(optimizer)
-        hyper = optim_cross.hyperparameters(optimizer)   # a torch load checks them
+    if optimizer is None:
+        return state, None
+    cls = _class_name(optimizer)
+    hyper = optim_cross.hyperparameters(optimizer)   # a torch load checks them
 
-        def extend(index: dict[str, Any]) -> None:
-            keys = sorted(k for k in index["tensors"] if k.startswith("optimizer."))
-            index["optimizer"] = {"class": cls, "param_groups": [{}], "scalars": {},
-                                  "tensors": keys, "hyperparameters": hyper}
+    def extend(index: dict[str, Any]) -> None:
+        keys = sorted(k for k in index["tensors"] if k.startswith("optimizer."))
+        index["optimizer"] = {"class": cls, "param_groups": [{}], "scalars": {},
+                              "tensors": keys, "hyperparameters": hyper}
 
-    return save_arrays(state, path, force=force, extend_index=extend)
+    return state, extend
 
 
 def _class_name(optimizer: Any) -> str:
