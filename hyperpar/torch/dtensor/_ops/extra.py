@@ -59,6 +59,8 @@ SPECIAL = ["airy_ai", "bessel_j0", "bessel_j1", "bessel_y0", "bessel_y1",
            "erf", "erfc", "erfinv", "gammaln", "digamma", "psi", "multigammaln", "sinc",
            "round", "log1p", "logit", "gammainc", "gammaincc"]
 ACTIVATIONS = ["hardshrink", "softshrink"]
+#: casts (Tensor methods only): elementwise, the nonlinear kind (a Partial is reduced first)
+CASTS = ["byte", "char", "cfloat", "cdouble", "chalf"]
 
 
 def _elementwise_funcs() -> list[Any]:
@@ -68,6 +70,7 @@ def _elementwise_funcs() -> list[Any]:
     out.extend(getattr(_SP, name, None) for name in SPECIAL)
     out.extend(getattr(F, name, None) for name in ACTIVATIONS)
     out.extend(getattr(torch.Tensor, name, None) for name in ACTIVATIONS)
+    out.extend(getattr(torch.Tensor, name, None) for name in CASTS)
     return _new(out)
 
 
@@ -141,7 +144,14 @@ _TORCH_GATHERED = [
     "cholesky_solve", "cholesky_inverse", "pinverse", "matrix_exp", "sum_to_size",
     "diagonal_scatter", "select_scatter", "slice_scatter", "constant_pad_nd",
     "lu_solve", "triangular_solve", "cdist", "renorm", "gradient",
+    "grid_sampler_2d", "grid_sampler_3d", "bucketize", "diagonal_copy", "expand_copy",
+    "alias_copy", "geqrf", "index_put", "index_reduce", "ormqr", "lu_unpack", "permute_copy",
+    "squeeze_copy", "t_copy", "transpose_copy", "unsqueeze_copy", "view_copy", "unbind_copy",
+    "split_with_sizes_copy", "fill",
 ]
+_FFT = ["fft", "ifft", "fft2", "ifft2", "fftn", "ifftn", "rfft", "irfft", "rfft2", "irfft2",
+        "rfftn", "irfftn", "hfft", "ihfft", "hfft2", "ihfft2", "hfftn", "ihfftn", "fftshift",
+        "ifftshift"]
 _LINALG = ["vecdot", "multi_dot", "cross", "diagonal", "matrix_norm", "det", "slogdet", "inv",
            "inv_ex", "cholesky", "cholesky_ex", "solve", "solve_ex", "pinv", "svdvals",
            "eigvalsh", "matrix_exp", "tensorinv", "tensorsolve", "vander", "matrix_power",
@@ -168,6 +178,7 @@ def _gathered_funcs() -> list[Any]:
     for name in _TORCH_GATHERED:
         out.extend(variants(name))
     out.extend(getattr(torch.linalg, name, None) for name in _LINALG)
+    out.extend(getattr(torch.fft, name, None) for name in _FFT)
     out.extend(getattr(F, name, None) for name in _F_GATHERED)
     return _new(out)
 
