@@ -28,6 +28,7 @@ from . import (  # noqa: F401  (fill the table)
     cat,
     elementwise,
     index,
+    local_dims,
     matmul,
     nn,
     norm,

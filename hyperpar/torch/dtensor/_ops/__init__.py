@@ -27,6 +27,9 @@ from hyperpar.torch.dtensor._ops import (  # noqa: F401
     tensor,
     view,
 )
+
+# after every other family: it takes only the functions they leave unregistered
+from hyperpar.torch.dtensor._ops import extra  # noqa: F401, E402  (isort: skip)
 from hyperpar.torch.dtensor._ops.dispatch import PLAN_CACHE, PlanCache, infer_shapes
 from hyperpar.torch.dtensor._ops.matmul import einsum_sharding
 from hyperpar.torch.dtensor._ops.pointwise import pointwise_sharding

@@ -206,6 +206,9 @@ def mixing_error(func: Any, t: Any) -> MixedTensorError:
         f"{op_name(func)}: got a mix of DTensor and torch.Tensor (shape {tuple(t.shape)}); "
         "convert the plain tensor with distribute_tensor or DTensor.from_local first "
         "(0-dim tensors and Python numbers are allowed)"
+        ". Inside library code, the plain tensor was built from a DTensor's shape (e.g. "
+        "torch.masked.var/std with mask=None build their count so): pass a mask DTensor, or "
+        "call the function on .full_tensor()"
     )
 
 

@@ -34,6 +34,7 @@ from hyperpar.torch.dtensor._ops.registry import (
     Sharding,
     ShardingError,
     mixing_error,
+    op_name,
     register_op,
 )
 from hyperpar.torch.dtensor.api import DTensor, DTensorSpec, _wrap
@@ -171,11 +172,49 @@ def split_rule(call: OpCall) -> Sharding:
     split dim gathered, others kept."""
     x = call.args[0]
     if call.func in (torch.unbind, torch.Tensor.unbind):
-        return neutral_sharding("unbind", call, dim=call.arg(1, "dim", 0))
-    dim = call.arg(2, "dim", 0)
-    shapes = infer_shapes(call.func, call.args, call.kwargs)  # torch reads the many spellings
-    d = dim % x.ndim
-    return neutral_sharding("split", call, dim=dim, sizes=[s[d] for s in shapes])
+        sh = neutral_sharding("unbind", call, dim=call.arg(1, "dim", 0))
+    else:
+        if call.func in (torch.tensor_split, torch.Tensor.tensor_split):
+            moved = _tensor_split_indices(call)
+            if moved is not None:
+                return moved
+        dim = call.arg(2, "dim", 0)
+        shapes = infer_shapes(call.func, call.args, call.kwargs)  # the many spellings
+        d = dim % x.ndim
+        sh = neutral_sharding("split", call, dim=dim, sizes=[s[d] for s in shapes])
+    if not isinstance(sh.outputs, list):  # one piece: still a tuple of outputs
+        sh.outputs, sh.shapes = [sh.outputs], [sh.shapes]
+    return sh
+
+
+def _tensor_split_indices(call: OpCall) -> Any:
+    """``tensor_split`` given its indices or sections as a tensor (plain or DTensor): the call
+    again with them as Python ints (a plan is cached by argument values, and a tensor's values
+    are not part of its key; torch reads them on the CPU, not on meta tensors). None when they
+    are not a tensor."""
+    args = list(call.args)
+    key = "tensor_indices_or_sections"
+    where = 1 if len(args) > 1 else next((k for k in (key, "indices", "sections")
+                                          if k in call.kwargs), None)
+    if where is None:
+        return None
+    ind = args[1] if where == 1 else call.kwargs[where]
+    if isinstance(ind, DTensor):  # its whole value, the same on every rank
+        ind = replicated_local(ind).detach()
+    if not isinstance(ind, torch.Tensor):
+        return None
+    if ind.dtype != torch.int64 or ind.ndim > 1:
+        raise ShardingError(
+            f"{op_name(call.func)}: tensor_indices_or_sections must be a 0-d or 1-d int64 "
+            f"tensor, got {ind.dtype} of shape {tuple(ind.shape)}")
+    value = ind.tolist()
+    kwargs = dict(call.kwargs)
+    if where == 1:
+        args[1] = value
+    else:
+        del kwargs[where]
+        kwargs["sections" if isinstance(value, int) else "indices"] = value
+    return call.func(*args, **kwargs)
 
 
 # ---------------------------------------------------------------------------- indexing

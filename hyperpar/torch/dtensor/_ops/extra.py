@@ -1,0 +1,218 @@
+"""More ops for torch's DTensor, each on a neutral rule (:mod:`hyperpar.dtensor.rules`).
+
+* elementwise functions not in :mod:`.pointwise`'s lists (``acosh``, ``logit``, ``sinc``,
+  ``nextafter``, ``rsub``, the elementwise ``torch.special`` functions, ...): the elementwise
+  rule, nonlinear kind (a Partial input is reduced first);
+* ``local_dims`` ops (``flip``, ``roll``, ``tril``/``triu``, ``cummax``/``cummin``,
+  ``logcumsumexp``, ``softmin``, ``normalize``): local where the dims they read are not
+  sharded, those gathered first;
+* ``gathered`` ops (``addmm``, ``einsum``, ``dot``, ``diag``, the losses, ``nansum``,
+  ``aminmax``, ...): every DTensor input gathered to Replicate, the op run whole, every output
+  Replicate (differentiable). Correct for these deterministic ops, and as slow as computing on
+  ``.full_tensor()``; a sharded rule of their own is the way to make one faster.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hyperpar.torch.dtensor._ops.dispatch import collect_dtensors, replicated_local
+from hyperpar.torch.dtensor._ops.neutral import decide, neutral_sharding
+from hyperpar.torch.dtensor._ops.pointwise import run_pointwise
+from hyperpar.torch.dtensor._ops.registry import (
+    OP_TABLE,
+    OpCall,
+    Sharding,
+    mixing_error,
+    register_op,
+    variants,
+)
+from hyperpar.torch.dtensor.api import DTensor, DTensorSpec, _wrap
+
+_SP = torch.special
+
+
+def _new(funcs: list[Any]) -> list[Any]:
+    """``funcs`` without those another family already registers (one family per function)."""
+    return [f for f in funcs if f is not None and f not in OP_TABLE]
+
+
+# ---------------------------------------------------------------------------- elementwise
+ELEMENTWISE = ["acosh", "asinh", "atanh", "arccosh", "arcsinh", "arctanh", "arccos", "arcsin",
+               "arctan", "arctan2", "logit", "ldexp", "sinc", "nextafter", "rsub", "i0",
+               "igamma", "igammac", "logaddexp2", "isneginf", "isposinf", "isreal", "angle",
+               "mvlgamma", "polygamma", "xlogy", "fix", "positive", "absolute", "fmax", "fmin",
+               "erfc"]
+SPECIAL = ["airy_ai", "bessel_j0", "bessel_j1", "bessel_y0", "bessel_y1",
+           "chebyshev_polynomial_t", "chebyshev_polynomial_u", "chebyshev_polynomial_v",
+           "chebyshev_polynomial_w", "entr", "erfcx", "hermite_polynomial_h",
+           "hermite_polynomial_he", "i0", "i0e", "i1", "i1e", "laguerre_polynomial_l",
+           "legendre_polynomial_p", "log_ndtr", "ndtr", "ndtri", "polygamma",
+           "modified_bessel_i0", "modified_bessel_i1", "modified_bessel_k0",
+           "modified_bessel_k1", "scaled_modified_bessel_k0", "scaled_modified_bessel_k1",
+           "shifted_chebyshev_polynomial_t", "shifted_chebyshev_polynomial_u",
+           "shifted_chebyshev_polynomial_v", "shifted_chebyshev_polynomial_w",
+           "spherical_bessel_j0", "xlog1py", "zeta", "xlogy", "expit", "exp2", "expm1",
+           "erf", "erfc", "erfinv", "gammaln", "digamma", "psi", "multigammaln", "sinc",
+           "round", "log1p", "logit", "gammainc", "gammaincc"]
+ACTIVATIONS = ["hardshrink", "softshrink"]
+#: casts (Tensor methods only): elementwise, the nonlinear kind (a Partial is reduced first)
+CASTS = ["byte", "char", "cfloat", "cdouble", "chalf"]
+
+
+def _elementwise_funcs() -> list[Any]:
+    out: list[Any] = []
+    for name in ELEMENTWISE:
+        out.extend(variants(name))
+    out.extend(getattr(_SP, name, None) for name in SPECIAL)
+    out.extend(getattr(F, name, None) for name in ACTIVATIONS)
+    out.extend(getattr(torch.Tensor, name, None) for name in ACTIVATIONS)
+    out.extend(getattr(torch.Tensor, name, None) for name in CASTS)
+    return _new(out)
+
+
+@register_op(_elementwise_funcs(), raw=True)
+def elementwise_extra(func, args, kwargs):
+    """Nonlinear elementwise (acosh, logit, special.*, ...): Partial inputs reduced first."""
+    return run_pointwise(func, args, kwargs, "other", False)
+
+
+# ---------------------------------------------------------------------------- local dims
+def _dims_of(call: OpCall) -> tuple[tuple[int, ...], int]:
+    """(the dims ``call``'s op reads whole, its number of outputs)."""
+    f = call.func
+    x = call.dtensors[0]
+    nd = x.ndim
+    name = getattr(f, "__name__", "")
+    if name == "flip":
+        rest = call.args[1:] if call.args and call.args[0] is x else call.args
+        dims = call.kwargs.get("dims", rest[0] if len(rest) == 1 else rest)
+        return (tuple(dims) if isinstance(dims, list | tuple) else (dims,)), 1
+    if name == "fliplr":
+        return (1,), 1
+    if name == "flipud":
+        return (0,), 1
+    if name == "roll":
+        dims = call.arg(2, "dims", None)
+        if dims is None or dims == () or dims == []:
+            return tuple(range(nd)), 1
+        return (tuple(dims) if isinstance(dims, list | tuple) else (dims,)), 1
+    if name in ("tril", "triu"):
+        return (-2, -1), 1
+    if name in ("cummax", "cummin"):
+        return (call.arg(1, "dim"),), 2
+    if name == "logcumsumexp":
+        return (call.arg(1, "dim"),), 1
+    if name == "softmin":
+        dim = call.arg(1, "dim", None)
+        return (tuple(range(nd)) if dim is None else (dim,)), 1
+    if name == "normalize":
+        return (call.arg(2, "dim", 1),), 1
+    raise AssertionError(f"no dims for {name}")  # pragma: no cover (only the funcs below)
+
+
+_LOCAL_DIMS = _new([*variants("flip"), *variants("fliplr"), *variants("flipud"),
+                    *variants("roll"), *variants("tril"), *variants("triu"),
+                    *variants("cummax"), *variants("cummin"), *variants("logcumsumexp"),
+                    F.softmin, F.normalize])
+
+
+@register_op(_LOCAL_DIMS)
+def local_dims(call: OpCall) -> Sharding:
+    """Local where the dims the op reads (flip/roll dims, the matrix dims of tril/triu, the
+    cumulative dim) are not sharded; shards on them gathered; same-shaped outputs."""
+    if len(call.dtensors) != 1:
+        raise mixing_error(call.func, call.dtensors[1])
+    dims, n_out = _dims_of(call)
+    return neutral_sharding("local_dims", call, dims=dims, n_out=n_out)
+
+
+# ---------------------------------------------------------------------------- gathered
+_TORCH_GATHERED = [
+    "addmm", "addmv", "addr", "baddbmm", "addbmm", "dot", "vdot", "mv", "outer", "ger",
+    "inner", "einsum", "tensordot", "kron", "chain_matmul", "diag", "diagonal",
+    "diag_embed", "diagflat", "trace", "hstack", "vstack", "dstack", "column_stack",
+    "row_stack", "atleast_1d", "atleast_2d", "atleast_3d", "nansum", "nanmean", "aminmax",
+    "count_nonzero", "kthvalue", "median", "nanmedian", "mode", "cross", "diff", "rot90",
+    "cartesian_prod", "broadcast_tensors", "trapezoid", "trapz", "cumulative_trapezoid",
+    "cov", "corrcoef", "dist", "take_along_dim", "index_select", "index_copy", "index_fill",
+    "frexp", "repeat", "tile", "narrow", "narrow_copy", "select", "unsafe_chunk", "hsplit",
+    "vsplit", "dsplit", "ravel", "logdet", "det", "slogdet", "inverse", "cholesky",
+    "cholesky_solve", "cholesky_inverse", "pinverse", "matrix_exp", "sum_to_size",
+    "diagonal_scatter", "select_scatter", "slice_scatter", "constant_pad_nd",
+    "lu_solve", "triangular_solve", "cdist", "renorm", "gradient",
+    "grid_sampler_2d", "grid_sampler_3d", "bucketize", "diagonal_copy", "expand_copy",
+    "alias_copy", "geqrf", "index_put", "index_reduce", "ormqr", "lu_unpack", "permute_copy",
+    "squeeze_copy", "t_copy", "transpose_copy", "unsqueeze_copy", "view_copy", "unbind_copy",
+    "split_with_sizes_copy", "fill",
+]
+_FFT = ["fft", "ifft", "fft2", "ifft2", "fftn", "ifftn", "rfft", "irfft", "rfft2", "irfft2",
+        "rfftn", "irfftn", "hfft", "ihfft", "hfft2", "ihfft2", "hfftn", "ihfftn", "fftshift",
+        "ifftshift"]
+_LINALG = ["vecdot", "multi_dot", "cross", "diagonal", "matrix_norm", "det", "slogdet", "inv",
+           "inv_ex", "cholesky", "cholesky_ex", "solve", "solve_ex", "pinv", "svdvals",
+           "eigvalsh", "matrix_exp", "tensorinv", "tensorsolve", "vander", "matrix_power",
+           "solve_triangular", "lu_factor", "lu_factor_ex", "lu", "lu_solve", "qr", "eigh",
+           "svd", "cond", "matrix_rank", "householder_product", "ldl_factor",
+           "ldl_factor_ex"]
+_F_GATHERED = [
+    "l1_loss", "mse_loss", "huber_loss", "smooth_l1_loss", "kl_div", "binary_cross_entropy",
+    "binary_cross_entropy_with_logits", "soft_margin_loss", "margin_ranking_loss",
+    "hinge_embedding_loss", "poisson_nll_loss", "gaussian_nll_loss",
+    "multilabel_soft_margin_loss", "triplet_margin_loss", "triplet_margin_with_distance_loss",
+    "cosine_similarity", "pairwise_distance", "glu", "pixel_shuffle", "pixel_unshuffle",
+    "channel_shuffle", "prelu", "local_response_norm", "adaptive_avg_pool1d",
+    "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d",
+    "adaptive_max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d", "max_pool1d",
+    "max_pool2d", "max_pool3d", "max_unpool1d", "max_unpool2d", "max_unpool3d",
+    "interpolate", "upsample", "upsample_nearest", "upsample_bilinear", "grid_sample",
+    "cosine_embedding_loss", "multi_margin_loss", "multilabel_margin_loss",
+]
+
+
+def _gathered_funcs() -> list[Any]:
+    out: list[Any] = []
+    for name in _TORCH_GATHERED:
+        out.extend(variants(name))
+    out.extend(getattr(torch.linalg, name, None) for name in _LINALG)
+    out.extend(getattr(torch.fft, name, None) for name in _FFT)
+    out.extend(getattr(F, name, None) for name in _F_GATHERED)
+    return _new(out)
+
+
+def _shape_of(o: Any) -> tuple[int, ...]:
+    return tuple(o.shape) if isinstance(o, torch.Tensor) else ()
+
+
+@register_op(_gathered_funcs(), raw=True)
+def gathered(func, args, kwargs):
+    """Gathers every DTensor input to Replicate, runs the op whole, returns Replicate outputs
+    (deterministic ops only: every rank computes the same value)."""
+    dts = collect_dtensors(args, kwargs)
+    mesh = dts[0]._spec.mesh
+    for d in dts[1:]:
+        if d._spec.mesh != mesh:
+            raise ValueError(f"{getattr(func, '__name__', func)}: DTensor inputs live on "
+                             "different meshes; redistribute them onto one mesh")
+    table = {id(d): replicated_local(d) for d in dts}
+
+    def swap(a: Any) -> Any:
+        if isinstance(a, DTensor):
+            return table[id(a)]
+        if type(a) in (list, tuple):
+            return type(a)(swap(b) for b in a)
+        return a
+
+    out = func(*[swap(a) for a in args], **{k: swap(v) for k, v in kwargs.items()})
+    outs = out if isinstance(out, tuple | list) else (out,)
+    res = decide("gathered", [d._spec for d in dts],
+                 shapes=tuple(_shape_of(o) for o in outs))
+    wrapped = [_wrap(o, DTensorSpec(mesh, p, torch.Size(s))) if isinstance(o, torch.Tensor)
+               else o for o, p, s in zip(outs, res.outputs, res.shapes, strict=True)]
+    if not isinstance(out, tuple | list):
+        return wrapped[0]
+    return wrapped if type(out) is list else type(out)(wrapped)
+
