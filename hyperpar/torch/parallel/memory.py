@@ -37,9 +37,10 @@ class SavedBytes:
         return sum(self._storages.values())
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        ptr = _ptr(t)
+        local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: its local piece
+        ptr = local.untyped_storage().data_ptr()
         if ptr not in self._skip:
-            self._storages[ptr] = t.untyped_storage().nbytes()
+            self._storages[ptr] = local.untyped_storage().nbytes()
         return t
 
     @staticmethod
