@@ -109,7 +109,8 @@ def _measure(cfg: dict) -> dict:
         outs[name] = step(model, rec)
         saved[name] = rec.nbytes
         model.zero_grad(set_to_none=True)
-    same = all(torch.equal(a, b) for a, b in zip(outs["hyperpar reshard"], outs["hyperpar keep"]))
+    same = all(torch.equal(a, b) for a, b in zip(outs["hyperpar reshard"],
+                                                     outs["hyperpar keep"], strict=True))
     times = {name: [] for name in models}
     for _ in range(cfg["rounds"]):
         for name, model in models.items():

@@ -70,6 +70,11 @@ def _run_block(reshard, where="call", checkpoint=None):
     return saved.nbytes, _local(y).detach().clone(), x.grad.clone(), grads, fwd, bwd
 
 
+def _both(where="call", checkpoint=None):
+    """Keep-gathered then shard-saving, in the same processes."""
+    return _run_block(False, where, checkpoint), _run_block(True, where, checkpoint)
+
+
 def _same(a, b):
     assert torch.equal(a[1], b[1]), "outputs differ"
     assert torch.equal(a[2], b[2]), "input gradients differ"
@@ -79,43 +84,39 @@ def _same(a, b):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_reshard_is_bit_identical_and_saves_the_shard(world):
-    keep = run_distributed(_run_block, world, False)
-    shard = run_distributed(_run_block, world, True)
-    for r in range(world):
-        _same(keep[r], shard[r])
+    for r, (keep, shard) in enumerate(run_distributed(_both, world)):
+        _same(keep, shard)
         # each of the block's two gathered inputs (attention's, the MLP's: b*s*dim fp32
         # elements gathered) is kept as its 1/world shard instead: exactly this many bytes
         from tests.parallel._sp_layer import ARGS
 
         gathered = B * S * ARGS.dim * 4
-        assert keep[r][0] - shard[r][0] == 2 * (gathered - gathered // world)
+        assert keep[0] - shard[0] == 2 * (gathered - gathered // world), r
+
+
+def _per_style_and_per_call():
+    return _run_block(True, "call"), _run_block(True, "style")
 
 
 def test_switch_per_style_equals_per_call():
-    call = run_distributed(_run_block, 2, True, "call")
-    style = run_distributed(_run_block, 2, True, "style")
-    for r in range(2):
-        _same(call[r], style[r])
-        assert call[r][0] == style[r][0]
+    for call, style in run_distributed(_per_style_and_per_call, 2):
+        _same(call, style)
+        assert call[0] == style[0]
 
 
 def test_qkv_gather_once_forward_and_once_backward():
-    keep = run_distributed(_run_block, 2, False)
-    shard = run_distributed(_run_block, 2, True)
-    for r in range(2):
+    for keep, shard in run_distributed(_both, 2):
         # forward: one all-gather per gathered input (attention's, the MLP's), shared by
         # q/k/v and w1/w3, on both paths
-        assert shard[r][4] == keep[r][4] == 2
+        assert shard[4] == keep[4] == 2
         # backward: one more all-gather per gathered input (not one per consumer)
-        assert shard[r][5] - keep[r][5] == 2
+        assert shard[5] - keep[5] == 2
 
 
 @pytest.mark.parametrize("mode", ["non_reentrant", "reentrant"])
 def test_under_checkpoint_no_second_regather(mode):
     """Activation checkpointing frees the region and recomputes it (gathering again) itself:
     the switch then changes nothing -- same values, same collectives, no extra gather."""
-    keep = run_distributed(_run_block, 2, False, "call", mode)
-    shard = run_distributed(_run_block, 2, True, "call", mode)
-    for r in range(2):
-        _same(keep[r], shard[r])
-        assert (shard[r][4], shard[r][5]) == (keep[r][4], keep[r][5])
+    for keep, shard in run_distributed(_both, 2, "call", mode):
+        _same(keep, shard)
+        assert (shard[4], shard[5]) == (keep[4], keep[5])

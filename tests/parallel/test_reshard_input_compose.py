@@ -50,7 +50,7 @@ def _megatron_layer():
 def test_megatron_column_layer_saves_the_shard_by_default():
     for (shard, keep) in run_distributed(_megatron_layer, 2):
         assert torch.equal(shard[1], keep[1]) and torch.equal(shard[2], keep[2])
-        assert all(torch.equal(a, b) for a, b in zip(shard[3], keep[3]))
+        assert all(torch.equal(a, b) for a, b in zip(shard[3], keep[3], strict=True))
         # the gathered (2, 8, 16) fp32 input is kept as its (2, 4, 16) shard
         assert keep[0] - shard[0] == 2 * 8 * 16 * 4 - 2 * 4 * 16 * 4
 
@@ -76,12 +76,14 @@ def _fsdp_block(reshard):
     return y.detach(), x.grad, [_local(q.grad).clone() for q in model.parameters()]
 
 
+def _fsdp_both():
+    return _fsdp_block(False), _fsdp_block(True)
+
+
 def test_fully_shard_times_tp_sp_is_bit_identical():
-    keep = run_distributed(_fsdp_block, 4, False)
-    shard = run_distributed(_fsdp_block, 4, True)
-    for a, b in zip(keep, shard):
+    for a, b in run_distributed(_fsdp_both, 4):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-        assert all(torch.equal(g, h) for g, h in zip(a[2], b[2]))
+        assert all(torch.equal(g, h) for g, h in zip(a[2], b[2], strict=True))
 
 
 def _compiled_block():
