@@ -504,7 +504,7 @@ def reshard_scope(gathered: torch.Tensor, origin: Origin | None) -> Any:
     a column-parallel linear, gathered from ``origin``'s shard) as that shard, to be exited
     after the consumer's forward; ``None`` where the keep-gathered path runs instead:
 
-    * no autograd graph is recorded (no grad, or ``gathered`` needs none);
+    * no autograd graph is recorded (no grad);
     * another saved-tensor hook is active -- activation checkpointing (it frees and recomputes
       the region itself: saving the shard too would all-gather twice) or offloading -- unless
       it is marked ``transparent`` (it only looks, :class:`~hyperpar.torch.parallel.memory
@@ -514,7 +514,7 @@ def reshard_scope(gathered: torch.Tensor, origin: Origin | None) -> Any:
     * under ``torch.compile`` (AOTAutograd's partitioner chooses what a graph saves).
     """
     if (torch.compiler.is_compiling() or not torch.is_grad_enabled()
-            or not gathered.requires_grad or torch._C._current_autograd_node() is not None):
+            or torch._C._current_autograd_node() is not None):
         return None
     outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if outer is not None and not getattr(getattr(outer[0], "__self__", None), "transparent",
