@@ -263,8 +263,8 @@ def _apply_style(style: Any, module: Any, mesh: Any, fqn: str,
 
 def parallelize_module(module: Any, device_mesh: Any = None,
                        parallelize_plan: Any = None, *,
-                       src_data_rank: int | None = 0, tp_mesh_dim: str | int | None = None
-                       ) -> Any:
+                       src_data_rank: int | None = 0, tp_mesh_dim: str | int | None = None,
+                       reshard_input_after_forward: bool | None = None) -> Any:
     """Apply a parallel style, or a plan ``{fqn: style}``, to ``module`` in place (a PyTorch
     ``nn.Module`` or a MindSpore ``nn.Cell``: the platform's framework).
 
@@ -274,7 +274,11 @@ def parallelize_module(module: Any, device_mesh: Any = None,
     checked before anything changes. On an n-D mesh the tensor-parallel dimension is
     ``tp_mesh_dim`` (default: the dimension named ``"tp"``). ``src_data_rank``: rank whose full
     parameters are scattered (``None``: each rank uses its own copy). A parameter shared by
-    several modules stays one parameter. Returns ``module``.
+    several modules stays one parameter. ``reshard_input_after_forward`` (hyperpar's; not in
+    torch): the choice of every ``ColwiseParallel`` of the plan that does not make its own --
+    ``True`` saves an all-gathered (sequence-sharded) input as its shard and gathers it again
+    in backward, ``False`` keeps it gathered as torch does, ``None`` the default (see
+    docs/tensor-parallel.md). Returns ``module``.
     """
     # A style that picks its own mesh dims (the expert styles: "ep", ("ep", "tp")) gets the
     # mesh as given; every other style the tp dim, resolved here as before.
@@ -301,6 +305,9 @@ def parallelize_module(module: Any, device_mesh: Any = None,
         style._check_applicable(sub, fqn, pending.get(id(sub)))
         pending.setdefault(id(sub), {}).update({c: repr(style) for c in style._claimed()})
     for fqn, sub, style in entries:  # every rank, before the first broadcast
+        if hasattr(style, "_call_reshard"):
+            style._call_reshard = reshard_input_after_forward
+            style.resolved_reshard_input()  # a bad value / unsupported framework raises here
         if "parameters" in style._claimed():
             check_src_data_rank(type(style).__name__, src_data_rank, meshes[id(style)].size(0))
         style._check_mesh(sub, fqn, meshes[id(style)])

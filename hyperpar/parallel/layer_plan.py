@@ -37,12 +37,16 @@ def _with_source(style: ParallelStyle, src_data_rank: int | None) -> ParallelSty
 
 
 def column_style(*, gather_output: bool, sequence_parallel: bool, sequence_dim: int,
-                 src_data_rank: int | None) -> ParallelStyle:
+                 src_data_rank: int | None,
+                 reshard_input_after_forward: bool | None = None) -> ParallelStyle:
     """Megatron's ``ColumnParallelLinear``: a replicated (or, with ``sequence_parallel``,
-    sequence-sharded) input; the output's features stay split unless ``gather_output``."""
+    sequence-sharded) input; the output's features stay split unless ``gather_output``;
+    ``reshard_input_after_forward`` as ``ColwiseParallel``'s (``None``: the default, which
+    saves the sequence shard as Megatron does)."""
     return _with_source(ColwiseParallel(
         input_layouts=Shard(sequence_dim) if sequence_parallel else Replicate(),
-        output_layouts=Replicate() if gather_output else Shard(-1)), src_data_rank)
+        output_layouts=Replicate() if gather_output else Shard(-1),
+        reshard_input_after_forward=reshard_input_after_forward), src_data_rank)
 
 
 def row_style(*, input_is_parallel: bool, sequence_parallel: bool, sequence_dim: int,

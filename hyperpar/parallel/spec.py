@@ -42,6 +42,8 @@ __all__ = [
     "check_reachable",
     "check_src_data_rank",
     "check_style_input",
+    "RESHARD_INPUT_DEFAULT",
+    "reshard_input",
     "feature_lengths",
     "local_range",
     "output_global_shape",
@@ -354,6 +356,35 @@ def check_no_empty_piece(size: int, n: int, dim: int, shape: Iterable[int], what
             f"piece, which {who} cannot compute on; use a size that gives every rank at least "
             f"one (near {size}: {', '.join(map(str, fits[:4]))}), or fewer ranks"
         )
+
+
+#: Whether a column-parallel linear fed an all-gathered (sequence-sharded) input keeps only the
+#: shard for backward and all-gathers it again there (Megatron's sequence parallelism), unless a
+#: style or a ``parallelize_module`` call says otherwise. Chosen from
+#: ``benchmarks/bench_sp_memory.py`` (see docs/tensor-parallel.md): the saved input shrinks t
+#: times for one more all-gather per gathered input in backward.
+RESHARD_INPUT_DEFAULT = True
+
+
+def reshard_input(style_value: bool | None, call_value: bool | None, supported: bool,
+                  who: str = "ColwiseParallel") -> bool:
+    """Whether a column-parallel boundary saves its input's shard (gathering it again in
+    backward) rather than the gathered input: the style's own ``reshard_input_after_forward``
+    when given, else the ``parallelize_module`` call's, else :data:`RESHARD_INPUT_DEFAULT` --
+    where the framework's mechanics can (``supported``); an explicit ``True`` where they cannot
+    is refused (never silently ignored), the default falls back to keeping the gathered input."""
+    given = style_value if style_value is not None else call_value
+    if given is not None and not isinstance(given, bool):
+        raise TypeError(f"{who}: reshard_input_after_forward must be True, False or None, got "
+                        f"{given!r}")
+    if not supported:
+        if given:
+            raise NotImplementedError(
+                f"{who}(reshard_input_after_forward=True): this framework's tensor-parallel "
+                f"mechanics keep the gathered input for backward (no re-gather); pass False "
+                f"or leave it None")
+        return False
+    return RESHARD_INPUT_DEFAULT if given is None else given
 
 
 # --------------------------------------------------------------------------- plans

@@ -26,7 +26,14 @@ from hyperpar.platform import BackendError, get_platform
 
 from .driver import UNKNOWN, StyleBase, UnsupportedModuleError
 from .prepare_plan import check_entries
-from .spec import COLWISE, ROWWISE, StyleSpec, check_no_empty_piece, check_src_data_rank
+from .spec import (
+    COLWISE,
+    ROWWISE,
+    StyleSpec,
+    check_no_empty_piece,
+    check_src_data_rank,
+    reshard_input,
+)
 
 __all__ = [
     "ColwiseParallel",
@@ -200,7 +207,8 @@ class ParallelStyle(StyleBase):
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items()
-                           if k != "src_data_rank" and not k.startswith("_"))
+                           if k != "src_data_rank" and not k.startswith("_")
+                           and not (k == "reshard_input_after_forward" and v is None))
         return f"{type(self).__name__}({fields})"
 
 
@@ -282,6 +290,30 @@ class ColwiseParallel(_ShardingStyle):
     """
 
     spec = COLWISE
+
+    def __init__(self, *, input_layouts: Any = None, output_layouts: Any = None,
+                 use_local_output: bool = True,
+                 reshard_input_after_forward: bool | None = None) -> None:
+        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts,
+                         use_local_output=use_local_output)
+        #: ``True``: a Linear whose input is all-gathered (``input_layouts=Shard(d)``, or an
+        #: input an earlier boundary gathered) keeps only this rank's shard for backward and
+        #: all-gathers it again there (Megatron's sequence parallelism; t times less saved);
+        #: ``False``: keeps the gathered input (torch's ``ColwiseParallel``); ``None``: the
+        #: ``parallelize_module`` call's choice, else the default (``spec.RESHARD_INPUT_DEFAULT``)
+        self.reshard_input_after_forward = reshard_input_after_forward
+        self._call_reshard: bool | None = None
+        reshard_input(reshard_input_after_forward, None, _reshards(mechanics()))
+
+    def resolved_reshard_input(self) -> bool:
+        """What this style does on the current framework (see :func:`spec.reshard_input`)."""
+        return reshard_input(self.reshard_input_after_forward, self._call_reshard,
+                             _reshards(mechanics()))
+
+
+def _reshards(mech: Any) -> bool:
+    """Whether ``mech`` can save a gathered input as its shard (``None``: not known yet)."""
+    return mech is None or bool(getattr(mech, "reshards_gathered_input", False))
 
 
 class RowwiseParallel(_ShardingStyle):

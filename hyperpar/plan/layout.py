@@ -126,6 +126,11 @@ class Layout:
     #: dropout-free elementwise work on the whole sequence, all-reduces instead of
     #: all-gather / reduce-scatter pairs
     sp: bool = True
+    #: with sp: each column-parallel linear keeps its all-gathered input as the sequence shard
+    #: and gathers it again in backward (``ColwiseParallel(reshard_input_after_forward=True)``,
+    #: hyperpar's default, ``hyperpar.parallel.spec.RESHARD_INPUT_DEFAULT``); False keeps it
+    #: gathered, as torch's ColwiseParallel does
+    sp_reshard_input: bool = True
     #: when fully_shard reduce-scatters gradients under gradient accumulation or a pipeline:
     #: ``microbatch`` (hyperpar.pipeline's engine, plain accumulation: after every backward) or
     #: ``step`` (torch.distributed.pipelining and hyperpar.pipelining's schedules: gradient

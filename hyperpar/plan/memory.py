@@ -200,22 +200,24 @@ def layer_activation_elems(spec: ModelSpec, layout: Layout,
     output (q), GeLU's input and output (2f), and with dropout two masks (2h bytes).
 
     Under tp the head/hidden tensors are split; with sequence parallelism the norm tensors and
-    masks are too, but the all-gathered inputs of the column-parallel linears (2h) are kept
-    whole, as hyperpar's block saves them (Megatron-LM saves them split and gathers again in
-    backward: the paper's ``34 s b h / t`` vs hyperpar's ``(30 / t + 4) s b h`` in fp16)."""
+    masks are too, and the inputs of the column-parallel linears (2h) are kept as their
+    sequence shards and gathered again in backward (``layout.sp_reshard_input``, hyperpar's
+    default and Megatron-LM's: the paper's ``34 s b h / t`` in fp16) or kept whole as torch's
+    ColwiseParallel does (``(30 / t + 4) s b h``)."""
     h, f, tp = spec.hidden_size, spec.intermediate_size, layout.tp
     sp = layout.sequence_parallel
+    gathered = 2 * h / tp if layout.sp_reshard_input else 2 * h  # what the all-gathers keep
     if spec.block == "gpt":
         inner = (2 * spec.q_dim + 2 * spec.kv_dim + 2 * f) / tp
         masks = 2 * h / compute_bytes if spec.dropout else 0.0
         if sp:  # LN inputs and masks split; LN outputs only feed the all-gathers
-            outer = (2 * h + masks) / tp + 2 * h
+            outer = (2 * h + masks) / tp + gathered
         else:
             outer = 4 * h + masks
         return inner + outer, h / tp if sp else h
     inner = (3 * spec.q_dim + 3 * spec.kv_dim + 4 * f) / tp
     if sp:
-        outer = 4 * h / tp + 2 * h
+        outer = 4 * h / tp + gathered
         saved = h / tp
     else:
         outer = 4 * h

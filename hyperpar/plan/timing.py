@@ -175,13 +175,19 @@ def collectives(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> list[C
         # selective: wk and w3 are recomputed from their norms' gathered inputs (gathered
         # again); the reduce-scattered outputs are saved
         gathers = 3 * layers if layout.selective_ac else passes
+        # saving the shard (sp_reshard_input): each layer's two gathered inputs are gathered
+        # again in backward, except where checkpointing recomputes the layer anyway
+        regather = layout.sp_reshard_input and not layout.selective_ac
+        if regather:
+            gathers += layers - checkpointed_layers(layers, layout)
         out += [Collective("tp", "ag", act, 2 * gathers, "microbatch", "layer inputs"),
                 Collective("tp", "rs", act, 2 * passes, "microbatch", "layer outputs")]
         if first:  # vocab-parallel embedding: reduce-scatter out, all-gather its gradient back
             out += [Collective("tp", "rs", act, 1, "microbatch", "embedding output"),
                     Collective("tp", "ag", act, 1, "microbatch", "embedding grad")]
         if last:  # head input gathered (grad reduce-scattered), logits gathered to replicate
-            out += [Collective("tp", "ag", act, 1, "microbatch", "head input"),
+            out += [Collective("tp", "ag", act, 2 if regather else 1, "microbatch",
+                               "head input"),
                     Collective("tp", "rs", act, 1, "microbatch", "head input grad")]
             if layout.loss_parallel:
                 # the loss on vocabulary shards: the max, the sum of exponentials and the

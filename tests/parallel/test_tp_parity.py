@@ -176,10 +176,12 @@ def test_collectives_per_step_match_megatron(run_on_ranks):
     """2 layers. TP: forward g after the embedding, wo, w2 (5 all-reduces) and one all-gather of
     the logits; backward f once per block input + the head (5 all-reduces). TP+SP: all-gather
     before each block and the head, reduce-scatter after the embedding and each block, the
-    adjoints in backward, and one all-reduce per replicated norm weight (5)."""
+    adjoints in backward, each gathered input gathered again in backward for its weight
+    gradient (Megatron's sequence parallelism: 2 per layer + the head's, 5), and one
+    all-reduce per replicated norm weight (5)."""
     tp = run_on_ranks(2, _count_collectives, "tp")[0]
     assert tp == {"all_reduce": 10, "all_gather_into_tensor": 1, "reduce_scatter_tensor": 0,
                   "all_to_all_single": 0}, tp
     sp = run_on_ranks(2, _count_collectives, "tp_sp")[0]
-    assert sp == {"all_reduce": 5, "all_gather_into_tensor": 11, "reduce_scatter_tensor": 10,
+    assert sp == {"all_reduce": 5, "all_gather_into_tensor": 16, "reduce_scatter_tensor": 10,
                   "all_to_all_single": 0}, sp

@@ -53,18 +53,22 @@ def test_per_layer_activations_match_korthikanti(t: int) -> None:
 
 
 @pytest.mark.parametrize("t", [2, 4, 8])
-def test_sequence_parallel_keeps_the_gathered_inputs_whole(t: int) -> None:
+def test_sequence_parallel_matches_the_paper_when_the_shard_is_saved(t: int) -> None:
     """The paper's tp+sp ``sbh/t (34 + 5as/h)`` (selective: ``34sbh/t``) assumes the inputs of
-    the two column-parallel linears are saved split and all-gathered again in backward;
-    hyperpar's block saves them gathered (2 x 2sbh whole instead of split), so it holds
-    exactly ``4sbh (1 - 1/t)`` more per layer."""
+    the two column-parallel linears are saved split and all-gathered again in backward, as
+    hyperpar's default does (``Layout.sp_reshard_input``); keeping them gathered (torch's
+    ColwiseParallel, ``sp_reshard_input=False``) holds exactly ``4sbh (1 - 1/t)`` more per
+    layer (2 x 2sbh whole instead of split)."""
     s, b, h, a = S, B, GPT.hidden_size, GPT.num_heads
     sbh = s * b * h
-    extra = 4 * sbh * (1 - 1 / t)
     lay = Layout(tp=t)
-    assert per_layer(GPT, lay) == pytest.approx(sbh / t * (34 + 5 * a * s / h) + extra,
-                                                rel=1e-12)
-    assert per_layer(GPT, lay, "flash") == pytest.approx(34 * sbh / t + extra, rel=1e-12)
+    assert per_layer(GPT, lay) == pytest.approx(sbh / t * (34 + 5 * a * s / h), rel=1e-12)
+    assert per_layer(GPT, lay, "flash") == pytest.approx(34 * sbh / t, rel=1e-12)
+    extra = 4 * sbh * (1 - 1 / t)
+    keep = Layout(tp=t, sp_reshard_input=False)
+    assert per_layer(GPT, keep) == pytest.approx(sbh / t * (34 + 5 * a * s / h) + extra,
+                                                 rel=1e-12)
+    assert per_layer(GPT, keep, "flash") == pytest.approx(34 * sbh / t + extra, rel=1e-12)
 
 
 def test_stage_memory_adds_the_per_layer_figure_per_layer() -> None:

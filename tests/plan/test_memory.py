@@ -169,21 +169,28 @@ def test_no_reshard_after_forward_holds_the_stage_gathered_and_gathers_once() ->
 
 def test_tp_without_sequence_parallel_keeps_the_norm_tensors_whole() -> None:
     """Without sequence parallelism the norms' inputs and outputs (4h per token) are whole on
-    every tp rank; with it they are split (4h/t) but the gathered inputs of the two
-    column-parallel linears (2h) are saved whole. The layers' difference is exact."""
+    every tp rank; with it they are split (4h/t) and the inputs of the two column-parallel
+    linears (2h) are saved split too (gathered again in backward), or whole when kept
+    gathered (``sp_reshard_input=False``). The layers' difference is exact."""
     from hyperpar.plan.search import shape_problems
     from hyperpar.plan.timing import collectives, wire_bytes
 
     run = Run(world=8, seq_len=4096, global_batch=8)
     sp, nosp = Layout(tp=8), Layout(tp=8, sp=False)
     h, tokens, layers = SPEC.hidden_size, 8 * 4096, SPEC.num_layers
-    a, b = stage_memory(SPEC, run, sp, 0), stage_memory(SPEC, run, nosp, 0)
+    keep = Layout(tp=8, sp_reshard_input=False)
+    a, b = stage_memory(SPEC, run, keep, 0), stage_memory(SPEC, run, nosp, 0)
     assert b.activations - a.activations == layers * tokens * 2 * (4 * h - (4 * h // 8 + 2 * h))
+    c = stage_memory(SPEC, run, sp, 0)
+    assert b.activations - c.activations == layers * tokens * 2 * (4 * h - 6 * h // 8)
     # a ring all-reduce moves what an all-gather plus a reduce-scatter of the same size move
     def layer_bytes(lay: Layout) -> float:
         return sum(c.count * wire_bytes(8, c.nbytes, c.kind)
                    for c in collectives(SPEC, run, lay, 0) if c.what.startswith("layer"))
-    assert layer_bytes(nosp) == pytest.approx(layer_bytes(sp), rel=1e-12)
+    assert layer_bytes(nosp) == pytest.approx(layer_bytes(keep), rel=1e-12)
+    # saving the shard costs one more all-gather per gathered input (2 per layer) in backward
+    assert layer_bytes(sp) - layer_bytes(keep) == pytest.approx(
+        2 * layers * wire_bytes(8, tokens * h * 2, "ag"), rel=1e-12)
     assert nosp.name == "tp8.mb1.nosp"
     assert shape_problems(SPEC, Run(world=8, seq_len=4100, global_batch=8), nosp) == []
     assert any("needs tp > 1" in p for p in shape_problems(

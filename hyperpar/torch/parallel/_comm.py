@@ -385,3 +385,163 @@ def to_replicated_input(x: torch.Tensor, src: Placement, mesh: Mesh, *,
         # reduce now; the replicated value then feeds a column-parallel matmul (partial grads)
         return _Copy.apply(_Reduce.apply(x, src.reduce_op, group), group)
     raise NotImplementedError(f"column-parallel input laid out as {src!r} is not supported")
+
+
+# --------------------------------------------------------------------- save the shard
+# Megatron's sequence-parallel trick (Korthikanti et al. 2022, sec. 4.2.2): a column-parallel
+# linear fed an all-gathered input keeps only this rank's *shard* for backward and all-gathers
+# it again there, for the weight gradient. Done with saved-tensor hooks around the consumer's
+# forward: autograd's own linear (the same kernels, in the same order) saves what it always
+# saves, except that a tensor living in the gathered input's storage is swapped for a handle to
+# the shard -- so values and gradients are bit for bit those of the keep-gathered path.
+
+# A gather in backward: the shard and what re-gathering it needs (dim, torch.chunk sizes, group)
+Origin = tuple[torch.Tensor, int, tuple[int, ...], Group]
+
+
+class _Regather:
+    """The gathered input of one boundary, saved as its shard. Every consumer of that input
+    (q, k, v) saves through the same token, so backward gathers once: the first unpack
+    gathers, the rest reuse it, and the last one lets it go."""
+
+    __slots__ = ("shard", "version", "dim", "sizes", "group", "ptr", "base", "packs",
+                 "unpacks", "full", "__weakref__")
+
+    def __init__(self, gathered: torch.Tensor, origin: Origin) -> None:
+        self.shard, self.dim, self.sizes, self.group = origin
+        self.version = self.shard._version
+        self.ptr = gathered.untyped_storage().data_ptr()
+        self.base = gathered.storage_offset()
+        self.packs = self.unpacks = 0
+        self.full: torch.Tensor | None = None
+
+    def pack(self, t: torch.Tensor, outer: tuple | None = None) -> Any:
+        try:
+            mine = t.untyped_storage().data_ptr() == self.ptr and t.device == self.shard.device
+        except (RuntimeError, NotImplementedError):  # a wrapper subclass without storage
+            mine = False
+        if not mine:
+            return t if outer is None else _Outer(outer[0](t), outer[1])
+        if outer is not None and self.packs == 0:
+            outer[0](self.shard)  # a transparent (counting) hook outside sees what is kept
+        self.packs += 1
+        return _SavedShard(self, tuple(t.shape), t.stride(), t.storage_offset() - self.base,
+                           t.dtype)
+
+    def gathered(self) -> torch.Tensor:
+        if self.shard._version != self.version:
+            # autograd refuses a saved tensor changed in place; so do we (never a silent
+            # gradient from the new values)
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                "inplace operation: the sequence shard a column-parallel linear saved (to "
+                "all-gather it again in backward) changed after forward; do not modify a "
+                "sequence-parallel activation in place, or pass reshard_input_after_forward="
+                "False to keep the gathered input instead")
+        if self.full is None:
+            with torch.no_grad():
+                self.full = get_platform().all_gather_along(self.shard, self.dim, self.group,
+                                                            sizes=self.sizes)
+        full = self.full
+        self.unpacks += 1
+        if self.unpacks >= self.packs:  # every consumer has it: free it (a retained graph
+            self.full, self.unpacks = None, 0  # gathers again in its next backward)
+        return full
+
+
+class _SavedShard:
+    __slots__ = ("token", "shape", "stride", "offset", "dtype")
+
+    def __init__(self, token: _Regather, shape: tuple[int, ...], stride: tuple[int, ...],
+                 offset: int, dtype: torch.dtype) -> None:
+        self.token, self.shape, self.stride, self.offset = token, shape, stride, offset
+        self.dtype = dtype
+
+    def unpack(self) -> torch.Tensor:
+        full = self.token.gathered()
+        view = full if full.dtype == self.dtype else full.view(self.dtype)
+        return view.as_strided(self.shape, self.stride, full.storage_offset() + self.offset)
+
+
+class _Outer:
+    """A tensor packed by a transparent hook outside ours (unpacked by it too)."""
+
+    __slots__ = ("packed", "unpack_fn")
+
+    def __init__(self, packed: Any, unpack_fn: Any) -> None:
+        self.packed, self.unpack_fn = packed, unpack_fn
+
+
+def _unpack(saved: Any) -> Any:
+    kind = type(saved)
+    if kind is _SavedShard:
+        return saved.unpack()
+    if kind is _Outer:
+        return saved.unpack_fn(saved.packed)
+    return saved
+
+
+# gathered tensor id -> (weak ref to it, its token): the siblings fed one gathered input share
+# one token (one gather in backward)
+_TOKENS: dict[int, tuple[weakref.ref, _Regather]] = {}
+
+
+def _token(gathered: torch.Tensor, origin: Origin | None) -> _Regather | None:
+    entry = _TOKENS.get(id(gathered))
+    if entry is not None and entry[0]() is gathered:
+        return entry[1]
+    if origin is None:
+        return None
+    token = _Regather(gathered, origin)
+    key = id(gathered)
+    _TOKENS[key] = (weakref.ref(gathered), token)
+    weakref.finalize(gathered, _TOKENS.pop, key, None)
+    return token
+
+
+def reshard_scope(gathered: torch.Tensor, origin: Origin | None) -> Any:
+    """An entered saved-tensor-hooks context that saves ``gathered`` (the all-gathered input of
+    a column-parallel linear, gathered from ``origin``'s shard) as that shard, to be exited
+    after the consumer's forward; ``None`` where the keep-gathered path runs instead:
+
+    * no autograd graph is recorded (no grad);
+    * another saved-tensor hook is active -- activation checkpointing (it frees and recomputes
+      the region itself: saving the shard too would all-gather twice) or offloading -- unless
+      it is marked ``transparent`` (it only looks, :class:`~hyperpar.torch.parallel.memory
+      .SavedBytes`: then it is chained);
+    * the forward runs inside a backward (a reentrant checkpoint's recompute: its backward
+      follows at once);
+    * under ``torch.compile`` (AOTAutograd's partitioner chooses what a graph saves).
+    """
+    if (torch.compiler.is_compiling() or not torch.is_grad_enabled()
+            or torch._C._current_autograd_node() is not None):
+        return None
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if outer is not None and not getattr(getattr(outer[0], "__self__", None), "transparent",
+                                         False):
+        return None
+    token = _token(gathered, origin)
+    if token is None:
+        return None
+    pack = token.pack if outer is None else functools.partial(token.pack, outer=outer)
+    scope = torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
+    scope.__enter__()
+    return scope
+
+
+def prepare_column_input(x: torch.Tensor, src: Placement, mesh: Mesh, *,
+                         full: int | None = None) -> tuple[torch.Tensor, Origin | None]:
+    """:func:`to_replicated_input`, and where the result was all-gathered from a shard (here,
+    or by an earlier boundary), that shard with its dim, sizes and group (else ``None``)."""
+    group, n, _ = _mesh_info(mesh)
+    out = to_replicated_input(x, src, mesh, full=full)
+    if n == 1 or out is x:
+        return out, None
+    if type(src) is Shard:
+        dim = _norm_dim(src.dim, x.dim())
+        return out, (x, dim, _sizes(out.shape[dim], n), group)
+    if src.is_replicate():
+        origin = _gathered_origin(x)
+        if origin is not None and origin[3] == group:
+            return out, origin
+    return out, None

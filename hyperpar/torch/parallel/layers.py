@@ -163,8 +163,11 @@ class ColumnParallelLinear(ParallelLinear):
 
     * Megatron: ``ColumnParallelLinear(in, out, bias=True, *, gather_output=False,
       sequence_parallel=False, sequence_dim=1, device_mesh=None, src_data_rank=0,
-      device=None, dtype=None)``. The output is this rank's slice of the features (last dim)
-      unless ``gather_output``. Parameters are initialised like ``nn.Linear`` on every rank and
+      device=None, dtype=None, reshard_input_after_forward=None)``. The output is this rank's
+      slice of the features (last dim) unless ``gather_output``; with ``sequence_parallel``
+      the gathered input is saved as its shard and gathered again in backward, as Megatron
+      does, unless ``reshard_input_after_forward=False`` (see ``ColwiseParallel``).
+      Parameters are initialised like ``nn.Linear`` on every rank and
       scattered from ``src_data_rank`` (seed identically, or keep 0).
     * EasyDeL: ``ColumnParallelLinear(in, out, use_bias=True, dtype=None,
       param_dtype=torch.float32, kernel_init=..., bias_init=..., parallel_config=config)`` (see
@@ -180,10 +183,11 @@ class ColumnParallelLinear(ParallelLinear):
                  gather_output: bool = False, sequence_parallel: bool = False,
                  sequence_dim: int = 1, device_mesh: DeviceMesh | None = None,
                  src_data_rank: int | None = 0, device: Any = None, dtype: Any = None,
-                 **easydel: Any) -> None:
+                 reshard_input_after_forward: bool | None = None, **easydel: Any) -> None:
         if easydel_form(easydel):
             no_megatron(type(self).__name__, gather_output=gather_output,
-                        sequence_parallel=sequence_parallel, device_mesh=device_mesh, bias=bias)
+                        sequence_parallel=sequence_parallel, device_mesh=device_mesh, bias=bias,
+                        reshard_input_after_forward=reshard_input_after_forward is not None)
             super().__init__(in_features, out_features, dtype=dtype, device=device, **easydel)
             return
         nn.Linear.__init__(self, in_features, out_features, bias, device=device, dtype=dtype)
@@ -191,7 +195,8 @@ class ColumnParallelLinear(ParallelLinear):
         self.parallel_config = None
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         style = column_style(gather_output=gather_output, sequence_parallel=sequence_parallel,
-                             sequence_dim=sequence_dim, src_data_rank=src_data_rank)
+                             sequence_dim=sequence_dim, src_data_rank=src_data_rank,
+                             reshard_input_after_forward=reshard_input_after_forward)
         style._apply(self, tp_mesh(device_mesh))
 
 

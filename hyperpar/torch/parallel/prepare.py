@@ -56,6 +56,9 @@ class TorchMechanics:
     local_by_default: frozenset[str] = frozenset()
     #: torch computes on empty pieces (``torch.chunk``'s ``[2, 2, 2, 0]``): no refusal
     refuses_empty_pieces: str | None = None
+    #: a column-parallel Linear can save its all-gathered input as the shard (saved-tensor
+    #: hooks, :func:`hyperpar.torch.parallel._comm.reshard_scope`)
+    reshards_gathered_input: bool = True
 
     def check_style(self, style: Any) -> None:
         """Every layout the styles accept has a boundary here (``Partial`` outputs too)."""

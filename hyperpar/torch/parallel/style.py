@@ -44,8 +44,9 @@ from hyperpar.torch.parallel._comm import (
     copy_to_region,
     full_length,
     gather_ids,
+    prepare_column_input,
     redistribute_boundary,
-    to_replicated_input,
+    reshard_scope,
 )
 from hyperpar.torch.parallel._debug_checks import (
     note_inferred_output,
@@ -226,16 +227,26 @@ def _colwise(style: Any, module: nn.Module, mesh: Any, kind: str) -> nn.Module:
     spec = style.spec  # which dim of each parameter is split, what the local compute makes
     _distribute_params(module, spec, kind, mesh, style.src_data_rank)
     out_full = feature_lengths(kind, tuple(module.weight.shape))[1]  # the global shape's
+    # Save an all-gathered input as its shard (gather again in backward): decided once here
+    reshard = kind == "linear" and style.resolved_reshard_input()
+    scopes: list[Any] = []  # the saved-tensor hooks open during this module's forward
     if kind == "linear":
 
         def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            while scopes:  # an earlier forward raised before its post-hook: close its hooks
+                scopes.pop().__exit__(None, None, None)
             x = args[0]
+            origin = None
             hit = _MEMO.get(group, x, src_default)
             if hit is None:
                 local, src, full = _local_and_layout(x, src_default, what)
-                hit = to_replicated_input(local, src, mesh, full=full)
+                hit, origin = prepare_column_input(local, src, mesh, full=full)
                 if hit is not x:
                     _MEMO.put(group, x, src_default, hit)
+            if reshard:
+                scope = reshard_scope(hit, origin)
+                if scope is not None:
+                    scopes.append(scope)
             return (hit, *args[1:]), kwargs
 
     else:
@@ -247,6 +258,8 @@ def _colwise(style: Any, module: nn.Module, mesh: Any, kind: str) -> nn.Module:
     local_out = spec.local_output[kind]
 
     def after(mod: nn.Module, y: torch.Tensor, saved: dict) -> Any:
+        if scopes:  # the linear has saved what it needs: later ops save as usual
+            scopes.pop().__exit__(None, None, None)
         shape = None if use_local else (*y.shape[:-1], out_full)
         y = redistribute_boundary(y, local_out, dst, mesh, full=out_full)
         return _wrap(y, mesh, dst, use_local, shape)
