@@ -173,7 +173,8 @@ NEUTRAL_MODULES = ("hyperpar.dtensor.mesh", "hyperpar.dtensor.placement",
                     "hyperpar.pipeline.layout", "hyperpar.plan.moe",
                     "hyperpar.plan.moe_plan", "hyperpar.plan.moe_report",
                     "hyperpar.moe", "hyperpar.moe.errors", "hyperpar.moe.placement",
-                    "hyperpar.moe.routing", "hyperpar.moe.exchange")
+                    "hyperpar.moe.routing", "hyperpar.moe.exchange",
+                    "hyperpar.moe.styles")
 
 _BLOCK_MINDSPORE = """
 class _NoMindSpore(importlib.abc.MetaPathFinder):

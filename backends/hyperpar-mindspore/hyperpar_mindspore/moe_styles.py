@@ -15,15 +15,18 @@ words are the neutral core's (:mod:`hyperpar.moe`); this module only moves MindS
 
 from __future__ import annotations
 
-import zlib
 from typing import Any
 
 import numpy as np
 from mindspore import Parameter, Tensor, nn
 
 from hyperpar.dtensor.placement import Shard, chunk_bounds
-from hyperpar.moe.errors import MoEConfigError
-from hyperpar.moe.placement import ExpertPlacement, expert_weight_placements, mesh_dim_index
+from hyperpar.moe.placement import ExpertPlacement
+from hyperpar.moe.styles import (
+    ExpertParallelLayout,
+    ExpertTensorParallelLayout,
+    TensorParallelLayout,
+)
 from hyperpar.parallel.driver import StyleBase
 from hyperpar.parallel.spec import Comm
 from hyperpar.platform import get_platform
@@ -45,24 +48,6 @@ _REDUCE_TP = Comm("all_reduce", "none")
 #: why the expert styles do not compile
 _PYNATIVE_ONLY = ("the dispatch reads the token counts on the host (its all-to-all split sizes "
                   "are host ints) and its hooks run in PyNative mode only")
-
-
-def _params(cell: nn.Cell) -> list[tuple[str, Parameter]]:
-    return [(n, p) for n, p in cell._params.items() if p is not None]
-
-
-def _check_same_on_every_rank(style: str, cell: nn.Cell, group: Any) -> None:
-    """The experts' parameter names and shapes must agree on every rank of ``group`` (one
-    object all-gather at parallelize time, as on torch)."""
-    sig = (len(_params(cell)),
-           zlib.crc32(repr([(n, tuple(p.shape)) for n, p in _params(cell)]).encode()),
-           [(n, tuple(p.shape)) for n, p in _params(cell)][:1])
-    rows = get_platform().all_gather_object(sig, group)
-    if any(r[:2] != rows[0][:2] for r in rows):
-        seen = "; ".join(f"rank {i}: {r[0]} parameters, first {r[2]}" for i, r in enumerate(rows))
-        raise MoEConfigError(
-            f"{style}: the experts' parameters differ across ranks ({seen}); build the same "
-            f"experts (num_experts, dim, hidden) on every rank")
 
 
 def _shard(cell: nn.Cell, name: str, mesh: Any, placements: tuple[Any, ...],
@@ -92,166 +77,55 @@ def _shard(cell: nn.Cell, name: str, mesh: Any, placements: tuple[Any, ...],
     cell._params[name] = new
 
 
-class _ExpertStyle(StyleBase):
-    _claims = ("parameters", "forward")
-    _style = ""
-
-    #: all-reduce the output over tp (the tensor-parallel styles set it; torchtitan's: False)
-    reduce_output = False
-
-    def __init__(self, *, check_finite: bool = True) -> None:
-        self.check_finite = check_finite
+class _CellExperts(StyleBase):
+    """MindSpore's mechanics for the neutral expert-style layouts (:mod:`hyperpar.moe.styles`)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
-    def _before_apply(self, module: Any, device_mesh: Any, fqn: str) -> None:
-        """No dense-TP input checks: the experts' inputs are routed rows, not activations."""
+    def _own_params(self, cell: nn.Cell) -> list[tuple[str, Parameter]]:
+        return [(n, p) for n, p in cell._params.items() if p is not None]
 
-    def _check_params(self, cell: nn.Cell, fqn: str) -> list[tuple[str, Parameter]]:
-        params = _params(cell)
-        where = fqn or type(cell).__name__
-        if not params:
-            raise MoEConfigError(f"{self._style}: {where!r} has no parameters of its own; apply "
-                                 f"it to the grouped experts Cell (w1, w2, w3)")
-        for name, p in params:
-            expert_weight_placements(self._style, name, p.ndim)  # refuses unknown names
-        return params
-
-    def _shard_all(self, cell: nn.Cell, mesh: Any) -> None:
-        for name, p in _params(cell):
-            _shard(cell, name, mesh, expert_weight_placements(self._style, name, p.ndim),
-                   self.src_data_rank)
+    def _shard_param(self, cell: nn.Cell, name: str, mesh: Any,
+                     placements: tuple[Any, ...]) -> None:
+        _shard(cell, name, mesh, placements, self.src_data_rank)
 
     def _reduce(self, y: Any, tp_group: Any) -> Any:
         if not self.reduce_output or get_platform().world_size(tp_group) == 1:
             return y
         return Boundary(get_platform(), _REDUCE_TP, tp_group, f"{self._style} output")(y)
 
+    def _install_dispatch(self, cell: nn.Cell, placement: ExpertPlacement, ep_group: Any,
+                          tp_group: Any, dim: int | None) -> None:
+        platform, style = get_platform(), self
+        plans: list[Any] = []  # one per forward in flight
 
-def _dim_of(cell: nn.Cell) -> int | None:
-    w1 = cell._params.get("w1")
-    return int(w1.shape[-1]) if w1 is not None and w1.ndim == 3 else None
+        def before(_cell: nn.Cell, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if len(args) < 2:
+                raise TypeError(f"{style._style}: the experts are called as "
+                                f"experts(routed_input, num_tokens_per_expert); got {len(args)} "
+                                f"positional argument(s)")
+            routed_input, counts = args[0], args[1]
+            plan = plan_dispatch(routed_input, counts, placement, ep_group, dim=dim,
+                                 check_finite=style.check_finite)
+            if tp_group is not None and platform.world_size(tp_group) > 1:
+                routed_input = Boundary(platform, _COPY_TO_TP, tp_group,
+                                        f"{style._style} input")(routed_input)
+            plans.append(plan)
+            local = Tensor(np.asarray(plan.tokens_per_local_expert,
+                                      dtype=counts.asnumpy().dtype))
+            return (dispatch(routed_input, plan, ep_group), local, *args[2:]), kwargs
 
+        def after(_cell: nn.Cell, args: tuple, kwargs: dict, y: Any) -> Any:
+            out = combine(y, plans.pop(), ep_group)
+            return out if tp_group is None else style._reduce(out, tp_group)
 
-def _install_dispatch(style: _ExpertStyle, cell: nn.Cell, placement: ExpertPlacement,
-                      ep_group: Any, tp_group: Any, dim: int | None) -> None:
-    platform = get_platform()
-    plans: list[Any] = []  # one per forward in flight
+        platform.register_forward_pre_hook(cell, before, with_kwargs=True)
+        platform.register_forward_hook(cell, after, with_kwargs=True)
+        _DISPATCHERS[0] += 1
+        refuse_graph_mode(cell, style._style, _PYNATIVE_ONLY)
 
-    def before(_cell: nn.Cell, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if len(args) < 2:
-            raise TypeError(f"{style._style}: the experts are called as experts(routed_input, "
-                            f"num_tokens_per_expert); got {len(args)} positional argument(s)")
-        routed_input, counts = args[0], args[1]
-        plan = plan_dispatch(routed_input, counts, placement, ep_group, dim=dim,
-                             check_finite=style.check_finite)
-        if tp_group is not None and platform.world_size(tp_group) > 1:
-            routed_input = Boundary(platform, _COPY_TO_TP, tp_group,
-                                    f"{style._style} input")(routed_input)
-        plans.append(plan)
-        local = Tensor(np.asarray(plan.tokens_per_local_expert, dtype=counts.asnumpy().dtype))
-        return (dispatch(routed_input, plan, ep_group), local, *args[2:]), kwargs
-
-    def after(_cell: nn.Cell, args: tuple, kwargs: dict, y: Any) -> Any:
-        out = combine(y, plans.pop(), ep_group)
-        return out if tp_group is None else style._reduce(out, tp_group)
-
-    platform.register_forward_pre_hook(cell, before, with_kwargs=True)
-    platform.register_forward_hook(cell, after, with_kwargs=True)
-    _DISPATCHERS[0] += 1
-    refuse_graph_mode(cell, style._style, _PYNATIVE_ONLY)
-
-
-class ExpertParallel(_ExpertStyle):
-    """Experts ``Shard(0)`` over the ``ep`` mesh dim, tokens dispatched to their experts'
-    ranks and combined back. A 1-D mesh is used whole; an n-D mesh must name ``mesh_dim``."""
-
-    _style = "ExpertParallel"
-
-    def __init__(self, *, mesh_dim: str = "ep", check_finite: bool = True) -> None:
-        super().__init__(check_finite=check_finite)
-        self.mesh_dim = mesh_dim
-
-    def _own_mesh(self, device_mesh: Any) -> Any:
-        if device_mesh.ndim == 1:
-            return device_mesh
-        mesh_dim_index(device_mesh.mesh_dim_names, self.mesh_dim, self._style)
-        return device_mesh.get_mesh(self.mesh_dim)
-
-    def _check_mesh(self, module: Any, fqn: str, mesh: Any) -> None:
-        mesh = self._own_mesh(mesh)
-        params = self._check_params(module, fqn)
-        ExpertPlacement(int(params[0][1].shape[0]), mesh.size(0))
-
-    def _apply(self, module: nn.Cell, device_mesh: Any) -> nn.Cell:
-        ep_mesh = self._own_mesh(device_mesh)
-        params = self._check_params(module, "")
-        placement = ExpertPlacement(int(params[0][1].shape[0]), ep_mesh.size(0))
-        group = ep_mesh.get_group(0)
-        _check_same_on_every_rank(self._style, module, group)
-        self._shard_all(module, ep_mesh)
-        _install_dispatch(self, module, placement, group, None, _dim_of(module))
-        return module
-
-
-class ExpertTensorParallel(_ExpertStyle):
-    """Experts ``Shard(0)`` over ``ep`` and their hidden dim over ``tp`` on a 2-D
-    ``(ep, tp)`` mesh; tokens dispatched over ep. ``reduce_output=False`` (torchtitan's): the
-    output is this tp rank's partial sum."""
-
-    _style = "ExpertTensorParallel"
-
-    def __init__(self, *, ep_dim: str = "ep", tp_dim: str = "tp", reduce_output: bool = False,
-                 check_finite: bool = True) -> None:
-        super().__init__(check_finite=check_finite)
-        self.ep_dim, self.tp_dim = ep_dim, tp_dim
-        self.reduce_output = reduce_output
-
-    def _own_mesh(self, device_mesh: Any) -> Any:
-        names = device_mesh.mesh_dim_names
-        mesh_dim_index(names, self.ep_dim, self._style)
-        mesh_dim_index(names, self.tp_dim, self._style)
-        if tuple(names) == (self.ep_dim, self.tp_dim):
-            return device_mesh
-        return device_mesh[self.ep_dim, self.tp_dim]
-
-    def _check_mesh(self, module: Any, fqn: str, mesh: Any) -> None:
-        mesh = self._own_mesh(mesh)
-        params = self._check_params(module, fqn)
-        ExpertPlacement(int(params[0][1].shape[0]), mesh.size(0))
-
-    def _apply(self, module: nn.Cell, device_mesh: Any) -> nn.Cell:
-        mesh = self._own_mesh(device_mesh)
-        params = self._check_params(module, "")
-        placement = ExpertPlacement(int(params[0][1].shape[0]), mesh.size(0))
-        ep_group, tp_group = mesh.get_group(0), mesh.get_group(1)
-        _check_same_on_every_rank(self._style, module, ep_group)
-        _check_same_on_every_rank(self._style, module, tp_group)
-        self._shard_all(module, mesh)
-        _install_dispatch(self, module, placement, ep_group, tp_group, _dim_of(module))
-        return module
-
-
-class TensorParallel(_ExpertStyle):
-    """Grouped experts tensor-parallel: every expert on every rank, ``w1``/``w3`` ``Shard(1)``
-    and ``w2`` ``Shard(2)`` over the tp mesh; the input gradient summed over tp;
-    ``reduce_output=False`` leaves the output this rank's partial sum."""
-
-    _style = "TensorParallel"
-
-    def __init__(self, *, reduce_output: bool = False) -> None:
-        super().__init__()
-        self.reduce_output = reduce_output
-
-    def _check_mesh(self, module: Any, fqn: str, mesh: Any) -> None:
-        self._check_params(module, fqn)
-
-    def _apply(self, module: nn.Cell, device_mesh: Any) -> nn.Cell:
-        self._check_params(module, "")
-        group = device_mesh.get_group(0)
-        _check_same_on_every_rank(self._style, module, group)
-        self._shard_all(module, device_mesh)
+    def _install_tensor_parallel(self, cell: nn.Cell, group: Any) -> None:
         platform, style = get_platform(), self
 
         def before(_cell: nn.Cell, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -263,7 +137,18 @@ class TensorParallel(_ExpertStyle):
         def after(_cell: nn.Cell, args: tuple, kwargs: dict, y: Any) -> Any:
             return style._reduce(y, group)
 
-        platform.register_forward_pre_hook(module, before, with_kwargs=True)
-        platform.register_forward_hook(module, after, with_kwargs=True)
-        refuse_graph_mode(module, self._style, "its hooks run in PyNative mode only")
-        return module
+        platform.register_forward_pre_hook(cell, before, with_kwargs=True)
+        platform.register_forward_hook(cell, after, with_kwargs=True)
+        refuse_graph_mode(cell, style._style, "its hooks run in PyNative mode only")
+
+
+class ExpertParallel(ExpertParallelLayout, _CellExperts):
+    __doc__ = ExpertParallelLayout.__doc__
+
+
+class ExpertTensorParallel(ExpertTensorParallelLayout, _CellExperts):
+    __doc__ = ExpertTensorParallelLayout.__doc__
+
+
+class TensorParallel(TensorParallelLayout, _CellExperts):
+    __doc__ = TensorParallelLayout.__doc__
