@@ -23,12 +23,16 @@ LAYERS: dict[str, list[str]] = {
              "hyperpar/parallel/driver.py", "hyperpar/parallel/styles.py",
              "hyperpar/parallel/loss_plan.py", "hyperpar/parallel/easydel.py",
              "hyperpar/parallel/prepare_plan.py", "hyperpar/parallel/layer_plan.py",
-             "hyperpar/platform/dim_collectives.py"],
-    "torch": ["hyperpar/torch/**/*.py"],
+             "hyperpar/platform/dim_collectives.py",
+             # the MoE core (deepspeed.py there is a torch-only re-export: counted as torch)
+             "hyperpar/moe/__init__.py", "hyperpar/moe/errors.py", "hyperpar/moe/placement.py",
+             "hyperpar/moe/routing.py", "hyperpar/moe/exchange.py", "hyperpar/moe/styles.py"],
+    "torch": ["hyperpar/torch/**/*.py", "hyperpar/moe/deepspeed.py"],
     "mindspore": [f"{MS}/{n}.py" for n in ("dtensor", "dispatch", "opnames", "redistribute",
                                             "localops", "lossops", "listops",
                                             "loss", "parallel", "prepare", "comm", "graph",
-                                            "layers", "param_readback", "gradwrap")],
+                                            "layers", "param_readback", "gradwrap",
+                                            "moe", "moe_styles")],
 }
 
 #: torch stack files of features with no MindSpore counterpart (factories and nn.init, foreach,
