@@ -732,3 +732,37 @@ def test_optimizer_state_moves_between_torch_and_mindspore_mid_training(
         assert res["lr"] == np.float32(0.02), res["lr"]
         assert any("lr: saved 0.01" in w for w in res["warnings"]), res["warnings"]
     print("largest |difference| per direction:", worst)
+
+
+def _async_save_then_train(folder: str, seed: int, other: int) -> str:
+    """async_save on tp2, then overwrite every parameter while the write may be in flight:
+    the folder must hold the values at the call (staged before it returned)."""
+    import mindspore as ms
+
+    from hyperpar import checkpoint
+
+    net, names, _mesh = _net(seed, 2)
+    future = checkpoint.async_save(net, folder, name_map=names)
+    from hyperpar.platform import get_platform
+
+    w, rank = weights(other), get_platform().rank()
+    for name, p in net.parameters_and_names():   # the next "step" changes the parameters
+        key = names.get(name, name)
+        whole = w[key]
+        if key in TP_LAYOUT:   # this rank's tp shard of the new values: 7 = 4 + 3
+            d = int(TP_LAYOUT[key][0][-1])
+            whole = np.take(whole, range(4 * rank, 4 * rank + p.shape[d]), axis=d)
+        p.set_data(ms.Tensor(np.ascontiguousarray(whole)))
+    return future.result(timeout=300)
+
+
+def test_async_save_stages_before_returning_and_loads_in_one_process(pool1, pool2,
+                                                                      tmp_path) -> None:
+    folder = str(tmp_path / "async")
+    for index in pool2.run(_async_save_then_train, folder, 0, 7):
+        assert index == os.path.join(folder, "index.json"), index
+    # the ranks' notes are gone; rank 0's outcome note stays for the others to read
+    notes = [n for n in os.listdir(folder) if n.startswith(".hyperpar-async")]
+    assert len(notes) == 1 and notes[0].endswith("-outcome.json"), os.listdir(folder)
+    loaded = pool1.run(_load, folder, 1, 3)[0]
+    _same_params(loaded["params"], weights(0), "async_save on tp2, loaded in one process")

@@ -182,6 +182,12 @@ def test_collectives_per_step_match_megatron(run_on_ranks):
     tp = run_on_ranks(2, _count_collectives, "tp")[0]
     assert tp == {"all_reduce": 10, "all_gather_into_tensor": 1, "reduce_scatter_tensor": 0,
                   "all_to_all_single": 0}, tp
+    from hyperpar.torch.parallel import _comm
+
+    # the backward re-gathers run where torch can report the active saved-tensor hook (not 2.6:
+    # there the gathered input is kept, docs/tensor-parallel.md)
+    regather = 5 if _comm._TOP_HOOKS is not None else 0
     sp = run_on_ranks(2, _count_collectives, "tp_sp")[0]
-    assert sp == {"all_reduce": 5, "all_gather_into_tensor": 16, "reduce_scatter_tensor": 10,
+    assert sp == {"all_reduce": 5, "all_gather_into_tensor": 11 + regather,
+                  "reduce_scatter_tensor": 10,
                   "all_to_all_single": 0}, sp

@@ -499,6 +499,10 @@ def _token(gathered: torch.Tensor, origin: Origin | None) -> _Regather | None:
     return token
 
 
+# The active saved-tensor hooks, or None on a torch without the accessor (2.6).
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
 def reshard_scope(gathered: torch.Tensor, origin: Origin | None) -> Any:
     """An entered saved-tensor-hooks context that saves ``gathered`` (the all-gathered input of
     a column-parallel linear, gathered from ``origin``'s shard) as that shard, to be exited
@@ -511,12 +515,15 @@ def reshard_scope(gathered: torch.Tensor, origin: Origin | None) -> Any:
       .SavedBytes`: then it is chained);
     * the forward runs inside a backward (a reentrant checkpoint's recompute: its backward
       follows at once);
-    * under ``torch.compile`` (AOTAutograd's partitioner chooses what a graph saves).
+    * under ``torch.compile`` (AOTAutograd's partitioner chooses what a graph saves);
+    * on a torch that cannot report the active saved-tensor hook (2.6 has no
+      ``_top_saved_tensors_default_hooks``): an inner hook there could hide a tensor from an
+      enclosing checkpoint's, so the gathered input is kept -- the same values, torch's memory.
     """
-    if (torch.compiler.is_compiling() or not torch.is_grad_enabled()
+    if (_TOP_HOOKS is None or torch.compiler.is_compiling() or not torch.is_grad_enabled()
             or torch._C._current_autograd_node() is not None):
         return None
-    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    outer = _TOP_HOOKS(False)
     if outer is not None and not getattr(getattr(outer[0], "__self__", None), "transparent",
                                          False):
         return None
