@@ -172,6 +172,7 @@ NEUTRAL_MODULES = ("hyperpar.dtensor.mesh", "hyperpar.dtensor.placement",
                    "hyperpar.pipeline._faults", "hyperpar.pipeline.topology",
                     "hyperpar.pipeline.layout", "hyperpar.plan.moe",
                     "hyperpar.plan.moe_plan", "hyperpar.plan.moe_report",
+                    "hyperpar.plan.moe_layout", "hyperpar.plan.moe_memory",
                     "hyperpar.moe", "hyperpar.moe.errors", "hyperpar.moe.placement",
                     "hyperpar.moe.routing", "hyperpar.moe.exchange",
                     "hyperpar.moe.styles")

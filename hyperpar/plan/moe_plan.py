@@ -20,325 +20,34 @@ context parallelism with MoE. No framework is imported here.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, replace
-from functools import lru_cache
 
 from .devices import DeviceProfile
-from .layout import Layout, Run, parse_layout
-from .memory import MASTER_BYTES, in_flight, stage_layers
+from .layout import Layout, Run
 from .moe import MoESpec
+
+# the layout and memory parts live in their own modules; their names stay importable here
+from .moe_layout import MoELayout, moe_shape_problems, parse_moe_layout
+from .moe_memory import (
+    MoEMemory,
+    _stage_split,
+    microbatch_tokens,
+    moe_layer_activation_elems,
+    moe_memory_per_rank,
+    moe_stage_memory,
+    stage_param_counts,
+)
 from .timing import Link
+
+__all__ = ["GEMM_TILE", "MoECandidate", "MoELayout", "MoEMemory", "MoEStepTime", "a2a_seconds",
+           "bubble_factor", "enumerate_moe_layouts", "microbatch_tokens",
+           "moe_evaluate", "moe_layer_activation_elems", "moe_memory_per_rank", "moe_plan",
+           "moe_shape_problems", "moe_stage_memory", "moe_step_time", "parse_moe_layout",
+           "stage_param_counts", "tile_efficiency"]
 
 #: Tile edge of the grouped GEMM kernels (CUTLASS grouped GEMM and DeepGEMM's ``BLOCK_M``
 #: / ``BLOCK_N`` = 128): each expert's rows and its output width are computed in whole tiles.
 GEMM_TILE = 128
-
-
-@dataclass(frozen=True)
-class MoELayout:
-    """A dense :class:`Layout` (dp_replicate, dp_shard, tp, pp, microbatches, checkpointing,
-    schedule, ZeRO) plus the expert dims. ``capacity``: 0 dropless, else the capacity factor
-    (each expert computes ``capacity x`` its balanced share of rows, padded). ``node_limit``:
-    a token's experts lie on at most that many nodes and it crosses the network once per node
-    (DeepSeek-V3's routing, M = 4); 0: no limit, each copy travels on its own.
-    ``dualpipe``: DeepSeek-V3's bidirectional schedule (the base schedule is then ignored)."""
-
-    base: Layout
-    ep: int = 1
-    etp: int = 1
-    capacity: float = 0.0
-    node_limit: int = 0
-    dualpipe: bool = False
-    #: the fraction of the all-to-all that hides behind computation: None = the schedule's
-    #: own (DualPipe 1: its paired chunks overlap dispatch/combine with compute, DeepSeek-V3
-    #: sec. 3.2.1; the others 0: dispatch and combine block the layer)
-    a2a_overlap: float | None = None
-
-    @property
-    def world(self) -> int:
-        return self.base.world
-
-    @property
-    def edp(self) -> int:
-        """Ranks of the experts' data-parallel group."""
-        return self.world // (self.base.pp * self.ep * self.etp)
-
-    @property
-    def expert_shard(self) -> int:
-        """Ranks fully_shard splits an expert over (1 without fully_shard)."""
-        if self.base.dp_shard == 1:
-            return 1
-        return max(1, self.edp // self.base.dp_replicate)
-
-    @property
-    def name(self) -> str:
-        parts = self.base.name.split(".")
-        if self.dualpipe:
-            parts = [p for p in parts if p not in ("1f1b",)] + ["dualpipe"]
-        extra = [f"ep{self.ep}"] + ([f"etp{self.etp}"] if self.etp > 1 else [])
-        if self.capacity:
-            extra.append(f"cap{round(self.capacity * 100)}")
-        if self.node_limit:
-            extra.append(f"nl{self.node_limit}")
-        # the expert dims after the dense ones, before the microbatch count
-        at = next((i for i, p in enumerate(parts) if p.startswith("mb")), len(parts))
-        return ".".join(parts[:at] + extra + parts[at:])
-
-
-def parse_moe_layout(name: str, schedule: str = "1f1b", virtual_stages: int = 2) -> MoELayout:
-    """A name as :attr:`MoELayout.name` prints it: the dense parts (:func:`parse_layout`) and
-    ``epN``, ``etpN``, ``capP`` (capacity factor in percent, ``cap125``; default dropless),
-    ``nlM`` (node-limited routing), ``dualpipe``, e.g.
-    ``dp128.pp16.ep64.nl4.mb120.zero1.dualpipe``."""
-    fields: dict[str, object] = {}
-    rest = []
-    for part in name.strip().lower().split("."):
-        m = re.fullmatch(r"(ep|etp|nl)(\d+)", part)
-        if m:
-            key = {"ep": "ep", "etp": "etp", "nl": "node_limit"}[m.group(1)]
-            if key in fields:
-                raise ValueError(f"hyperpar plan: layout {name!r} gives {m.group(1)} twice")
-            fields[key] = int(m.group(2))
-            if fields[key] < 1:
-                raise ValueError(f"hyperpar plan: layout {name!r}: {part} must be >= 1")
-        elif re.fullmatch(r"cap\d+", part):  # in percent: cap125 is a factor of 1.25
-            fields["capacity"] = int(part[3:]) / 100
-            if fields["capacity"] < 1:  # type: ignore[operator]
-                raise ValueError(f"hyperpar plan: layout {name!r}: {part}: a capacity factor "
-                                 "below 1 drops tokens even with balanced routing; write "
-                                 "cap100 or more (percent), or leave it out (dropless)")
-        elif part == "dropless":
-            fields["capacity"] = 0.0
-        elif part == "dualpipe":
-            fields["dualpipe"] = True
-        else:
-            rest.append(part)
-    base = parse_layout(".".join(rest) or "single", schedule, virtual_stages)  # type: ignore[arg-type]
-    return MoELayout(base=base, **fields)  # type: ignore[arg-type]
-
-
-# ------------------------------------------------------------------ problems
-def moe_shape_problems(spec: MoESpec, run: Run, lay: MoELayout) -> list[str]:
-    """Why ``lay`` cannot run ``spec`` (empty: it can)."""
-    b, out = lay.base, []
-    tp, pp, m, dp = b.tp, b.pp, b.microbatches, b.dp
-    heads_kv = spec.num_kv_heads if spec.attention == "gqa" else spec.num_heads
-    if spec.num_heads % tp or heads_kv % tp:
-        out.append(f"attention heads ({spec.num_heads}, kv {heads_kv}) % tp={tp} != 0")
-    if b.sequence_parallel and run.seq_len % tp:
-        out.append(f"seq_len={run.seq_len} % tp={tp} != 0 (sequence parallel splits it)")
-    if b.cp > 1:
-        out.append(f"cp={b.cp} with an MoE model: not modelled (write cp1)")
-    if spec.experts % lay.ep:
-        out.append(f"experts={spec.experts} % ep={lay.ep} != 0")
-    if spec.expert_intermediate % lay.etp:
-        out.append(f"moe_intermediate_size={spec.expert_intermediate} % etp={lay.etp} != 0")
-    inner = run.world // pp if run.world % pp == 0 else 0
-    if not inner or inner % (lay.ep * lay.etp):
-        out.append(f"ep*etp={lay.ep * lay.etp} does not divide the world/pp={run.world}/{pp} "
-                   "ranks of a stage")
-    elif b.dp_shard > 1 and lay.edp % b.dp_replicate:
-        out.append(f"experts' data-parallel group {lay.edp} % dp_replicate={b.dp_replicate}"
-                   " != 0 (fully_shard splits experts over the rest)")
-    if pp > spec.num_layers:
-        out.append(f"pp={pp} > num_hidden_layers={spec.num_layers}")
-    if run.global_batch % dp:
-        out.append(f"global_batch={run.global_batch} % (dp_replicate*dp_shard)={dp} != 0")
-    elif (run.global_batch // dp) % m:
-        out.append(f"per-replica batch {run.global_batch // dp} % microbatches={m} != 0")
-    if pp > 1 and m < pp:
-        out.append(f"microbatches={m} < pp={pp} leaves stages idle")
-    if lay.dualpipe and (pp % 2 or m % 2 or pp < 2):
-        out.append(f"dualpipe needs an even pp >= 2 and an even microbatch count "
-                   f"(pp={pp}, microbatches={m}; DeepSeek-V3 sec. 3.2.1)")
-    if b.schedule == "interleaved1f1b" and pp > 1 and not lay.dualpipe:
-        if m % pp:
-            out.append(f"microbatches={m} % pp={pp} != 0 (interleaved 1F1B)")
-        if pp * b.virtual_stages > spec.num_layers:
-            out.append(f"pp*virtual_stages={pp * b.virtual_stages} > layers")
-    if b.activation_checkpointing and b.selective_ac:
-        out.append("activation_checkpointing and selective_ac: choose one")
-    if b.selective_ac:
-        out.append("selective op checkpointing (sac) of an MoE layer: not modelled (write ac)")
-    if lay.world != run.world:
-        out.append(f"layout has {lay.world} ranks, the run {run.world}")
-    return out
-
-
-# ------------------------------------------------------------------ parameters
-@lru_cache(maxsize=65536)
-def _stage_split(spec: MoESpec, pp: int, stage: int) -> tuple[int, int]:
-    """(dense layers, MoE layers) on ``stage``: contiguous layers, as many as
-    :func:`stage_layers` gives it, the dense ones first in the model."""
-    start = sum(stage_layers(spec.num_layers, pp, s) for s in range(stage))
-    n = stage_layers(spec.num_layers, pp, stage)
-    dense = set(range(spec.first_dense)) | set(spec.dense_layers)
-    d = sum(1 for i in range(start, start + n) if i in dense)
-    return d, n - d
-
-
-@dataclass(frozen=True)
-class MoEMemory:
-    """Bytes on one rank of the stage with the highest peak (``stage``)."""
-
-    params: int
-    grads: int
-    optimizer: int
-    fsdp_buffers: int
-    activations: int
-    stage: int
-
-    @property
-    def peak(self) -> int:
-        return self.params + self.grads + self.optimizer + self.fsdp_buffers + self.activations
-
-    @property
-    def states(self) -> int:
-        return self.params + self.grads + self.optimizer
-
-    def to_json(self) -> dict[str, int]:
-        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
-                "activations": self.activations + self.fsdp_buffers, "peak": self.peak}
-
-
-def stage_param_counts(spec: MoESpec, lay: MoELayout, stage: int) -> tuple[float, float, float]:
-    """(dense-part elements on one rank, routed-expert elements on one rank before any
-    data-parallel sharding, one gathered unit's elements) of ``stage``: the dense part
-    (attention, norms, router, shared experts, dense MLPs, embedding on the first stage, head
-    and the MTP modules' dense part on the last) split over ``tp``; the routed experts split
-    ``ep`` ways by expert and ``etp`` ways by width. DualPipe holds two stages per rank
-    (``stage`` and ``pp - 1 - stage``)."""
-    b = lay.base
-    stages = [stage] + ([b.pp - 1 - stage] if lay.dualpipe and b.pp - 1 - stage != stage
-                        else [])
-    dense = routed = 0.0
-    unit = 0.0
-    for s in stages:
-        d, moe = _stage_split(spec, b.pp, s)
-        non_expert = spec.moe_layer_params - spec.experts * spec.expert_params
-        dense += d * spec.dense_layer_params + moe * non_expert
-        routed += moe * spec.experts * spec.expert_params
-        if s == 0:
-            dense += spec.vocab * spec.hidden
-        if s == b.pp - 1:
-            dense += spec.embed_params - spec.vocab * spec.hidden
-            if spec.mtp:
-                h = spec.hidden
-                dense += spec.mtp * (non_expert + 2 * h * h + 3 * h)
-                routed += spec.mtp * spec.experts * spec.expert_params
-        layer = max(spec.dense_layer_params / b.tp if d else 0,
-                    non_expert / b.tp + spec.experts * spec.expert_params
-                    / (lay.ep * lay.etp) if moe else 0)
-        unit = max(unit, layer)
-    return dense / b.tp, routed / (lay.ep * lay.etp), unit
-
-
-def moe_layer_activation_elems(spec: MoESpec, run: Run, lay: MoELayout) -> tuple[float, float,
-                                                                                  float]:
-    """The per-layer activation term, in compute-dtype elements per token of a rank's
-    microbatch (before the tp split of the sequence): (an MoE layer, a dense layer, what a
-    checkpointed layer keeps). The one function :mod:`hyperpar.plan.memory`'s TP+SP switch
-    (issue 52) will have to follow here too.
-
-    Attention (GQA as the Llama block; MLA: the query latent, queries before and after rotary,
-    the KV latent before and after its norm, ``kv_b``'s output, keys, values, the attention
-    output), split over tp (the latents are counted split too: an estimate). Around each
-    block the norm input and output (split under sequence parallelism) and the gathered
-    input of the column-parallel projections (kept whole, as hyperpar saves it). The MoE
-    block: the router's input and its fp32 logits and probabilities, per routed copy
-    (``top_k x capacity x etp`` per token: expert tensor parallelism gathers the etp group's
-    tokens) the dispatched input and expert output (``2h``) and the SwiGLU intermediates
-    (``4 f / etp``); the shared experts as a dense SwiGLU split over tp."""
-    h, tp = spec.hidden, lay.base.tp
-    sp = lay.base.sequence_parallel
-    outer = 4 * h / tp + 2 * h if sp else 4 * h
-    n = spec.num_heads
-    if spec.attention == "mla":
-        qk = spec.qk_nope_dim + spec.qk_rope_dim
-        attn = (spec.q_lora_rank + 2 * n * qk + 2 * spec.kv_lora_rank + spec.qk_rope_dim
-                + n * (spec.qk_nope_dim + spec.v_head_dim) + n * qk + 2 * n * spec.v_head_dim)
-    else:
-        q, kv = n * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        attn = 4 * q + 3 * kv
-    attn /= tp
-    cap = lay.capacity or 1.0
-    per_copy = 2 * h + 4 * spec.expert_intermediate / lay.etp
-    tokens_split = 1 / tp if sp else 1.0  # the MoE block sees the sequence-parallel shard
-    routed = spec.top_k * cap * lay.etp * per_copy * tokens_split
-    router = (h + 2 * spec.experts * MASTER_BYTES / run.compute_bytes) * tokens_split
-    shared_w = spec.shared_intermediate or spec.expert_intermediate
-    shared = 4 * spec.shared_experts * shared_w / tp
-    moe = attn + outer + routed + router + shared
-    dense = attn + outer + 4 * spec.dense_intermediate / tp
-    saved = h / tp if sp else h
-    return moe, dense, saved
-
-
-def microbatch_tokens(run: Run, lay: MoELayout) -> int:
-    """Tokens of one data-parallel rank's microbatch (shared by its tp ranks)."""
-    b = lay.base
-    return run.global_batch // (b.dp * b.microbatches) * run.seq_len
-
-
-def _in_flight(lay: MoELayout, stage: int) -> float:
-    """Microbatches of activations a stage holds: DualPipe ``pp + 1`` of a stage's (its
-    Table 2, against 1F1B's ``pp``) on every rank, an upper bound; else the dense rule."""
-    if lay.dualpipe:
-        return min(lay.base.pp + 1, lay.base.microbatches)
-    return in_flight(lay.base, stage)
-
-
-def moe_stage_memory(spec: MoESpec, run: Run, lay: MoELayout, stage: int) -> MoEMemory:
-    b, cb = lay.base, run.compute_bytes
-    dense, routed, unit = stage_param_counts(spec, lay, stage)
-    k = run.optimizer_states
-    if b.dp_shard > 1:  # fully_shard: fp32 masters, grads and states sharded
-        local = dense / b.dp_shard + routed / lay.expert_shard
-        params, grads, opt = local * MASTER_BYTES, local * MASTER_BYTES, local * MASTER_BYTES * k
-        buffers = 3 * unit * cb
-    elif b.zero:  # ZeRO-1/2 over dp (dense part) and edp (experts)
-        part = dense / b.dp + routed / lay.edp
-        params = (dense + routed) * cb
-        grads = part * cb if b.zero == 2 else (dense + routed) * cb
-        opt = part * MASTER_BYTES * (1 + k)
-        buffers = 0.0
-    else:
-        local = dense + routed
-        params = local * (MASTER_BYTES + (cb if cb != MASTER_BYTES else 0))
-        grads, opt, buffers = local * MASTER_BYTES, local * MASTER_BYTES * k, 0.0
-    d, moe = _stage_split(spec, b.pp, stage)
-    if lay.dualpipe and b.pp - 1 - stage != stage:
-        d2, m2 = _stage_split(spec, b.pp, b.pp - 1 - stage)
-        d, moe = d + d2, moe + m2
-        d, moe = d / 2, moe / 2  # one chunk's layers per in-flight microbatch
-    moe_e, dense_e, saved = moe_layer_activation_elems(spec, run, lay)
-    tokens = microbatch_tokens(run, lay)
-    per_mb = (moe * moe_e + d * dense_e) * tokens * cb
-    if b.activation_checkpointing:
-        per_mb_kept = (moe + d) * saved * tokens * cb
-        act = _in_flight(lay, stage) * per_mb_kept + max(moe_e, dense_e) * tokens * cb
-    else:
-        act = _in_flight(lay, stage) * per_mb
-    if stage == b.pp - 1 or lay.dualpipe:
-        # the logits on vocabulary shards and the eager loss's fp32 log-softmax and gradient;
-        # each MTP module predicts once more from its own layer
-        vocab = spec.vocab / b.tp
-        act += (1 + spec.mtp) * tokens * vocab * (cb + 2 * MASTER_BYTES)
-    return MoEMemory(int(params), int(grads), int(opt), int(buffers), int(act), stage)
-
-
-def moe_memory_per_rank(spec: MoESpec, run: Run, lay: MoELayout) -> MoEMemory:
-    """The stage with the highest peak."""
-    pp = lay.base.pp
-    # the first stage (embedding, dense layers), the last (head, loss, MTP) and the first
-    # all-MoE stage holding the most layers: the others repeat one of these three
-    most = max(stage_layers(spec.num_layers, pp, s) for s in range(pp))
-    inner = next((s for s in range(pp) if _stage_split(spec, pp, s) == (0, most)), 0)
-    stages = sorted({0, pp - 1, inner})
-    if lay.dualpipe:  # a rank holds stages s and pp - 1 - s: every pairing differs
-        stages = sorted({0, inner, pp // 2 - 1})
-    return max((moe_stage_memory(spec, run, lay, s) for s in stages), key=lambda m: m.peak)
 
 
 # ------------------------------------------------------------------ time
