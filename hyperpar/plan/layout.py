@@ -47,6 +47,13 @@ class Run:
     #: torch.compile's fusion of the elementwise ops: their HBM passes
     #: (:data:`hyperpar.plan.timing.ELEMENTWISE_PASSES`) divided by this factor; 1 eager
     compile_fusion: float = 1.0
+    #: dtype of the optimizer's states (AdamW's two moments); the fp32 masters stay fp32.
+    #: ``bfloat16``: DeepSeek-V3 sec. 3.3.3 ("BF16 ... to track the first and second moments")
+    optimizer_dtype: Literal["float32", "bfloat16"] = "float32"
+    #: dtype ZeRO-1/2 keep the (whole or partitioned) gradients in: the compute dtype
+    #: (hyperpar's ZeRO) or fp32 (Megatron-core's fp32 main-grad buffer under bf16; DeepSeek-V3
+    #: sec. 3.3.3: "gradients (used for batch size accumulation) are still retained in FP32")
+    zero_grad_dtype: Literal["compute", "float32"] = "compute"
 
     def __post_init__(self) -> None:
         if not 1 <= self.float8 <= 4 or self.compile_fusion < 1:
@@ -64,6 +71,12 @@ class Run:
         if self.loss not in ("eager", "fused", "torch-lp"):
             raise ValueError(f"hyperpar plan: loss {self.loss!r}; accepted: eager, fused, "
                              "torch-lp")
+        if self.optimizer_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"hyperpar plan: optimizer dtype {self.optimizer_dtype!r}; "
+                             "accepted: float32, bfloat16")
+        if self.zero_grad_dtype not in ("compute", "float32"):
+            raise ValueError(f"hyperpar plan: ZeRO gradient dtype {self.zero_grad_dtype!r}; "
+                             "accepted: compute, float32")
         if self.attention not in ("flash", "eager"):
             raise ValueError(f"hyperpar plan: attention {self.attention!r}; accepted: flash, "
                              "eager")
@@ -80,6 +93,16 @@ class Run:
     def reduce_bytes(self) -> int:
         """Bytes per element of a gradient reduction."""
         return 4 if self.reduce_dtype == "float32" else self.compute_bytes
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        """Bytes per element of one optimizer state."""
+        return 2 if self.optimizer_dtype == "bfloat16" else 4
+
+    @property
+    def zero_grad_bytes(self) -> int:
+        """Bytes per element of ZeRO-1/2's gradients."""
+        return 4 if self.zero_grad_dtype == "float32" else self.compute_bytes
 
     @property
     def optimizer_states(self) -> int:

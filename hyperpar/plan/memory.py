@@ -281,7 +281,7 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
     if ds == 1 and cb != MASTER_BYTES:
         params += local * cb  # the compute-dtype copy; fully_shard gathers it per unit instead
     grads = local * MASTER_BYTES
-    optimizer = local * MASTER_BYTES * run.optimizer_states
+    optimizer = local * run.optimizer_state_bytes * run.optimizer_states
     if layout.zero:
         # ZeRO (Rajbhandari et al. 2020, sec. 5.1): compute-dtype parameters and gradients
         # replicated, the fp32 masters and optimizer states partitioned evenly over the data-
@@ -290,8 +290,8 @@ def stage_memory(spec: ModelSpec, run: Run, layout: Layout, stage: int) -> Memor
         n = layout.dp_replicate  # with cp > 1 refused by search.shape_problems
         part = _cdiv(local, n)
         params = local * cb
-        grads = (part if layout.zero == 2 else local) * cb
-        optimizer = part * MASTER_BYTES * (1 + run.optimizer_states)
+        grads = (part if layout.zero == 2 else local) * run.zero_grad_bytes
+        optimizer = part * (MASTER_BYTES + run.optimizer_state_bytes * run.optimizer_states)
     block_buffers = buffers = 0
     if ds > 1:
         # a layer in use, the one prefetched ahead and one layer's unsharded gradients; the

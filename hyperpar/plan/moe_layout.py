@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from .layout import Layout, Run, parse_layout
 from .moe import MoESpec
 
+#: What ``recompute`` may name, in the order a layout name prints them: RMSNorm outputs, MLA's
+#: up-projection outputs (and the queries, keys, values built from them), the SwiGLU output.
+RECOMPUTE = ("norm", "up", "swiglu")
+
 
 @dataclass(frozen=True)
 class MoELayout:
@@ -20,7 +24,24 @@ class MoELayout:
     (each expert computes ``capacity x`` its balanced share of rows, padded). ``node_limit``:
     a token's experts lie on at most that many nodes and it crosses the network once per node
     (DeepSeek-V3's routing, M = 4); 0: no limit, each copy travels on its own.
-    ``dualpipe``: DeepSeek-V3's bidirectional schedule (the base schedule is then ignored)."""
+    ``dualpipe``: DeepSeek-V3's bidirectional schedule (the base schedule is then ignored).
+
+    Activation-memory knobs (default off: every intermediate kept in the compute dtype, as an
+    eager layer saves it), each a mechanism a published run states:
+
+    * ``recompute`` (name parts ``rcnorm``, ``rcup``, ``rcswiglu``): outputs rebuilt in
+      backward instead of kept: every RMSNorm's output; MLA's up-projections (queries, keys
+      and values rebuilt from the kept latents); the SwiGLU output (and its SiLU) from the
+      kept SwiGLU inputs. DeepSeek-V3 sec. 3.2.3 states the first two, sec. 3.3.3 the third.
+    * ``fp8_cache`` (``fp8act``): the inputs of the linears and of the SwiGLU kept in FP8
+      (1 byte), the input of the linear after attention in E5M6 (1.5 bytes); DeepSeek-V3
+      sec. 3.3.3. Gating, norms and the residual stream stay in the compute dtype.
+    * ``weights_on_expert`` (``wexpert``): the routing weights travel with the dispatched
+      tokens and scale them on the expert's side (DeepEP's training path: dispatch returns
+      the weights, their gradients come back through the dispatch's backward combine, and
+      the forward combine is a plain sum; Megatron-core's weighted SwiGLU), so no copy's
+      expert output is kept for the weights' gradient; off: the combine weighs the returned
+      outputs and keeps every copy's output for that gradient."""
 
     base: Layout
     ep: int = 1
@@ -32,6 +53,15 @@ class MoELayout:
     #: own (DualPipe 1: its paired chunks overlap dispatch/combine with compute, DeepSeek-V3
     #: sec. 3.2.1; the others 0: dispatch and combine block the layer)
     a2a_overlap: float | None = None
+    recompute: frozenset[str] = frozenset()
+    fp8_cache: bool = False
+    weights_on_expert: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = set(self.recompute) - set(RECOMPUTE)
+        if unknown:
+            raise ValueError(f"hyperpar plan: recompute {sorted(unknown)}: accepted "
+                             f"{', '.join(RECOMPUTE)}")
 
     @property
     def world(self) -> int:
@@ -61,14 +91,18 @@ class MoELayout:
             extra.append(f"nl{self.node_limit}")
         # the expert dims after the dense ones, before the microbatch count
         at = next((i for i, p in enumerate(parts) if p.startswith("mb")), len(parts))
-        return ".".join(parts[:at] + extra + parts[at:])
+        knobs = ([f"rc{r}" for r in RECOMPUTE if r in self.recompute]
+                 + (["fp8act"] if self.fp8_cache else [])
+                 + (["wexpert"] if self.weights_on_expert else []))
+        return ".".join(parts[:at] + extra + parts[at:] + knobs)
 
 
 def parse_moe_layout(name: str, schedule: str = "1f1b", virtual_stages: int = 2) -> MoELayout:
     """A name as :attr:`MoELayout.name` prints it: the dense parts (:func:`parse_layout`) and
     ``epN``, ``etpN``, ``capP`` (capacity factor in percent, ``cap125``; default dropless),
-    ``nlM`` (node-limited routing), ``dualpipe``, e.g.
-    ``dp128.pp16.ep64.nl4.mb120.zero1.dualpipe``."""
+    ``nlM`` (node-limited routing), ``dualpipe``, and the activation knobs ``rcnorm``,
+    ``rcup``, ``rcswiglu``, ``fp8act``, ``wexpert`` (:class:`MoELayout`), e.g.
+    ``dp128.pp16.ep64.nl4.mb120.zero1.dualpipe.rcnorm.rcup.rcswiglu.fp8act``."""
     fields: dict[str, object] = {}
     rest = []
     for part in name.strip().lower().split("."):
@@ -90,6 +124,11 @@ def parse_moe_layout(name: str, schedule: str = "1f1b", virtual_stages: int = 2)
             fields["capacity"] = 0.0
         elif part == "dualpipe":
             fields["dualpipe"] = True
+        elif part.startswith("rc") and part[2:] in RECOMPUTE:
+            fields["recompute"] = frozenset(fields.get("recompute", frozenset())  # type: ignore[arg-type]
+                                            ) | {part[2:]}
+        elif part in ("fp8act", "wexpert"):
+            fields["fp8_cache" if part == "fp8act" else "weights_on_expert"] = True
         else:
             rest.append(part)
     base = parse_layout(".".join(rest) or "single", schedule, virtual_stages)  # type: ignore[arg-type]
@@ -127,9 +166,10 @@ def moe_shape_problems(spec: MoESpec, run: Run, lay: MoELayout) -> list[str]:
         out.append(f"per-replica batch {run.global_batch // dp} % microbatches={m} != 0")
     if pp > 1 and m < pp:
         out.append(f"microbatches={m} < pp={pp} leaves stages idle")
-    if lay.dualpipe and (pp % 2 or m % 2 or pp < 2):
-        out.append(f"dualpipe needs an even pp >= 2 and an even microbatch count "
-                   f"(pp={pp}, microbatches={m}; DeepSeek-V3 sec. 3.2.1)")
+    if lay.dualpipe and (pp % 2 or m % 2 or pp < 2 or m < 2 * pp):
+        out.append(f"dualpipe needs an even pp >= 2 and an even microbatch count of at least "
+                   f"2 pp (pp={pp}, microbatches={m}; DeepSeek-V3 sec. 3.2.1; its published "
+                   "schedule runs half of them each way, at least pp per direction)")
     if b.schedule == "interleaved1f1b" and pp > 1 and not lay.dualpipe:
         if m % pp:
             out.append(f"microbatches={m} % pp={pp} != 0 (interleaved 1F1B)")
@@ -139,6 +179,9 @@ def moe_shape_problems(spec: MoESpec, run: Run, lay: MoELayout) -> list[str]:
         out.append("activation_checkpointing and selective_ac: choose one")
     if b.selective_ac:
         out.append("selective op checkpointing (sac) of an MoE layer: not modelled (write ac)")
+    if "up" in lay.recompute and spec.attention != "mla":
+        out.append("rcup recomputes MLA's up-projections; this model's attention is "
+                   f"{spec.attention}")
     if lay.world != run.world:
         out.append(f"layout has {lay.world} ranks, the run {run.world}")
     return out

@@ -32,6 +32,7 @@ from .moe_memory import (
     MoEMemory,
     _stage_split,
     microbatch_tokens,
+    moe_layer_activation_bytes,
     moe_layer_activation_elems,
     moe_memory_per_rank,
     moe_stage_memory,
@@ -41,8 +42,10 @@ from .timing import Link
 
 __all__ = ["GEMM_TILE", "MoECandidate", "MoELayout", "MoEMemory", "MoEStepTime", "a2a_seconds",
            "bubble_factor", "enumerate_moe_layouts", "microbatch_tokens",
-           "moe_evaluate", "moe_layer_activation_elems", "moe_memory_per_rank", "moe_plan",
+           "moe_evaluate", "moe_layer_activation_bytes", "moe_layer_activation_elems",
+           "moe_memory_per_rank", "moe_plan",
            "moe_shape_problems", "moe_stage_memory", "moe_step_time", "parse_moe_layout",
+           "recompute_flops_per_token",
            "stage_param_counts", "tile_efficiency"]
 
 #: Tile edge of the grouped GEMM kernels (CUTLASS grouped GEMM and DeepGEMM's ``BLOCK_M``
@@ -111,6 +114,19 @@ def a2a_seconds(spec: MoESpec, run: Run, lay: MoELayout, profile: DeviceProfile,
     return t + profile.intra_alpha_s
 
 
+def recompute_flops_per_token(spec: MoESpec) -> float:
+    """FLOPs per token of recomputing MLA's up-projections (``q_b``: query latent to the
+    queries, ``kv_b``: KV latent to keys and values) in backward, over every layer and MTP
+    module (``rcup``); 0 without MLA. Norm and SwiGLU recomputation are elementwise: the
+    MoE step time counts matmuls and attention only."""
+    if spec.attention != "mla":
+        return 0.0
+    n = spec.num_heads
+    up = (spec.q_lora_rank * n * (spec.qk_nope_dim + spec.qk_rope_dim) if spec.q_lora_rank
+          else 0) + spec.kv_lora_rank * n * (spec.qk_nope_dim + spec.v_head_dim)
+    return 2.0 * up * (spec.num_layers + spec.mtp)
+
+
 def bubble_factor(lay: MoELayout) -> float:
     """The bubble relative to 1F1B's ``(pp - 1)(F + B)``. DualPipe's published bubble is
     ``(pp / 2 - 1)(F&B + B - 3W)`` (DeepSeek-V3 Table 2); with a backward of twice the
@@ -153,11 +169,14 @@ def moe_step_time(spec: MoESpec, run: Run, lay: MoELayout, profile: DeviceProfil
     ac = 1.0 if b.activation_checkpointing else 0.0
     factor = 6 + 2 * ac
     attn = spec.attention_flops_per_token(run.seq_len) * (1 + ac / 3.5)
+    # rcup (without full checkpointing, which recomputes everything already): MLA's up-
+    # projections run forward once more in backward, 2 FLOPs per weight per token
+    rebuilt = recompute_flops_per_token(spec) if "up" in lay.recompute and not ac else 0.0
     rows_per_expert = (microbatch_tokens(run, lay) * b.dp * spec.top_k * (lay.capacity or 1.0)
                        / spec.experts / lay.edp)
     eff = tile_efficiency(rows_per_expert, spec.expert_intermediate / lay.etp)
     rate = profile.flops(run.param_dtype)
-    compute_step = ((factor * other_active / float8
+    compute_step = (((factor * other_active + rebuilt) / float8
                      + factor * routed_active / float8 / eff) * tokens_step
                     + attn * tokens_step) / run.world / rate
     compute_mb = compute_step / m * (math.ceil(spec.num_layers / pp) * pp / spec.num_layers)
