@@ -90,6 +90,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--param-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="compute dtype (bfloat16: mixed precision with fp32 masters)")
     p.add_argument("--optimizer", choices=("adamw", "sgd", "sgd-momentum"), default="adamw")
+    p.add_argument("--optimizer-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="dtype of the optimizer's states (AdamW's moments; default float32). "
+                        "bfloat16: DeepSeek-V3's (sec. 3.3.3); the masters stay fp32")
+    p.add_argument("--zero-grad-dtype", choices=("compute", "float32"), default="compute",
+                   help="dtype ZeRO-1/2 layouts keep gradients in (default: the compute dtype, "
+                        "hyperpar's ZeRO; float32: Megatron-core's fp32 main grads, "
+                        "DeepSeek-V3's 'gradients ... retained in FP32')")
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
                    help="pipeline schedule for pp > 1 (default 1f1b; interleaved1f1b with "
                         "--virtual-stages chunks per rank; zbh1: zero-bubble H1)")
@@ -125,7 +132,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="evaluate this one layout, named as the table names them (e.g. "
                         "dp8.fsdp128.tp8.pp16.mb16, optionally .gpipe, .ac, .gstep for "
                         "gradients synced once per step as torch pipelining does): its memory "
-                        "and time breakdown, also when it does not fit")
+                        "and time breakdown, also when it does not fit; MoE configs add "
+                        "epN, etpN, capP, nlM, dualpipe and the activation knobs rcnorm, rcup, "
+                        "rcswiglu, fp8act, wexpert (docs/planning.md)")
     p.add_argument("--float8", type=float, default=1.0, metavar="F",
                    help="Float8 linears: their FLOP/s times F (default 1, bf16; the H100/H800 "
                         "datasheet ceiling is 2: 1,979 vs 989 TFLOP/s dense; set what your "
@@ -173,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
                   param_dtype=args.param_dtype, optimizer=args.optimizer,
                   gpus_per_node=args.gpus_per_node, device_memory=memory,
                   attention=args.attention, reduce_dtype=args.reduce_dtype,
-                  loss=args.loss, float8=args.float8, compile_fusion=args.compile_fusion)
+                  loss=args.loss, float8=args.float8, compile_fusion=args.compile_fusion,
+                  optimizer_dtype=args.optimizer_dtype, zero_grad_dtype=args.zero_grad_dtype)
         given = (parse_layout(args.layout, args.schedule, args.virtual_stages) if args.layout
                  else None)
         if args.measure and spec.block != "llama":
@@ -234,7 +244,8 @@ def _run_moe(config: dict, args: argparse.Namespace) -> int:
                   param_dtype=args.param_dtype, optimizer=args.optimizer,
                   gpus_per_node=args.gpus_per_node,
                   device_memory=args.device_memory or profile.memory_bytes,
-                  reduce_dtype=args.reduce_dtype)
+                  reduce_dtype=args.reduce_dtype, loss=args.loss,
+                  optimizer_dtype=args.optimizer_dtype, zero_grad_dtype=args.zero_grad_dtype)
         print(moe_report.header(spec, job, profile))
         if args.layout:
             lay = parse_moe_layout(args.layout, args.schedule, args.virtual_stages)
