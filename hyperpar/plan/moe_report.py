@@ -9,6 +9,7 @@ from pathlib import Path
 from .devices import DeviceProfile
 from .layout import Run
 from .moe import MoESpec
+from .moe_layout import RECOMPUTE
 from .moe_plan import MoECandidate, MoELayout
 
 G = 2**30
@@ -22,7 +23,9 @@ def layout_json(lay: MoELayout) -> dict[str, object]:
             "microbatches": b.microbatches, "activation_checkpointing":
             b.activation_checkpointing, "schedule": "dualpipe" if lay.dualpipe else b.schedule,
             "zero": b.zero, "capacity": lay.capacity or "dropless",
-            "node_limit": lay.node_limit}
+            "node_limit": lay.node_limit,
+            "recompute": [r for r in RECOMPUTE if r in lay.recompute],
+            "fp8_cache": lay.fp8_cache, "weights_on_expert": lay.weights_on_expert}
 
 
 def candidate_json(c: MoECandidate) -> dict[str, object]:
