@@ -10,8 +10,10 @@ the experts' data-parallel group has ``edp = world / (pp x ep x etp)`` ranks. Un
 fully_shard the experts are sharded over ``edp / dp_replicate`` of them (torchtitan's
 ``dp_shard_mod_ep``), replicated over ``dp_replicate``.
 
-What is estimated rather than exact (docs/planning.md, "MoE"): activations (per token per
-layer, :func:`moe_layer_activation_elems`), balanced routing (every expert receives
+The layout (its name, its refusals) lives in :mod:`.moe_layout`, the bytes per rank in
+:mod:`.moe_memory`; their public names are importable from here too. What is estimated
+rather than exact (docs/planning.md, "MoE"): activations (per token per layer,
+:func:`moe_layer_activation_bytes`), balanced routing (every expert receives
 ``tokens x top_k x capacity / experts`` rows, as the published benchmarks force), compute at
 the profile's efficiency times the grouped GEMM's tile efficiency. Not modelled, refused:
 context parallelism with MoE. No framework is imported here.
