@@ -169,3 +169,98 @@ def test_expert_tensor_parallel_matches_one_process(framework, pool, style, n) -
     """ExpertTensorParallel on (ep, tp) = (2, 2) and TensorParallel on 2 ranks (hidden 5:
     uneven pieces 3 + 2), both with reduce_output=True, capacity dropping on."""
     _check(pool(n).run(_run, framework, style, n, CAPACITY), style, n, CAPACITY)
+
+
+# ------------------------------------------------------------------ EP x fully_shard (efsdp)
+def _proj() -> np.ndarray:
+    return (np.random.default_rng(8).standard_normal((D, D)) * 0.5).astype(np.float32)
+
+
+def _moe_forward(self: Any, x: Any, counts: Any) -> Any:
+    return self.experts(self.proj(x), counts)
+
+
+def _run_fsdp(framework: str, n: int, capacity: int | None) -> dict:
+    """torchtitan's layout: the experts split over ``ep`` and, through ``shard_placement_fn``
+    returning ``ShardPlacementResult``, fully_shard over their own data-parallel dim ``efsdp``;
+    the dense projection fully_shard over every rank (``dp``). The gradients are divided by the
+    world (``set_gradient_divide_factor``), as torchtitan does: the mean of the ranks' losses."""
+    from hyperpar import ExpertParallel, Shard, fully_shard, init_device_mesh, parallelize_module
+    from hyperpar.fsdp import FSDPMeshInfo, ShardPlacementResult
+    from hyperpar.platform import get_platform
+
+    fw = get(framework)
+    rank = get_platform().rank()
+    sparse = init_device_mesh((n // 2, 2), mesh_dim_names=("efsdp", "ep"))
+    dense = init_device_mesh((n,), mesh_dim_names=("dp",))
+    w = _weights()
+    experts = parallelize_module(fw.experts(w["w1"], w["w2"], w["w3"]), sparse["ep"],
+                                 ExpertParallel())
+    model = fw.container(_moe_forward, proj=fw.linear(_proj(), None), experts=experts)
+    info = FSDPMeshInfo(sparse["efsdp"], shard_mesh_dim=0)
+    ids = {id(getattr(experts, k)) for k in w}
+
+    def placement(p: Any) -> Any:
+        return ShardPlacementResult(Shard(0), info) if id(p) in ids else None
+
+    fully_shard(model, mesh=dense, shard_placement_fn=placement)
+    model.set_gradient_divide_factor(n)
+    mine = _routing(rank, n, capacity)
+    rows, counts, g = (fw.tensor(mine[k]) for k in ("rows", "counts", "g"))
+
+    def loss(inp: Any) -> Any:
+        return (model(inp, counts) * g).sum()
+
+    got: dict[str, Any] = {"out": fw.numpy(model(rows, counts))}
+    _, (grad,) = fw.value_and_grad(loss, [rows])
+    got["grad"] = fw.numpy(grad)
+    fw.sgd(model, 1.0)(lambda: loss(rows))
+    params = {k: getattr(model.experts, k) for k in w}
+    params["proj"] = fw.weight(model.proj)
+    got["local_shapes"] = {k: tuple(_local(p).shape) for k, p in params.items()}
+    got["weights"] = {k: fw.numpy(p.full_tensor()) for k, p in params.items()}
+    if rank == 0:  # one plain process: every rank's tokens through the whole model
+        def ref_model() -> Any:
+            return fw.container(_moe_forward, proj=fw.linear(_proj(), None),
+                                experts=fw.experts(w["w1"], w["w2"], w["w3"]))
+
+        ref, sets = ref_model(), []
+        tensors = [tuple(fw.tensor(rr[k]) for k in ("rows", "counts", "g"))
+                   for rr in (_routing(r, n, capacity) for r in range(n))]
+        for x, c, gg in tensors:
+            out = fw.numpy(ref(x, c))
+            _, (gx,) = fw.value_and_grad(lambda inp, c=c, gg=gg: (ref(inp, c) * gg).sum(), [x])
+            sets.append({"out": out, "grad": fw.numpy(gx)})
+        trained = ref_model()
+
+        def total() -> Any:
+            x, c, gg = tensors[0]
+            s = (trained(x, c) * gg).sum()
+            for x, c, gg in tensors[1:]:
+                s = s + (trained(x, c) * gg).sum()
+            return s / n
+
+        fw.sgd(trained, 1.0)(total)
+        got["ref"] = sets
+        got["ref_weights"] = {k: fw.numpy(getattr(trained.experts, k)) for k in w}
+        got["ref_weights"]["proj"] = fw.numpy(fw.weight(trained.proj))
+    return got
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_expert_parallel_with_fully_shard_matches_one_process(framework, pool, n) -> None:
+    """EP x fully_shard on (efsdp, ep) = (n // 2, 2), the dense weight over all n ranks,
+    capacity dropping on. With n = 2, efsdp has one rank (torchtitan's layout when ep equals
+    the data-parallel degree): the experts' section has no collective, the dense one has."""
+    results = pool(n).run(_run_fsdp, framework, n, CAPACITY)
+    ref = results[0]
+    for r, got in enumerate(results):
+        # each rank stores E / ep experts split over efsdp (MindSpore pads to ceil rows too)
+        assert got["local_shapes"]["w1"] == (E // 2 // (n // 2), H, D), got["local_shapes"]
+        want = ref["ref"][r]
+        close(f"rank {r} output rows", got["out"], want["out"], RTOL)
+        close(f"rank {r} routed-row gradient", got["grad"], want["grad"], RTOL)
+        for k, w in ref["ref_weights"].items():
+            close(f"rank {r} {k} after one step", got["weights"][k], w, RTOL)
+    assert np.array_equal(ref["ref_weights"]["w1"][3], _weights()["w1"][3])
+    assert not np.array_equal(ref["ref_weights"]["proj"], _proj())

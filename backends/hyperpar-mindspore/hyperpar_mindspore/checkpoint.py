@@ -38,6 +38,7 @@ from hyperpar.dtensor.placement import Replicate, Shard
 from hyperpar.platform import get_platform
 
 from . import optim_cross
+from .fully_shard import units_of
 from .parallel import SHARD_GROUP
 from .platform import SHARD_PLACEMENTS
 
@@ -155,10 +156,7 @@ def _fsdp_pieces(model: nn.Cell) -> dict[int, _FsdpPiece]:
     taken within the tp piece, and :func:`_layout` puts the tp placement first)."""
     platform = get_platform()
     out: dict[int, _FsdpPiece] = {}
-    for _name, cell in model.cells_and_names():
-        unit = cell.__dict__.get("_hp_fsdp_unit")
-        if unit is None:
-            continue
+    for unit in (u for _name, cell in model.cells_and_names() for u in units_of(cell)):
         plan = unit.plan
         n, rep = plan.shard_size, plan.replicate
         me = platform.rank(unit.shard_group) if n > 1 else 0
