@@ -198,6 +198,8 @@ class _GatherFlat(nn.Cell):
         acc = self.accumulate
         if acc["mode"] == "discard":   # a backward whose parameter gradients nobody reads
             return (ops.zeros(flat.shape, flat.dtype),)
+        if not isinstance(dout, (tuple, list)):  # one parameter: MindSpore unwraps the tuple
+            dout = (dout,)
         dout = self._flat_gradient(dout)
         if acc["grad"] is not None:
             dout = dout + acc["grad"]
