@@ -28,9 +28,9 @@ from hyperpar.platform import get_platform
 from ._group import ParamGroup
 from ._param import ShardedParam
 from ._state import Hooks, RootContext
+from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .sections import mesh_key as _mesh_key
 from .sections import shard_placement as _shard_placement
-from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["FSDPModule", "fully_shard", "register_fsdp_forward_method"]
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from hyperpar.dtensor.mesh import DeviceMesh
 
-__all__ = ["divide_scale", "mesh_key", "mesh_of", "shard_placement"]
+__all__ = ["check_style_mesh", "divide_scale", "mesh_key", "mesh_of", "shard_placement"]
 
 
 def shard_placement(fn: Callable[[Any], Any] | None, param: Any, name: str,
@@ -91,3 +91,24 @@ def divide_scale(divide_factor: float | None, shard_size: int, replicate: int = 
     if divide_factor is not None:
         return 1.0 / divide_factor
     return 1.0 / (shard_size * replicate)
+
+
+def check_style_mesh(style_mesh: DeviceMesh, dp_mesh: DeviceMesh | None, name: str) -> None:
+    """Refuse to fully_shard a parameter a style already split (EP, TP) over a data-parallel
+    mesh that shares ranks with the style's: this rank's style group and dp group must meet in
+    this rank alone, or the two splits do not tile one grid of ranks (torch's ``fully_shard``
+    refuses the same layout); ``dp_mesh`` None: the world. Local: every rank raises alike,
+    before any collective."""
+    mine = {int(r) for r in style_mesh.mesh.reshape(-1).tolist()}
+    # None: the default data-parallel mesh, every rank of the world
+    both = sorted(mine if dp_mesh is None else
+                  mine & {int(r) for r in dp_mesh.mesh.reshape(-1).tolist()})
+    if len(both) > 1:
+        raise ValueError(
+            f"fully_shard: parameter {name!r} is already split over {style_mesh!r}, which "
+            f"shares ranks {both} with the data-parallel mesh {dp_mesh or 'of every rank'}: "
+            f"the two layouts do not tile one grid of ranks. Shard it over the dims its style "
+            f"does not use -- "
+            f"for experts, torchtitan's init_device_mesh((efsdp, ep), mesh_dim_names=('efsdp', "
+            f"'ep')) with ExpertParallel on mesh['ep'] and ShardPlacementResult(None, "
+            f"FSDPMeshInfo(mesh['efsdp'], shard_mesh_dim=0)) from shard_placement_fn")

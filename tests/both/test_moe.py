@@ -26,6 +26,7 @@ split, a row in the wrong order or a lost gradient is O(1).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -264,3 +265,79 @@ def test_expert_parallel_with_fully_shard_matches_one_process(framework, pool, n
             close(f"rank {r} {k} after one step", got["weights"][k], w, RTOL)
     assert np.array_equal(ref["ref_weights"]["w1"][3], _weights()["w1"][3])
     assert not np.array_equal(ref["ref_weights"]["proj"], _proj())
+
+
+#: bad input to EP x fully_shard -> (error type, words its message holds), on both frameworks
+FSDP_MISTAKES = {
+    "placement fn returns a string": ("TypeError", "must return Shard(dim)"),
+    "mesh_info without a DeviceMesh": ("TypeError", "hyperpar DeviceMesh"),
+    "mesh_info dim out of range": ("ValueError", "not distinct dims"),
+    "Shard(1) for an expert weight": ("NotImplementedError", "Shard(1)"),
+    "experts fully_shard over their own ep ranks": ("ValueError", "tile one grid"),
+    "divide factor 0": ("ValueError", "must be > 0"),
+}
+
+
+def _fsdp_mistakes(framework: str) -> dict:
+    """Each mistake on a fresh model (every check is local: every rank raises it, before any
+    collective), then a correct EP x fully_shard forward that would hang had a rank been left
+    inside a collective."""
+    from hyperpar import ExpertParallel, Shard, fully_shard, init_device_mesh, parallelize_module
+    from hyperpar.fsdp import FSDPMeshInfo, ShardPlacementResult
+
+    fw = get(framework)
+    sparse = init_device_mesh((1, 2), mesh_dim_names=("efsdp", "ep"))
+    dense = init_device_mesh((2,), mesh_dim_names=("dp",))
+    w = _weights()
+
+    def build() -> tuple[Any, set[int]]:
+        experts = parallelize_module(fw.experts(w["w1"], w["w2"], w["w3"]), sparse["ep"],
+                                     ExpertParallel())
+        model = fw.container(_moe_forward, proj=fw.linear(_proj(), None), experts=experts)
+        return model, {id(getattr(experts, k)) for k in w}
+
+    def shard_with(result: Any) -> Callable[[], Any]:
+        def call() -> Any:
+            model, ids = build()
+            return fully_shard(model, mesh=dense,
+                               shard_placement_fn=lambda p: result if id(p) in ids else None)
+        return call
+
+    def divide_zero() -> None:
+        shard_with(ShardPlacementResult(None, FSDPMeshInfo(sparse["efsdp"], shard_mesh_dim=0))
+                   )().set_gradient_divide_factor(0)
+
+    cases = {
+        "placement fn returns a string": shard_with("efsdp"),
+        "mesh_info without a DeviceMesh": shard_with(
+            ShardPlacementResult(Shard(0), FSDPMeshInfo("efsdp", shard_mesh_dim=0))),
+        "mesh_info dim out of range": shard_with(
+            ShardPlacementResult(Shard(0), FSDPMeshInfo(sparse["efsdp"], shard_mesh_dim=1))),
+        "Shard(1) for an expert weight": shard_with(
+            ShardPlacementResult(Shard(1), FSDPMeshInfo(sparse["efsdp"], shard_mesh_dim=0))),
+        "experts fully_shard over their own ep ranks": shard_with(None),
+        "divide factor 0": divide_zero,
+    }
+    got: dict[str, Any] = {}
+    for name, call in cases.items():
+        try:
+            call()
+            got[name] = None
+        except Exception as e:  # noqa: BLE001 -- the type is what the test compares
+            got[name] = (type(e).__name__, str(e))
+    model, ids = build()
+    info = FSDPMeshInfo(sparse["efsdp"], shard_mesh_dim=0)
+    fully_shard(model, mesh=dense,
+                shard_placement_fn=lambda p: ShardPlacementResult(None, info)
+                if id(p) in ids else None)
+    mine = _routing(0, 2, None)
+    got["after"] = fw.numpy(model(fw.tensor(mine["rows"]), fw.tensor(mine["counts"]))).shape
+    return got
+
+
+def test_expert_parallel_with_fully_shard_mistakes_raise_on_every_rank(framework, pool) -> None:
+    for rank, got in enumerate(pool(2).run(_fsdp_mistakes, framework)):
+        for name, (kind, words) in FSDP_MISTAKES.items():
+            assert got[name] is not None, f"rank {rank}: {name} was accepted"
+            assert got[name][0] == kind and words in got[name][1], (rank, name, got[name])
+        assert got["after"] == (len(_routing(0, 2, None)["rows"]), D)

@@ -20,8 +20,8 @@ from typing import Any
 
 from mindspore import Parameter, Tensor, mint
 
-from hyperpar.dtensor.placement import REPLICATE
-from hyperpar.fsdp.sections import mesh_key, shard_placement
+from hyperpar.dtensor.placement import REPLICATE, Shard
+from hyperpar.fsdp.sections import check_style_mesh, mesh_key, shard_placement
 from hyperpar.parallel.shard_plan import ParamSlot
 from hyperpar.platform import get_platform
 
@@ -40,15 +40,15 @@ def split_by_mesh(params: list[Parameter], fn: Callable[[Any], Any] | None, mesh
                         f"{type(fn).__name__}")
     sections: dict[Any, tuple[Any, list[int]]] = {"unit": (mesh, [])}
     for i, p in enumerate(params):
-        if fn is None:
-            sections["unit"][1].append(i)
-            continue
         dim, pmesh = shard_placement(fn, p, p.name, mesh)
         if dim % max(len(p.shape), 1) != 0:
             raise NotImplementedError(
                 f"fully_shard({what}): shard_placement_fn gave Shard({dim}) for parameter "
                 f"{p.name!r}; fully_shard on MindSpore Cells splits dim 0 only -- return None "
                 f"or Shard(0) (with ShardPlacementResult for another mesh)")
+        readback = getattr(p, "_hyperpar_readback", None)  # a style split it (EP, TP)
+        if readback is not None and any(isinstance(q, Shard) for q in readback[1]):
+            check_style_mesh(readback[0], pmesh, p.name)
         key = "unit" if pmesh is mesh else mesh_key(pmesh)
         if mesh is not None and key == mesh_key(mesh):
             key = "unit"
