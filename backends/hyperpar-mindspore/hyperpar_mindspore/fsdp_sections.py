@@ -27,7 +27,17 @@ from hyperpar.platform import get_platform
 
 from .redistribute import redistribute_local
 
-__all__ = ["attach_shard_full_tensor", "split_by_mesh"]
+__all__ = ["attach_shard_full_tensor", "split_by_mesh", "units_of"]
+
+
+def units_of(cell: Any) -> list[Any]:
+    """The fully-sharded units of ``cell`` itself: one per data-parallel mesh its
+    parameters shard over (``shard_placement_fn``), none for a Cell fully_shard never saw."""
+    units = cell.__dict__.get("_hp_fsdp_sections")
+    if units is not None:
+        return list(units)
+    unit = cell.__dict__.get("_hp_fsdp_unit")
+    return [unit] if unit is not None else []
 
 
 def split_by_mesh(params: list[Parameter], fn: Callable[[Any], Any] | None, mesh: Any,

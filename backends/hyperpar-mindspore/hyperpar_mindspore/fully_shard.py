@@ -57,22 +57,12 @@ from hyperpar.parallel.shard_plan import UnitPlan, plan_unit, reshard_after
 from hyperpar.platform import get_platform
 
 from .fsdp_graph import install_graph_reads
-from .fsdp_sections import attach_shard_full_tensor, split_by_mesh
+from .fsdp_sections import attach_shard_full_tensor, split_by_mesh, units_of
 from .graph import refuse_graph_mode
 from .parallel import SHARD_GROUP
 from .platform import SHARD_PLACEMENTS, copy_tensor
 
 __all__ = ["FullyShardedCell", "fully_shard", "units_of"]
-
-
-def units_of(cell: nn.Cell) -> list[Any]:
-    """The fully-sharded units of ``cell`` itself: one per data-parallel mesh its
-    parameters shard over (``shard_placement_fn``), none for a Cell fully_shard never saw."""
-    units = cell.__dict__.get("_hp_fsdp_sections")
-    if units is not None:
-        return list(units)
-    unit = cell.__dict__.get("_hp_fsdp_unit")
-    return [unit] if unit is not None else []
 
 
 class _Precision(NamedTuple):
@@ -498,6 +488,10 @@ def _section(cell: nn.Cell, params: list[Parameter], slots: list[list[tuple[nn.C
     unit.me = me
     unit.originals = {id(p) for p in params}
     unit.tp_layouts = [_tp_layout(p) for p in params]
+    # a piece a style split without a tp group (ExpertParallel): checkpoints refuse it
+    unit.style_split = [getattr(p, "_hyperpar_readback", None) is not None and t is None
+                        and any(isinstance(q, Shard) for q in p._hyperpar_readback[1])
+                        for p, t in zip(params, unit.tp_layouts, strict=True)]
     unit.restore()  # the shards take the parameters' places
     unit.settle_owners()
     return unit
