@@ -1,7 +1,12 @@
 """Expert parallelism, one body for torch and MindSpore: grouped experts under
 ``parallelize_module(experts, mesh, ExpertParallel())`` on 2 and 4 real ranks against the same
 experts computed in one plain process of the same framework; ``ExpertTensorParallel`` on an
-``(ep, tp)`` mesh and ``TensorParallel`` for grouped experts the same way.
+``(ep, tp)`` mesh and ``TensorParallel`` for grouped experts the same way; and EP x fully_shard
+in torchtitan's layout (experts over ``(efsdp, ep)``, fully_shard over ``efsdp`` through
+``shard_placement_fn`` returning ``ShardPlacementResult``, a dense projection in front of them
+over every rank, gradients divided by the world), whose reference is the same model (projection
+included) trained on the mean of the ranks' losses; the tolerance reasoning below holds for it
+too (one more matmul of dim 6 in front, the dense gradient a sum over <= 4 * 10 rows).
 
 Every rank routes its own tokens (4 experts, top-2, 5 tokens per rank). The routing is skewed:
 expert 3 gets no token from anyone (with ep = 4 its rank computes on zero rows), and the last
