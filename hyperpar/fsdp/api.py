@@ -29,6 +29,8 @@ from ._group import ParamGroup
 from ._param import ShardedParam
 from ._state import Hooks, RootContext
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .sections import mesh_key as _mesh_key
+from .sections import shard_placement as _shard_placement
 
 __all__ = ["FSDPModule", "fully_shard", "register_fsdp_forward_method"]
 
@@ -311,70 +313,6 @@ def _managed(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
 
     walk(module)
     return out
-
-
-def _shard_placement(fn: Callable[[nn.Parameter], Any] | None, p: nn.Parameter, name: str,
-                     default: DeviceMesh) -> tuple[int, DeviceMesh]:
-    """The dim and the data-parallel mesh ``shard_placement_fn`` picks for ``p``: ``None``
-    (dim 0, ``default``), ``Shard(dim)`` (on ``default``) or a ``ShardPlacementResult``
-    (hyperpar's or torch's) naming its own mesh."""
-    if fn is None:
-        return 0, default
-    result = fn(p)
-    mesh = default
-    if hasattr(result, "mesh_info") and hasattr(result, "placement"):
-        mesh = _mesh_of(result.mesh_info, name)
-        result = result.placement
-    if result is None:
-        return 0, mesh
-    dim = getattr(result, "dim", None)
-    if type(result).__name__ != "Shard" or not isinstance(dim, int):
-        raise TypeError(
-            f"fully_shard: shard_placement_fn returned {result!r} for parameter {name!r}; "
-            "it must return Shard(dim) (hyperpar's or torch's), None (Shard(0)) or "
-            "ShardPlacementResult(placement, mesh_info)")
-    return dim, mesh
-
-
-def _mesh_key(mesh: DeviceMesh) -> tuple[Any, ...]:
-    """Meshes over the same rank grid share one section (and its collectives)."""
-    key = getattr(mesh, "_hp_fsdp_key", None)
-    if key is None:
-        key = (tuple(mesh.mesh.reshape(-1).tolist()), tuple(mesh.shape))
-        mesh._hp_fsdp_key = key
-    return key
-
-
-def _mesh_of(info: Any, name: str) -> DeviceMesh:
-    """The 1-D (shard) or 2-D (replicate, shard) dp mesh a ``FSDPMeshInfo`` describes."""
-    mesh = getattr(info, "mesh", None)
-    shard = getattr(info, "shard_mesh_dim", None)
-    rep = getattr(info, "replicate_mesh_dim", None)
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(
-            f"fully_shard: shard_placement_fn's mesh_info for parameter {name!r} has mesh "
-            f"{type(mesh).__name__}; give FSDPMeshInfo(mesh=<a hyperpar DeviceMesh>, "
-            "shard_mesh_dim=...) (build meshes with hyperpar's init_device_mesh)")
-    if not isinstance(shard, int) or not 0 <= shard < mesh.ndim or \
-            (rep is not None and (not isinstance(rep, int) or not 0 <= rep < mesh.ndim
-                                  or rep == shard)):
-        raise ValueError(
-            f"fully_shard: mesh_info for parameter {name!r}: shard_mesh_dim={shard!r}, "
-            f"replicate_mesh_dim={rep!r} are not distinct dims of the {mesh.ndim}-D mesh "
-            f"{mesh!r}")
-    if mesh.get_coordinate() is None:
-        raise ValueError(
-            f"fully_shard: the FSDP mesh {mesh!r} for parameter {name!r} does not contain "
-            f"this rank; each rank must pass the mesh slice it belongs to (e.g. "
-            "world_mesh['efsdp'])")
-    dims = [shard] if rep is None else [rep, shard]
-    if dims == list(range(mesh.ndim)):
-        return mesh
-    names = mesh.mesh_dim_names
-    if not names:
-        raise ValueError(f"fully_shard: mesh_info for parameter {name!r} picks dims {dims} "
-                         f"of an unnamed mesh; name its dims or pass the 1-D slice")
-    return mesh[tuple(names[d] for d in dims)] if len(dims) > 1 else mesh[names[shard]]
 
 
 def _modules_of(module: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:

@@ -38,6 +38,7 @@ from hyperpar.dtensor.placement import Replicate, Shard
 from hyperpar.platform import get_platform
 
 from . import optim_cross
+from .fsdp_sections import units_of
 from .parallel import SHARD_GROUP
 from .platform import SHARD_PLACEMENTS
 
@@ -155,15 +156,19 @@ def _fsdp_pieces(model: nn.Cell) -> dict[int, _FsdpPiece]:
     taken within the tp piece, and :func:`_layout` puts the tp placement first)."""
     platform = get_platform()
     out: dict[int, _FsdpPiece] = {}
-    for _name, cell in model.cells_and_names():
-        unit = cell.__dict__.get("_hp_fsdp_unit")
-        if unit is None:
-            continue
+    for unit in (u for _name, cell in model.cells_and_names() for u in units_of(cell)):
         plan = unit.plan
         n, rep = plan.shard_size, plan.replicate
         me = platform.rank(unit.shard_group) if n > 1 else 0
         placements = ([repr(Replicate())] if rep > 1 else []) + [repr(Shard(0))]
         mesh_shape = ([rep] if rep > 1 else []) + [n]
+        split = [slot.name for slot, s in zip(plan.slots, getattr(unit, "style_split", ()),
+                                               strict=False) if s]
+        if split:  # every rank holds the same layout: every rank raises, before any collective
+            raise CheckpointError(
+                f"checkpoint: {split[0]!r} is a fully_shard shard of a piece ExpertParallel "
+                f"split; checkpoints of expert-parallel Cells on MindSpore are not supported "
+                f"yet (docs/mindspore.md, 'Expert parallelism on Cells')")
         for shard, slot, tp in zip(unit.shards, plan.slots, unit.tp_layouts, strict=True):
             start, length = slot.starts[me], slot.lengths[me]
             array = shard.asnumpy()[:length]  # the padding rows are not part of the tensor

@@ -43,7 +43,7 @@ casts are Python a compiled graph skips, so a compile refuses the unit (:mod:`.f
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import mindspore as ms
@@ -52,14 +52,17 @@ from mindspore import Parameter, Tensor, mint, nn, ops
 
 from hyperpar.dtensor.placement import Shard
 from hyperpar.fsdp.policy import MixedPrecisionPolicy
+from hyperpar.fsdp.sections import divide_scale
 from hyperpar.parallel.shard_plan import UnitPlan, plan_unit, reshard_after
 from hyperpar.platform import get_platform
 
 from .fsdp_graph import install_graph_reads
+from .fsdp_sections import attach_shard_full_tensor, split_by_mesh, units_of
+from .graph import refuse_graph_mode
 from .parallel import SHARD_GROUP
 from .platform import SHARD_PLACEMENTS, copy_tensor
 
-__all__ = ["FullyShardedCell", "fully_shard"]
+__all__ = ["FullyShardedCell", "fully_shard", "units_of"]
 
 
 class _Precision(NamedTuple):
@@ -140,6 +143,7 @@ class _GatherFlat(nn.Cell):
         # gradients summed in "partial" instead of all-reducing them over the replicas
         self.accumulate: dict[str, Any] = {"mode": "sync", "grad": None, "all_reduce": True,
                                            "partial": None}
+        self.divide_factor: float | None = None  # set_gradient_divide_factor
 
     def construct(self, flat: Any) -> tuple[Any, ...]:
         if self.param_dtype is not None and flat.dtype != self.param_dtype:
@@ -184,6 +188,8 @@ class _GatherFlat(nn.Cell):
         acc = self.accumulate
         if acc["mode"] == "discard":   # a backward whose parameter gradients nobody reads
             return (ops.zeros(flat.shape, flat.dtype),)
+        if not isinstance(dout, (tuple, list)):  # one parameter: MindSpore unwraps the tuple
+            dout = (dout,)
         dout = self._flat_gradient(dout)
         if acc["grad"] is not None:
             dout = dout + acc["grad"]
@@ -210,7 +216,8 @@ class _GatherFlat(nn.Cell):
                 acc["partial"] = grad
                 return (ops.zeros(flat.shape, flat.dtype),)
             self.platform.all_reduce(grad, "sum", self.replicate_group)
-        grad = grad * self.plan.grad_scale()
+        grad = grad * divide_scale(self.divide_factor, self.plan.shard_size,
+                                   self.plan.replicate)
         if grad.dtype != flat.dtype:  # the sharded parameter's gradient, in its dtype (fp32)
             grad = grad.astype(flat.dtype)
         return (grad,)
@@ -322,8 +329,7 @@ class FullyShardedCell(nn.Cell):
         every rank), by the names of ``parameters_and_names()``."""
         whole: dict[int, Tensor] = {}
         for _name, cell in self.cells_and_names():
-            unit = cell.__dict__.get("_hp_fsdp_unit")
-            if unit is not None:
+            for unit in units_of(cell):
                 for shard, value in zip(unit.shards, unit.unshard(exact=True), strict=True):
                     whole[id(shard)] = copy_tensor(value)
         return {name: whole.get(id(p), p) for name, p in self.parameters_and_names()}
@@ -366,14 +372,39 @@ class FullyShardedCell(nn.Cell):
             raise NotImplementedError(f"{what}(False) on MindSpore runs in PyNative mode only: "
                                       f"a compiled graph {graph_does}")
         cells = (cell for _n, cell in self.cells_and_names()) if recurse else (self,)
-        return [c.__dict__["_hp_fsdp_unit"] for c in cells if "_hp_fsdp_unit" in c.__dict__]
+        return [u for c in cells for u in units_of(c)]
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the summed gradients by ``factor`` instead of each mesh's data-parallel
+        size (torch FSDP2's method; torchtitan passes the world's batch size so that the
+        experts on ``efsdp`` and the dense parameters on ``dp`` get the same mean). This Cell's
+        units and those below. PyNative only: a compiled graph's gather keeps the scale it was
+        built with, so a compile of this Cell is refused from now on."""
+        factor = float(factor)
+        if not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor: factor must be > 0, got {factor}")
+        if ms.get_context("mode") == ms.GRAPH_MODE:
+            raise NotImplementedError("set_gradient_divide_factor on MindSpore runs in PyNative "
+                                      "mode only: a compiled graph's gather scales by the "
+                                      "data-parallel size it was built with")
+        for unit in self._units_to_switch("set_gradient_divide_factor", True, True, ""):
+            unit.gather.divide_factor = factor
+        refuse_graph_mode(self, "set_gradient_divide_factor",
+                          "the compiled gather scales gradients by the data-parallel size")
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Older name of :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
 
     def shard_layout(self) -> dict[str, tuple[int, int, int]]:
         """``name -> (first global row, rows held, padded rows stored)`` for this unit's own
-        sharded parameters, on this rank."""
-        unit = self._hp_fsdp_unit
-        me = get_platform().rank(unit.shard_group)
-        return {s.name: (s.starts[me], s.lengths[me], s.rows_per_rank) for s in unit.plan.slots}
+        sharded parameters, on this rank (each within its own mesh's group)."""
+        out = {}
+        for unit in units_of(self):
+            me = get_platform().rank(unit.shard_group) if unit.plan.shard_size > 1 else 0
+            out.update({s.name: (s.starts[me], s.lengths[me], s.rows_per_rank)
+                        for s in unit.plan.slots})
+        return out
 
 
 def _groups(mesh: Any) -> tuple[Any, Any, int, int]:
@@ -398,8 +429,7 @@ def _own_params(cell: nn.Cell, ignored: set[int]) -> tuple[list[Parameter],
     claimed: set[int] = set()
     replaced: dict[int, str] = {}  # parameters a nested unit sharded: id -> that unit's class
     for _name, sub in cell.cells_and_names():
-        unit = sub.__dict__.get("_hp_fsdp_unit")
-        if unit is not None and sub is not cell:
+        for unit in units_of(sub) if sub is not cell else ():
             claimed.update(id(p) for p in unit.shards)
             replaced.update((i, type(sub).__name__) for i in unit.originals)
     params: list[Parameter] = []
@@ -433,10 +463,45 @@ def _tp_layout(param: Parameter) -> tuple[int, Any] | None:
     return placements[0].dim % len(param.shape), group
 
 
+def _section(cell: nn.Cell, params: list[Parameter], slots: list[list[tuple[nn.Cell, str]]],
+             mesh: Any, reshard: bool, mp: _Precision, what: str) -> _Unit:
+    """One mesh's share of ``cell``'s parameters: sharded over ``mesh``, one flat buffer."""
+    shard_group, replicate_group, n, rep = _groups(mesh)
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1:
+        raise ValueError(f"fully_shard: the parameters of {what} have several "
+                         f"dtypes ({sorted(str(d) for d in dtypes)}); one unit gathers one flat "
+                         f"buffer -- apply fully_shard to sub-Cells of one dtype each, or pass "
+                         f"the others in ignored_params")
+    plan = plan_unit([(p.name, p.shape) for p in params], n, rep)
+    me = get_platform().rank(shard_group) if n > 1 else 0
+    shards = []
+    for p, slot in zip(params, plan.slots, strict=True):
+        whole = p.asnumpy()  # this rank's piece when a style split it (EP, TP): sharded within
+        piece = np.zeros(slot.shard_shape, dtype=whole.dtype)
+        start, length = slot.starts[me], slot.lengths[me]
+        piece[:length] = whole[start:start + length]
+        shard = Parameter(Tensor(piece), name=p.name, requires_grad=p.requires_grad)
+        attach_shard_full_tensor(shard, p, slot, shard_group, n)
+        shards.append(shard)
+    unit = _Unit(cell, plan, slots, shards, shard_group, replicate_group, reshard, mp)
+    unit.me = me
+    unit.originals = {id(p) for p in params}
+    unit.tp_layouts = [_tp_layout(p) for p in params]
+    # a piece a style split without a tp group (ExpertParallel): checkpoints refuse it
+    unit.style_split = [getattr(p, "_hyperpar_readback", None) is not None and t is None
+                        and any(isinstance(q, Shard) for q in p._hyperpar_readback[1])
+                        for p, t in zip(params, unit.tp_layouts, strict=True)]
+    unit.restore()  # the shards take the parameters' places
+    unit.settle_owners()
+    return unit
+
+
 def fully_shard(cell: nn.Cell, *, mesh: Any = None,
                 reshard_after_forward: bool | int | None = None,
                 ignored_params: Iterable[Parameter] | None = None,
-                mp_policy: MixedPrecisionPolicy | None = None) -> nn.Cell:
+                mp_policy: MixedPrecisionPolicy | None = None,
+                shard_placement_fn: Callable[[Parameter], Any] | None = None) -> nn.Cell:
     """Shard ``cell``'s parameters along dim 0 over the data-parallel ``mesh`` (FSDP2
     semantics): apply to the blocks first, then to the root.
 
@@ -456,6 +521,12 @@ def fully_shard(cell: nn.Cell, *, mesh: Any = None,
             (default ``param_dtype``) and land in the shards' dtype, floating outputs are cast
             to ``output_dtype``. PyNative only (a compiled graph refuses it). ``bfloat16`` is
             refused where a bfloat16 MatMul does not run (MindSpore's CPU): use ``float16``.
+        shard_placement_fn: ``fn(param) -> None | Shard(0) | ShardPlacementResult`` as on
+            torch (:mod:`hyperpar.fsdp.sections` decides): a ``ShardPlacementResult`` whose
+            ``FSDPMeshInfo`` names another mesh shards that parameter over it -- e.g.
+            torchtitan's routed experts (already split by ``ExpertParallel``) over ``efsdp``,
+            the rest over ``mesh``. One flat buffer, gather and reduce-scatter per mesh; with
+            more than one mesh, PyNative only. Dims other than 0 are refused.
 
     Returns ``cell`` itself, whose class now also derives from :class:`FullyShardedCell`.
     """
@@ -467,55 +538,52 @@ def fully_shard(cell: nn.Cell, *, mesh: Any = None,
     # checked as on torch; the root is not known yet, and the schedule does not depend on it
     reshard = reshard_after(reshard_after_forward, is_root=False)
     mp = _precision(mp_policy, type(cell).__name__)
-    shard_group, replicate_group, n, rep = _groups(mesh)
+    _groups(mesh)  # the unit's mesh checked first, whatever shard_placement_fn says
     ignored = {id(p) for p in (ignored_params or ())}
     params, slots = _own_params(cell, ignored)
-    dtypes = {p.dtype for p in params}
-    if len(dtypes) > 1:
-        raise ValueError(f"fully_shard: the parameters of {type(cell).__name__} have several "
-                         f"dtypes ({sorted(str(d) for d in dtypes)}); one unit gathers one flat "
-                         f"buffer -- apply fully_shard to sub-Cells of one dtype each, or pass "
-                         f"the others in ignored_params")
-    plan = plan_unit([(p.name, p.shape) for p in params], n, rep)
-    me = get_platform().rank(shard_group) if n > 1 else 0
-    shards = []
-    for p, slot in zip(params, plan.slots, strict=True):
-        whole = p.asnumpy()
-        piece = np.zeros(slot.shard_shape, dtype=whole.dtype)
-        start, length = slot.starts[me], slot.lengths[me]
-        piece[:length] = whole[start:start + length]
-        shards.append(Parameter(Tensor(piece), name=p.name, requires_grad=p.requires_grad))
-    unit = _Unit(cell, plan, slots, shards, shard_group, replicate_group, reshard, mp)
-    unit.originals = {id(p) for p in params}
-    unit.tp_layouts = [_tp_layout(p) for p in params]
-    unit.restore()  # the shards take the parameters' places
-    unit.settle_owners()
+    what = type(cell).__name__
+    units = [_section(cell, [params[i] for i in idx], [slots[i] for i in idx], pmesh, reshard,
+                      mp, what)
+             for pmesh, idx in split_by_mesh(params, shard_placement_fn, mesh, what)
+             if idx or pmesh is mesh]
     cls = type(cell)
     sharded = type(f"FullyShard{cls.__name__}", (cls, FullyShardedCell), {})
 
     def _run_construct(self: nn.Cell, *args: Any, **kwargs: Any) -> Any:
         # PyNative only (a compile reads construct and the _jit_* hook methods, never this):
         # the whole values go in place before the Cell's own forward hooks run.
-        unit = self.__dict__["_hp_fsdp_unit"]
+        units = self.__dict__["_hp_fsdp_sections"]
+        unit = units[0]
         if unit.mp.cast_inputs:
             args = _cast_floating(args, unit.mp.param_dtype)
             kwargs = _cast_floating(kwargs, unit.mp.param_dtype)
-        unit.install(unit.unshard())
         try:
+            for section in units:
+                section.install(section.unshard())
             out = super(sharded, self)._run_construct(*args, **kwargs)
         finally:
-            unit.restore()
+            for section in units:
+                section.restore()
         if unit.mp.output_dtype is not None:
             out = _cast_floating(out, unit.mp.output_dtype)
         return out
 
     sharded._run_construct = _run_construct
     cell.__class__ = sharded
-    object.__setattr__(cell, "_hp_fsdp_unit", unit)
-    # graph mode: each owner reads its sharded parameters gathered (fsdp_graph); last, as the
-    # property must sit in the Cell's own class (measured: an inherited one is read in Python)
-    install_graph_reads(plan, slots, shards, _group_name(shard_group, n), me,
-                        _group_name(replicate_group, rep), mp_refused=mp != _Precision())
+    object.__setattr__(cell, "_hp_fsdp_unit", units[0])
+    object.__setattr__(cell, "_hp_fsdp_sections", units)
+    if len(units) > 1:  # several meshes: PyNative only (not yet measured compiled)
+        refuse_graph_mode(cell, "fully_shard with shard_placement_fn over several meshes",
+                          "each mesh's gather is installed in PyNative only")
+    else:
+        # graph mode: each owner reads its sharded parameters gathered (fsdp_graph); last, as
+        # the property must sit in the Cell's own class (measured: an inherited one is read in
+        # Python)
+        unit = units[0]
+        install_graph_reads(unit.plan, unit.slots, unit.shards,
+                            _group_name(unit.shard_group, unit.plan.shard_size), unit.me,
+                            _group_name(unit.gather.replicate_group, unit.plan.replicate),
+                            mp_refused=mp != _Precision())
     # Cell.__call__ skips _run_construct for a Cell without hooks; a graph compiles this
     # no-op hook (a named function) as it is
     cell.register_forward_pre_hook(_run_through_hooks)
