@@ -560,6 +560,18 @@ def _c10d_facts():
     return out
 
 
+def _c10d_dispatches_torch_functions() -> bool:
+    """torch 2.7+: ``torch.distributed.all_reduce`` hands a tensor subclass's call to its
+    ``__torch_function__``; before, it went straight to the process group."""
+    import inspect
+
+    import torch.distributed as dist
+    return "handle_torch_function" in inspect.getsource(dist.all_reduce)
+
+
+@pytest.mark.skipif(not _c10d_dispatches_torch_functions(),
+                    reason="this torch's torch.distributed.all_reduce does not dispatch "
+                           "__torch_function__ (torch < 2.7)")
 def test_c10d_all_reduce_on_a_dtensor_reduces_its_local_tensor(run_on_ranks):
     """``torch.distributed.all_reduce(dtensor, group=...)`` reduces the local tensor in place,
     as the same call does on ``dtensor.to_local()`` (torch's own DTensor refuses the call; code
