@@ -29,8 +29,9 @@ TOL = 1e-5  # fp32 on both sides; the runs agree far closer (see docs/migration.
 RUN_TIMEOUT_S = 300
 
 if os.environ.get("HYPERPAR_TORCHTITAN") != "1":
-    pytest.skip("torchtitan cases run only with HYPERPAR_TORCHTITAN=1 (about 8 min on 2 "
-                "cores): use scripts/test-torchtitan.sh", allow_module_level=True)
+    pytest.skip("torchtitan cases run only with HYPERPAR_TORCHTITAN=1 (llama3 about 17 min, "
+                "deepseek_v3 up to 28 min more, on 2 shared cores): use "
+                "scripts/test-torchtitan.sh", allow_module_level=True)
 if not (VENV / ".complete").is_file():
     pytest.skip(f"torchtitan venv {VENV} not built: run scripts/torchtitan/setup.sh (needs the "
                 f"network once) -- skipped every torchtitan case", allow_module_level=True)
