@@ -1,9 +1,10 @@
 """torchtitan 0.3.0's own training loop on hyperpar, against the same run on torch.
 
-Each case trains llama3 ``debugmodel`` for 6 steps on CPU ranks (gloo) twice from the same
-initial weights: once natively and once with only torchtitan's distributed imports rewritten to
-hyperpar's (``scripts/torchtitan/rewrite_imports.py``); both copies carry the same patch of
-torchtitan's CUDA assumptions (``cuda_patch.py``). The per-step losses must agree within 1e-5.
+Each case trains llama3 ``debugmodel`` (or the MoE model, deepseek_v3 ``debugmodel``) for 6
+steps on CPU ranks (gloo) twice from the same initial weights: once natively and once with only
+torchtitan's distributed imports rewritten to hyperpar's
+(``scripts/torchtitan/rewrite_imports.py``); both copies carry the same patch of torchtitan's
+CUDA assumptions (``cuda_patch.py``). The per-step losses must agree within 1e-5.
 
 Runs only with ``HYPERPAR_TORCHTITAN=1`` and the cached venv built by
 ``scripts/torchtitan/setup.sh`` (network, once); otherwise the module is skipped and says why.
@@ -28,19 +29,25 @@ TOL = 1e-5  # fp32 on both sides; the runs agree far closer (see docs/migration.
 RUN_TIMEOUT_S = 300
 
 if os.environ.get("HYPERPAR_TORCHTITAN") != "1":
-    pytest.skip("torchtitan cases run only with HYPERPAR_TORCHTITAN=1 (about 8 min on 2 "
-                "cores): use scripts/test-torchtitan.sh", allow_module_level=True)
+    pytest.skip("torchtitan cases run only with HYPERPAR_TORCHTITAN=1 (llama3 about 17 min, "
+                "deepseek_v3 up to 28 min more, on 2 shared cores): use "
+                "scripts/test-torchtitan.sh", allow_module_level=True)
 if not (VENV / ".complete").is_file():
     pytest.skip(f"torchtitan venv {VENV} not built: run scripts/torchtitan/setup.sh (needs the "
                 f"network once) -- skipped every torchtitan case", allow_module_level=True)
 
-COMMON = ["--module", "llama3", "--config", "llama3_debugmodel",
-          "--training.local_batch_size", "2",
+COMMON = ["--training.local_batch_size", "2",
           "--training.mixed_precision_param", "float32",
           "--parallelism.spmd_backend", "partial_dtensor", "--training.disable_cuda_graphs"]
 
-# name -> (ranks, torchtitan arguments). Only configurations that run on hyperpar today; the
-# others and why are in docs/migration.md ("From torchtitan"). CP needs seq_len divisible by
+# Which model a case trains: torchtitan's --module/--config pair.
+LLAMA3 = ["--module", "llama3", "--config", "llama3_debugmodel"]
+# deepseek_v3 debugmodel: 6 layers, the last 5 MoE (8 routed experts, top-3 softmax router, 2
+# shared experts, DeepSeek-V3's load-balancing bias updated by an optimizer hook every step).
+DSV3 = ["--module", "deepseek_v3", "--config", "deepseek_v3_debugmodel"]
+
+# name -> (ranks, torchtitan arguments), llama3. Only configurations that run on hyperpar today;
+# the others and why are in docs/migration.md ("From torchtitan"). CP needs seq_len divisible by
 # 2 * cp * 128 (FlexAttention's block size).
 CASES = {
     "fsdp": (2, ["--training.seq_len", "128", "--parallelism.data_parallel_shard_degree", "2"]),
@@ -63,6 +70,28 @@ CASES = {
     "fsdp_tp": (4, ["--training.seq_len", "128", "--parallelism.data_parallel_shard_degree", "2",
                     "--parallelism.tensor_parallel_degree", "2"]),
 }
+CASE_MODEL = dict.fromkeys(CASES, LLAMA3)
+
+# The MoE model (issue 49): the routed experts under FSDP, EP, TP and PP on 2 ranks.
+MOE_CASES = {
+    "dsv3_fsdp": (2, ["--training.seq_len", "128",
+                      "--parallelism.data_parallel_shard_degree", "2"]),
+    # EP = 2 borrowed from the FSDP dims: experts Shard(0) over ep, fully_shard over efsdp (1)
+    "dsv3_fsdp_ep": (2, ["--training.seq_len", "128",
+                         "--parallelism.data_parallel_shard_degree", "2",
+                         "--parallelism.expert_parallel_degree", "2"]),
+    # TP over the whole model, the routed experts tensor-parallel too, the router replicated
+    "dsv3_tp": (2, ["--training.seq_len", "128", "--parallelism.tensor_parallel_degree", "2"]),
+    # EP = 2 borrowed from the TP dim: experts Shard(0) over ep, the dense layers TP; the
+    # expert-bias update all-reduces the counts over tp (torch.distributed on a DTensor)
+    "dsv3_tp_ep": (2, ["--training.seq_len", "128", "--parallelism.tensor_parallel_degree", "2",
+                       "--parallelism.expert_parallel_degree", "2"]),
+    "dsv3_pp_1f1b": (2, ["--training.seq_len", "128",
+                         "--parallelism.pipeline_parallel_degree", "2",
+                         "--parallelism.pipeline_parallel_schedule", "1F1B"]),
+}
+CASES.update(MOE_CASES)
+CASE_MODEL.update(dict.fromkeys(MOE_CASES, DSV3))
 
 
 @pytest.fixture(scope="module")
@@ -77,14 +106,14 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _train(flavour: str, ranks: int, args: list[str], assets: Path, out: Path, *,
-           steps: int = STEPS, tag: str = "") -> dict:
+           steps: int = STEPS, tag: str = "", model: list[str] = LLAMA3) -> dict:
     """One run of ``steps`` steps; its per-rank records are ``out/<flavour><tag>.json.rankR``
     and its dump folder (checkpoints) ``out/<flavour>``."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HYPERPAR_BACKEND="cpu",
                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "backends" / "hyperpar-cpu")]))
     cmd = [str(VENV / "bin" / "python"), "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node", str(ranks), str(SCRIPTS / "run.py"),
-           str(VENV / "trees" / flavour), str(out / f"{flavour}{tag}.json"), *COMMON,
+           str(VENV / "trees" / flavour), str(out / f"{flavour}{tag}.json"), *model, *COMMON,
            "--training.steps", str(steps),
            "--hf_assets_path", str(assets / "tokenizer"),
            "--dataloader.dataset_path", str(assets / "c4_synthetic"),
@@ -107,8 +136,8 @@ def _train(flavour: str, ranks: int, args: list[str], assets: Path, out: Path, *
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_losses_equal_native(case: str, prepared: Path, tmp_path: Path) -> None:
     ranks, args = CASES[case]
-    native = _train("native", ranks, args, prepared, tmp_path)
-    ours = _train("hyperpar", ranks, args, prepared, tmp_path)
+    native = _train("native", ranks, args, prepared, tmp_path, model=CASE_MODEL[case])
+    ours = _train("hyperpar", ranks, args, prepared, tmp_path, model=CASE_MODEL[case])
     # the runs really used each stack's DTensor, and set every parameter the same way
     assert native["param_type"].startswith("torch.distributed.tensor"), native["param_type"]
     assert ours["param_type"].startswith("hyperpar."), ours["param_type"]

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from hyperpar.dtensor.placement import grad_placements_of
+from hyperpar.platform.c10d import IN_PLACE_COLLECTIVES
 from hyperpar.torch.dtensor._ops.dispatch import replicated_local
 from hyperpar.torch.dtensor._ops.pointwise import run_pointwise
 from hyperpar.torch.dtensor._ops.registry import ShardingError, mixing_error, register_op
@@ -121,6 +122,26 @@ def _as_list(x: Any) -> list:
     if x is None:
         return []
     return [x] if isinstance(x, torch.Tensor) else list(x)
+
+
+@register_op(*IN_PLACE_COLLECTIVES, raw=True)
+def _c10d_on_local(func, args, kwargs):
+    """``torch.distributed.all_reduce(dtensor, ...)``: reduces this rank's local tensor in place
+    over the given group, as on a plain tensor; placements kept, the c10d work returned.
+
+    torch's own DTensor refuses here (``c10d.allreduce_`` has no sharding strategy), but code
+    written for it unwraps first, ``if isinstance(x, torch.distributed.tensor.DTensor): x =
+    x.to_local()``, and a hyperpar DTensor is not an instance of torch's class: that code
+    reaches the collective with it still wrapped (torchtitan's expert-bias update under EP x
+    TP), and means its local tensor. The result is what the same code gets on torch."""
+    if type(args[0] if args else kwargs.get("tensor")) is TracedDTensor:
+        raise ShardingError(f"{func.__name__} on a DTensor inside torch.compile: call it on "
+                            f".to_local() before the compiled region")
+    if args:
+        args = (args[0]._local, *args[1:])
+    else:
+        kwargs = {**kwargs, "tensor": kwargs["tensor"]._local}
+    return func(*args, **kwargs)
 
 
 @register_op(torch.autograd.backward, raw=True)
