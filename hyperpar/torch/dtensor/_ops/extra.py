@@ -4,8 +4,10 @@
   ``nextafter``, ``rsub``, the elementwise ``torch.special`` functions, ...): the elementwise
   rule, nonlinear kind (a Partial input is reduced first);
 * ``local_dims`` ops (``flip``, ``roll``, ``tril``/``triu``, ``cummax``/``cummin``,
-  ``logcumsumexp``, ``softmin``, ``normalize``): local where the dims they read are not
-  sharded, those gathered first;
+  ``logcumsumexp``, ``softmin``, ``normalize``, ``msort``): local where the dims they read are
+  not sharded, those gathered first; pooling (``max_pool*d`` with or without indices,
+  ``avg_pool*d``, ``adaptive_*_pool*d``) the same with its spatial dims, the batch and channel
+  shards kept (each plane pooled alone; indices count within a plane);
 * ``gathered`` ops (``addmm``, ``einsum``, ``dot``, ``diag``, the losses, ``nansum``,
   ``aminmax``, ...): every DTensor input gathered to Replicate, the op run whole, every output
   Replicate (differentiable). Correct for these deterministic ops, and as slow as computing on
@@ -19,7 +21,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hyperpar.torch.dtensor._ops.dispatch import collect_dtensors, replicated_local
+from hyperpar.torch.dtensor._ops.dispatch import (
+    collect_dtensors,
+    infer_shapes,
+    replicated_local,
+)
 from hyperpar.torch.dtensor._ops.neutral import decide, neutral_sharding
 from hyperpar.torch.dtensor._ops.pointwise import run_pointwise
 from hyperpar.torch.dtensor._ops.registry import (
@@ -111,13 +117,15 @@ def _dims_of(call: OpCall) -> tuple[tuple[int, ...], int]:
         return (tuple(range(nd)) if dim is None else (dim,)), 1
     if name == "normalize":
         return (call.arg(2, "dim", 1),), 1
+    if name == "msort":
+        return (0,), 1
     raise AssertionError(f"no dims for {name}")  # pragma: no cover (only the funcs below)
 
 
 _LOCAL_DIMS = _new([*variants("flip"), *variants("fliplr"), *variants("flipud"),
                     *variants("roll"), *variants("tril"), *variants("triu"),
                     *variants("cummax"), *variants("cummin"), *variants("logcumsumexp"),
-                    F.softmin, F.normalize])
+                    *variants("msort"), F.softmin, F.normalize])
 
 
 @register_op(_LOCAL_DIMS)
@@ -128,6 +136,32 @@ def local_dims(call: OpCall) -> Sharding:
         raise mixing_error(call.func, call.dtensors[1])
     dims, n_out = _dims_of(call)
     return neutral_sharding("local_dims", call, dims=dims, n_out=n_out)
+
+
+# ---------------------------------------------------------------------------- pooling
+#: pooling function -> its number of spatial (pooled, trailing) dims
+_POOL_DIMS = {getattr(F, f"{kind}{k}d{tail}", None): k
+              for k in (1, 2, 3)
+              for kind, tails in (("max_pool", ("", "_with_indices")), ("avg_pool", ("",)),
+                                  ("adaptive_avg_pool", ("",)),
+                                  ("adaptive_max_pool", ("", "_with_indices")))
+              for tail in tails}
+_POOL_DIMS.pop(None, None)
+
+
+@register_op(_new(list(_POOL_DIMS)))
+def pool(call: OpCall) -> Sharding:
+    """Pooling: the trailing spatial dims gathered, batch and channel shards kept (each plane
+    is pooled alone; ``return_indices`` counts within a plane, so indices stay right)."""
+    if len(call.dtensors) != 1:
+        raise mixing_error(call.func, call.dtensors[1])
+    k = _POOL_DIMS[call.func]
+    shapes = infer_shapes(call.func, call.args, call.kwargs)
+    n_out = len(shapes) if isinstance(shapes, list | tuple) and not isinstance(
+        shapes, torch.Size) else 1
+    out_shapes = tuple(tuple(s) for s in shapes) if n_out > 1 else (tuple(shapes),)
+    return neutral_sharding("local_dims", call, dims=tuple(range(-k, 0)), n_out=n_out,
+                            shapes=out_shapes)
 
 
 # ---------------------------------------------------------------------------- gathered
@@ -147,7 +181,7 @@ _TORCH_GATHERED = [
     "grid_sampler_2d", "grid_sampler_3d", "bucketize", "diagonal_copy", "expand_copy",
     "alias_copy", "geqrf", "index_put", "index_reduce", "ormqr", "lu_unpack", "permute_copy",
     "squeeze_copy", "t_copy", "transpose_copy", "unsqueeze_copy", "view_copy", "unbind_copy",
-    "split_with_sizes_copy", "fill",
+    "split_with_sizes_copy", "fill", "lu", "qr", "svd", "meshgrid",
 ]
 _FFT = ["fft", "ifft", "fft2", "ifft2", "fftn", "ifftn", "rfft", "irfft", "rfft2", "irfft2",
         "rfftn", "irfftn", "hfft", "ihfft", "hfft2", "ihfft2", "hfftn", "ihfftn", "fftshift",
@@ -157,17 +191,15 @@ _LINALG = ["vecdot", "multi_dot", "cross", "diagonal", "matrix_norm", "det", "sl
            "eigvalsh", "matrix_exp", "tensorinv", "tensorsolve", "vander", "matrix_power",
            "solve_triangular", "lu_factor", "lu_factor_ex", "lu", "lu_solve", "qr", "eigh",
            "svd", "cond", "matrix_rank", "householder_product", "ldl_factor",
-           "ldl_factor_ex"]
+           "ldl_factor_ex", "eig", "eigvals", "norm"]
 _F_GATHERED = [
     "l1_loss", "mse_loss", "huber_loss", "smooth_l1_loss", "kl_div", "binary_cross_entropy",
     "binary_cross_entropy_with_logits", "soft_margin_loss", "margin_ranking_loss",
     "hinge_embedding_loss", "poisson_nll_loss", "gaussian_nll_loss",
     "multilabel_soft_margin_loss", "triplet_margin_loss", "triplet_margin_with_distance_loss",
     "cosine_similarity", "pairwise_distance", "glu", "pixel_shuffle", "pixel_unshuffle",
-    "channel_shuffle", "prelu", "local_response_norm", "adaptive_avg_pool1d",
-    "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d",
-    "adaptive_max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d", "max_pool1d",
-    "max_pool2d", "max_pool3d", "max_unpool1d", "max_unpool2d", "max_unpool3d",
+    "channel_shuffle", "prelu", "local_response_norm", "max_unpool1d", "max_unpool2d",
+    "max_unpool3d",
     "interpolate", "upsample", "upsample_nearest", "upsample_bilinear", "grid_sample",
     "cosine_embedding_loss", "multi_margin_loss", "multilabel_margin_loss",
 ]
@@ -180,6 +212,11 @@ def _gathered_funcs() -> list[Any]:
     out.extend(getattr(torch.linalg, name, None) for name in _LINALG)
     out.extend(getattr(torch.fft, name, None) for name in _FFT)
     out.extend(getattr(F, name, None) for name in _F_GATHERED)
+    # meshgrid([a, b]) (a list) reaches torch function as the C builtin, not torch.meshgrid
+    out.append(getattr(torch._C._VariableFunctions, "meshgrid", None))
+    for name in ("max_pool2d_with_indices_backward", "max_pool3d_with_indices_backward"):
+        packet = getattr(torch.ops.aten, name, None)
+        out.append(getattr(packet, "default", None))
     return _new(out)
 
 
