@@ -87,10 +87,66 @@ CASES = [
                                                             ((6, 4), [S0], "u")], (R,)),
     ("bce_logits_sum", lambda a, b: F.binary_cross_entropy_with_logits(a, b, reduction="sum"),
      [((5, 4), [S0], "f"), ((5, 4), [R], "u")], (R,)),
+    # issue 51, second pass: sort along dim 0, pooling, native norms, rmod, decompositions
+    ("msort_kept", lambda x: torch.msort(x), [((6, 4), [S1], "f")], (S1,)),
+    ("msort_sorted_dim", lambda x: x.msort(), [((7, 3), [S0], "f")], (R,)),
+    # remainder(scalar, tensor) has no derivative in torch: compared without one
+    ("rmod_scalar", lambda x: 5.0 % x.detach(), [((6, 4), [S0], "p")], (S0,)),
+    ("rmod_tensor", lambda x, y: y.__rmod__(x), [((6, 4), [S0], "f"), ((4,), [R], "p")],
+     (S0,)),
+    ("max_pool2d_values", lambda x: F.max_pool2d(x, 2, return_indices=True)[0],
+     [((2, 3, 4, 6), [S1], "f")], (S1,)),
+    ("max_pool2d_indices", lambda x: F.max_pool2d(x, 2, return_indices=True)[1] * 1.0,
+     [((3, 3, 4, 6), [S0], "f")], (S0,)),
+    ("max_pool1d_spatial", lambda x: F.max_pool1d(x, 2, 1, return_indices=True)[0],
+     [((2, 3, 7), [S2], "f")], (R,)),
+    ("max_pool3d_indices", lambda x: F.max_pool3d(x, 2, return_indices=True)[1] * 1.0,
+     [((3, 2, 2, 4, 4), [S0], "f")], (S0,)),
+    ("avg_pool2d_pad", lambda x: F.avg_pool2d(x, 3, 2, 1), [((5, 2, 5, 6), [S0], "f")], (S0,)),
+    ("adaptive_max_pool2d", lambda x: F.adaptive_max_pool2d(x, (2, 3), return_indices=True)[0],
+     [((2, 3, 5, 7), [S1], "f")], (S1,)),
+    ("native_layer_norm_stats", lambda x, w, b: _sum3(torch.native_layer_norm(x, (4,), w, b,
+                                                                             1e-5)),
+     [((6, 4), [S0], "f"), ((4,), [R], "f"), ((4,), [R], "f")], (S0,)),
+    ("native_layer_norm_normed", lambda x, w, b: torch.native_layer_norm(x, (3, 4), w, b,
+                                                                         1e-5)[0],
+     [((2, 3, 4), [S1], "f"), ((3, 4), [R], "f"), ((3, 4), [R], "f")], (R,)),
+    ("native_group_norm_uneven", lambda x, w, b: torch.native_group_norm(x, w, b, 5, 6, 3, 2,
+                                                                         1e-5)[0],
+     [((5, 6, 3), [S0], "f"), ((6,), [R], "f"), ((6,), [R], "f")], (S0,)),
+    ("native_group_norm_rstd", lambda x: torch.native_group_norm(x, None, None, 4, 6, 3, 3,
+                                                                 1e-5)[2],
+     [((4, 6, 3), [S0], "f")], (S0,)),
+    ("native_group_norm_channels", lambda x: torch.native_group_norm(x, None, None, 4, 6, 3, 3,
+                                                                     1e-5)[0],
+     [((4, 6, 3), [S1], "f")], (R,)),
+    ("linalg_lu_U", lambda x: torch.linalg.lu(x).U, [((5, 5), [S0], "f")], (R,)),
+    ("lu_factor", lambda x: torch.lu(x)[0], [((5, 5), [S1], "f")], (R,)),
+    ("linalg_qr_R", lambda x: torch.linalg.qr(x).R, [((6, 4), [S0], "f")], (R,)),
+    ("qr_Q", lambda x: torch.qr(x)[0], [((6, 4), [S1], "f")], (R,)),
+    ("linalg_svd_S", lambda x: torch.linalg.svd(x, full_matrices=False).S,
+     [((6, 4), [S0], "f")], (R,)),
+    ("svd_U_abs", lambda x: torch.svd(x)[0].abs(), [((6, 4), [S1], "f")], (R,)),
+    ("meshgrid", lambda a, b: torch.meshgrid(a, b, indexing="ij")[0]
+     + 2 * torch.meshgrid([a, b], indexing="xy")[1], [((3,), [S0], "f"), ((3,), [R], "f")],
+     (R,)),
+    ("linalg_eigvals_abs", lambda x: torch.linalg.eigvals(x).abs(), [((4, 4), [S0], "f")],
+     (R,)),
+    ("linalg_eig_vectors_abs", lambda x: torch.linalg.eig(x)[1].abs(), [((4, 4), [S1], "f")],
+     (R,)),
+    ("linalg_norm_vector", lambda x: torch.linalg.norm(x), [((6, 4), [S0], "f")], (R,)),
+    ("linalg_norm_spectral", lambda x: torch.linalg.norm(x, 2, dim=(0, 1)),
+     [((6, 4), [S1], "f")], (R,)),
     # split into one piece: a tuple of one DTensor, like torch
     ("split_one_piece", lambda x: torch.split(x, 4, 1)[0] * 2, [((4, 4, 4), [S0], "f")],
      (S0,)),
 ]
+
+
+def _sum3(outs):
+    """native_layer_norm's output plus its two statistics (broadcast over the normed dim)."""
+    out, mean, rstd = outs
+    return out + mean + rstd
 
 
 def _input(shape, kind, gen):
