@@ -137,6 +137,12 @@ CASES = [
     ("linalg_norm_vector", lambda x: torch.linalg.norm(x), [((6, 4), [S0], "f")], (R,)),
     ("linalg_norm_spectral", lambda x: torch.linalg.norm(x, 2, dim=(0, 1)),
      [((6, 4), [S1], "f")], (R,)),
+    ("mH", lambda x: x.mH, [((2, 3, 4), [S1], "f")], (S2,)),
+    ("adjoint", lambda x: torch.adjoint(x) * 1.0, [((3, 4), [S0], "f")], (S1,)),
+    ("zero_", lambda x: torch.zero_(x * 1.0), [((6, 4), [S0], "f")], (S0,)),
+    ("feature_alpha_dropout_eval", lambda x: F.feature_alpha_dropout(x, 0.5) * 1.0,
+     [((4, 3, 2), [S0], "f")], (S0,)),
+    ("dropout2d_p1", lambda x: F.dropout2d(x, 1.0), [((4, 3, 2, 2), [S1], "f")], (S1,)),
     # split into one piece: a tuple of one DTensor, like torch
     ("split_one_piece", lambda x: torch.split(x, 4, 1)[0] * 2, [((4, 4, 4), [S0], "f")],
      (S0,)),

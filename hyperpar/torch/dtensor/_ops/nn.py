@@ -183,6 +183,30 @@ def _dropout(func, args, kwargs):
     return _wrap(result, out_spec)
 
 
+#: the other dropouts -> their ``training`` default (alpha ones are off unless asked)
+_OTHER_DROPOUT = {getattr(F, n, None): n.startswith("dropout")
+                  for n in ("alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d",
+                            "dropout3d")}
+_OTHER_DROPOUT.pop(None, None)
+
+
+@register_op(list(_OTHER_DROPOUT), raw=True)
+def _other_dropout(func, args, kwargs):
+    """``alpha_dropout``/``feature_alpha_dropout``/``dropout1d/2d/3d``: the input itself when
+    not training or ``p == 0``, zeros for ``p == 1`` (as torch); a random mask of theirs is not
+    written: refused."""
+    x = args[0]
+    p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+    training = args[2] if len(args) > 2 else kwargs.get("training", _OTHER_DROPOUT[func])
+    if not training or p == 0.0:
+        return x
+    if p == 1.0:  # every element dropped: torch multiplies by zero (NaN stays NaN)
+        return x * 0.0
+    raise ShardingError(f"{op_name(func)} in training on a DTensor (p={p}, placements "
+                        f"{list(x._spec.placements)}): its random mask has no DTensor rule; "
+                        "use F.dropout, or call it on .to_local() (per-rank masks)")
+
+
 # ---------------------------------------------------------------------------- losses
 @register_op(F.cross_entropy, F.nll_loss)
 def cross_entropy_rule(call: OpCall) -> Sharding:
