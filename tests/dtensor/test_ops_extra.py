@@ -230,6 +230,31 @@ def _errors():
     return out
 
 
+def _batch_norm_running_stats():
+    """batch norm in training on 2 ranks: the output and the running statistics it updates in
+    place (one sharded unevenly, one replicated), against plain torch."""
+    from hyperpar.dtensor import distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh((2,))
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 5, 3, generator=gen)
+    mean, var = torch.randn(5, generator=gen), torch.rand(5, generator=gen) + 0.5
+    ref_mean, ref_var = mean.clone(), var.clone()
+    ref = F.batch_norm(x, ref_mean, ref_var, training=True, momentum=0.3)
+    d_mean = distribute_tensor(mean.clone(), mesh, [S0])  # 5 channels: pieces of 3 and 2
+    d_var = distribute_tensor(var.clone(), mesh, [R])
+    out = F.batch_norm(distribute_tensor(x, mesh, [S1]), d_mean, d_var, training=True,
+                       momentum=0.3)
+    return [(out.full_tensor(), ref), (d_mean.full_tensor(), ref_mean),
+            (d_var.full_tensor(), ref_var)]
+
+
+def test_batch_norm_updates_sharded_running_stats_in_place(run_on_ranks):
+    # the op runs on the same whole tensors as the reference: equal up to float32 rounding
+    for got, ref in run_on_ranks(2, _batch_norm_running_stats)[0]:
+        torch.testing.assert_close(got, ref, **TOL)
+
+
 def test_extra_ops_match_the_full_tensor_op(run_on_ranks):
     failures = run_on_ranks(2, _run_cases, None)[0]
     assert failures == [], "\n".join(failures)

@@ -11,7 +11,9 @@
 * ``gathered`` ops (``addmm``, ``einsum``, ``dot``, ``diag``, the losses, ``nansum``,
   ``aminmax``, ...): every DTensor input gathered to Replicate, the op run whole, every output
   Replicate (differentiable). Correct for these deterministic ops, and as slow as computing on
-  ``.full_tensor()``; a sharded rule of their own is the way to make one faster.
+  ``.full_tensor()``; a sharded rule of their own is the way to make one faster. An input the
+  op updates in place (batch norm's running statistics) has its shard of the update copied
+  back (a Partial one is refused).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from hyperpar.torch.dtensor._ops.registry import (
     OP_TABLE,
     OpCall,
     Sharding,
+    ShardingError,
     mixing_error,
+    op_name,
     register_op,
     variants,
 )
@@ -182,6 +186,8 @@ _TORCH_GATHERED = [
     "alias_copy", "geqrf", "index_put", "index_reduce", "ormqr", "lu_unpack", "permute_copy",
     "squeeze_copy", "t_copy", "transpose_copy", "unsqueeze_copy", "view_copy", "unbind_copy",
     "split_with_sizes_copy", "fill", "lu", "qr", "svd", "meshgrid",
+    # running statistics updated in place: written back into their shards (gathered())
+    "batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update",
 ]
 _FFT = ["fft", "ifft", "fft2", "ifft2", "fftn", "ifftn", "rfft", "irfft", "rfft2", "irfft2",
         "rfftn", "irfftn", "hfft", "ihfft", "hfft2", "ihfft2", "hfftn", "ihfftn", "fftshift",
@@ -193,7 +199,8 @@ _LINALG = ["vecdot", "multi_dot", "cross", "diagonal", "matrix_norm", "det", "sl
            "svd", "cond", "matrix_rank", "householder_product", "ldl_factor",
            "ldl_factor_ex", "eig", "eigvals", "norm"]
 _F_GATHERED = [
-    "l1_loss", "mse_loss", "huber_loss", "smooth_l1_loss", "kl_div", "binary_cross_entropy",
+    "batch_norm", "l1_loss", "mse_loss", "huber_loss", "smooth_l1_loss", "kl_div",
+    "binary_cross_entropy",
     "binary_cross_entropy_with_logits", "soft_margin_loss", "margin_ranking_loss",
     "hinge_embedding_loss", "poisson_nll_loss", "gaussian_nll_loss",
     "multilabel_soft_margin_loss", "triplet_margin_loss", "triplet_margin_with_distance_loss",
@@ -214,10 +221,39 @@ def _gathered_funcs() -> list[Any]:
     out.extend(getattr(F, name, None) for name in _F_GATHERED)
     # meshgrid([a, b]) (a list) reaches torch function as the C builtin, not torch.meshgrid
     out.append(getattr(torch._C._VariableFunctions, "meshgrid", None))
-    for name in ("max_pool2d_with_indices_backward", "max_pool3d_with_indices_backward"):
+    # aten ops OpInfo calls directly (the packet or an overload reaches torch function)
+    for name in ("max_pool2d_with_indices_backward", "max_pool3d_with_indices_backward",
+                 "_softmax_backward_data", "_upsample_bilinear2d_aa", "_batch_norm_with_update",
+                 "native_batch_norm", "_native_batch_norm_legit"):
         packet = getattr(torch.ops.aten, name, None)
-        out.append(getattr(packet, "default", None))
+        if packet is not None:
+            out.append(packet)
+            out.extend(getattr(packet, o) for o in packet.overloads())
     return _new(out)
+
+
+_RUNNING_STATS = set(_new([*variants("batch_norm"), *variants("native_batch_norm"),
+                           *variants("_native_batch_norm_legit"),
+                           *variants("_batch_norm_with_update"), F.batch_norm]))
+for _name in ("_batch_norm_with_update", "native_batch_norm", "_native_batch_norm_legit"):
+    _packet = getattr(torch.ops.aten, _name, None)
+    if _packet is not None:
+        _RUNNING_STATS.add(_packet)
+        _RUNNING_STATS.update(getattr(_packet, o) for o in _packet.overloads())
+
+
+def _write_back(func: Any, d: DTensor, whole: torch.Tensor) -> None:
+    """Copy this rank's piece of ``whole`` (the gathered copy an op updated in place) into
+    ``d``'s local tensor, so the in-place update is not lost on a copy."""
+    spec = d._spec
+    if any(p.is_partial() for p in spec.placements):
+        raise ShardingError(f"{op_name(func)} updates an input in place that is Partial "
+                            f"({list(spec.placements)}): reduce it first (redistribute to "
+                            "Replicate or Shard)")
+    shape, offset = spec.local_shape_and_offset()
+    piece = whole[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+    with torch.no_grad():
+        d._local.copy_(piece)
 
 
 def _shape_of(o: Any) -> tuple[int, ...]:
@@ -243,7 +279,17 @@ def gathered(func, args, kwargs):
             return type(a)(swap(b) for b in a)
         return a
 
+    versions = {k: t._version for k, t in table.items()}
     out = func(*[swap(a) for a in args], **{k: swap(v) for k, v in kwargs.items()})
+    # an input the op wrote into: its shard too. Batch norm's kernels write the running
+    # statistics without bumping the version counter, so for them every input that needs no
+    # gradient (the statistics; the others are unchanged) is written back
+    stats = func in _RUNNING_STATS
+    for d in dts[1:] if stats else dts:
+        whole = table[id(d)]
+        if whole is not d._local and (whole._version != versions[id(d)] or (
+                stats and not d.requires_grad)):
+            _write_back(func, d, whole)
     outs = out if isinstance(out, tuple | list) else (out,)
     res = decide("gathered", [d._spec for d in dts],
                  shapes=tuple(_shape_of(o) for o in outs))
