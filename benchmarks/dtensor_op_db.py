@@ -17,8 +17,20 @@ the gradients of the inputs of ``sum(out * w)`` (``w`` fixed random) with the pl
 A case is *right*, *refused* (the op raised) or *wrong* (it ran and gave another value, shape
 or gradient). Prints the table; ``--json`` keeps every case for a before/after diff.
 
+Samples no DTensor can be compared on are skipped, and counted by reason in the output:
+*sparse* (a tensor of another layout than strided), *random* (the op runs an aten op tagged
+``nondeterministic_seeded``: ``bernoulli``,
+``dropout`` in training, ``rand_like``, ...; a DTensor's random stream is its own, so equality
+with torch's is not expected),
+*dropout_p* (a ``dropout_p > 0`` keyword, e.g. ``scaled_dot_product_attention``'s: random by
+design, whatever the tags say) and *uninitialised* (OpInfos whose output is
+declared nondeterministic: ``empty``, ``new_empty_strided``, ...).
+
 Run: ``PYTHONHASHSEED=0 python benchmarks/dtensor_op_db.py --ops acosh,tril,mse_loss``
-(needs ``pip install expecttest``; the full sweep is slow on a small CPU box: run subsets).
+(needs ``pip install expecttest``). The full sweep is slow on a small CPU box: run it in chunks
+(``--chunk 0/8 --json c0.json`` ... ``--chunk 7/8``) and print the merged table with
+``--merge c*.json`` (a later file's cases replace an earlier one's for the same op, so a rerun
+of a few ops after a fix can be merged over the sweep).
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ import sys
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 SHARDINGS = ("R", "S0", "Slast", "S0all", "uneven")
 TOL = {"rtol": 1e-4, "atol": 1e-5}
@@ -54,6 +67,38 @@ def _tensors(sample) -> list[torch.Tensor]:
         elif isinstance(a, list | tuple):
             out.extend(b for b in a if isinstance(b, torch.Tensor))
     return out
+
+
+class _SeededOps(TorchDispatchMode):
+    """Notes whether any aten op run under it draws random numbers."""
+
+    hit = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.hit = True
+        return func(*args, **(kwargs or {}))
+
+
+def _skip_reason(op, sample, tensors: list[torch.Tensor]) -> str | None:
+    """Why this sample cannot be compared on a DTensor (None: it can). The seed check runs the
+    op twice on the plain inputs, so it is only asked once the cheap checks passed."""
+    if any(t.layout != torch.strided for t in tensors):
+        return "sparse"
+    p = sample.kwargs.get("dropout_p", 0.0)
+    if isinstance(p, int | float) and p > 0:
+        return "dropout_p"
+    if op.has_nondeterministic_output:
+        return "uninitialised"
+    # OpInfo runs torch's random ops under a fixed seed (wrapper_set_seed), so their values
+    # agree run to run: what marks them is an aten op tagged nondeterministic_seeded
+    seeded = _SeededOps()
+    try:
+        with seeded:
+            op.op(sample.input, *sample.args, **sample.kwargs)
+    except Exception:
+        return None  # the reference fails too: the sample is dropped there
+    return "random" if seeded.hit else None
 
 
 def _shardable(t: torch.Tensor) -> bool:
@@ -187,8 +232,10 @@ def _reference(op, sample, tensors) -> tuple:
     return [o.detach() if isinstance(o, torch.Tensor) else o for o in out], grads, w
 
 
-def sweep(names: list[str] | None, samples: int) -> list[dict]:
-    """On every rank: each case's verdict on both implementations (rank 0's list is kept)."""
+def sweep(names: list[str] | None, samples: int, chunk: tuple[int, int] = (0, 1)) -> dict:
+    """On every rank: each case's verdict on both implementations, and the skipped samples by
+    reason (``{"rows": [...], "skipped": {reason: [op/sample, ...]}}``; rank 0's is kept).
+    ``chunk`` ``(k, n)``: only every n-th op from the k-th."""
     import warnings
 
     import torch.distributed.tensor as tdt
@@ -210,7 +257,10 @@ def sweep(names: list[str] | None, samples: int) -> list[dict]:
     if names:
         wanted = set(names)
         ops = [op for op in ops if op.name in wanted or _full_name(op) in wanted]
-    rows = []
+    k, n = chunk
+    ops = ops[k::n]
+    rows: list[dict] = []
+    skipped: dict[str, list[str]] = {}
     for op in ops:
         torch.manual_seed(0)
         try:
@@ -220,6 +270,10 @@ def sweep(names: list[str] | None, samples: int) -> list[dict]:
         for s_idx, sample in enumerate(got[:samples]):
             tensors = _tensors(sample)
             if not tensors:
+                continue
+            why = _skip_reason(op, sample, tensors)
+            if why is not None:
+                skipped.setdefault(why, []).append(f"{_full_name(op)}/s{s_idx}")
                 continue
             try:
                 ref_out, ref_grads, w = _reference(op, sample, tensors)
@@ -234,7 +288,41 @@ def sweep(names: list[str] | None, samples: int) -> list[dict]:
                                                ref_grads, w)
                     row[impl.name] = [fwd, bwd, note]
                 rows.append(row)
-    return rows
+    return {"rows": rows, "skipped": skipped}
+
+
+def skipped_lines(skipped: dict[str, list[str]]) -> list[str]:
+    """One line per skip reason: how many samples, of which ops."""
+    lines = []
+    for why, cases in sorted(skipped.items()):
+        ops = sorted({c.rsplit("/", 1)[0] for c in cases})
+        shown = ", ".join(ops[:12]) + (f", ... ({len(ops)} ops)" if len(ops) > 12 else "")
+        lines.append(f"skipped {len(cases)} samples ({why}): {shown}")
+    return lines
+
+
+def merge(paths: list[str]) -> dict:
+    """The cases of several ``--json`` files; a later file's cases replace an earlier one's
+    for the same op (a rerun after a fix)."""
+    by_op: dict[str, list[dict]] = {}
+    skipped: dict[str, dict[str, list[str]]] = {}
+    for path in paths:
+        with open(path) as fh:
+            data = json.load(fh)
+        if isinstance(data, list):  # the older format: the rows alone
+            data = {"rows": data, "skipped": {}}
+        fresh: dict[str, list[dict]] = {}
+        for r in data["rows"]:
+            fresh.setdefault(r["op"], []).append(r)
+        by_op.update(fresh)
+        for why, cases in data["skipped"].items():
+            for c in cases:
+                skipped.setdefault(c.rsplit("/", 1)[0], {}).setdefault(why, []).append(c)
+    out: dict[str, list[str]] = {}
+    for per in skipped.values():
+        for why, cases in per.items():
+            out.setdefault(why, []).extend(sorted(set(cases)))
+    return {"rows": [r for rows in by_op.values() for r in rows], "skipped": out}
 
 
 def table(rows: list[dict]) -> str:
@@ -279,14 +367,30 @@ def main() -> None:
     parser.add_argument("--json", dest="json_path", default=None, help="write every case here")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="list every case hyperpar refuses or gets wrong")
+    parser.add_argument("--chunk", default="0/1",
+                        help="K/N: only every N-th op from the K-th (run the sweep in pieces)")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                        help="print the table of these --json files instead of running")
     args = parser.parse_args()
-    if os.environ.get("PYTHONHASHSEED") != "0":
-        print("note: set PYTHONHASHSEED=0 for the same samples on every run", file=sys.stderr)
-    from hyperpar.testing import run_distributed
+    if args.merge:
+        data = merge(args.merge)
+    else:
+        if os.environ.get("PYTHONHASHSEED") != "0":
+            print("note: set PYTHONHASHSEED=0 for the same samples on every run",
+                  file=sys.stderr)
+        from hyperpar.testing import run_distributed
 
-    names = [n for n in args.ops.split(",") if n] or None
-    rows = run_distributed(sweep, args.ranks, names, args.samples, timeout_s=3600)[0]
+        names = [n for n in args.ops.split(",") if n] or None
+        k, n = (int(v) for v in args.chunk.split("/"))
+        data = run_distributed(sweep, args.ranks, names, args.samples, (k, n),
+                               timeout_s=3600)[0]
+    rows = data["rows"]
     print(table(rows))
+    for line in skipped_lines(data["skipped"]):
+        print(line)
+    for impl in ("hyperpar", "torch"):
+        bad = sorted({r["op"] for r in rows if "wrong" in r[impl][:2]})
+        print(f"{impl} wrong in {len(bad)} ops: {', '.join(bad) or '-'}")
     if args.verbose:
         for r in rows:
             for impl in ("hyperpar", "torch"):
@@ -296,7 +400,7 @@ def main() -> None:
                           f"{fwd}/{bwd} {note}")
     if args.json_path:
         with open(args.json_path, "w") as fh:
-            json.dump(rows, fh, indent=1)
+            json.dump(data, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -87,10 +87,72 @@ CASES = [
                                                             ((6, 4), [S0], "u")], (R,)),
     ("bce_logits_sum", lambda a, b: F.binary_cross_entropy_with_logits(a, b, reduction="sum"),
      [((5, 4), [S0], "f"), ((5, 4), [R], "u")], (R,)),
+    # issue 51, second pass: sort along dim 0, pooling, native norms, rmod, decompositions
+    ("msort_kept", lambda x: torch.msort(x), [((6, 4), [S1], "f")], (S1,)),
+    ("msort_sorted_dim", lambda x: x.msort(), [((7, 3), [S0], "f")], (R,)),
+    # remainder(scalar, tensor) has no derivative in torch: compared without one
+    ("rmod_scalar", lambda x: 5.0 % x.detach(), [((6, 4), [S0], "p")], (S0,)),
+    ("rmod_tensor", lambda x, y: y.__rmod__(x), [((6, 4), [S0], "f"), ((4,), [R], "p")],
+     (S0,)),
+    ("max_pool2d_values", lambda x: F.max_pool2d(x, 2, return_indices=True)[0],
+     [((2, 3, 4, 6), [S1], "f")], (S1,)),
+    ("max_pool2d_indices", lambda x: F.max_pool2d(x, 2, return_indices=True)[1] * 1.0,
+     [((3, 3, 4, 6), [S0], "f")], (S0,)),
+    ("max_pool1d_spatial", lambda x: F.max_pool1d(x, 2, 1, return_indices=True)[0],
+     [((2, 3, 7), [S2], "f")], (R,)),
+    ("max_pool3d_indices", lambda x: F.max_pool3d(x, 2, return_indices=True)[1] * 1.0,
+     [((3, 2, 2, 4, 4), [S0], "f")], (S0,)),
+    ("avg_pool2d_pad", lambda x: F.avg_pool2d(x, 3, 2, 1), [((5, 2, 5, 6), [S0], "f")], (S0,)),
+    ("adaptive_max_pool2d", lambda x: F.adaptive_max_pool2d(x, (2, 3), return_indices=True)[0],
+     [((2, 3, 5, 7), [S1], "f")], (S1,)),
+    ("native_layer_norm_stats", lambda x, w, b: _sum3(torch.native_layer_norm(x, (4,), w, b,
+                                                                             1e-5)),
+     [((6, 4), [S0], "f"), ((4,), [R], "f"), ((4,), [R], "f")], (S0,)),
+    ("native_layer_norm_normed", lambda x, w, b: torch.native_layer_norm(x, (3, 4), w, b,
+                                                                         1e-5)[0],
+     [((2, 3, 4), [S1], "f"), ((3, 4), [R], "f"), ((3, 4), [R], "f")], (R,)),
+    ("native_group_norm_uneven", lambda x, w, b: torch.native_group_norm(x, w, b, 5, 6, 3, 2,
+                                                                         1e-5)[0],
+     [((5, 6, 3), [S0], "f"), ((6,), [R], "f"), ((6,), [R], "f")], (S0,)),
+    ("native_group_norm_rstd", lambda x: torch.native_group_norm(x, None, None, 4, 6, 3, 3,
+                                                                 1e-5)[2],
+     [((4, 6, 3), [S0], "f")], (S0,)),
+    ("native_group_norm_channels", lambda x: torch.native_group_norm(x, None, None, 4, 6, 3, 3,
+                                                                     1e-5)[0],
+     [((4, 6, 3), [S1], "f")], (R,)),
+    ("linalg_lu_U", lambda x: torch.linalg.lu(x).U, [((5, 5), [S0], "f")], (R,)),
+    ("lu_factor", lambda x: torch.lu(x)[0], [((5, 5), [S1], "f")], (R,)),
+    ("linalg_qr_R", lambda x: torch.linalg.qr(x).R, [((6, 4), [S0], "f")], (R,)),
+    ("qr_Q", lambda x: torch.qr(x)[0], [((6, 4), [S1], "f")], (R,)),
+    ("linalg_svd_S", lambda x: torch.linalg.svd(x, full_matrices=False).S,
+     [((6, 4), [S0], "f")], (R,)),
+    ("svd_U_abs", lambda x: torch.svd(x)[0].abs(), [((6, 4), [S1], "f")], (R,)),
+    ("meshgrid", lambda a, b: torch.meshgrid(a, b, indexing="ij")[0]
+     + 2 * torch.meshgrid([a, b], indexing="xy")[1], [((3,), [S0], "f"), ((3,), [R], "f")],
+     (R,)),
+    ("linalg_eigvals_abs", lambda x: torch.linalg.eigvals(x).abs(), [((4, 4), [S0], "f")],
+     (R,)),
+    ("linalg_eig_vectors_abs", lambda x: torch.linalg.eig(x)[1].abs(), [((4, 4), [S1], "f")],
+     (R,)),
+    ("linalg_norm_vector", lambda x: torch.linalg.norm(x), [((6, 4), [S0], "f")], (R,)),
+    ("linalg_norm_spectral", lambda x: torch.linalg.norm(x, 2, dim=(0, 1)),
+     [((6, 4), [S1], "f")], (R,)),
+    ("mH", lambda x: x.mH, [((2, 3, 4), [S1], "f")], (S2,)),
+    ("adjoint", lambda x: torch.adjoint(x) * 1.0, [((3, 4), [S0], "f")], (S1,)),
+    ("zero_", lambda x: torch.zero_(x * 1.0), [((6, 4), [S0], "f")], (S0,)),
+    ("feature_alpha_dropout_eval", lambda x: F.feature_alpha_dropout(x, 0.5) * 1.0,
+     [((4, 3, 2), [S0], "f")], (S0,)),
+    ("dropout2d_p1", lambda x: F.dropout2d(x, 1.0), [((4, 3, 2, 2), [S1], "f")], (S1,)),
     # split into one piece: a tuple of one DTensor, like torch
     ("split_one_piece", lambda x: torch.split(x, 4, 1)[0] * 2, [((4, 4, 4), [S0], "f")],
      (S0,)),
 ]
+
+
+def _sum3(outs):
+    """native_layer_norm's output plus its two statistics (broadcast over the normed dim)."""
+    out, mean, rstd = outs
+    return out + mean + rstd
 
 
 def _input(shape, kind, gen):
@@ -166,6 +228,31 @@ def _errors():
     pieces = torch.tensor_split(x, torch.tensor([2, 3]), dim=1)
     out["recached"] = [tuple(p.shape) for p in pieces]
     return out
+
+
+def _batch_norm_running_stats():
+    """batch norm in training on 2 ranks: the output and the running statistics it updates in
+    place (one sharded unevenly, one replicated), against plain torch."""
+    from hyperpar.dtensor import distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh((2,))
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 5, 3, generator=gen)
+    mean, var = torch.randn(5, generator=gen), torch.rand(5, generator=gen) + 0.5
+    ref_mean, ref_var = mean.clone(), var.clone()
+    ref = F.batch_norm(x, ref_mean, ref_var, training=True, momentum=0.3)
+    d_mean = distribute_tensor(mean.clone(), mesh, [S0])  # 5 channels: pieces of 3 and 2
+    d_var = distribute_tensor(var.clone(), mesh, [R])
+    out = F.batch_norm(distribute_tensor(x, mesh, [S1]), d_mean, d_var, training=True,
+                       momentum=0.3)
+    return [(out.full_tensor(), ref), (d_mean.full_tensor(), ref_mean),
+            (d_var.full_tensor(), ref_var)]
+
+
+def test_batch_norm_updates_sharded_running_stats_in_place(run_on_ranks):
+    # the op runs on the same whole tensors as the reference: equal up to float32 rounding
+    for got, ref in run_on_ranks(2, _batch_norm_running_stats)[0]:
+        torch.testing.assert_close(got, ref, **TOL)
 
 
 def test_extra_ops_match_the_full_tensor_op(run_on_ranks):

@@ -31,3 +31,17 @@ def test_gathered_replicates_every_input_and_output():
                   shapes=((4,), ()))
     assert r.inputs == ((R,), (R,)) and r.outputs == ((R,), (R,))
     assert r.shapes == ((4,), ()) and r.grad_sum == ((), ())
+
+
+def test_local_dims_takes_output_shapes_that_resize_only_the_dims_it_reads():
+    # pooling (N, C, H, W) -> (N, C, H/2, W/2): the batch shard stays
+    r = propagate("local_dims", (TensorMeta((Shard(0),), (4, 3, 6, 6)),), (2,), dims=(-2, -1),
+                  n_out=2, shapes=((4, 3, 3, 3), (4, 3, 3, 3)))
+    assert r.inputs == ((Shard(0),),) and r.outputs == ((Shard(0),),) * 2
+    assert r.shapes == ((4, 3, 3, 3),) * 2
+
+
+def test_local_dims_refuses_an_output_shape_that_resizes_a_kept_shard():
+    with pytest.raises(ValueError, match="resizes sharded dim 0"):
+        propagate("local_dims", (TensorMeta((Shard(0),), (4, 3)),), (2,), dims=(1,),
+                  shapes=((2, 3),))

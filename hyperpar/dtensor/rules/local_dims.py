@@ -22,12 +22,20 @@ from .base import OpSharding, Shape, TensorMeta, norm_dim, rule, unshard
 
 @rule("local_dims")
 def _local_dims(op: str, metas: tuple[TensorMeta, ...], mesh_shape: tuple[int, ...], *,
-                dims: Any = (), n_out: int = 1, **_: Any) -> OpSharding:
+                dims: Any = (), n_out: int = 1, shapes: tuple[Shape, ...] | None = None,
+                **_: Any) -> OpSharding:
     (x,) = metas
     nd = len(x.shape)
     read = {norm_dim(d, nd) for d in dims} if nd else set()
     target = unshard(x.placements, read)
-    return OpSharding((target,), (target,) * n_out, (tuple(x.shape),) * n_out)
+    if shapes is None:
+        shapes = (tuple(x.shape),) * n_out
+    for s in shapes:  # a kept shard must be on a dim the op leaves as it is
+        for p in target:
+            if p.is_shard() and (len(s) != nd or s[p.dim] != x.shape[p.dim]):
+                raise ValueError(f"{op}: output shape {tuple(s)} resizes sharded dim {p.dim} "
+                                 f"of input shape {tuple(x.shape)}; list it in dims")
+    return OpSharding((target,), (target,) * n_out, tuple(tuple(s) for s in shapes))
 
 
 @rule("gathered")

@@ -106,11 +106,11 @@ def _copy_(func, args, kwargs):
     return dst
 
 
-@register_op(torch.Tensor.zero_, torch.nn.init.zeros_, raw=True)
+@register_op(torch.Tensor.zero_, getattr(torch, "zero_", None), torch.nn.init.zeros_, raw=True)
 def _zero_(func, args, kwargs):
     """``zero_``/``nn.init.zeros_``: zero the local piece (any layout)."""
     x = _init_args(args, kwargs)[0]
-    with torch.no_grad() if func is not torch.Tensor.zero_ else contextlib.nullcontext():
+    with torch.no_grad() if func is torch.nn.init.zeros_ else contextlib.nullcontext():
         x._local.zero_()
     return x
 

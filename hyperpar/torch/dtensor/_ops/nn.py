@@ -66,6 +66,47 @@ def norm_rule(call: OpCall) -> Sharding:
                             normalized_shape=call.arg(1, "normalized_shape"))
 
 
+def _affine_dtensors(call: OpCall, x: object, affine: tuple) -> list:
+    """``[x]`` and the DTensors among weight and bias; a plain one that requires grad refused
+    (its gradient would hold only this rank's rows)."""
+    if not isinstance(x, DTensor):
+        raise mixing_error(call.func, x)
+    for t in affine:
+        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.requires_grad:
+            raise mixing_error(call.func, t)
+    return [x] + [t for t in affine if isinstance(t, DTensor)]
+
+
+@register_op(torch.native_layer_norm)
+def native_layer_norm_rule(call: OpCall) -> Sharding:
+    """``native_layer_norm(x, shape, w, b, eps)`` -> (out, mean, rstd): the neutral
+    ``layer_norm`` rule with its two statistics (shaped as x, normalised dims kept as 1)."""
+    x = call.arg(0, "input")
+    tensors = _affine_dtensors(call, x, (call.arg(2, "weight"), call.arg(3, "bias")))
+    return ordered_sharding("layer_norm", call, tensors,
+                            normalized_shape=call.arg(1, "normalized_shape"), stats=2)
+
+
+def _local_group_norm(x, weight, bias, n, *rest, **kwargs):
+    # N is the batch size, given explicitly: on a batch shard it is the local rows'
+    return torch.native_group_norm(x, weight, bias, x.shape[0], *rest, **kwargs)
+
+
+@register_op(torch.native_group_norm)
+def native_group_norm_rule(call: OpCall) -> Sharding:
+    """``native_group_norm(x, w, b, N, C, HxW, group, eps)`` -> (out, mean, rstd): the neutral
+    ``group_norm`` rule with its two ``(N, group)`` statistics; a batch shard stays (run
+    locally with its own ``N``)."""
+    if len(call.args) < 8:
+        raise ShardingError(f"{op_name(call.func)} on DTensors: pass its 8 arguments "
+                            "positionally (input, weight, bias, N, C, HxW, group, eps)")
+    x = call.args[0]
+    tensors = _affine_dtensors(call, x, (call.args[1], call.args[2]))
+    sh = ordered_sharding("group_norm", call, tensors, num_groups=call.args[6], stats=2)
+    sh.local = _local_group_norm
+    return sh
+
+
 # ---------------------------------------------------------------------------- attention
 @register_op(F.scaled_dot_product_attention)
 def sdpa_rule(call: OpCall) -> Sharding:
@@ -140,6 +181,30 @@ def _dropout(func, args, kwargs):
             x._local.copy_(result)
         return x
     return _wrap(result, out_spec)
+
+
+#: the other dropouts -> their ``training`` default (alpha ones are off unless asked)
+_OTHER_DROPOUT = {getattr(F, n, None): n.startswith("dropout")
+                  for n in ("alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d",
+                            "dropout3d")}
+_OTHER_DROPOUT.pop(None, None)
+
+
+@register_op(list(_OTHER_DROPOUT), raw=True)
+def _other_dropout(func, args, kwargs):
+    """``alpha_dropout``/``feature_alpha_dropout``/``dropout1d/2d/3d``: the input itself when
+    not training or ``p == 0``, zeros for ``p == 1`` (as torch); a random mask of theirs is not
+    written: refused."""
+    x = args[0]
+    p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+    training = args[2] if len(args) > 2 else kwargs.get("training", _OTHER_DROPOUT[func])
+    if not training or p == 0.0:
+        return x
+    if p == 1.0:  # every element dropped: torch multiplies by zero (NaN stays NaN)
+        return x * 0.0
+    raise ShardingError(f"{op_name(func)} in training on a DTensor (p={p}, placements "
+                        f"{list(x._spec.placements)}): its random mask has no DTensor rule; "
+                        "use F.dropout, or call it on .to_local() (per-rank masks)")
 
 
 # ---------------------------------------------------------------------------- losses

@@ -49,7 +49,7 @@ OTHER_POINTWISE = [
     "eq", "ne", "lt", "le", "gt", "ge", "bitwise_and", "bitwise_or", "bitwise_xor",
     "bitwise_not", "isnan", "isinf", "isfinite", "nan_to_num", "sgn", "heaviside", "xlogy",
     "logaddexp", "copysign", "signbit", "threshold", "rad2deg", "deg2rad", "lgamma", "digamma",
-    "and", "or", "xor", "invert", "mod", "rpow", "rtruediv", "rdiv", "rsub", "rfloordiv",
+    "and", "or", "xor", "invert", "mod", "rmod", "rpow", "rtruediv", "rdiv", "rsub", "rfloordiv",
     "floordiv", "truediv", "radd", "rmul", "lshift", "rshift", "rand", "ror", "rxor",
     "float", "double", "half", "bfloat16", "int", "long", "bool", "type_as", "to",
 ]
@@ -61,9 +61,9 @@ INPLACE_ACTIVATIONS = ["relu_", "silu_", "gelu_", "leaky_relu_", "elu_", "hardta
                        "threshold_"]
 _KIND_OF = {"radd": "linear", "rmul": "mul", "rsub": "linear", "truediv": "div"}
 _CASTS = ("float", "double", "half", "bfloat16", "int", "long", "bool", "to", "type_as")
-_DUNDER_ONLY = ("and", "or", "xor", "invert", "mod", "rpow", "rtruediv", "rdiv", "rfloordiv",
-                "floordiv", "truediv", "radd", "rmul", "rsub", "lshift", "rshift", "rand",
-                "ror", "rxor")
+_DUNDER_ONLY = ("and", "or", "xor", "invert", "mod", "rmod", "rpow", "rtruediv", "rdiv",
+                "rfloordiv", "floordiv", "truediv", "radd", "rmul", "rsub", "lshift", "rshift",
+                "rand", "ror", "rxor")
 
 
 def _funcs_by_kind() -> dict[tuple[str, bool], list[Any]]:

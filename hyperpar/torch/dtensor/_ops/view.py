@@ -132,6 +132,19 @@ def _permute_plan(func, args, kwargs):
     return perm, DTensorSpec(spec.mesh, res.outputs[0], torch.Size(res.shapes[0]))
 
 
+@register_op(torch.Tensor.mH.__get__, torch.Tensor.H.__get__, torch.adjoint,
+             torch.Tensor.adjoint, raw=True)
+def adjoint_rule(func, args, kwargs):
+    """``.mH``/``adjoint`` (and ``.H`` of a matrix): ``.mT``'s placements, conjugated when
+    complex (the conjugate is elementwise: no communication)."""
+    x = args[0]
+    if getattr(getattr(func, "__self__", None), "__name__", "") == "H" and x.ndim != 2:
+        raise ValueError(f"tensor.H is only supported on matrices (2-D tensors); got a "
+                         f"{x.ndim}-D DTensor (use .mH for batches of matrices)")
+    out = x.mT
+    return out.conj() if out.is_complex() else out
+
+
 @register_op(torch.Tensor.expand, torch.Tensor.expand_as, torch.broadcast_to)
 def expand_rule(call: OpCall) -> Sharding:
     """``expand``/``broadcast_to``: the neutral rule (rules/index.py): a sharded dim that grows
