@@ -27,10 +27,10 @@ design, whatever the tags say) and *uninitialised* (OpInfos whose output is
 declared nondeterministic: ``empty``, ``new_empty_strided``, ...).
 
 Run: ``PYTHONHASHSEED=0 python benchmarks/dtensor_op_db.py --ops acosh,tril,mse_loss``
-(needs ``expecttest``, in the ``bench`` extra). The full sweep is slow on a small CPU box: run it in chunks
-(``--chunk 0/8 --json c0.json`` ... ``--chunk 7/8``) and print the merged table with
-``--merge c*.json`` (a later file's cases replace an earlier one's for the same op, so a rerun
-of a few ops after a fix can be merged over the sweep).
+(needs ``expecttest``, in the ``bench`` extra). The full sweep is slow on a small CPU box:
+run it in chunks (``--chunk 0/8 --json c0.json`` ... ``--chunk 7/8``) and print the merged
+table with ``--merge c*.json`` (a later file's cases replace an earlier one's for the same
+op, so a rerun of a few ops after a fix can be merged over the sweep).
 """
 
 from __future__ import annotations
