@@ -43,6 +43,14 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+def _is_import_module(func: ast.expr) -> bool:
+    """``importlib.import_module`` or a bare ``import_module`` (``from importlib import ...``)."""
+    if isinstance(func, ast.Attribute):
+        return func.attr == "import_module" and isinstance(func.value, ast.Name) \
+            and func.value.id == "importlib"
+    return isinstance(func, ast.Name) and func.id == "import_module"
+
+
 def _imports(tree: ast.AST, module: str, is_package: bool) -> list[tuple[str, list[str]]]:
     """``(imported module, names)`` of every runtime import in ``tree``."""
     found: list[tuple[str, list[str]]] = []
@@ -50,6 +58,16 @@ def _imports(tree: ast.AST, module: str, is_package: bool) -> list[tuple[str, li
     def visit(node: ast.AST) -> None:
         if isinstance(node, ast.Import):
             found.extend((alias.name, []) for alias in node.names)
+        elif (isinstance(node, ast.Call) and _is_import_module(node.func) and node.args
+              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            # importlib.import_module("literal"[, package]): an import all the same
+            name = node.args[0].value
+            if name.startswith("."):
+                level = len(name) - len(name.lstrip("."))
+                package = module.split(".") if is_package else module.split(".")[:-1]
+                package = package[: len(package) - (level - 1)]
+                name = ".".join(package + ([name[level:]] if name[level:] else []))
+            found.append((name, []))
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:

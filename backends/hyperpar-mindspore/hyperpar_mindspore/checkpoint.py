@@ -39,7 +39,7 @@ from hyperpar.platform import get_platform
 
 from . import optim_cross
 from .parallel import SHARD_GROUP
-from .platform import SHARD_PLACEMENTS
+from .tensors import SHARD_PLACEMENTS
 
 __all__ = ["load", "save", "torch_name_map"]
 

@@ -57,7 +57,7 @@ from hyperpar.platform import get_platform
 
 from .fsdp_graph import install_graph_reads
 from .parallel import SHARD_GROUP
-from .platform import SHARD_PLACEMENTS, copy_tensor
+from .tensors import SHARD_PLACEMENTS, copy_tensor
 
 __all__ = ["FullyShardedCell", "fully_shard"]
 

@@ -62,7 +62,7 @@ from hyperpar.platform import get_platform
 from .fully_shard import pending_gradients, reset_backward, set_backward_mode
 from .pipeline import PipelineModule
 from .pipeline_p2p import MindSporeP2P
-from .platform import copy_tensor
+from .tensors import copy_tensor
 
 __all__ = ["PipelineEngine", "PipelineSchedule", "Schedule1F1B", "ScheduleGPipe",
            "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZeroBubble",
