@@ -307,6 +307,10 @@ class MindSporePlatform(MindSporeCollectives, Platform, DimCollectives):
 
     def is_initialized(self) -> bool:
         return self._initialized
+
+    # ------------------------------------------------------------------ handed out from above
+    # Built in the layers above this module's parts, imported when asked for (as torch_base's
+    # tp_mechanics does): nothing below imports this module, so no import circle.
     def all_to_all_single_autograd(self, tensor: Any, output_split_sizes: Sequence[int] | None,
                                    input_split_sizes: Sequence[int] | None,
                                    group: Group = None) -> Any:
