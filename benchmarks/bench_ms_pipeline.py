@@ -17,7 +17,7 @@ itself: the ranks' measured action durations replayed with free communication
 (:func:`hyperpar.pipeline.timeline`), which separates the schedule from transport and machine
 noise. Theory: ``(p-1)/(m+p-1)``. Goal (issue 32): measured 1F1B bubble <= 1.3x theory where
 compute dominates. On MindSpore the backward recomputes the stage forward
-(hyperpar_mindspore.pipeline_engine), so a backward costs about three forwards; the theory
+(hyperpar_mindspore.pipeline_schedules), so a backward costs about three forwards; the theory
 holds for any forward/backward ratio as long as the stages are equal. Zero-bubble's I and W
 each re-run the forward too (one more forward per microbatch and stage than 1F1B), so its
 compute per rank is larger: compare its step time, not only its bubble; "theory" is 1F1B's.

@@ -1,21 +1,21 @@
 """No import circles in ``hyperpar/`` or the backends: modules import each other in one
-direction. The graph comes from the source's syntax (``ast``), not from importing it: every
-``import`` and ``from ... import`` at any depth: inside functions too, where a lazy import
-hides a circle, and under ``if TYPE_CHECKING:`` (a type-only import still ties one module's
-design to the other's; a ``Protocol`` breaks it); ``from package import name`` is an
-edge to the submodule ``package.name`` when there is one, else to the package's
-``__init__``. A circle is a strongly connected component of more than one module.
+direction. The graph comes from the source's syntax (``ast``), not from importing it (so the
+MindSpore backend is checked without MindSpore): every ``import`` and ``from ... import`` at any
+depth: inside functions too, where a lazy import hides a circle, and under ``if TYPE_CHECKING:``
+(a type-only import still ties one module's design to the other's; a ``Protocol`` breaks it);
+``importlib.import_module("name")`` with a literal name (how the MindSpore platform handed out
+its styles' mechanics, closing an 11-module circle the other forms did not show);
+``from package import name`` is an edge to the submodule ``package.name`` when there is one,
+else to the package's ``__init__``. A circle is a strongly connected component of more than one
+module. There are no known exceptions.
 
-Known exception, listed by name: the MindSpore backend's circle (:data:`KNOWN_CIRCLES`), which
-another change is taking apart; the test fails if it grows or another circle appears, and
-warns when it shrinks (update the list). Measured on this tree the analysis finds 4 of its
-11 modules still in one circle (``dtensor``, ``dispatch``, ``listops``, ``lossops``).
+The MindSpore backend is also held to its layers (:data:`MINDSPORE_LAYERS`, bottom first): a
+module imports only modules of its own layer or below, and every module has a layer.
 """
 
 from __future__ import annotations
 
 import ast
-import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,10 +24,20 @@ PACKAGES = {"hyperpar": ROOT / "hyperpar",
                for d in sorted((ROOT / "backends").iterdir()) if d.is_dir()}}
 
 _MS = "hyperpar_mindspore."
-#: Circles left alone on purpose (issue 54: another change takes this one apart).
-KNOWN_CIRCLES = (frozenset(_MS + m for m in (
-    "dtensor", "dispatch", "listops", "lossops", "localops", "redistribute", "comm",
-    "parallel", "prepare", "param_readback", "platform")),)
+#: The MindSpore backend's layers, bottom first (docs/architecture.md, "Import direction"):
+#: the platform's parts; tensor mechanics; the DTensor op layer; the styles' mechanics; the
+#: features built on them; and on top what the registry and the launcher load -- the assembled
+#: ``MindSporePlatform``, which hands out the styles' mechanics, the parallel API, the MoE
+#: all-to-all and the launcher from the layers below it when asked (as torch_base does).
+MINDSPORE_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("runtime", "tensors", "collectives", "launch_env"),
+    ("redistribute", "dtensor_core", "param_readback", "localops"),
+    ("opnames", "dispatch", "listops", "lossops", "gradwrap", "dtensor"),
+    ("comm", "graph", "parallel", "prepare", "loss", "layers", "moe", "moe_styles"),
+    ("fsdp_graph", "fully_shard", "data_parallel", "pipeline", "pipeline_p2p",
+     "pipeline_schedules", "pipeline_engine", "optim_cross", "checkpoint"),
+    ("platform", "plugin", "launch", "worker", "scheduler", ""),
+)
 
 
 def _modules() -> dict[str, Path]:
@@ -43,6 +53,14 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+def _is_import_module(func: ast.expr) -> bool:
+    """``importlib.import_module`` or a bare ``import_module`` (``from importlib import ...``)."""
+    if isinstance(func, ast.Attribute):
+        return func.attr == "import_module" and isinstance(func.value, ast.Name) \
+            and func.value.id == "importlib"
+    return isinstance(func, ast.Name) and func.id == "import_module"
+
+
 def _imports(tree: ast.AST, module: str, is_package: bool) -> list[tuple[str, list[str]]]:
     """``(imported module, names)`` of every runtime import in ``tree``."""
     found: list[tuple[str, list[str]]] = []
@@ -50,6 +68,16 @@ def _imports(tree: ast.AST, module: str, is_package: bool) -> list[tuple[str, li
     def visit(node: ast.AST) -> None:
         if isinstance(node, ast.Import):
             found.extend((alias.name, []) for alias in node.names)
+        elif (isinstance(node, ast.Call) and _is_import_module(node.func) and node.args
+              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            # importlib.import_module("literal"[, package]): an import all the same
+            name = node.args[0].value
+            if name.startswith("."):
+                level = len(name) - len(name.lstrip("."))
+                package = module.split(".") if is_package else module.split(".")[:-1]
+                package = package[: len(package) - (level - 1)]
+                name = ".".join(package + ([name[level:]] if name[level:] else []))
+            found.append((name, []))
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -147,16 +175,52 @@ def test_the_graph_sees_lazy_and_type_only_import_circles() -> None:
     assert sorted(map(sorted, _circles(graph))) == [["p.a", "p.b"], ["p.c", "p.d"]]
 
 
-def test_no_import_circles_but_the_known_ones() -> None:
+def test_the_graph_sees_import_module_with_a_literal_name() -> None:
+    """``importlib.import_module("p.b")`` (or a relative name with its package) is an edge; a
+    name built at run time cannot be read and is not."""
+    sources = {"p.a": "import importlib\ndef f():\n    return importlib.import_module('p.b')\n",
+               "p.b": "from .a import x\n",
+               "p.c": "from importlib import import_module\nimport_module('.d', __name__)\n",
+               "p.d": "from . import c\n",
+               "p.e": "import importlib\nimportlib.import_module(f'p.{1}')\n",
+               "p.f": "from .e import y\n"}
+    graph = _graph_of({m: (src, False) for m, src in sources.items()})
+    assert sorted(map(sorted, _circles(graph))) == [["p.a", "p.b"], ["p.c", "p.d"]]
+
+
+def test_no_import_circles() -> None:
     graph = _graph()
     assert "hyperpar.checkpoint._format" in graph and graph["hyperpar.checkpoint.writer"]
+    assert any(m.startswith(_MS) for m in graph)  # the MindSpore backend is in the graph
     circles = _circles(graph)
-    unknown = [c for c in circles if not any(c <= known for known in KNOWN_CIRCLES)]
-    assert not unknown, "import circles:\n" + "\n".join(_describe(c, graph) for c in unknown)
-    for known in KNOWN_CIRCLES:
-        present = [c for c in circles if c <= known]
-        if known <= set(graph) and present != [known]:
-            # smaller is progress, not a failure: say so, so the list gets updated
-            warnings.warn(f"the known circle {sorted(known)} is now "
-                          f"{[sorted(c) for c in present]}: update KNOWN_CIRCLES in "
-                          "tests/test_import_cycles.py", stacklevel=1)
+    assert not circles, "import circles:\n" + "\n".join(_describe(c, graph) for c in circles)
+
+
+def _layer_violations(graph: dict[str, set[str]],
+                      layers: tuple[tuple[str, ...], ...]) -> list[str]:
+    """Imports of ``graph`` (names under hyperpar_mindspore) that point up ``layers``, and
+    modules with no layer."""
+    level = {_MS + m if m else _MS[:-1]: i for i, layer in enumerate(layers) for m in layer}
+    out = [f"{m}: no layer in MINDSPORE_LAYERS" for m in sorted(graph)
+           if (m == _MS[:-1] or m.startswith(_MS)) and m not in level]
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if module in level and target in level and level[target] > level[module]:
+                out.append(f"{module} (layer {level[module]}) imports {target} "
+                           f"(layer {level[target]})")
+    return out
+
+
+def test_the_layer_check_finds_an_upward_import() -> None:
+    graph = {_MS + "runtime": {_MS + "dtensor"}, _MS + "dtensor": {_MS + "runtime"},
+             _MS + "new": set()}
+    assert _layer_violations(graph, (("runtime",), ("dtensor",))) == [
+        f"{_MS}new: no layer in MINDSPORE_LAYERS",
+        f"{_MS}runtime (layer 0) imports {_MS}dtensor (layer 1)"]
+
+
+def test_the_mindspore_backend_imports_only_down_its_layers() -> None:
+    graph = _graph()
+    assert _MS + "platform" in graph and _MS + "dtensor_core" in graph
+    bad = _layer_violations(graph, MINDSPORE_LAYERS)
+    assert not bad, "MindSpore layering:\n" + "\n".join(bad)

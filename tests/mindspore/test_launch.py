@@ -50,7 +50,7 @@ def test_run_starts_the_scheduler_and_every_worker(tmp_path):
     assert sorted(re.findall(r"rank (\d) of (\d): sum (\d)", done.stdout)) == [
         ("0", "2", "3"), ("1", "2", "3")]
     # MindSpore 2.10 logs this ERROR on CPU's first runtime.synchronize(); the platform
-    # marks that call made (hyperpar_mindspore.platform.quiet_cpu_synchronize)
+    # marks that call made (hyperpar_mindspore.runtime.quiet_cpu_synchronize)
     assert "CPU device is not supported" not in done.stdout + done.stderr
 
 

@@ -49,7 +49,7 @@ def _all_gather() -> np.ndarray:
 
 
 def _reduce_scatter(op: str, odd_ranks: bool = False, ring: bool = False) -> np.ndarray | None:
-    import hyperpar_mindspore.platform as platform_module
+    import hyperpar_mindspore.collectives as collectives  # where reduce_scatter_tensor reads it
 
     p = get_platform()
     group = p.new_group([1, 3]) if odd_ranks else None  # every rank creates it, as contracted
@@ -58,12 +58,12 @@ def _reduce_scatter(op: str, odd_ranks: bool = False, ring: bool = False) -> np.
     n = p.world_size(group)
     out = mint.zeros((2, 3), dtype=ms.float32)
     # the CPU ring (point-to-point) path is taken from a size on; force it, or keep it off
-    saved = platform_module.RING_MIN_BYTES
-    platform_module.RING_MIN_BYTES = 0 if ring else 1 << 40
+    saved = collectives.RING_MIN_BYTES
+    collectives.RING_MIN_BYTES = 0 if ring else 1 << 40
     try:
         p.reduce_scatter_tensor(out, ms.Tensor(_inputs(p.rank(), (2 * n, 3))), op, group)
     finally:
-        platform_module.RING_MIN_BYTES = saved
+        collectives.RING_MIN_BYTES = saved
     return out.asnumpy()
 
 

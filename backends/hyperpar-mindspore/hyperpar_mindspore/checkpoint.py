@@ -40,7 +40,7 @@ from hyperpar.platform import get_platform
 from . import optim_cross
 from .fsdp_sections import units_of
 from .parallel import SHARD_GROUP
-from .platform import SHARD_PLACEMENTS
+from .tensors import SHARD_PLACEMENTS
 
 __all__ = ["load", "save", "torch_name_map"]
 

@@ -16,12 +16,14 @@ from mindspore import mint, nn
 
 from hyperpar.dtensor.layout import check_chunk_split
 from hyperpar.parallel.spec import Comm, check_no_empty_piece
+from hyperpar.platform.base import Platform
 from hyperpar.platform.dim_collectives import chunk_sizes
 
-from .platform import MindSporePlatform, MSGroup, copy_tensor
+from .collectives import MSGroup
+from .tensors import copy_tensor
 
 
-def lengths_along(platform: MindSporePlatform, x: Any, dim: int, group: MSGroup,
+def lengths_along(platform: Platform, x: Any, dim: int, group: MSGroup,
                   what: str = "") -> list[int]:
     """Every rank's length of ``x`` along ``dim`` (one small all-gather). They must be
     ``torch.chunk``'s split of their sum, else every rank raises the same error."""
@@ -34,7 +36,7 @@ def lengths_along(platform: MindSporePlatform, x: Any, dim: int, group: MSGroup,
     return lengths
 
 
-def all_gather_along(platform: MindSporePlatform, x: Any, dim: int, group: MSGroup,
+def all_gather_along(platform: Platform, x: Any, dim: int, group: MSGroup,
                      sizes: list[int] | None = None, what: str = "") -> Any:
     """Every rank's ``x`` concatenated along ``dim`` in group-rank order. ``sizes``: each
     rank's length along ``dim`` (exchanged and checked when not given); uneven pieces travel
@@ -50,7 +52,7 @@ def all_gather_along(platform: MindSporePlatform, x: Any, dim: int, group: MSGro
 KERNELS = "MindSpore's kernels"
 
 
-def piece_along(platform: MindSporePlatform, x: Any, dim: int, group: MSGroup,
+def piece_along(platform: Platform, x: Any, dim: int, group: MSGroup,
                 what: str = "") -> Any:
     """This rank's ``torch.chunk`` piece of ``x`` along ``dim`` (no communication)."""
     dim %= x.ndim
@@ -61,14 +63,14 @@ def piece_along(platform: MindSporePlatform, x: Any, dim: int, group: MSGroup,
     return piece if piece is x else copy_tensor(piece)
 
 
-def all_reduce_copy(platform: MindSporePlatform, x: Any, group: MSGroup) -> Any:
+def all_reduce_copy(platform: Platform, x: Any, group: MSGroup) -> Any:
     """The sum over ranks of ``x``, out of place."""
     y = copy_tensor(x)
     platform.all_reduce(y, "sum", group)
     return y
 
 
-def all_to_all_along(platform: MindSporePlatform, x: Any, sharded: int, to: int,
+def all_to_all_along(platform: Platform, x: Any, sharded: int, to: int,
                      group: MSGroup, what: str = "") -> Any:
     """Re-shard ``x`` from ``Shard(sharded)`` to ``Shard(to)``: keep this rank's piece along
     ``to`` of every rank's ``x``, concatenated along ``sharded`` (composed: all-gather, then
@@ -80,7 +82,7 @@ def all_to_all_along(platform: MindSporePlatform, x: Any, sharded: int, to: int,
     return piece_along(platform, whole, to, group, what)
 
 
-def run_op(platform: MindSporePlatform, op: str, x: Any, comm: Comm, group: MSGroup,
+def run_op(platform: Platform, op: str, x: Any, comm: Comm, group: MSGroup,
            backward: bool = False, what: str = "", full: int | None = None) -> Any:
     """Apply one op of ``comm`` to ``x``. ``full``: the global length along ``comm.dim`` when
     the caller knows it (a gather then needs no exchange of lengths)."""
@@ -109,7 +111,7 @@ class Boundary(nn.Cell):
     ``full``: the global length along ``comm.dim`` of a forward all-gather, when known (a
     weight's size); a backward all-gather knows it from the forward input."""
 
-    def __init__(self, platform: MindSporePlatform, comm: Comm, group: MSGroup,
+    def __init__(self, platform: Platform, comm: Comm, group: MSGroup,
                  what: str = "", full: int | None = None) -> None:
         super().__init__()
         self.platform, self.comm, self.group = platform, comm, group

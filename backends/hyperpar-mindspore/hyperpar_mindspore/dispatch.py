@@ -20,7 +20,7 @@ from hyperpar.dtensor.rules import (
     propagate,
 )
 
-from .dtensor import DTensor, clear_grad_state
+from .dtensor_core import DTensor, clear_grad_state
 from .localops import global_mean, masked_lookup
 from .opnames import OPS, PASSTHROUGH, UNMAPPED_HINTS, Call
 from .redistribute import mesh_coordinate, redistribute, sum_grad_over

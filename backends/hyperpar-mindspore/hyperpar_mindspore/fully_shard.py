@@ -60,7 +60,7 @@ from .fsdp_graph import install_graph_reads
 from .fsdp_sections import attach_shard_full_tensor, split_by_mesh, units_of
 from .graph import refuse_graph_mode
 from .parallel import SHARD_GROUP
-from .platform import SHARD_PLACEMENTS, copy_tensor
+from .tensors import SHARD_PLACEMENTS, copy_tensor
 
 __all__ = ["FullyShardedCell", "fully_shard", "units_of"]
 

@@ -24,7 +24,7 @@ from mindspore.ops.primitive import Primitive
 
 from hyperpar.dtensor.rules import ShardingError
 
-from .dtensor import DTensor, clear_grad_state
+from .dtensor_core import DTensor, clear_grad_state
 
 _installed: list[Callable[..., Any]] = []
 

@@ -32,8 +32,8 @@ from hyperpar.parallel.spec import Comm
 from hyperpar.platform import get_platform
 
 from .comm import Boundary
-from .platform import copy_tensor
 from .redistribute import mesh_coordinate
+from .tensors import copy_tensor
 
 __all__ = ["loss_parallel", "vocab_parallel_cross_entropy"]
 

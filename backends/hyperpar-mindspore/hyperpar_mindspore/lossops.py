@@ -21,7 +21,8 @@ from typing import Any
 
 from hyperpar.dtensor.rules import ShardingError
 
-from .dtensor import DTensor, clear_grad_state
+from .dispatch import MixedTensorError, _run
+from .dtensor_core import DTensor, clear_grad_state
 from .opnames import Call
 
 _NAMES = ("cross_entropy", "nll_loss")
@@ -42,8 +43,6 @@ def dtensor_loss(original: Callable[..., Any], name: str, input: Any, target: An
     """MindSpore's ``name`` (``original``) on a DTensor ``input``, laid out by the neutral
     rule. ``target`` must be a DTensor on the same mesh; ``weight`` may be a DTensor (it is
     replicated) or a plain tensor (a constant, the same on every rank)."""
-    from .dispatch import MixedTensorError, _run
-
     if not isinstance(target, DTensor):
         raise MixedTensorError(
             f"ops.{name}: the input is a DTensor but the target is a plain "

@@ -35,7 +35,7 @@ from .comm import Boundary
 from .graph import refuse_graph_mode
 from .moe import _DISPATCHERS, combine, dispatch, plan_dispatch
 from .param_readback import attach_full_tensor
-from .platform import SHARD_PLACEMENTS
+from .tensors import SHARD_PLACEMENTS
 
 __all__ = ["ExpertParallel", "ExpertTensorParallel", "TensorParallel"]
 

@@ -44,12 +44,14 @@ from hyperpar.parallel.spec import (
 )
 from hyperpar.parallel.styles import ColwiseParallel, ParallelStyle, RowwiseParallel
 from hyperpar.platform import get_platform
+from hyperpar.platform.base import Platform
 
+from .collectives import MSGroup
 from .comm import Boundary, lengths_along, zeros
 from .dtensor import DTensor
 from .graph import graph_boundary, install_graph_hooks, refuse_graph_mode
 from .param_readback import attach_full_tensor
-from .platform import SHARD_PLACEMENTS, MindSporePlatform, MSGroup
+from .tensors import SHARD_PLACEMENTS
 
 __all__ = ["AlreadyParallelizedError", "ColwiseParallel", "ParallelStyle", "PlanKeyError",
            "RowwiseParallel", "TiedParameterError", "UnsupportedModuleError", "as_local",
@@ -87,7 +89,7 @@ def wrap_output(y: Any, mesh: DeviceMesh, placement: Placement, length: int | No
 SHARD_GROUP = "_hyperpar_group"
 
 
-def shard_parameter(platform: MindSporePlatform, cell: nn.Cell, name: str, dim: int | None,
+def shard_parameter(platform: Platform, cell: nn.Cell, name: str, dim: int | None,
                     group: MSGroup, src_data_rank: int | None) -> Parameter | None:
     """Replace ``cell.<name>`` by this rank's ``torch.chunk`` piece along ``dim`` (``None``:
     whole) of rank ``src_data_rank``'s full parameter (an index in ``group``; ``None``: this
@@ -139,7 +141,7 @@ def check_sharding_style(style: Any, cell: nn.Cell, fqn: str) -> None:
 def _shard(style: Any, cell: nn.Cell, device_mesh: DeviceMesh, kind: str) -> nn.Cell:
     """Shard ``cell``'s parameters over ``device_mesh`` (1-D) and install its boundary
     hooks."""
-    platform: MindSporePlatform = get_platform()
+    platform: Platform = get_platform()
     group = device_mesh.get_group(0)
     shape = _shard_params(style, platform, cell, kind, group)
     for ms_name in param_names(cell, kind).values():  # torch's p.full_tensor() read-back
@@ -183,7 +185,7 @@ def _shard(style: Any, cell: nn.Cell, device_mesh: DeviceMesh, kind: str) -> nn.
     return cell
 
 
-def _install_graph(style: Any, platform: MindSporePlatform, cell: nn.Cell, kind: str,
+def _install_graph(style: Any, platform: Platform, cell: nn.Cell, kind: str,
                    group: MSGroup, in_comm: Comm, out_comm: Comm, shape: tuple[int, ...],
                    handles: list[Any]) -> None:
     """The graph-mode (``ms.jit`` / ``GRAPH_MODE``) boundaries of ``cell`` (:mod:`.graph`),
@@ -208,7 +210,7 @@ def _install_graph(style: Any, platform: MindSporePlatform, cell: nn.Cell, kind:
     install_graph_hooks(cell, handles, pre, post, bias, share)
 
 
-def _graph_bias(style: Any, platform: MindSporePlatform, cell: nn.Cell, kind: str,
+def _graph_bias(style: Any, platform: Platform, cell: nn.Cell, kind: str,
                 group: MSGroup) -> tuple[Any, float]:
     if kind == "embedding":
         raise ValueError("a row-wise embedding masks the ids held elsewhere between its two "
@@ -220,7 +222,7 @@ def _graph_bias(style: Any, platform: MindSporePlatform, cell: nn.Cell, kind: st
     return graph_boundary(plan.grad, group.name, n, rank), plan.share(rank)
 
 
-def _shard_params(style: Any, platform: MindSporePlatform, cell: nn.Cell, kind: str,
+def _shard_params(style: Any, platform: Platform, cell: nn.Cell, kind: str,
                   group: MSGroup) -> tuple[int, ...]:
     """Shard the parameters; return the weight's global shape."""
     shape: tuple[int, ...] = ()
@@ -237,7 +239,7 @@ def _shard_params(style: Any, platform: MindSporePlatform, cell: nn.Cell, kind: 
     return shape
 
 
-def _install_output(style: Any, platform: MindSporePlatform, cell: nn.Cell, kind: str,
+def _install_output(style: Any, platform: Platform, cell: nn.Cell, kind: str,
                            group: MSGroup, boundary_out: Boundary,
                            shape: tuple[int, ...], finish: Any) -> list[Any]:
     """Install the output side's PyNative hooks; return their handles."""
@@ -251,7 +253,7 @@ def _install_output(style: Any, platform: MindSporePlatform, cell: nn.Cell, kind
     return []
 
 
-def _install_local_compute(style: Any, platform: MindSporePlatform, cell: nn.Cell, kind: str,
+def _install_local_compute(style: Any, platform: Platform, cell: nn.Cell, kind: str,
                            group: MSGroup, boundary_out: Boundary,
                            shape: tuple[int, ...], finish: Any) -> list[Any]:
     if style.spec is not ROWWISE:

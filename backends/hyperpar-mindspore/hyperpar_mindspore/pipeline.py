@@ -26,7 +26,7 @@ from hyperpar.pipeline.partition import partition_layers
 from hyperpar.pipeline.spec import LayerSpec, TiedLayerSpec, get_dotted
 from hyperpar.platform import get_platform
 
-from .platform import copy_tensor
+from .tensors import copy_tensor
 
 __all__ = ["PipelineModule"]
 

@@ -47,7 +47,7 @@ from .parallel import (
     wrap_output,
 )
 from .param_readback import attach_full_tensor
-from .platform import SHARD_PLACEMENTS
+from .tensors import SHARD_PLACEMENTS
 
 __all__ = ["MECHANICS", "MindSporeMechanics", "PrepareModuleInput", "PrepareModuleInputOutput",
            "PrepareModuleOutput", "SequenceParallel"]

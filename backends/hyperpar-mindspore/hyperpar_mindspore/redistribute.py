@@ -20,7 +20,7 @@ from hyperpar.dtensor.layout import Step, _plan, _size_at, _sizes
 from hyperpar.dtensor.placement import Placement, chunk_bounds, grad_placements_of
 from hyperpar.platform import get_platform
 
-from .platform import copy_tensor
+from .tensors import copy_tensor
 
 Placements = tuple[Placement, ...]
 
