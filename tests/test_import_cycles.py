@@ -34,7 +34,7 @@ MINDSPORE_LAYERS: tuple[tuple[str, ...], ...] = (
     ("redistribute", "dtensor_core", "param_readback", "localops"),
     ("opnames", "dispatch", "listops", "lossops", "gradwrap", "dtensor"),
     ("comm", "graph", "parallel", "prepare", "loss", "layers", "moe", "moe_styles"),
-    ("fsdp_graph", "fully_shard", "data_parallel", "pipeline", "pipeline_p2p",
+    ("fsdp_graph", "fsdp_sections", "fully_shard", "data_parallel", "pipeline", "pipeline_p2p",
      "pipeline_schedules", "pipeline_engine", "optim_cross", "checkpoint"),
     ("platform", "plugin", "launch", "worker", "scheduler", ""),
 )

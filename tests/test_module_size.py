@@ -1,23 +1,16 @@
 """No module in ``hyperpar/`` or ``backends/`` is over 600 lines (issue 54): a longer one is split
 by job, its public names kept importable from where they were. Lines are counted as ``wc -l``
 would on the file as committed (``str.splitlines``), blank lines and docstrings included.
-
-Known exception, listed by name (:data:`KNOWN_LONG`): a module another branch is splitting; the
-test fails if it grows past its listed length, and warns once it fits (drop it from the list).
 """
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 600
 #: Folders whose modules are counted.
 FOLDERS = (ROOT / "hyperpar", ROOT / "backends")
-#: module (relative to the repository root) -> the length it may not exceed while it waits.
-#: hyperpar/plan/moe_plan.py: split by job on branch plan50 (moe_layout.py, moe_memory.py).
-KNOWN_LONG = {"hyperpar/plan/moe_plan.py": 615}
 
 
 def _modules() -> list[Path]:
@@ -57,9 +50,5 @@ def test_no_module_over_600_lines() -> None:
     assert "hyperpar/dtensor/mesh.py" in names
     assert "backends/hyperpar-mindspore/hyperpar_mindspore/platform.py" in names
     long = _too_long(modules)
-    over = {m: n for m, n in long.items() if n > KNOWN_LONG.get(m, MAX_LINES)}
-    assert not over, (f"modules over {MAX_LINES} lines (split them by job, keeping their public "
-                      f"names importable from where they are): {over}")
-    for module in sorted(set(KNOWN_LONG) - set(long)):
-        warnings.warn(f"{module} now fits in {MAX_LINES} lines: drop it from KNOWN_LONG in "
-                      "tests/test_module_size.py", stacklevel=1)
+    assert not long, (f"modules over {MAX_LINES} lines (split them by job, keeping their public "
+                      f"names importable from where they are): {long}")
