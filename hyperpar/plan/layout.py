@@ -307,3 +307,17 @@ def parse_layout(name: str, schedule: Schedule = "1f1b", virtual_stages: int = 2
             and int(fields.get("pp", 1)) > 1):  # type: ignore[call-overload]
         fields["virtual_stages"] = virtual_stages
     return Layout(**fields)  # type: ignore[arg-type]
+
+
+def batch_problems(run: Run, dp: int, microbatches: int, pp: int) -> list[str]:
+    """Why the global batch cannot be split over ``dp`` replicas, ``microbatches`` each, and
+    keep ``pp`` stages busy (empty: it can); shared by the dense and the MoE layout checks."""
+    out = []
+    if run.global_batch % dp:
+        out.append(f"global_batch={run.global_batch} % (dp_replicate*dp_shard)={dp} != 0")
+    elif (run.global_batch // dp) % microbatches:
+        out.append(f"per-replica batch {run.global_batch // dp} % microbatches={microbatches}"
+                   " != 0")
+    if pp > 1 and microbatches < pp:
+        out.append(f"microbatches={microbatches} < pp={pp} leaves stages idle")
+    return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .layout import Layout, Run, parse_layout
+from .layout import Layout, Run, batch_problems, parse_layout
 from .moe import MoESpec
 
 #: What ``recompute`` may name, in the order a layout name prints them: RMSNorm outputs, MLA's
@@ -160,12 +160,7 @@ def moe_shape_problems(spec: MoESpec, run: Run, lay: MoELayout) -> list[str]:
                    " != 0 (fully_shard splits experts over the rest)")
     if pp > spec.num_layers:
         out.append(f"pp={pp} > num_hidden_layers={spec.num_layers}")
-    if run.global_batch % dp:
-        out.append(f"global_batch={run.global_batch} % (dp_replicate*dp_shard)={dp} != 0")
-    elif (run.global_batch // dp) % m:
-        out.append(f"per-replica batch {run.global_batch // dp} % microbatches={m} != 0")
-    if pp > 1 and m < pp:
-        out.append(f"microbatches={m} < pp={pp} leaves stages idle")
+    out.extend(batch_problems(run, dp, m, pp))
     if lay.dualpipe and (pp % 2 or m % 2 or pp < 2 or m < 2 * pp):
         out.append(f"dualpipe needs an even pp >= 2 and an even microbatch count of at least "
                    f"2 pp (pp={pp}, microbatches={m}; DeepSeek-V3 sec. 3.2.1; its published "

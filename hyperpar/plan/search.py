@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .devices import DeviceProfile
-from .layout import Layout, Run, Schedule
+from .layout import Layout, Run, Schedule, batch_problems
 from .memory import Memory, memory_per_rank
 from .model import ModelSpec
 from .timing import StepTime, step_time
@@ -81,12 +81,7 @@ def shape_problems(spec: ModelSpec, run: Run, layout: Layout) -> list[str]:
     if pp > spec.num_layers:
         out.append(f"pp={pp} > num_hidden_layers={spec.num_layers} leaves stages without a "
                    "layer")
-    if run.global_batch % dp:
-        out.append(f"global_batch={run.global_batch} % (dp_replicate*dp_shard)={dp} != 0")
-    elif (run.global_batch // dp) % m:
-        out.append(f"per-replica batch {run.global_batch // dp} % microbatches={m} != 0")
-    if pp > 1 and m < pp:
-        out.append(f"microbatches={m} < pp={pp} leaves stages idle")
+    out.extend(batch_problems(run, dp, m, pp))
     if layout.activation_checkpointing and layout.selective_ac:
         out.append("activation_checkpointing and selective_ac: choose one (ac or sac)")
     if layout.ac_every < 1 or (layout.ac_every > 1 and not layout.activation_checkpointing):
