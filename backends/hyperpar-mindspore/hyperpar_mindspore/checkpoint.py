@@ -99,6 +99,16 @@ def _layout(model: nn.Cell, name_map: NameMap) -> dict[str, tuple[Any, ArrayBox 
         placements = getattr(p, SHARD_PLACEMENTS, None)
         group = getattr(p, SHARD_GROUP, None)
         piece = fsdp.get(id(p))
+        if piece is None and group is None and any(isinstance(q, Shard)
+                                                   for q in placements or ()):
+            # an expert style's piece (no tp group recorded): saved as it is, every rank's
+            # piece would claim to be the whole tensor. Same parameters on every rank, so
+            # every rank raises here, before the collective below.
+            raise CheckpointError(
+                f"checkpoint: {name!r} is this rank's piece of an expert-parallel split "
+                f"{tuple(placements)}; checkpoints of expert-parallel Cells on MindSpore are "
+                f"not supported yet: save {{name: p.full_tensor()}} yourself, or see "
+                f"docs/mindspore.md, 'Expert parallelism on Cells'")
         if piece is not None:
             if piece.tp is not None:
                 d, group = piece.tp
