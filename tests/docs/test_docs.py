@@ -166,6 +166,9 @@ NOT_RUNNABLE: dict[tuple[str, str], str] = {
     ("docs/mindspore.md", "# HYPERPAR_BACKEND=mindspore hyperpar run -n 4 pipe_dp.py"):
         "a MindSpore fragment (this venv has torch, not MindSpore): tests/mindspore/"
         "test_pipeline.py trains pp x dp and pp x fully_shard the same way on 4 real ranks",
+    ("docs/mindspore.md", "# HYPERPAR_BACKEND=mindspore hyperpar run -n 4 ep_fsdp.py"):
+        "a MindSpore fragment (this venv has torch, not MindSpore; ``model`` is the reader's): "
+        "tests/both/test_moe.py trains EP x fully_shard this way on 2 and 4 real ranks",
     ("docs/mindspore.md", "# HYPERPAR_BACKEND=mindspore hyperpar run -n 4 dtensor_demo.py"):
         "MindSpore code (this venv has torch, not MindSpore): tests/mindspore/test_dtensor.py "
         "runs the same calls on real ranks",
